@@ -1,0 +1,63 @@
+"""Block codecs: ``get_codec(name, **params)`` and ``decode_frame(frame)``.
+
+======  ===================================================  =================
+name    what it keeps                                        bits per value
+======  ===================================================  =================
+raw     the block's own bytes (optional byte shuffle + zstd) 16 (bf16/fp16), 32
+fp8     E4M3 with scales from the block itself               ~8
+int8    8-bit integers with per-(token, head) scales         ~8
+int4    KIVI-style 4-bit codes, two a byte                   ~4-5
+======  ===================================================  =================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvstore.codecs.base import Codec
+from kvstore.codecs.frame import FrameHeader, read_header
+from kvstore.codecs.raw import RawCodec
+from kvstore.errors import CodecError, FrameError
+from kvstore.layout import KVLayout
+
+CODECS: dict[str, type[Codec]] = {c.name: c for c in (RawCodec,)}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Add a codec class to the registry (by its ``name`` and ``codec_id``)."""
+    for other in CODECS.values():
+        if other is not cls and (other.name == cls.name or other.codec_id == cls.codec_id):
+            raise CodecError(f"codec {cls.name} (id {cls.codec_id}) clashes with {other.name}")
+    CODECS[cls.name] = cls
+    return cls
+
+
+def get_codec(name: str, **params: Any) -> Codec:
+    """A codec instance by name; unknown names or parameters raise CodecError."""
+    cls = CODECS.get(name)
+    if cls is None:
+        raise CodecError(f"unknown codec {name!r}; available: {', '.join(sorted(CODECS))}")
+    try:
+        return cls(**params)
+    except TypeError as e:
+        raise CodecError(f"codec {name}: {e}") from e
+
+
+def codec_for_frame(header: FrameHeader) -> type[Codec]:
+    for cls in CODECS.values():
+        if cls.codec_id == header.codec_id:
+            return cls
+    raise FrameError(f"frame was written by unknown codec id {header.codec_id}")
+
+
+def decode_frame(frame: Any, *, layout: KVLayout | None = None,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+    """Decode any kvstore frame, whichever codec wrote it (its parameters travel in the frame)."""
+    header = read_header(frame, expect=layout)
+    # Decoding reads every parameter from the frame, so a default instance decodes any frame of its codec.
+    return codec_for_frame(header)()._decode_checked(frame, header, device)
+
+
+__all__ = ["CODECS", "Codec", "FrameHeader", "decode_frame", "get_codec", "read_header", "register"]

@@ -1,0 +1,156 @@
+"""The codec contract.
+
+A codec turns one block ``[L, 2, T, H, D]`` into a self-describing frame
+(see ``frame.py``) and back. Everything runs on the device the block lives
+on: on a GPU host an hbm block is compressed on the GPU, so demotion never
+moves uncompressed bytes over PCIe; on a CPU host the very same torch code
+runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+import zstandard
+
+from kvstore.codecs import frame as framing
+from kvstore.errors import ChecksumMismatch, CodecError, FrameError
+from kvstore.layout import KVLayout
+
+Buffer = framing.Buffer
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A flat byte view of a tensor's data, on the CPU (copies only if it is on another device)."""
+    t = t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
+    return memoryview(t.numpy())
+
+
+def bytes_tensor(buf: Buffer) -> torch.Tensor:
+    """A uint8 CPU tensor over ``buf`` without copying. Callers must not write to it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers are fine: we never write
+        return torch.frombuffer(buf, dtype=torch.uint8) if memoryview(buf).nbytes else torch.empty(0, dtype=torch.uint8)
+
+
+class Codec(ABC):
+    """Encode blocks to frames and decode frames to blocks.
+
+    Subclasses set ``name`` and ``codec_id`` and implement ``_encode`` (the
+    payload pieces, as tensors on the block's device, plus the parameters a
+    decoder needs) and ``_decode`` (from the payload bytes, already on the
+    target device, to a tensor that shares no memory with the frame).
+    Every parameter has a default: decoding reads parameters from the frame,
+    so a default-built instance decodes any frame of its codec.
+    """
+
+    name: ClassVar[str]
+    codec_id: ClassVar[int]
+    lossless: ClassVar[bool] = False
+
+    def __init__(self, *, zstd: int = 0) -> None:
+        if isinstance(zstd, bool) or not isinstance(zstd, int) or not 0 <= zstd <= 22:
+            raise CodecError(f"codec {self.name}: zstd level must be an integer 0..22 (0 = off), got {zstd!r}")
+        self.zstd_level = zstd
+        self._local = threading.local()
+
+    # -- contract -----------------------------------------------------------------
+    @abstractmethod
+    def _encode(self, block: torch.Tensor) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """Return (params, payload pieces) for a contiguous block."""
+
+    @abstractmethod
+    def _decode(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
+        """Rebuild the block from its payload (uint8, on the target device).
+
+        Must raise FrameError when the payload's size or parameters do not fit
+        the layout, and must return a tensor that does not alias ``payload``.
+        """
+
+    def params(self) -> dict[str, Any]:
+        """The parameters this codec was built with (for logs and reports)."""
+        return {"zstd": self.zstd_level}
+
+    # -- public ---------------------------------------------------------------------
+    def encode(self, block: torch.Tensor) -> bytearray:
+        """Encode one block ``[L, 2, T, H, D]`` (float16, bfloat16 or float32) into a frame."""
+        layout = KVLayout.of_block(block)
+        params, pieces = self._encode(block.detach().contiguous())
+        buffers: list[Buffer] = [tensor_bytes(p) for p in pieces]
+        flags = 0
+        if self.zstd_level:
+            buffers = [self._compressor().compress(b"".join(buffers))]
+            flags |= framing.FLAG_ZSTD
+        return framing.pack(self.codec_id, layout, params, buffers, flags=flags)
+
+    def decode(self, frame: Buffer, *, layout: KVLayout | None = None,
+               device: torch.device | str | None = None, verify: bool = True) -> torch.Tensor:
+        """Decode a frame written by this codec into a block on ``device`` (default CPU).
+
+        With ``layout``, a frame of any other layout raises LayoutMismatch. Any
+        damage raises a FrameError; a damaged frame never decodes.
+        """
+        header = framing.read_header(frame, expect=layout, verify=verify)
+        if header.codec_id != self.codec_id:
+            raise FrameError(f"frame was written by codec id {header.codec_id}, not {self.name}")
+        return self._decode_checked(frame, header, device)
+
+    def _decode_checked(self, frame: Buffer, header: framing.FrameHeader,
+                        device: torch.device | str | None) -> torch.Tensor:
+        mv = memoryview(frame).cast("B")[header.payload_offset : header.frame_len]
+        if header.zstd:
+            try:
+                data: Buffer = self._decompressor().decompress(mv)
+            except zstandard.ZstdError as e:
+                raise ChecksumMismatch(f"zstd payload does not decompress: {e}") from e
+        else:
+            data = mv
+        payload = bytes_tensor(data)
+        if device is not None and torch.device(device).type != "cpu":
+            payload = payload.to(device, non_blocking=False)
+        try:
+            return self._decode(payload, header.layout, header.params)
+        except FrameError:
+            raise
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise FrameError(f"{self.name} frame does not decode: {e}") from e
+
+    def max_frame_bytes(self, layout: KVLayout) -> int:
+        """An upper bound of a frame's size for ``layout`` (sizes RAM-tier slots).
+
+        Codecs whose payload size is fixed override ``payload_bytes``.
+        """
+        bound = self.payload_bytes(layout)
+        if self.zstd_level:
+            bound = bound + bound // 128 + 1024  # zstd's worst case on incompressible data
+        return framing.HEADER_SIZE + framing.MAX_PARAMS + bound
+
+    def payload_bytes(self, layout: KVLayout) -> int:
+        """Payload size before zstd for one block of ``layout``."""
+        return layout.block_nbytes
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        c = getattr(self._local, "c", None)
+        if c is None:
+            c = self._local.c = zstandard.ZstdCompressor(level=self.zstd_level)
+        return c
+
+    def _decompressor(self) -> zstandard.ZstdDecompressor:
+        d = getattr(self._local, "d", None)
+        if d is None:
+            d = self._local.d = zstandard.ZstdDecompressor()
+        return d
+
+
+def expect_bytes(payload: torch.Tensor, n: int, what: str) -> None:
+    """Raise FrameError unless the payload holds exactly ``n`` bytes."""
+    if payload.numel() != n:
+        raise FrameError(f"{what} payload has {payload.numel()} bytes, the layout needs {n}")

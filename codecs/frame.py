@@ -1,0 +1,141 @@
+"""The self-describing frame every codec writes.
+
+::
+
+    offset size  field
+       0     4   magic  b"KVSF"
+       4     1   format version (1)
+       5     1   codec id
+       6     1   dtype code of the decoded block
+       7     1   flags (bit 0: payload is zstd-compressed)
+       8     2   num_layers          10  2  num_kv_heads       12  2  head_dim
+      14     2   reserved (0)
+      16     4   tokens in the block
+      20     4   params length P     24  8  payload length N
+      32    16   layout fingerprint (KVLayout.fingerprint())
+      48     4   CRC-32 of bytes [0, 48) + params + payload
+      52    12   reserved (0)
+      64     P   codec parameters (msgpack map)
+    64+P     N   payload
+
+A frame that is truncated, carries the wrong magic or version, fails its
+checksum, or names another layout than the reader expects raises a specific
+FrameError: a damaged block is never decoded into something plausible.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvstore.errors import BadMagic, ChecksumMismatch, LayoutMismatch, TruncatedFrame, UnsupportedVersion
+from kvstore.layout import KVLayout
+
+MAGIC = b"KVSF"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBBHHHHIIQ16sI12x")
+HEADER_SIZE = HEADER.size
+_CRC_AT = 48
+FLAG_ZSTD = 1
+DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}
+_DTYPE_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
+MAX_PARAMS = 4096
+
+assert HEADER_SIZE == 64
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """The decoded fixed header of a frame (plus its parameters)."""
+
+    codec_id: int
+    flags: int
+    layout: KVLayout
+    params: dict[str, Any]
+    payload_offset: int
+    payload_len: int
+    checksum: int
+
+    @property
+    def zstd(self) -> bool:
+        return bool(self.flags & FLAG_ZSTD)
+
+    @property
+    def frame_len(self) -> int:
+        return self.payload_offset + self.payload_len
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+def pack(codec_id: int, layout: KVLayout, params: dict[str, Any], payload: Sequence[Buffer], *, flags: int = 0) -> bytearray:
+    """Assemble a frame from the payload's pieces (written back to back)."""
+    p = msgpack.packb(params, use_bin_type=True)
+    n = sum(memoryview(b).nbytes for b in payload)
+    head = HEADER.pack(
+        MAGIC, VERSION, codec_id, DTYPE_CODES[layout.dtype], flags,
+        layout.num_layers, layout.num_kv_heads, layout.head_dim, 0,
+        layout.block_tokens, len(p), n, layout.fingerprint(), 0,
+    )
+    crc = zlib.crc32(head[:_CRC_AT])
+    crc = zlib.crc32(p, crc)
+    for b in payload:
+        crc = zlib.crc32(b, crc)
+    out = bytearray(HEADER_SIZE + len(p) + n)
+    out[:HEADER_SIZE] = head
+    struct.pack_into("<I", out, _CRC_AT, crc)
+    pos = HEADER_SIZE
+    out[pos : pos + len(p)] = p
+    pos += len(p)
+    for b in payload:
+        m = memoryview(b).cast("B")
+        out[pos : pos + m.nbytes] = m
+        pos += m.nbytes
+    return out
+
+
+def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool = True) -> FrameHeader:
+    """Parse and check a frame's header; with ``verify`` also its checksum.
+
+    Raises TruncatedFrame, BadMagic, UnsupportedVersion, ChecksumMismatch or
+    LayoutMismatch (when ``expect`` is given and differs).
+    """
+    mv = memoryview(frame).cast("B")
+    if mv.nbytes < HEADER_SIZE:
+        raise TruncatedFrame(f"frame of {mv.nbytes} bytes is shorter than its {HEADER_SIZE}-byte header")
+    (magic, version, codec_id, dcode, flags, L, H, D, _r, tokens, plen, nlen, fp, crc) = HEADER.unpack_from(mv)
+    if magic != MAGIC:
+        raise BadMagic(f"not a kvstore frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != VERSION:
+        raise UnsupportedVersion(f"frame format version {version}; this build reads version {VERSION}")
+    end = HEADER_SIZE + plen + nlen
+    if plen > MAX_PARAMS or mv.nbytes < end:
+        raise TruncatedFrame(f"frame of {mv.nbytes} bytes, header says {end}")
+    if verify:
+        got = zlib.crc32(mv[:_CRC_AT])
+        got = zlib.crc32(mv[HEADER_SIZE:end], got)
+        if got != crc:
+            raise ChecksumMismatch(f"frame checksum {got:08x} does not match the stored {crc:08x}")
+    if dcode not in _DTYPE_BY_CODE:
+        raise ChecksumMismatch(f"frame names unknown dtype code {dcode}")
+    try:
+        layout = KVLayout(L, H, D, _DTYPE_BY_CODE[dcode], tokens)
+    except ValueError as e:
+        raise ChecksumMismatch(f"frame header holds an impossible layout: {e}") from e
+    if layout.fingerprint() != bytes(fp):
+        raise LayoutMismatch("frame's layout fingerprint does not match its own header")
+    if expect is not None and layout != expect:
+        raise LayoutMismatch(f"frame holds a block of layout {layout.canonical().decode()}, "
+                             f"expected {expect.canonical().decode()}")
+    try:
+        params = msgpack.unpackb(mv[HEADER_SIZE : HEADER_SIZE + plen], raw=False) if plen else {}
+    except Exception as e:  # msgpack raises several types for damaged input
+        raise ChecksumMismatch(f"frame parameters do not decode: {e}") from e
+    if not isinstance(params, dict):
+        raise ChecksumMismatch("frame parameters are not a map")
+    return FrameHeader(codec_id, flags, layout, params, HEADER_SIZE + plen, nlen, crc)

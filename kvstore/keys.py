@@ -1,0 +1,157 @@
+"""Namespaces and chained block keys.
+
+::
+
+    root   = H("kvstore/1" | len-prefixed model | revision | layout | tenant)
+    key_0  = H(root  | tokens[0:T]   as little-endian uint32)
+    key_1  = H(key_0 | tokens[T:2T])          T = layout.block_tokens
+    ...
+
+``key_i`` names the whole prefix ``[0, (i+1)*T)``, so a block can only ever
+match at its absolute position, after exactly the tokens it was computed
+from, for the same model, layout and tenant. Only full blocks get keys; the
+tail is recomputed by the engine. H is SHA-256 over canonical bytes: the same
+keys come out in every process, Python version and machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.errors import InvalidNamespace, InvalidTokens
+from kvstore.layout import KVLayout
+
+KEY_BYTES = 32
+MAX_TOKEN_ID = 2**32 - 1
+_MAX_FIELD = 256
+
+
+def _lp(field: bytes) -> bytes:
+    return struct.pack("<I", len(field)) + field
+
+
+def _check_field(name: str, value: Any, *, allow_empty: bool) -> str:
+    if not isinstance(value, str):
+        raise InvalidNamespace(f"namespace {name} must be a string, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise InvalidNamespace(f"namespace {name} must not be empty")
+    if len(value.encode()) > _MAX_FIELD:
+        raise InvalidNamespace(f"namespace {name} is longer than {_MAX_FIELD} bytes")
+    if any(ord(c) < 32 for c in value):
+        raise InvalidNamespace(f"namespace {name} {value!r} contains control characters")
+    return value
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Who a block belongs to: blocks of different namespaces never match each other.
+
+    Two models with identical shapes, or two tenants sending identical tokens,
+    get disjoint keys, so neither can read nor time-probe the other's blocks.
+    """
+
+    model: str
+    layout: KVLayout
+    tenant: str = "default"
+    revision: str = ""
+
+    def __post_init__(self) -> None:
+        _check_field("model", self.model, allow_empty=False)
+        _check_field("tenant", self.tenant, allow_empty=False)
+        _check_field("revision", self.revision, allow_empty=True)
+        if not isinstance(self.layout, KVLayout):
+            raise InvalidNamespace(f"namespace layout must be a KVLayout, got {type(self.layout).__name__}")
+
+    def root(self) -> bytes:
+        """The chain's root digest (32 bytes)."""
+        h = hashlib.sha256(b"kvstore/1")
+        for field in (self.model.encode(), self.revision.encode(), self.layout.canonical(), self.tenant.encode()):
+            h.update(_lp(field))
+        return h.digest()
+
+    @property
+    def id(self) -> str:
+        """A short stable identifier (hex) for logs, metrics and LMDB metadata."""
+        return self.root()[:8].hex()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "revision": self.revision, "tenant": self.tenant, "layout": self.layout.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Namespace:
+        if not isinstance(d, dict):
+            raise InvalidNamespace(f"namespace must be a mapping, got {type(d).__name__}")
+        unknown = set(d) - {"model", "revision", "tenant", "layout"}
+        if unknown:
+            raise InvalidNamespace(f"unknown namespace field(s) {sorted(unknown)}")
+        if "model" not in d or "layout" not in d:
+            raise InvalidNamespace("namespace needs 'model' and 'layout'")
+        return cls(
+            model=d["model"],
+            layout=KVLayout.from_dict(d["layout"]),
+            tenant=d.get("tenant", "default"),
+            revision=d.get("revision", ""),
+        )
+
+
+TokenInput = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def as_tokens(tokens: Any) -> np.ndarray:
+    """Validate token ids and return them as a 1-D little-endian uint32 array.
+
+    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer
+    tensor (a ``[1, n]`` batch of one is flattened). Raises InvalidTokens for
+    anything else, or for ids outside ``[0, 2**32)``.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise InvalidTokens(f"token ids must be integers, got a tensor of {tokens.dtype}")
+        arr = tokens.detach().to("cpu", torch.int64).numpy()
+    elif isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise InvalidTokens(f"token ids must be integers, got an array of {tokens.dtype}")
+        arr = tokens
+    elif isinstance(tokens, (bytes, str)) or not isinstance(tokens, Sequence):
+        raise InvalidTokens(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
+    else:
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in tokens):
+            bad = next(t for t in tokens if not isinstance(t, (int, np.integer)) or isinstance(t, bool))
+            raise InvalidTokens(f"token ids must be ints, found {bad!r}")
+        try:
+            arr = np.asarray(tokens, dtype=np.int64)
+        except OverflowError as e:
+            raise InvalidTokens(f"token id out of range [0, {MAX_TOKEN_ID}]") from e
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise InvalidTokens(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            raise InvalidTokens(f"token id {lo if lo < 0 else hi} out of range [0, {MAX_TOKEN_ID}]")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def chain(parent: bytes, block: np.ndarray) -> bytes:
+    """The key of a block whose predecessor's key (or the root) is ``parent``."""
+    return hashlib.sha256(parent + np.ascontiguousarray(block, dtype="<u4").tobytes()).digest()
+
+
+def block_keys(namespace: Namespace, tokens: Any) -> list[bytes]:
+    """Keys of every full block of ``tokens``; a trailing partial block gets none."""
+    arr = as_tokens(tokens)
+    t = namespace.layout.block_tokens
+    key = namespace.root()
+    keys = []
+    for i in range(len(arr) // t):
+        key = chain(key, arr[i * t : (i + 1) * t])
+        keys.append(key)
+    return keys

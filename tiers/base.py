@@ -1,0 +1,96 @@
+"""The tier contract: where a block lives, and what a tier promises.
+
+A tier holds blocks under their 32-byte key, each in the tier's own form
+(hbm: the native tensor in a fixed slot; ram: a codec frame in a fixed slot;
+nvme: a codec frame plus the block's record in LMDB). Tiers know nothing of
+prefixes, LRU order, pins or sessions: the store decides what moves where and
+calls these methods; a tier only keeps its capacity promise.
+
+Checks are kept apart from changes (``can_put`` vs ``put``). A tier is safe to
+call from several threads; each method is atomic with respect to the others.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kvstore.errors import KVStoreError
+
+
+class TierFull(KVStoreError):
+    """The tier has no room for the block; nothing was changed. The store must evict first."""
+
+    code = "tier_full"
+
+
+class TierIOError(KVStoreError):
+    """The tier's backing store failed (disk full, I/O error); nothing was changed."""
+
+    code = "tier_io"
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """How full a tier is. ``used_bytes`` counts everything the tier holds (slots, frames, metadata)."""
+
+    name: str
+    blocks: int
+    used_bytes: int
+    capacity_bytes: int
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+
+class Tier(ABC):
+    """One storage tier. ``name`` is ``"hbm"``, ``"ram"`` or ``"nvme"``."""
+
+    name: str
+
+    @abstractmethod
+    def can_put(self, block: torch.Tensor) -> bool:
+        """Whether ``put(key, block)`` would succeed now without evicting anything. Changes nothing."""
+
+    @abstractmethod
+    def put(self, key: bytes, block: torch.Tensor) -> int:
+        """Store ``block`` (``[L, 2, T, H, D]``, native dtype, any device) under ``key``.
+
+        Encodes it with the tier's codec on the block's device. Returns the
+        bytes the block now occupies in this tier. Replaces an existing entry
+        for the same key. Raises TierFull (nothing changed) when there is no
+        room, TierIOError when the backing store fails.
+        """
+
+    @abstractmethod
+    def get(self, key: bytes, device: torch.device | str | None = None) -> torch.Tensor:
+        """Decode the block under ``key`` onto ``device`` (default: the tier's own device).
+
+        Raises KeyError when absent, FrameError when the stored frame fails its
+        checks; the caller then drops the key. The result never aliases tier memory.
+        """
+
+    @abstractmethod
+    def drop(self, key: bytes) -> int:
+        """Remove ``key``; return the bytes freed (0 if it was absent)."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]:
+        """Every key the tier holds (a snapshot; safe to drop while iterating)."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    @abstractmethod
+    def nbytes(self, key: bytes) -> int:
+        """Bytes the block under ``key`` occupies here; KeyError when absent."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release resources. The tier is unusable afterwards."""
