@@ -1,0 +1,79 @@
+"""The block record: what kvstore knows about a block besides its tensor.
+
+Stored next to the frame on nvme (so the index can be rebuilt after a
+restart) and kept in the index while the block is cached. Serialized with
+msgpack, never pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvstore.errors import FrameError
+from kvstore.keys import KEY_BYTES
+
+RECORD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """Metadata of one block.
+
+    ``parent`` is the previous block's key, or the namespace root for block 0;
+    ``position`` is the block's index in its prefix (block ``i`` covers tokens
+    ``[i*T, (i+1)*T)``); ``tokens`` are its token ids (little-endian uint32
+    bytes) so that a hit can be verified and ``inspect`` can show the text.
+    """
+
+    key: bytes
+    parent: bytes
+    namespace: str
+    position: int
+    tokens: bytes
+    sessions: tuple[str, ...] = ()
+    created: float = 0.0
+    last_access: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def token_ids(self) -> np.ndarray:
+        return np.frombuffer(self.tokens, dtype="<u4")
+
+    def with_session(self, session: str | None) -> BlockRecord:
+        if session is None or session in self.sessions:
+            return self
+        return replace(self, sessions=(*self.sessions, session))
+
+    def touched(self, now: float) -> BlockRecord:
+        return replace(self, last_access=now)
+
+    def pack(self) -> bytes:
+        return msgpack.packb(
+            {
+                "v": RECORD_VERSION, "k": self.key, "p": self.parent, "ns": self.namespace,
+                "i": self.position, "t": self.tokens, "s": list(self.sessions),
+                "c": self.created, "a": self.last_access, "x": self.extra,
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> BlockRecord:
+        """Decode a packed record; anything malformed raises FrameError."""
+        try:
+            d = msgpack.unpackb(data, raw=False)
+            if not isinstance(d, dict) or d.get("v") != RECORD_VERSION:
+                raise ValueError(f"unknown record version {d.get('v') if isinstance(d, dict) else d!r}")
+            rec = cls(
+                key=bytes(d["k"]), parent=bytes(d["p"]), namespace=str(d["ns"]), position=int(d["i"]),
+                tokens=bytes(d["t"]), sessions=tuple(str(s) for s in d["s"]), created=float(d["c"]),
+                last_access=float(d["a"]), extra=dict(d.get("x") or {}),
+            )
+        except Exception as e:  # msgpack raises many types on damaged input
+            raise FrameError(f"block record does not decode: {e}") from e
+        if len(rec.key) != KEY_BYTES or len(rec.parent) != KEY_BYTES or len(rec.tokens) % 4:
+            raise FrameError("block record has malformed key, parent or tokens")
+        return rec
