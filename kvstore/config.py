@@ -1,0 +1,384 @@
+"""Daemon configuration: frozen dataclasses loaded from TOML, overridden by ``KVSTORE_*`` variables.
+
+Precedence (last wins)::
+
+    built-in defaults  <  TOML file (--config, else $KVSTORE_CONFIG)  <  KVSTORE_<SECTION>_<KEY> variables
+
+``KVSTORE_ENDPOINT`` is a shorthand for ``KVSTORE_SERVER_ENDPOINT``. Sizes read
+``8GiB``, ``512MiB``, ``1.5GB``, ``64k`` or plain byte counts (K/M/G/T alone are
+binary, as in systemd); durations read ``500ms``, ``30s``, ``2h``, ``7d``,
+``1h30m`` or plain seconds. Relative paths resolve against the current working
+directory when the config is loaded (the result is always absolute).
+
+Every value is checked here, once: an invalid file raises ConfigError naming
+the key, the value and what is allowed, and an unknown section or key (a typo)
+is an error, never silently ignored. ``load_config`` reads files and the
+environment only; it creates no directory (the server creates the runtime
+directory 0700 and the data directory).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import ConfigError
+from kvstore.units import parse_duration, parse_size
+
+__all__ = [
+    "Config", "HbmConfig", "NvmeConfig", "PolicyConfig", "RamConfig", "ServerConfig", "check_endpoint",
+    "default_data_dir", "default_endpoint", "ipc_socket_path", "load_config", "parse_duration", "parse_size",
+    "runtime_dir", "with_overrides",
+]
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 only
+    import tomli as tomllib
+
+_NEVER = ("never", "off", "inf")
+
+
+def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The directory for the daemon's socket: ``$XDG_RUNTIME_DIR/kvstore``, else ``/tmp/kvstore-<uid>``.
+
+    Only a path: the server creates it with mode 0700 so that only its user can reach the socket.
+    """
+    env = os.environ if env is None else env
+    base = env.get("XDG_RUNTIME_DIR")
+    if base:
+        return Path(base) / "kvstore"
+    return Path("/tmp") / f"kvstore-{os.getuid()}"
+
+
+def default_endpoint(env: Mapping[str, str] | None = None) -> str:
+    return f"ipc://{runtime_dir(env) / 'kvstore.sock'}"
+
+
+def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where LMDB lives when no ``[nvme] path`` is given: ``$XDG_DATA_HOME/kvstore`` (``~/.local/share/kvstore``)."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_DATA_HOME") or str(Path(env.get("HOME") or Path.home()) / ".local" / "share")
+    return Path(base) / "kvstore" / "nvme"
+
+
+def ipc_socket_path(endpoint: str) -> Path | None:
+    """The filesystem path of an ``ipc://`` endpoint, or None for tcp/inproc."""
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    endpoint: str = ""  # "" is replaced by default_endpoint() when loading
+    workers: int = 4
+    max_message_bytes: int = 512 * 2**20
+    max_tokens_per_request: int = 131072
+    max_inflight_per_client: int = 64
+    allow_insecure_tcp: bool = False
+    curve_secret_key: str | None = None
+    curve_allowed_keys: str | None = None  # a file path, one Z85 public key a line
+    metrics_port: int | None = None  # serves on 127.0.0.1 only; None = off
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class HbmConfig:
+    device: str = "auto"  # "auto" = cuda:0 when CUDA is present, else cpu
+    capacity: int = 2 * 2**30
+
+    def resolved_device(self) -> str:
+        """The device the pool goes on: ``device`` with ``"auto"`` decided now (imports torch)."""
+        if self.device != "auto":
+            return "cuda:0" if self.device == "cuda" else self.device
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class RamConfig:
+    capacity: int = 4 * 2**30
+    codec: str = "fp8"
+    pin_memory: bool | None = None  # None ("auto") = when CUDA is present
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    path: Path = field(default_factory=default_data_dir)
+    capacity: int = 64 * 2**30
+    codec: str = "int4"
+    zstd: int = 3  # zstd level on top of the codec; 0 = off
+    write_through: bool = True
+    admit: str = "always"  # or "second_use"
+    ttl: float = 7 * 86400.0  # math.inf = never expire
+    durability: str = "fast"  # fast | balanced | safe: see tiers/lmdb_env.py
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    promote_on_hit: bool = True
+    pin_lease: float = 30.0
+    write_queue: int = 1024  # blocks waiting for write-through
+    page_bytes: int = 65536
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    hbm: HbmConfig = field(default_factory=HbmConfig)
+    ram: RamConfig = field(default_factory=RamConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    source: Path | None = None  # the TOML file read, if any
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (paths as strings), e.g. for logs and ``--json``."""
+        d = asdict(self)
+        d["nvme"]["path"] = str(self.nvme.path)
+        d["source"] = None if self.source is None else str(self.source)
+        return d
+
+
+# ---- value checkers: each returns the typed value or raises _Invalid(what is allowed) ----
+
+class _Invalid(Exception):
+    pass
+
+
+def _choice(*allowed: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if not isinstance(v, str) or v.lower() not in allowed:
+            raise _Invalid(f"one of {', '.join(allowed)}")
+        return v.lower()
+    return check
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return v.strip().lower() in ("true", "1", "yes", "on")
+    raise _Invalid("true or false")
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        if isinstance(v, str) and re.fullmatch(r"\s*-?\d+\s*", v):
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise _Invalid(f"an integer from {lo} to {hi}")
+        return v
+    return check
+
+
+def _size(lo: int) -> Callable[[Any], int]:
+    def check(v: Any) -> int:
+        try:
+            n = parse_size(v)
+        except ConfigError as e:
+            raise _Invalid(f"a size of at least {lo} bytes, like '512MiB' or '8GiB'") from e
+        if n < lo:
+            raise _Invalid(f"a size of at least {lo} bytes, like '512MiB' or '8GiB'")
+        return n
+    return check
+
+
+def _duration(*, never: bool) -> Callable[[Any], float]:
+    allowed = "a positive duration like '30s', '2h' or '7d'" + (", or 'never'" if never else "")
+
+    def check(v: Any) -> float:
+        if never and isinstance(v, str) and v.strip().lower() in _NEVER:
+            return math.inf
+        try:
+            s = parse_duration(v)
+        except ConfigError as e:
+            raise _Invalid(allowed) from e
+        if s <= 0 or (math.isinf(s) and not never):
+            raise _Invalid(allowed)
+        return s
+    return check
+
+
+def _endpoint(v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"(ipc://.+|tcp://.+:(\d+|\*)|inproc://.+)", v.strip()):
+        raise _Invalid("'ipc:///path/to/socket', 'tcp://host:port' or 'inproc://name'")
+    return v.strip()
+
+
+def check_endpoint(text: str) -> str:
+    """``text`` stripped if it is a ZeroMQ endpoint kvstore can use; ConfigError saying what is allowed otherwise."""
+    try:
+        return _endpoint(text)
+    except _Invalid as e:
+        raise ConfigError(f"endpoint {text!r} is not allowed; expected {e}") from None
+
+
+def _device(v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v.strip().lower()):
+        raise _Invalid("'auto', 'cpu', 'cuda' or 'cuda:N'")
+    return v.strip().lower()
+
+
+def _optional(check: Callable[[Any], Any], *off: Any) -> Callable[[Any], Any]:
+    def opt(v: Any) -> Any:
+        if v in off or (isinstance(v, str) and v.strip().lower() in ("", "none", "off")):
+            return None
+        return check(v)
+    return opt
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise _Invalid("a non-empty string")
+    return v.strip()
+
+
+def _pin(v: Any) -> bool | None:
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return None
+    try:
+        return _bool(v)
+    except _Invalid as e:
+        raise _Invalid("true, false or 'auto'") from e
+
+
+def _path(v: Any) -> Path:
+    if isinstance(v, Path):
+        v = str(v)
+    if not isinstance(v, str) or not v.strip():
+        raise _Invalid("a directory path (relative paths resolve against the working directory)")
+    return Path(v.strip()).expanduser().absolute()
+
+
+_CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
+    "server": (ServerConfig, {
+        "endpoint": _endpoint,
+        "workers": _int(1, 256),
+        "max_message_bytes": _size(4096),
+        "max_tokens_per_request": _int(1, 2**31),
+        "max_inflight_per_client": _int(1, 65536),
+        "allow_insecure_tcp": _bool,
+        "curve_secret_key": _optional(_text),
+        "curve_allowed_keys": _optional(_text),
+        "metrics_port": _optional(_int(1, 65535), 0),
+        "log_level": _choice("debug", "info", "warning", "error", "critical"),
+    }),
+    "hbm": (HbmConfig, {"device": _device, "capacity": _size(1)}),
+    "ram": (RamConfig, {"capacity": _size(1), "codec": _choice("fp8", "int8", "raw"), "pin_memory": _pin}),
+    "nvme": (NvmeConfig, {
+        "path": _path,
+        "capacity": _size(1 << 20),
+        "codec": _choice("int4", "int8", "fp8", "raw"),
+        "zstd": _int(0, 22),
+        "write_through": _bool,
+        "admit": _choice("always", "second_use"),
+        "ttl": _duration(never=True),
+        "durability": _choice("fast", "balanced", "safe"),
+        "enabled": _bool,
+    }),
+    "policy": (PolicyConfig, {
+        "promote_on_hit": _bool,
+        "pin_lease": _duration(never=False),
+        "write_queue": _int(1, 2**24),
+        "page_bytes": _size(256),
+    }),
+}
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _apply(values: dict[str, dict[str, Any]], section: str, key: str, raw: Any, where: str) -> None:
+    check = _CHECKS[section][1][key]
+    try:
+        values[section][key] = check(raw)
+    except _Invalid as e:
+        raise ConfigError(f"{where}: [{section}] {key} = {raw!r} is not allowed; expected {e}") from None
+
+
+def _read_file(path: Path, values: dict[str, dict[str, Any]]) -> None:
+    try:
+        with path.open("rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass an existing file to --config") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    for section, table in doc.items():
+        if section not in _CHECKS:
+            hint = _suggest(section, list(_CHECKS))
+            raise ConfigError(f"{path}: unknown section [{section}]{hint}; sections are {', '.join(_CHECKS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {section} must be a table ([{section}]), got {table!r}")
+        for key, raw in table.items():
+            if key not in _CHECKS[section][1]:
+                keys = list(_CHECKS[section][1])
+                raise ConfigError(f"{path}: unknown key {key!r} in [{section}]{_suggest(key, keys)}; "
+                                  f"allowed: {', '.join(keys)}")
+            _apply(values, section, key, raw, str(path))
+
+
+def _read_env(env: Mapping[str, str], values: dict[str, dict[str, Any]]) -> None:
+    """Apply ``KVSTORE_<SECTION>_<KEY>``; other ``KVSTORE_*`` names (KVSTORE_VENV, ...) belong to others."""
+    overrides = []
+    if "KVSTORE_ENDPOINT" in env:
+        overrides.append(("KVSTORE_ENDPOINT", "server", "endpoint"))
+    for name in sorted(env):
+        for section, (_, checks) in _CHECKS.items():
+            prefix = f"KVSTORE_{section.upper()}_"
+            if not name.startswith(prefix):
+                continue
+            key = name[len(prefix):].lower()
+            if key not in checks:
+                known = [f"{prefix}{k.upper()}" for k in checks]
+                raise ConfigError(f"environment variable {name} is not a setting{_suggest(name, known)}; "
+                                  f"[{section}] settings: {', '.join(known)}")
+            overrides.append((name, section, key))
+    for name, section, key in overrides:
+        _apply(values, section, key, env[name], f"environment {name}")
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Defaults, then the TOML file (``path``, else ``$KVSTORE_CONFIG``), then ``KVSTORE_*`` overrides.
+
+    ``env`` defaults to ``os.environ``. Reads only; creates nothing. Raises
+    ConfigError naming the key, the value and what is allowed.
+    """
+    env = os.environ if env is None else env
+    if path is None and env.get("KVSTORE_CONFIG"):
+        path = env["KVSTORE_CONFIG"]
+    values: dict[str, dict[str, Any]] = {s: {} for s in _CHECKS}
+    source = None
+    if path is not None:
+        source = Path(path).expanduser().absolute()
+        _read_file(source, values)
+    _read_env(env, values)
+    values["server"].setdefault("endpoint", default_endpoint(env))
+    values["nvme"].setdefault("path", default_data_dir(env))
+    sections = {s: cls(**values[s]) for s, (cls, _) in _CHECKS.items()}
+    return Config(source=source, **sections)
+
+
+def with_overrides(config: Config, section: str, **changes: Any) -> Config:
+    """A copy of ``config`` with ``[section]`` keys changed, checked like file values (tests, CLI flags)."""
+    if section not in _CHECKS:
+        raise ConfigError(f"unknown section [{section}]; sections are {', '.join(_CHECKS)}")
+    values: dict[str, dict[str, Any]] = {section: {}}
+    names = {f.name for f in fields(_CHECKS[section][0])}
+    for key, raw in changes.items():
+        if key not in names:
+            raise ConfigError(f"unknown key {key!r} in [{section}]{_suggest(key, sorted(names))}")
+        _apply(values, section, key, raw, "override")
+    return replace(config, **{section: replace(getattr(config, section), **values[section])})

@@ -1,0 +1,183 @@
+"""Human-readable renderings for the CLI: sizes, ages, tables, and one view per operator command.
+
+Pure functions of plain data (the dicts the daemon sends, or results passed
+through ``dataclasses.asdict``): no I/O, no clock reads (``now`` is an
+argument), so every rendering is testable as a string. Missing fields render
+as ``-`` rather than failing, so a newer daemon with extra or fewer counters
+still prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+TIERS = ("hbm", "ram", "nvme")
+
+
+def format_bytes(n: int | float | None) -> str:
+    """``1536 -> "1.5 KiB"``, ``512 -> "512 B"``; binary units, three significant digits."""
+    if n is None:
+        return "-"
+    value, unit = float(n), 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    if unit == 0:
+        return f"{int(n)} B"
+    return f"{value:.1f} {_UNITS[unit]}" if abs(value) < 100 else f"{value:.0f} {_UNITS[unit]}"
+
+
+def format_duration(seconds: float | None) -> str:
+    """``42 -> "42s"``, ``3725 -> "1h 2m"``, ``90061 -> "1d 1h"``: the two largest units."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    units = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+    i = next(i for i, (_, size) in enumerate(units) if s >= size or size == 1)
+    big, big_size = units[i]
+    text = f"{s // big_size}{big}"
+    if i + 1 < len(units):
+        small, small_size = units[i + 1]
+        rest = (s % big_size) // small_size
+        if rest:
+            text += f" {rest}{small}"
+    return text
+
+
+def format_age(timestamp: float | None, now: float) -> str:
+    """How long before ``now`` a Unix time was: ``"5m ago"``; ``-`` for unset (0 or None)."""
+    if not timestamp:
+        return "-"
+    if timestamp > now:
+        return "just now"
+    return f"{format_duration(now - timestamp)} ago"
+
+
+def format_count(n: int | float | None) -> str:
+    return "-" if n is None else f"{int(n):,}"
+
+
+def format_ratio(part: float | None, whole: float | None) -> str:
+    if part is None or not whole:
+        return "-"
+    return f"{100.0 * part / whole:.1f}%"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """A plain-text table; ``align`` has one ``l``/``r`` per column (default: first left, rest right)."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    align = align or "l" + "r" * (len(headers) - 1)
+
+    def line(values: Sequence[str]) -> str:
+        out = [v.ljust(w) if a == "l" else v.rjust(w) for v, w, a in zip(values, widths, align, strict=True)]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(list(headers))] + [line(r) for r in cells])
+
+
+def _g(d: Mapping[str, Any], key: str) -> Any:
+    return d.get(key) if isinstance(d, Mapping) else None
+
+
+def render_stats(data: Mapping[str, Any]) -> str:
+    """``kvstore stats``: the daemon line, one row per tier, then store-wide counters."""
+    store, server = data.get("store") or {}, data.get("server") or {}
+    head = (f"kvstore daemon at {server.get('endpoint', '?')}  pid {server.get('pid', '?')}  "
+            f"up {format_duration(server.get('uptime'))}  requests {format_count(server.get('requests'))}  "
+            f"errors {format_count(server.get('errors'))}")
+    tiers = store.get("tiers") or {}
+    rows = []
+    for name in [*TIERS, *sorted(set(tiers) - set(TIERS))]:
+        t = tiers.get(name)
+        if t is None:
+            continue
+        lookups = (_g(t, "hits") or 0) + (_g(t, "misses") or 0)
+        rows.append([name, format_count(_g(t, "blocks")), format_bytes(_g(t, "used")),
+                     format_bytes(_g(t, "capacity")), format_ratio(_g(t, "used"), _g(t, "capacity")),
+                     format_count(_g(t, "hits")), format_count(_g(t, "misses")), format_ratio(_g(t, "hits"), lookups),
+                     format_count(_g(t, "evictions")), format_count(_g(t, "demotions")),
+                     format_count(_g(t, "promotions")), format_count(_g(t, "corrupt"))])
+    tier_table = table(["tier", "blocks", "used", "capacity", "full", "hits", "misses", "hit rate",
+                        "evicted", "demoted", "promoted", "corrupt"], rows) if rows else "(no tiers reported)"
+    c = store.get
+    lines = [
+        head, "", tier_table, "",
+        f"blocks {format_count(c('blocks'))}  sessions {format_count(c('sessions'))}  "
+        f"namespaces {format_count(c('namespaces'))}  pinned {format_count(c('pinned'))}",
+        f"write-through: queued {format_count(c('write_queue'))}  written {format_count(c('written'))}  "
+        f"deferred {format_count(c('write_deferred'))}  expired {format_count(c('expired'))}",
+        f"lookups {format_count(c('lookups'))}: tokens asked {format_count(c('tokens_asked'))}, "
+        f"matched {format_count(c('tokens_matched'))} ({format_ratio(c('tokens_matched'), c('tokens_asked'))}), "
+        f"served {format_count(c('tokens_served'))}",
+    ]
+    return "\n".join(lines)
+
+
+def _tier_counts(tiers: Mapping[str, int] | None) -> list[str]:
+    tiers = tiers or {}
+    return [format_count(tiers.get(t, 0)) for t in TIERS]
+
+
+def render_sessions(sessions: Sequence[Mapping[str, Any]], now: float) -> str:
+    """``kvstore inspect``: one row per session, most recently used first."""
+    if not sessions:
+        return "no sessions (blocks put with session=... show up here)"
+    ordered = sorted(sessions, key=lambda s: s.get("last_access") or 0, reverse=True)
+    rows = [[s.get("name", "?"), s.get("model", "-"), s.get("tenant", "-"), format_count(s.get("tokens")),
+             format_count(s.get("blocks")), *_tier_counts(s.get("tiers")),
+             format_age(s.get("last_access"), now), format_age(s.get("created"), now)] for s in ordered]
+    return table(["session", "model", "tenant", "tokens", "blocks", *TIERS, "last used", "created"], rows,
+                 align="lll" + "r" * 5 + "ll")
+
+
+def render_session(detail: Mapping[str, Any], now: float) -> str:
+    """``kvstore inspect --session S``: the session, then where each of its blocks lives."""
+    info = detail.get("info") or {}
+    tiers = info.get("tiers") or {}
+    head = [
+        f"session {info.get('name', '?')}: model {info.get('model', '-')}, tenant {info.get('tenant', '-')}, "
+        f"namespace {info.get('namespace', '-')}",
+        f"{format_count(info.get('tokens'))} tokens, {format_count(info.get('blocks'))} blocks cached "
+        f"({', '.join(f'{t} {tiers.get(t, 0)}' for t in TIERS)}); last used "
+        f"{format_age(info.get('last_access'), now)}, created {format_age(info.get('created'), now)}",
+    ]
+    blocks = detail.get("blocks") or []
+    if not blocks:
+        return "\n".join([*head, "", "no blocks cached"])
+    rows = [[format_count(b.get("position")), str(b.get("key", ""))[:16], ",".join(b.get("tiers") or []) or "-",
+             format_age(b.get("last_access"), now)] for b in blocks]
+    return "\n".join([*head, "", table(["block", "key", "tiers", "last used"], rows, align="rlll")])
+
+
+def render_prefix(data: Mapping[str, Any]) -> str:
+    """``kvstore inspect --tokens FILE``: how much of a token sequence is stored, and where."""
+    blocks = data.get("blocks") or []
+    head = (f"namespace {data.get('namespace', '-')}: {format_count(data.get('matched_tokens'))} of "
+            f"{format_count(data.get('tokens'))} tokens stored in {len(blocks)} blocks")
+    if not blocks:
+        return head
+    rows = [[format_count(b.get("position")), str(b.get("key", ""))[:16], b.get("tier", "-")] for b in blocks]
+    return "\n".join([head, "", table(["block", "key", "tier"], rows, align="rll")])
+
+
+def render_evict(result: Mapping[str, Any]) -> str:
+    """``kvstore evict``: what went (or, with --dry-run, would go), and the bytes freed per tier."""
+    dry = bool(result.get("dry_run"))
+    blocks, moved = int(result.get("blocks") or 0), int(result.get("moved") or 0)
+    if blocks == 0:
+        return "no blocks matched" + (" (dry run)" if dry else "")
+    freed = result.get("bytes_freed") or {}
+    freed_text = ", ".join(f"{t} {format_bytes(freed[t])}" for t in [*TIERS, *sorted(set(freed) - set(TIERS))]
+                           if t in freed) or "nothing"
+    moved_text = f" ({format_count(moved)} of them moved down a tier)" if moved else ""
+    if dry:
+        return f"would evict {format_count(blocks)} blocks{moved_text}; would free {freed_text}"
+    return f"evicted {format_count(blocks)} blocks{moved_text}; freed {freed_text}"
+
+
+def render_prefetch(result: Mapping[str, Any]) -> str:
+    return (f"session {result.get('session', '?')}: {format_count(result.get('moved'))} blocks brought up to "
+            f"{result.get('to', '?')}, {format_count(result.get('present'))} already there, "
+            f"{format_count(result.get('failed'))} failed")

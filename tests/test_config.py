@@ -1,0 +1,317 @@
+"""kvstore.config: defaults, TOML files, KVSTORE_* overrides, and errors that name the key."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import (
+    Config,
+    default_endpoint,
+    ipc_socket_path,
+    load_config,
+    runtime_dir,
+    with_overrides,
+)
+from kvstore.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "kvstore.toml"
+    p.write_text(text)
+    return p
+
+
+# ---- defaults ----
+
+def test_defaults_without_file_or_environment(tmp_path: Path) -> None:
+    env = {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_DATA_HOME": str(tmp_path / "share")}
+    c = load_config(env=env)
+    assert c.source is None
+    # the socket lives in a per-user directory; load_config creates nothing
+    assert c.server.endpoint == f"ipc://{tmp_path}/run/kvstore/kvstore.sock"
+    assert not (tmp_path / "run").exists()
+    assert c.nvme.path == tmp_path / "share" / "kvstore" / "nvme"
+    assert c.hbm.device == "auto" and c.ram.codec == "fp8"
+    assert (c.nvme.codec, c.nvme.zstd, c.nvme.write_through) == ("int4", 3, True)
+    assert c.nvme.ttl == 7 * 86400 and c.policy.pin_lease == 30.0
+    assert c.ram.pin_memory is None and c.server.metrics_port is None
+    assert c.server.allow_insecure_tcp is False
+
+
+def test_runtime_dir_falls_back_to_a_per_uid_tmp_dir() -> None:
+    assert runtime_dir({}) == Path(f"/tmp/kvstore-{os.getuid()}")
+    assert default_endpoint({}) == f"ipc:///tmp/kvstore-{os.getuid()}/kvstore.sock"
+    assert ipc_socket_path(default_endpoint({})) == Path(f"/tmp/kvstore-{os.getuid()}/kvstore.sock")
+    assert ipc_socket_path("tcp://127.0.0.1:5555") is None
+
+
+def test_data_dir_falls_back_to_home_local_share(tmp_path: Path) -> None:
+    c = load_config(env={"HOME": str(tmp_path)})
+    assert c.nvme.path == tmp_path / ".local" / "share" / "kvstore" / "nvme"
+
+
+def test_hbm_auto_resolves_to_cpu_without_cuda() -> None:
+    import torch
+
+    c = load_config(env={})
+    assert c.hbm.resolved_device() == ("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert with_overrides(c, "hbm", device="cuda").hbm.resolved_device() == "cuda:0"
+    assert with_overrides(c, "hbm", device="cpu").hbm.resolved_device() == "cpu"
+
+
+# ---- shipped files ----
+
+@pytest.mark.parametrize("name", ["default.toml", "gpu.toml", "laptop.toml"])
+def test_shipped_configs_load(name: str) -> None:
+    c = load_config(CONFIGS / name, env={})
+    assert c.source == CONFIGS / name
+    assert c.nvme.path.is_absolute()
+
+
+def test_default_toml_fits_a_cpu_only_24gib_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    c = load_config(CONFIGS / "default.toml", env={})
+    assert c.hbm.device == "auto"
+    assert c.hbm.capacity + c.ram.capacity <= 8 * 2**30
+    # a relative path resolves against the working directory at load time
+    assert c.nvme.path == tmp_path / "data" / "nvme"
+    # the file states the defaults: loading it or nothing gives the same tiers
+    bare = load_config(env={})
+    assert (c.hbm, c.ram, c.policy) == (bare.hbm, bare.ram, bare.policy)
+
+
+# ---- every key from a file ----
+
+FULL = """
+[server]
+endpoint = "tcp://0.0.0.0:5555"
+workers = 8
+max_message_bytes = "64MiB"
+max_tokens_per_request = 4096
+max_inflight_per_client = 3
+allow_insecure_tcp = true
+curve_secret_key = "secret"
+curve_allowed_keys = "/etc/kvstore/clients"
+metrics_port = 9464
+log_level = "DEBUG"
+
+[hbm]
+device = "cuda:1"
+capacity = "1GiB"
+
+[ram]
+capacity = 3000000
+codec = "int8"
+pin_memory = false
+
+[nvme]
+path = "store"
+capacity = "10GB"
+codec = "raw"
+zstd = 0
+write_through = false
+admit = "second_use"
+ttl = "2h"
+durability = "safe"
+enabled = false
+
+[policy]
+promote_on_hit = false
+pin_lease = "500ms"
+write_queue = 7
+page_bytes = "4KiB"
+"""
+
+
+def test_every_key_is_read_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    c = load_config(write(tmp_path, FULL), env={})
+    s = c.server
+    assert (s.endpoint, s.workers, s.max_message_bytes, s.max_tokens_per_request) == (
+        "tcp://0.0.0.0:5555", 8, 64 * 2**20, 4096)
+    assert (s.max_inflight_per_client, s.allow_insecure_tcp, s.curve_secret_key, s.curve_allowed_keys) == (
+        3, True, "secret", "/etc/kvstore/clients")
+    assert (s.metrics_port, s.log_level) == (9464, "debug")
+    assert (c.hbm.device, c.hbm.capacity) == ("cuda:1", 2**30)
+    assert (c.ram.capacity, c.ram.codec, c.ram.pin_memory) == (3_000_000, "int8", False)
+    n = c.nvme
+    assert (n.path, n.capacity, n.codec, n.zstd, n.write_through) == (tmp_path / "store", 10**10, "raw", 0, False)
+    assert (n.admit, n.ttl, n.durability, n.enabled) == ("second_use", 7200.0, "safe", False)
+    p = c.policy
+    assert (p.promote_on_hit, p.pin_lease, p.write_queue, p.page_bytes) == (False, 0.5, 7, 4096)
+
+
+def test_config_is_frozen_and_serializable(tmp_path: Path) -> None:
+    c = load_config(write(tmp_path, FULL), env={})
+    with pytest.raises(AttributeError):
+        c.hbm.capacity = 1  # type: ignore[misc]
+    d = c.to_dict()
+    assert d["nvme"]["path"] == str(c.nvme.path) and d["source"] == str(tmp_path / "kvstore.toml")
+    assert d["policy"]["pin_lease"] == 0.5
+
+
+def test_ttl_never_and_pin_memory_auto(tmp_path: Path) -> None:
+    c = load_config(write(tmp_path, '[nvme]\nttl = "never"\n[ram]\npin_memory = "auto"\n'), env={})
+    assert c.nvme.ttl == math.inf and c.ram.pin_memory is None
+    c = load_config(write(tmp_path, "[nvme]\nttl = 60\n[server]\nmetrics_port = 0\n"), env={})
+    assert c.nvme.ttl == 60.0 and c.server.metrics_port is None
+
+
+def test_home_is_expanded_in_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    c = load_config(write(tmp_path, '[nvme]\npath = "~/kv"\n'), env={})
+    assert c.nvme.path == tmp_path / "kv"
+
+
+# ---- environment overrides ----
+
+def test_env_overrides_single_keys_over_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, '[ram]\ncapacity = "4GiB"\ncodec = "int8"\n')
+    env = {
+        "KVSTORE_RAM_CAPACITY": "2GiB",
+        "KVSTORE_NVME_PATH": str(tmp_path / "elsewhere"),
+        "KVSTORE_SERVER_ENDPOINT": "ipc:///tmp/x.sock",
+        "KVSTORE_NVME_WRITE_THROUGH": "off",
+        "KVSTORE_POLICY_PIN_LEASE": "2m",
+        "KVSTORE_HBM_DEVICE": "cpu",
+        "KVSTORE_SERVER_WORKERS": "2",
+        "KVSTORE_RAM_PIN_MEMORY": "yes",
+        "KVSTORE_SERVER_METRICS_PORT": "",
+        "KVSTORE_VENV": ".venv",  # not a setting prefix: belongs to ./dev, ignored
+    }
+    c = load_config(path, env=env)
+    assert c.ram.capacity == 2 * 2**30 and c.ram.codec == "int8"  # only the overridden key changes
+    assert c.nvme.path == tmp_path / "elsewhere"
+    assert c.server.endpoint == "ipc:///tmp/x.sock"
+    assert c.nvme.write_through is False and c.policy.pin_lease == 120.0
+    assert (c.hbm.device, c.server.workers, c.ram.pin_memory, c.server.metrics_port) == ("cpu", 2, True, None)
+
+
+def test_endpoint_shorthand_and_precedence() -> None:
+    assert load_config(env={"KVSTORE_ENDPOINT": "tcp://127.0.0.1:7000"}).server.endpoint == "tcp://127.0.0.1:7000"
+    # the full name is more specific and wins over the shorthand
+    both = {"KVSTORE_ENDPOINT": "tcp://127.0.0.1:7000", "KVSTORE_SERVER_ENDPOINT": "tcp://127.0.0.1:7001"}
+    assert load_config(env=both).server.endpoint == "tcp://127.0.0.1:7001"
+
+
+def test_kvstore_config_variable_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[server]\nworkers = 3\n")
+    assert load_config(env={"KVSTORE_CONFIG": str(path)}).server.workers == 3
+    # an explicit path beats the variable
+    other = tmp_path / "other.toml"
+    other.write_text("[server]\nworkers = 5\n")
+    assert load_config(other, env={"KVSTORE_CONFIG": str(path)}).server.workers == 5
+
+
+def test_env_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTORE_RAM_CODEC", "raw")
+    assert load_config().ram.codec == "raw"
+
+
+# ---- errors name the key, the value and what is allowed ----
+
+@pytest.mark.parametrize("section, key, value, allowed", [
+    ("server", "endpoint", '"http://x"', "ipc://"),
+    ("server", "workers", "0", "integer from 1"),
+    ("server", "workers", '"four"', "integer from 1"),
+    ("server", "max_message_bytes", '"lots"', "size"),
+    ("server", "max_tokens_per_request", "-1", "integer"),
+    ("server", "max_inflight_per_client", "1.5", "integer"),
+    ("server", "allow_insecure_tcp", '"maybe"', "true or false"),
+    ("server", "curve_secret_key", "5", "non-empty string"),
+    ("server", "curve_allowed_keys", "[1]", "non-empty string"),
+    ("server", "metrics_port", "70000", "65535"),
+    ("server", "log_level", '"loud"', "debug, info"),
+    ("hbm", "device", '"tpu"', "cuda:N"),
+    ("hbm", "capacity", '"8 GiBs"', "size"),
+    ("hbm", "capacity", "0", "at least 1"),
+    ("ram", "capacity", "-5", "size"),
+    ("ram", "codec", '"int4"', "fp8, int8, raw"),
+    ("ram", "pin_memory", "2", "'auto'"),
+    ("nvme", "path", '""', "directory path"),
+    ("nvme", "capacity", '"1KiB"', "at least"),
+    ("nvme", "codec", '"zip"', "int4"),
+    ("nvme", "zstd", "23", "0 to 22"),
+    ("nvme", "write_through", '"sometimes"', "true or false"),
+    ("nvme", "admit", '"third_use"', "second_use"),
+    ("nvme", "ttl", '"7 days"', "duration"),
+    ("nvme", "ttl", "0", "positive duration"),
+    ("nvme", "durability", '"paranoid"', "fast, balanced, safe"),
+    ("nvme", "enabled", "1", "true or false"),
+    ("policy", "promote_on_hit", '"yes please"', "true or false"),
+    ("policy", "pin_lease", '"never"', "positive duration"),
+    ("policy", "write_queue", "0", "integer from 1"),
+    ("policy", "page_bytes", "16", "at least 256"),
+])
+def test_invalid_value_names_key_value_and_allowed(tmp_path: Path, section: str, key: str,
+                                                    value: str, allowed: str) -> None:
+    path = write(tmp_path, f"[{section}]\n{key} = {value}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, env={})
+    msg = str(e.value)
+    assert str(path) in msg and f"[{section}] {key}" in msg and allowed in msg
+    assert value.strip('"') in msg
+
+
+def test_invalid_env_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"environment KVSTORE_RAM_CAPACITY: \[ram\] capacity = 'two gigs'"):
+        load_config(env={"KVSTORE_RAM_CAPACITY": "two gigs"})
+
+
+def test_unknown_key_is_an_error_with_a_suggestion(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'capcity' in \[ram\] \(did you mean 'capacity'\?\)"):
+        load_config(write(tmp_path, "[ram]\ncapcity = 5\n"), env={})
+
+
+def test_unknown_section_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown section \[nvm\] \(did you mean 'nvme'\?\)"):
+        load_config(write(tmp_path, "[nvm]\npath = 'x'\n"), env={})
+    with pytest.raises(ConfigError, match="unknown section"):
+        load_config(write(tmp_path, "workers = 4\n"), env={})
+
+
+def test_unknown_env_setting_in_a_known_section_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="KVSTORE_RAM_CAPCITY is not a setting.*KVSTORE_RAM_CAPACITY"):
+        load_config(env={"KVSTORE_RAM_CAPCITY": "1GiB"})
+
+
+def test_missing_or_malformed_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", env={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[ram\ncapacity = 1\n"), env={})
+    with pytest.raises(ConfigError, match="must be a table"):
+        load_config(write(tmp_path, "ram = 5\n"), env={})
+
+
+def test_with_overrides_checks_like_a_file(tmp_path: Path) -> None:
+    c = with_overrides(Config(), "nvme", path=tmp_path, ttl="1h")
+    assert c.nvme.path == tmp_path and c.nvme.ttl == 3600.0
+    with pytest.raises(ConfigError, match=r"\[ram\] codec = 'zip'"):
+        with_overrides(c, "ram", codec="zip")
+    with pytest.raises(ConfigError, match="unknown key"):
+        with_overrides(c, "ram", colour="red")
+    with pytest.raises(ConfigError, match="unknown section"):
+        with_overrides(c, "disk", path="x")
+
+
+def test_allowed_values_match_the_parts_that_use_them(tmp_path: Path) -> None:
+    # config must accept exactly what the tiers and codecs implement, or a valid file fails at start-up
+    from kvstore.codecs import CODECS
+    from kvstore.tiers.lmdb_env import DURABILITY
+
+    for mode in DURABILITY:
+        assert load_config(write(tmp_path, f'[nvme]\ndurability = "{mode}"\n'), env={}).nvme.durability == mode
+    for section, codecs in (("ram", ("fp8", "int8", "raw")), ("nvme", ("int4", "int8", "fp8", "raw"))):
+        for name in codecs:
+            assert name in CODECS
+            assert getattr(load_config(write(tmp_path, f'[{section}]\ncodec = "{name}"\n'), env={}),
+                           section).codec == name
+    with pytest.raises(ConfigError, match="durability"):
+        load_config(write(tmp_path, '[nvme]\ndurability = "sync"\n'), env={})
