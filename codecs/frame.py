@@ -26,7 +26,6 @@ FrameError: a damaged block is never decoded into something plausible.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,11 @@ import msgpack
 
 from kvstore.errors import BadMagic, ChecksumMismatch, LayoutMismatch, TruncatedFrame, UnsupportedVersion
 from kvstore.layout import KVLayout
+
+try:  # ISA-L's crc32 is zlib's CRC-32 bit for bit, ~10x faster: checking a frame costs about a memcpy
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values, slower
+    from zlib import crc32
 
 MAGIC = b"KVSF"
 VERSION = 1
@@ -82,10 +86,10 @@ def pack(codec_id: int, layout: KVLayout, params: dict[str, Any], payload: Seque
         layout.num_layers, layout.num_kv_heads, layout.head_dim, 0,
         layout.block_tokens, len(p), n, layout.fingerprint(), 0,
     )
-    crc = zlib.crc32(head[:_CRC_AT])
-    crc = zlib.crc32(p, crc)
+    crc = crc32(head[:_CRC_AT])
+    crc = crc32(p, crc)
     for b in payload:
-        crc = zlib.crc32(b, crc)
+        crc = crc32(b, crc)
     out = bytearray(HEADER_SIZE + len(p) + n)
     out[:HEADER_SIZE] = head
     struct.pack_into("<I", out, _CRC_AT, crc)
@@ -116,9 +120,12 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
     end = HEADER_SIZE + plen + nlen
     if plen > MAX_PARAMS or mv.nbytes < end:
         raise TruncatedFrame(f"frame of {mv.nbytes} bytes, header says {end}")
+    if any(mv[_CRC_AT + 4 : HEADER_SIZE]):  # reserved bytes sit outside the checksum: they must be 0
+        raise ChecksumMismatch(f"frame header bytes {_CRC_AT + 4}..{HEADER_SIZE - 1} are reserved and not zero: "
+                               f"the frame was damaged")
     if verify:
-        got = zlib.crc32(mv[:_CRC_AT])
-        got = zlib.crc32(mv[HEADER_SIZE:end], got)
+        got = crc32(mv[:_CRC_AT])
+        got = crc32(mv[HEADER_SIZE:end], got)
         if got != crc:
             raise ChecksumMismatch(f"frame checksum {got:08x} does not match the stored {crc:08x}")
     if dcode not in _DTYPE_BY_CODE:

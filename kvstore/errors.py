@@ -68,3 +68,15 @@ class ChecksumMismatch(FrameError):
 
 class LayoutMismatch(FrameError):
     """The frame holds a block of another layout than the one expected."""
+
+
+class StoreLocked(KVStoreError):
+    """Another process has the nvme store's directory open; two writers would corrupt the index."""
+
+    code = "store_locked"
+
+
+class StoreFormatError(KVStoreError):
+    """The nvme store's directory holds data of another format version (or is not a kvstore store)."""
+
+    code = "store_format"

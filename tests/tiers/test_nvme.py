@@ -1,0 +1,452 @@
+"""NvmeTier: frames and records in a real LMDB environment under tmp_path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from kvstore.codecs import get_codec
+from kvstore.tiers import NvmeTier, TierFull, TierIOError
+from kvstore.tiers.lmdb_env import DURABILITY
+
+from kvstore.errors import ConfigError, FrameError, StoreFormatError, StoreLocked
+from kvstore.record import BlockRecord
+
+SHAPE = (2, 2, 16, 2, 64)  # 16 KiB a block in bf16: frames live in overflow pages, like real ones
+
+
+def block(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE, generator=g).to(torch.bfloat16)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def record(i: int, sessions: tuple[str, ...] = ()) -> BlockRecord:
+    return BlockRecord(key=key(i), parent=key(i - 1) if i else bytes(32), namespace="ns0", position=i,
+                       tokens=bytes(range(64)), sessions=sessions, created=1000.0 + i, last_access=2000.0 + i)
+
+
+def open_tier(path: Path, capacity: int = 8 << 20, **kw: object) -> NvmeTier:
+    return NvmeTier(path, capacity, get_codec("raw"), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> NvmeTier:
+    t = open_tier(tmp_path / "nvme")
+    yield t  # type: ignore[misc]
+    t.close()
+
+
+def test_round_trip_is_bit_exact_and_records_come_back(tier: NvmeTier) -> None:
+    for i in range(5):
+        tier.put(key(i), block(i), record(i))
+    for i in range(5):
+        assert torch.equal(tier.get(key(i)).view(torch.int16), block(i).view(torch.int16))
+        assert tier.record(key(i)) == record(i)
+    assert sorted(tier.keys()) == [key(i) for i in range(5)]
+    assert [r.key for r in tier.iter_records()] == [key(i) for i in range(5)]
+    assert tier.usage().blocks == 5
+
+
+def test_put_without_record_keeps_the_stored_one(tier: NvmeTier) -> None:
+    tier.put(key(1), block(1), record(1))
+    tier.put(key(1), block(2))  # frame replaced, record kept
+    assert torch.equal(tier.get(key(1)), block(2))
+    assert tier.record(key(1)) == record(1)
+    # a block stored without any record has none to give, and the restart iterator skips it
+    tier.put(key(2), block(2))
+    with pytest.raises(KeyError):
+        tier.record(key(2))
+    assert [r.key for r in tier.iter_records()] == [key(1)]
+    assert key(2) in tier
+
+
+def test_missing_keys(tier: NvmeTier) -> None:
+    with pytest.raises(KeyError):
+        tier.get(key(9))
+    with pytest.raises(KeyError):
+        tier.get_frame(key(9))
+    with pytest.raises(KeyError):
+        tier.record(key(9))
+    with pytest.raises(KeyError):
+        tier.nbytes(key(9))
+    assert tier.drop(key(9)) == 0 and key(9) not in tier
+
+
+def test_drop_frees_room_and_pages_are_reused(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "nvme", capacity=1 << 20)
+    stored = 0
+    try:
+        while True:
+            tier.put(key(stored), block(stored), record(stored))
+            stored += 1
+    except TierFull:
+        pass
+    assert stored > 20
+    full = tier.usage()
+    # nvme full: drop [0] -> put [stored] fits in its room
+    freed = tier.drop(key(0))
+    assert freed >= 16 * 1024 and tier.usage().used_bytes < full.used_bytes
+    tier.put(key(stored), block(stored), record(stored))
+    assert torch.equal(tier.get(key(stored)), block(stored))
+    assert tier.usage().used_bytes <= tier.capacity_bytes
+    assert (tmp_path / "nvme" / "data.mdb").stat().st_size <= tier.capacity_bytes
+    tier.close()
+
+
+def test_tier_full_changes_nothing(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "nvme", capacity=1 << 20)
+    i = 0
+    with pytest.raises(TierFull, match="evict"):
+        while True:
+            tier.put(key(i), block(i), record(i))
+            i += 1
+    before = (tier.usage(), sorted(tier.keys()))
+    with pytest.raises(TierFull):
+        tier.put(key(1000), block(1000), record(1000))
+    assert (tier.usage(), sorted(tier.keys())) == before and key(1000) not in tier
+    assert not tier.can_put(block(1000))
+    tier.close()
+
+
+def test_map_grows_from_a_small_start(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "nvme", capacity=8 << 20, map_size_initial=64 * 1024)
+    for i in range(200):
+        tier.put(key(i), block(i), record(i))
+    env = tier._env.env
+    assert 3 << 20 < env.info()["map_size"] <= 8 << 20
+    assert all(torch.equal(tier.get(key(i)), block(i)) for i in (0, 99, 199))
+    tier.close()
+
+
+def test_reopen_finds_frames_records_sessions_and_namespaces(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "nvme")
+    for i in range(3):
+        tier.put(key(i), block(i), record(i, sessions=("conv-1",)))
+    tier.update_records([record(1, sessions=("conv-1", "conv-2"))])
+    tier.put_session("conv-1", {"blocks": 3, "created": 1.5})
+    tier.put_session("conv-2", {"blocks": 1})
+    tier.drop_session("conv-2")
+    tier.put_namespace("ab12", {"model": "m", "tenant": "t"})
+    created = tier.created
+    tier.close()
+
+    again = open_tier(tmp_path / "nvme")
+    assert again.created == created and again.reset_reason is None
+    assert [r.sessions for r in again.iter_records()] == [("conv-1",), ("conv-1", "conv-2"), ("conv-1",)]
+    assert torch.equal(again.get(key(2)), block(2))
+    assert list(again.iter_sessions()) == [("conv-1", {"blocks": 3, "created": 1.5})]
+    assert list(again.iter_namespaces()) == [("ab12", {"model": "m", "tenant": "t"})]
+    again.close()
+
+
+def test_update_records_skips_blocks_that_are_gone(tier: NvmeTier) -> None:
+    tier.put(key(1), block(1), record(1))
+    assert tier.update_records([record(1).touched(5000.0), record(2)]) == 1
+    assert tier.record(key(1)).last_access == 5000.0 and key(2) not in tier
+
+
+def test_iter_records_spans_many_chunks(tier: NvmeTier) -> None:
+    small = torch.zeros(1, 2, 1, 1, 8, dtype=torch.bfloat16)
+    n = 4096 + 17  # more than one read chunk
+    for i in range(n):
+        tier.put(key(i), small, record(i))
+    assert [r.position for r in tier.iter_records()] == list(range(n))
+
+
+def test_corrupt_frame_on_disk_is_detected(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "nvme")
+    tier.put(key(1), block(1), record(1))
+    tier.put(key(2), block(2), record(2))
+    frame = tier.get_frame(key(1))
+    tier.close()
+    # flip one payload byte of [1] in the data file itself
+    data = tmp_path / "nvme" / "data.mdb"
+    raw = bytearray(data.read_bytes())
+    at = raw.find(frame[100:164])
+    assert at > 0
+    raw[at + 10] ^= 0x40
+    data.write_bytes(raw)
+
+    again = open_tier(tmp_path / "nvme")
+    with pytest.raises(FrameError):
+        again.get(key(1))
+    assert torch.equal(again.get(key(2)), block(2))  # the neighbour is fine
+    again.close()
+
+
+def test_damaged_record_is_skipped_and_reported(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "nvme")
+    tier.put(key(1), block(1), record(1))
+    tier.put(key(2), block(2), record(2))
+    tier.close()
+    env = lmdb.open(str(tmp_path / "nvme"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"records", txn=txn)
+        value = txn.get(key(1), db=db)
+        assert value is not None
+        txn.put(key(1), value[:-3] + b"\xc1\xc1\xc1", db=db)  # the last token bytes damaged
+    env.close()
+
+    again = open_tier(tmp_path / "nvme")
+    damaged: list[bytes] = []
+    assert [r.key for r in again.iter_records(on_damaged=lambda k, e: damaged.append(k))] == [key(2)]
+    assert damaged == [key(1)]
+    with pytest.raises(FrameError):
+        again.record(key(1))
+    again.close()
+
+
+def test_put_frame_checks_the_frame(tier: NvmeTier) -> None:
+    frame = get_codec("raw", shuffle=True, zstd=3).encode(block(4))
+    tier.put_frame(key(4), frame, record(4))
+    assert tier.get_frame(key(4)) == bytes(frame)
+    assert torch.equal(tier.get(key(4)), block(4))  # a frame of another codec still decodes
+    damaged = bytearray(frame)
+    damaged[70] ^= 1
+    with pytest.raises(FrameError):
+        tier.put_frame(key(5), damaged, record(5))
+    assert key(5) not in tier
+
+
+def test_other_format_version_is_refused(tmp_path: Path) -> None:
+    open_tier(tmp_path / "nvme").close()
+    env = lmdb.open(str(tmp_path / "nvme"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", b"99", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    with pytest.raises(StoreFormatError, match="format version 99"):
+        open_tier(tmp_path / "nvme")
+    # the refusal released the lock: a fixed store opens again
+    env = lmdb.open(str(tmp_path / "nvme"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"format_version", b"1", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    open_tier(tmp_path / "nvme").close()
+
+
+def test_foreign_lmdb_is_refused(tmp_path: Path) -> None:
+    env = lmdb.open(str(tmp_path / "other"))
+    with env.begin(write=True) as txn:
+        txn.put(b"hello", b"world")
+    env.close()
+    with pytest.raises(StoreFormatError, match="not a kvstore"):
+        open_tier(tmp_path / "other")
+
+
+def test_second_opener_in_process_is_refused(tier: NvmeTier) -> None:
+    with pytest.raises(StoreLocked, match=str(os.getpid())):
+        open_tier(tier.path)
+
+
+def test_second_process_is_refused_and_can_open_after_close(tmp_path: Path) -> None:
+    path = tmp_path / "nvme"
+    probe = textwrap.dedent(f"""
+        from kvstore.codecs import get_codec
+        from kvstore.errors import StoreLocked
+        from kvstore.tiers import NvmeTier
+        try:
+            NvmeTier({str(path)!r}, 8 << 20, get_codec("raw")).close()
+        except StoreLocked as e:
+            print("LOCKED", e)
+        else:
+            print("OPENED")
+    """)
+    tier = open_tier(path)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("LOCKED") and f"pid {os.getpid()}" in out.stdout, out.stderr
+    tier.close()
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "OPENED", out.stderr
+
+
+def test_sigkill_loses_no_commit_and_leaves_the_store_intact(tmp_path: Path) -> None:
+    path = tmp_path / "nvme"
+    writer = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        from kvstore.codecs import get_codec
+        from kvstore.tiers import NvmeTier
+        t = NvmeTier({str(path)!r}, 8 << 20, get_codec("raw"), durability="fast")
+        for i in range(40):
+            g = torch.Generator().manual_seed(i)
+            t.put(i.to_bytes(32, "big"), torch.randn({SHAPE!r}, generator=g).to(torch.bfloat16))
+        print("written", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # no sync, no close
+    """)
+    out = subprocess.run([sys.executable, "-c", writer], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9 and "written" in out.stdout, out.stderr
+    # same boot: a process kill, so every commit is there and nothing is wiped
+    again = open_tier(path)
+    assert again.reset_reason is None
+    assert sorted(again.keys()) == [key(i) for i in range(40)]
+    assert all(torch.equal(again.get(key(i)), block(i)) for i in range(40))
+    again.close()
+
+
+def test_fast_store_down_with_the_machine_is_wiped(tmp_path: Path) -> None:
+    path = tmp_path / "nvme"
+    tier = open_tier(path, durability="fast")
+    tier.put(key(1), block(1), record(1))
+    tier.sync()
+    tier.put(key(2), block(2), record(2))  # unsynced: the dirty marker is on disk now
+    tier._env.env.close()  # the process "dies" without sync or close
+    os.close(tier._env._lock_fd)
+    # pretend the machine rebooted: the marker names another boot
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin(write=True) as txn:
+        meta = env.open_db(b"meta", txn=txn)
+        assert txn.get(b"dirty_boot", db=meta) is not None
+        txn.put(b"dirty_boot", b"another-boot", db=meta)
+    env.close()
+    again = open_tier(path)
+    assert again.reset_reason is not None and "wiped" in again.reset_reason
+    assert again.usage().blocks == 0
+    again.close()
+
+
+def test_synced_fast_store_is_kept_after_a_reboot(tmp_path: Path) -> None:
+    path = tmp_path / "nvme"
+    tier = open_tier(path, durability="fast")
+    tier.put(key(1), block(1), record(1))
+    tier.sync()  # clean on disk: no marker, whatever happens next
+    tier._env.env.close()
+    os.close(tier._env._lock_fd)
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin() as txn:
+        assert txn.get(b"dirty_boot", db=env.open_db(b"meta", txn=txn, create=False)) is None
+    env.close()
+    again = open_tier(path)
+    assert again.reset_reason is None and torch.equal(again.get(key(1)), block(1))
+    again.close()
+
+
+@pytest.mark.parametrize("mode", sorted(DURABILITY))
+def test_every_durability_mode_stores_and_reopens(tmp_path: Path, mode: str) -> None:
+    tier = open_tier(tmp_path / mode, durability=mode)
+    assert tier._env.env.flags()["sync"] == DURABILITY[mode]["sync"]
+    assert tier._env.env.flags()["metasync"] == DURABILITY[mode]["metasync"]
+    assert not tier._env.env.flags()["writemap"]
+    tier.put(key(1), block(1), record(1))
+    tier.close()
+    again = open_tier(tmp_path / mode, durability=mode)
+    assert torch.equal(again.get(key(1)), block(1))
+    again.close()
+
+
+def test_bad_parameters_raise_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="durability"):
+        open_tier(tmp_path / "a", durability="yolo")
+    with pytest.raises(ConfigError, match="capacity"):
+        open_tier(tmp_path / "b", capacity=1000)
+
+
+def test_closed_tier_refuses_work(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "nvme")
+    tier.close()
+    tier.close()  # idempotent
+    with pytest.raises(TierIOError, match="closed"):
+        tier.get(key(1))
+    with pytest.raises(TierIOError, match="closed"):
+        tier.put(key(1), block(1))
+
+
+def test_iter_index_matches_iter_records(tier: NvmeTier) -> None:
+    for i in range(6):
+        tier.put(key(i), block(i), record(i, sessions=("a",) if i % 2 else ()))
+    tier.put(key(50), block(50))  # no record: in neither
+    index = list(tier.iter_index())
+    records = list(tier.iter_records())
+    assert [e.key for e in index] == [r.key for r in records] == [key(i) for i in range(6)]
+    for e, r in zip(index, records, strict=True):
+        assert (e.parent, e.namespace, e.position, e.sessions, e.created, e.last_access) == (
+            r.parent, r.namespace, r.position, r.sessions, r.created, r.last_access)
+        assert e.nbytes == tier.nbytes(e.key)
+
+
+def test_drop_many_in_one_transaction(tier: NvmeTier) -> None:
+    for i in range(4):
+        tier.put(key(i), block(i), record(i))
+    sizes = sum(tier.nbytes(key(i)) for i in (0, 2))
+    assert tier.drop_many([key(0), key(2), key(99)]) == sizes
+    assert sorted(tier.keys()) == [key(1), key(3)]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 23), st.integers(1, 600)), min_size=1, max_size=60))
+def test_random_puts_and_drops_never_pass_the_capacity(ops: list[tuple[int, int]]) -> None:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
+        tier = open_tier(Path(d) / "nvme", capacity=1 << 20, map_size_initial=128 * 1024)
+        model: dict[bytes, torch.Tensor] = {}
+        for n, (k, tokens) in enumerate(ops):
+            if tokens % 5 == 0 and key(k) in model:
+                # drop [k]
+                assert tier.drop(key(k)) > 0
+                del model[key(k)]
+            else:
+                # put [k] with a block of `tokens` tokens (256 bytes each in the frame)
+                b = torch.full((1, 2, tokens, 1, 64), float(n), dtype=torch.bfloat16)
+                before = sorted(tier.keys())
+                try:
+                    tier.put(key(k), b, record(k))
+                    model[key(k)] = b
+                except TierFull:
+                    assert sorted(tier.keys()) == before  # nothing changed
+                    event("tier full")
+            used = tier.usage()
+            assert used.used_bytes <= used.capacity_bytes
+            assert (Path(d) / "nvme" / "data.mdb").stat().st_size <= tier.capacity_bytes
+            assert sorted(tier.keys()) == sorted(model)
+        for kb, b in model.items():
+            assert torch.equal(tier.get(kb), b)
+        tier.close()
+
+
+def test_readers_keep_reading_while_the_map_grows(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "nvme", capacity=16 << 20, map_size_initial=64 * 1024)
+    tier.put(key(0), block(0), record(0))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                assert torch.equal(tier.get(key(0)), block(0))
+                tier.usage()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for i in range(1, 300):  # 64 KiB -> several doublings while the readers run
+        tier.put(key(i), block(i), record(i))
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert tier._env.env.info()["map_size"] >= 4 << 20
+    assert sorted(tier.keys()) == [key(i) for i in range(300)]
+    tier.close()
+
+
+def test_debug_corrupt_makes_get_fail_closed(tier: NvmeTier) -> None:
+    tier.put(key(1), block(1), record(1))
+    tier._debug_corrupt(key(1), 5000)
+    with pytest.raises(FrameError):
+        tier.get(key(1))
+    assert tier.record(key(1)) == record(1)  # the record is separate and intact
+    with pytest.raises(KeyError):
+        tier._debug_corrupt(key(2), 0)

@@ -1,0 +1,165 @@
+"""PagePool: a fixed arena, pages handed out and taken back, reads that never alias."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvstore.tiers import PagePool, TierFull
+
+from kvstore.errors import ConfigError
+
+
+def data(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def test_arena_is_exactly_the_capacity_and_pages_round_down() -> None:
+    pool = PagePool(1000, page_bytes=256)
+    # 1000 bytes -> 3 whole pages, 232 bytes of slack that no entry ever gets
+    assert pool._arena.numel() == 1000
+    assert pool.num_pages == 3 and pool.free_pages == 3
+    assert pool.pages_for(0) == 1 and pool.pages_for(256) == 1 and pool.pages_for(257) == 2
+
+
+def test_alloc_write_read_round_trip_and_read_is_a_copy() -> None:
+    pool = PagePool(4096, page_bytes=256)
+    span = pool.alloc(600)
+    assert span.count == 3 and span.contiguous
+    src = data(600)
+    pool.write(span, src)
+    out = pool.read(span, 600)
+    assert torch.equal(out, src)
+    # the result is a copy: scribbling on it leaves the arena alone
+    out.zero_()
+    assert torch.equal(pool.read(span, 600), src)
+
+
+def test_can_alloc_changes_nothing_and_alloc_past_capacity_raises_tier_full() -> None:
+    pool = PagePool(1024, page_bytes=256)
+    assert pool.can_alloc(1024) and not pool.can_alloc(1025)
+    assert pool.free_pages == 4
+    pool.alloc(700)  # 3 pages
+    with pytest.raises(TierFull, match="1 of 4 free"):
+        pool.alloc(300)
+    # nothing was taken by the failed alloc
+    assert pool.free_pages == 1
+    pool.alloc(200)
+    assert pool.free_pages == 0
+
+
+def test_freed_pages_are_reused_and_non_contiguous_spans_work() -> None:
+    pool = PagePool(256 * 6, page_bytes=256)
+    a, b, c = pool.alloc(512), pool.alloc(512), pool.alloc(512)  # pages 0-1, 2-3, 4-5
+    assert (a.pages, b.pages, c.pages) == ((0, 1), (2, 3), (4, 5))
+    # free [a] and [c] -> a 4-page entry gets their pages, which are not contiguous
+    pool.free(a)
+    pool.free(c)
+    d = pool.alloc(1000)
+    assert sorted(d.pages) == [0, 1, 4, 5] and not d.contiguous
+    src = data(1000, seed=1)
+    pool.write(d, src)
+    assert torch.equal(pool.read(d, 1000), src)
+    assert pool.view(d, 1000) is None  # no in-place view of scattered pages
+    # [b] was never touched
+    assert pool.free_pages == 0
+
+
+def test_same_size_entry_gets_the_freed_contiguous_run_back() -> None:
+    pool = PagePool(256 * 8, page_bytes=256)
+    spans = [pool.alloc(512) for _ in range(4)]
+    pool.free(spans[1])
+    again = pool.alloc(512)
+    assert again.pages == spans[1].pages and again.contiguous
+
+
+def test_double_free_is_refused() -> None:
+    pool = PagePool(512, page_bytes=256)
+    span = pool.alloc(10)
+    pool.free(span)
+    # every page is free again: one more free cannot be right
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(span)
+    assert pool.free_pages == 2
+
+
+def test_bad_sizes_raise_config_error() -> None:
+    with pytest.raises(ConfigError, match="page_bytes"):
+        PagePool(1024, page_bytes=0)
+    with pytest.raises(ConfigError, match="capacity_bytes"):
+        PagePool(-1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        PagePool(1024, device="cuda:0")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 2000)), max_size=40))
+def test_random_allocs_never_exceed_capacity_and_data_survives(ops: list[tuple[bool, int]]) -> None:
+    pool = PagePool(256 * 16, page_bytes=256)
+    live: list[tuple[object, torch.Tensor]] = []
+    for i, (grow, n) in enumerate(ops):
+        if grow or not live:
+            if not pool.can_alloc(n):
+                with pytest.raises(TierFull):
+                    pool.alloc(n)
+                continue
+            span = pool.alloc(n)
+            src = data(n, seed=i)
+            pool.write(span, src)
+            live.append((span, src))
+        else:
+            span, _ = live.pop(n % len(live))
+            pool.free(span)  # type: ignore[arg-type]
+        used = sum(s.count for s, _ in live)  # type: ignore[attr-defined]
+        assert pool.used_pages == used <= pool.num_pages
+        # no two live entries share a page
+        pages = [p for s, _ in live for p in s.pages]  # type: ignore[attr-defined]
+        assert len(pages) == len(set(pages))
+    for span, src in live:
+        assert torch.equal(pool.read(span, src.numel()), src)  # type: ignore[arg-type]
+
+
+def test_concurrent_alloc_and_free_keep_the_free_list_consistent() -> None:
+    pool = PagePool(256 * 64, page_bytes=256)
+
+    def churn() -> None:
+        for _ in range(300):
+            try:
+                span = pool.alloc(700)
+            except TierFull:
+                continue
+            pool.free(span)
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert pool.free_pages == 64
+    assert sorted(int(p) for p in pool._free[: pool._top]) == list(range(64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_round_trip() -> None:
+    pool = PagePool(256 * 8, page_bytes=256, device="cuda:0")
+    span = pool.alloc(700)
+    src = data(700).cuda()
+    pool.write(span, src)
+    out = pool.read(span, 700)
+    assert out.is_cuda and torch.equal(out, src)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_host_pool_is_page_locked() -> None:
+    pool = PagePool(1024, page_bytes=256, pin_memory=True)
+    assert pool.pinned and pool._arena.is_pinned()

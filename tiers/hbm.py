@@ -1,0 +1,56 @@
+"""The hbm tier: blocks in their native dtype, in a page pool on the GPU (or the CPU on a host without one).
+
+No codec and no checksum: a block goes in and comes out bit for bit, and a
+read is one device copy (``index_select``, or a slice ``clone`` when the
+block's pages are contiguous) plus a move to the requested device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvstore.tiers.paged import PagedTier
+from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool
+
+
+@dataclass(frozen=True)
+class _BlockMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class HbmTier(PagedTier):
+    """Native-dtype blocks in a PagePool of ``capacity_bytes`` on ``device``.
+
+    ``device``: ``"cpu"``, ``"cuda:N"`` (ConfigError when CUDA is absent) or
+    ``"auto"``. A block occupies ``ceil(nbytes / page_bytes)`` pages.
+    """
+
+    name = "hbm"
+
+    def __init__(self, capacity_bytes: int, device: torch.device | str = "cpu",
+                 page_bytes: int = DEFAULT_PAGE_BYTES) -> None:
+        super().__init__(PagePool(capacity_bytes, page_bytes=page_bytes, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self._pool.device
+
+    def can_put(self, block: torch.Tensor) -> bool:
+        return self._pool.can_alloc(block.numel() * block.element_size())
+
+    def put(self, key: bytes, block: torch.Tensor) -> int:
+        """Copy ``block`` (any shape, any device) into the pool under ``key``. TierFull: nothing changed."""
+        data = block.detach().contiguous().view(-1).view(torch.uint8)
+        return self._store(key, data, _BlockMeta(shape=tuple(block.shape), dtype=block.dtype))
+
+    def get(self, key: bytes, device: torch.device | str | None = None) -> torch.Tensor:
+        """A copy of the block on ``device`` (default: the pool's). KeyError when absent."""
+        with self._reading(key) as entry:
+            data = self._pool.read(entry.span, entry.nbytes)
+        meta: _BlockMeta = entry.meta
+        block = data.view(meta.dtype).view(meta.shape)
+        if device is not None and torch.device(device) != block.device:
+            block = block.to(device)
+        return block

@@ -1,0 +1,316 @@
+"""The nvme tier's LMDB environment: opening, locking, format check, durability, map growth.
+
+Durability (``durability=``; LMDB's flags; MDB_WRITEMAP and MDB_MAPASYNC are never used)::
+
+  mode       LMDB flags              each commit            process kill (SIGKILL)  power loss / OS crash
+  ---------  ----------------------  ---------------------  ----------------------  ------------------------------
+  fast       MDB_NOSYNC              write() to the page    nothing lost,           everything synced by sync() is
+  (default)  (sync=False)            cache, no fsync;       store intact            kept; if commits came after
+                                     sync() fsyncs                                  the last sync(), they are lost
+                                                                                    and the store may be damaged
+                                                                                    (the disk may reorder writes):
+                                                                                    it is wiped on next open (*)
+  balanced   MDB_NOMETASYNC          fdatasync of the data  nothing lost,           the last commit(s) may roll
+             (metasync=False)        pages; meta unsynced   store intact            back; integrity kept
+  safe       (sync=True,             fdatasync of data,     nothing lost,           nothing acknowledged is lost
+             metasync=True)          then of the meta page  store intact
+
+Why a process kill loses nothing in every mode: without MDB_WRITEMAP a commit
+writes its copy-on-write pages with write() and switches the meta page last;
+all of that sits in the kernel's page cache, which outlives the process. A
+kill mid-commit leaves the old meta page pointing at the old, intact tree.
+MDB_WRITEMAP is not used: with it a stray write in this process lands in the
+database, and with MDB_NOSYNC/MDB_MAPASYNC a power loss can corrupt it.
+
+(*) ``fast``: before the first unsynced commit after a ``sync()``, a marker
+naming this boot (``/proc/sys/kernel/random/boot_id``) is written and synced;
+``sync()`` removes it. Opening a store whose marker names another boot means
+the machine went down with unsynced commits: the store cannot be trusted and
+is wiped (it is a cache; ``reset_reason`` says why). A marker of this same
+boot is a process kill: kept. Where there is no boot id, the store is kept.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+from kvstore.tiers.base import TierFull, TierIOError
+
+from kvstore.errors import ConfigError, StoreFormatError, StoreLocked
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FORMAT_VERSION = 1
+DURABILITY: dict[str, dict[str, bool]] = {
+    "fast": {"sync": False, "metasync": False},
+    "balanced": {"sync": True, "metasync": False},
+    "safe": {"sync": True, "metasync": True},
+}
+DEFAULT_DURABILITY = "fast"
+DB_NAMES = (b"blocks", b"records", b"sessions", b"namespaces", b"meta")
+LOCK_FILE = "kvstore.lock"
+_DIRTY = b"dirty_boot"
+
+
+def boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+class ResizeGate:
+    """Many transactions at once, or one map resize alone (LMDB requires no open txn while resizing)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextmanager
+    def txn(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True  # new transactions wait from here on
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+class Environment:
+    """An open, locked environment: its named dbs, transactions, map growth, sync and close.
+
+    Thread-safe: reads run concurrently; writes take one lock (so a check made
+    inside a write transaction holds until its commit); a map resize waits
+    for every open transaction (ResizeGate). lmdb errors become TierIOError,
+    a map that cannot grow past ``ceiling`` becomes TierFull.
+    """
+
+    def __init__(self, path: Path, env: lmdb.Environment, dbs: dict[str, Any], *, durability: str,
+                 created: float, reset_reason: str | None, lock_fd: int, ceiling: int) -> None:
+        self.path, self.env, self.dbs = path, env, dbs
+        self.durability, self.created, self.reset_reason = durability, created, reset_reason
+        self.ceiling = ceiling
+        self.psize = int(env.stat()["psize"])
+        self._lock_fd = lock_fd
+        self._main = env.open_db()
+        self._gate = ResizeGate()
+        self._wlock = threading.Lock()
+        self._dirty = False
+        self._closed = False
+
+    def used_bytes(self, txn: lmdb.Transaction) -> int:
+        """Pages the B-trees of every db hold, plus the two meta pages, in bytes."""
+        pages = 2
+        for db in (self._main, *self.dbs.values()):
+            st = txn.stat(db)
+            pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+        return pages * self.psize
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierIOError(f"nvme store {self.path} is closed")
+
+    def read(self, fn: Callable[[lmdb.Transaction], T], *, buffers: bool = False) -> T:
+        """Run ``fn`` in a read transaction (with ``buffers``, values are views valid inside ``fn`` only)."""
+        self._check_open()
+        try:
+            with self._gate.txn(), self.env.begin(buffers=buffers) as txn:  # type: ignore[call-overload]
+                return fn(txn)
+        except lmdb.Error as e:
+            raise TierIOError(f"nvme store {self.path}: read failed: {e}; check the disk") from e
+
+    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run ``fn`` in one write transaction; grow the map on MapFullError; TierFull at the ceiling."""
+        with self._wlock:
+            self._check_open()
+            if self.durability == "fast" and not self._dirty:
+                # unsynced commits follow: say so on disk first (see the module docstring)
+                self._commit(lambda txn: txn.put(_DIRTY, (boot_id() or "unknown").encode(), db=self.dbs["meta"]))
+                self._sync()
+                self._dirty = True
+            return self._commit(fn)
+
+    def _commit(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """One write transaction, retried after growing the map. Caller holds the write lock."""
+        while True:
+            try:
+                with self._gate.txn(), self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                if not self._grow():
+                    raise TierFull(f"nvme store {self.path} has filled its {self.ceiling} bytes "
+                                   "(LMDB map full); evict or raise [nvme] capacity") from None
+            except lmdb.Error as e:
+                raise TierIOError(f"nvme store {self.path}: write failed: {e}; "
+                                  "check the disk (space, permissions)") from e
+
+    def _grow(self) -> bool:
+        with self._gate.exclusive():
+            current = int(self.env.info()["map_size"])
+            new = min(self.ceiling, current * 2)
+            if new <= current:
+                return False
+            self.env.set_mapsize(new)
+            log.info("nvme store %s: LMDB map grown from %d to %d bytes", self.path, current, new)
+            return True
+
+    def _sync(self) -> None:
+        try:
+            with self._gate.txn():
+                self.env.sync(True)
+        except lmdb.Error as e:
+            raise TierIOError(f"nvme store {self.path}: sync failed: {e}; check the disk") from e
+
+    def sync(self) -> None:
+        """Flush every commit so far to disk (fsync), whatever the mode. TierIOError on failure."""
+        with self._wlock:
+            self._check_open()
+            self._sync()
+            if self._dirty:
+                try:
+                    self._commit(lambda txn: txn.delete(_DIRTY, db=self.dbs["meta"]))
+                except TierFull:
+                    # no room even to delete the marker: it stays, which errs on the safe side
+                    log.warning("nvme store %s: full; the unsynced-commits marker stays until room is made",
+                                self.path)
+                    return
+                self._sync()
+                self._dirty = False
+
+    def close(self) -> None:
+        """Sync, close the environment, release the lock. Idempotent."""
+        if self._closed:
+            return
+        self.sync()
+        with self._wlock, self._gate.exclusive():
+            self._closed = True
+            self.env.close()
+            os.close(self._lock_fd)  # releases the flock
+
+
+def _lock(path: Path) -> int:
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreLocked(f"nvme store {path} is in use by another kvstore (pid {holder}); "
+                          "stop it, or point [nvme] path at another directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _open_lmdb(path: Path, durability: str, map_size: int, max_dbs: int) -> lmdb.Environment:
+    return lmdb.open(str(path), map_size=map_size, max_dbs=max_dbs, max_readers=1024, subdir=True,
+                     writemap=False, map_async=False, readahead=True, **DURABILITY[durability])
+
+
+def open_environment(path: str | Path, *, durability: str, map_size: int, ceiling: int) -> Environment:
+    """Lock ``path`` (a directory, created if missing), open or create the store, check its format.
+
+    Raises StoreLocked when another process holds it, StoreFormatError when it
+    holds another format version or something that is not a kvstore store,
+    ConfigError for an unknown durability mode.
+    """
+    if durability not in DURABILITY:
+        raise ConfigError(f"nvme durability {durability!r} is not one of {sorted(DURABILITY)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = _lock(path)
+    try:
+        reset_reason = _check_clean(path, map_size)
+        env = _open_lmdb(path, durability, map_size, len(DB_NAMES))
+        try:
+            dbs, created = _open_dbs(env, path)
+        except BaseException:
+            env.close()
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    return Environment(path, env, dbs, durability=durability, created=created, reset_reason=reset_reason,
+                       lock_fd=fd, ceiling=ceiling)
+
+
+def _open_dbs(env: lmdb.Environment, path: Path) -> tuple[dict[str, Any], float]:
+    try:
+        with env.begin(write=True) as txn:
+            names = {bytes(k) for k, _ in txn.cursor()}
+            fresh = not names
+            if not fresh and b"meta" not in names:
+                raise StoreFormatError(f"{path} holds an LMDB database that is not a kvstore nvme store; "
+                                       "point [nvme] path at an empty directory")
+            dbs = {n.decode(): env.open_db(n, txn=txn) for n in DB_NAMES}
+            meta = dbs["meta"]
+            if fresh:
+                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=meta)
+                txn.put(b"created", repr(time.time()).encode(), db=meta)
+            found = txn.get(b"format_version", db=meta)
+            if found != str(FORMAT_VERSION).encode():
+                shown = found.decode(errors="replace") if found is not None else "none"
+                raise StoreFormatError(f"{path} holds a kvstore nvme store of format version {shown}; "
+                                       f"this build reads version {FORMAT_VERSION}. Point [nvme] path at "
+                                       "another directory, or delete this one to start empty")
+            created = float(txn.get(b"created", default=b"0", db=meta))
+    except lmdb.IncompatibleError as e:
+        raise StoreFormatError(f"{path} holds an LMDB database that is not a kvstore nvme store: {e}") from e
+    env.sync(True)
+    return dbs, created
+
+
+def _check_clean(path: Path, map_size: int) -> str | None:
+    """Wipe a ``fast`` store that went down with the machine while it had unsynced commits."""
+    if not (path / "data.mdb").exists():
+        return None
+    env = lmdb.open(str(path), map_size=map_size, max_dbs=len(DB_NAMES), readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            if txn.get(b"meta") is None:
+                return None
+            marker = txn.get(_DIRTY, db=env.open_db(b"meta", txn=txn, create=False))
+    except lmdb.Error:
+        return None  # _open_dbs reports what is wrong with it
+    finally:
+        env.close()
+    now = boot_id()
+    if marker is None or now is None or marker.decode(errors="replace") == now:
+        return None
+    reason = (f"nvme store {path} had unsynced commits (durability 'fast') when the machine went down "
+              f"(boot {marker.decode(errors='replace')}); it may be damaged and was wiped")
+    log.warning(reason)
+    for name in ("data.mdb", "lock.mdb"):
+        (path / name).unlink(missing_ok=True)
+    return reason

@@ -1,0 +1,142 @@
+"""What the hbm and ram tiers share: entries in a PagePool, guarded while they are read.
+
+A tier keeps ``key -> entry`` (the entry's pages, its byte length and what
+the tier needs to decode it). Reads take no lock while they copy: an entry
+counts its readers, and ``drop`` (or a replacing ``put``) unpublishes the
+entry at once but frees its pages only when the last reader is done, so a
+read never sees pages reused under it and a dropped key is never found again.
+``used_bytes`` is pages in use times the page size: what the entries really
+occupy of the arena (the arena is the capacity; Python bookkeeping is not
+counted).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from kvstore.tiers.base import Tier, TierFull, TierUsage
+from kvstore.tiers.pool import PagePool, PageSpan
+
+
+@dataclass
+class Entry:
+    """One stored entry: its pages, its length in bytes, and tier-specific ``meta``."""
+
+    span: PageSpan
+    nbytes: int
+    meta: Any
+    readers: int = 0
+    dropped: bool = field(default=False)
+
+
+class PagedTier(Tier):
+    """Tier bookkeeping over a PagePool. Subclasses turn blocks into bytes and back."""
+
+    def __init__(self, pool: PagePool) -> None:
+        self._pool = pool
+        self._entries: dict[bytes, Entry] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def pool(self) -> PagePool:
+        return self._pool
+
+    @property
+    def page_bytes(self) -> int:
+        return self._pool.page_bytes
+
+    # -- storing ------------------------------------------------------------------------
+    def _store(self, key: bytes, data: torch.Tensor, meta: Any) -> int:
+        """Put 1-D uint8 ``data`` under ``key``; returns bytes occupied. TierFull leaves all as it was.
+
+        A replacement may use the old entry's room: then the old entry is
+        unpublished before the new one is written (the key is briefly absent).
+        """
+        if not isinstance(key, bytes):
+            raise TypeError(f"tier keys are bytes, got {type(key).__name__}")
+        n = data.numel()
+        need = self._pool.pages_for(n)
+        with self._lock:
+            old = self._entries.get(key)
+            room = self._pool.free_pages + (old.span.count if old is not None else 0)
+            if need > room:
+                raise TierFull(f"{self.name} tier: an entry of {n} bytes needs {need} pages of "
+                               f"{self.page_bytes}, {room} can be had (capacity {self._pool.capacity_bytes} bytes)")
+            if need > self._pool.free_pages and old is not None:
+                self._unpublish(key)
+            span = self._pool.alloc(n)
+        try:
+            self._pool.write(span, data)
+        except BaseException:
+            self._pool.free(span)
+            raise
+        with self._lock:
+            if key in self._entries:
+                self._unpublish(key)
+            self._entries[key] = Entry(span=span, nbytes=n, meta=meta)
+        return span.count * self.page_bytes
+
+    def _unpublish(self, key: bytes) -> int:
+        """Remove ``key`` (lock held); its pages are freed now or by its last reader. Returns bytes."""
+        entry = self._entries.pop(key)
+        entry.dropped = True
+        if entry.readers == 0:
+            self._pool.free(entry.span)
+        return entry.span.count * self.page_bytes
+
+    @contextmanager
+    def _reading(self, key: bytes) -> Iterator[Entry]:
+        """Hold ``key``'s entry (its pages stay allocated) for the duration. KeyError when absent."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                raise KeyError(key)
+            entry.readers += 1
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                entry.readers -= 1
+                if entry.dropped and entry.readers == 0:
+                    self._pool.free(entry.span)
+
+    # -- Tier -------------------------------------------------------------------------
+    def drop(self, key: bytes) -> int:
+        """Remove ``key``; return the bytes freed (0 if absent). A concurrent reader finishes first."""
+        with self._lock:
+            if key not in self._entries:
+                return 0
+            return self._unpublish(key)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def keys(self) -> Iterator[bytes]:
+        with self._lock:
+            snapshot = list(self._entries)
+        return iter(snapshot)
+
+    def nbytes(self, key: bytes) -> int:
+        with self._lock:
+            return self._entries[key].span.count * self.page_bytes
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            blocks = len(self._entries)
+            used = self._pool.used_pages * self.page_bytes
+        return TierUsage(name=self.name, blocks=blocks, used_bytes=used, capacity_bytes=self._pool.capacity_bytes)
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self._unpublish(key)

@@ -1,0 +1,187 @@
+"""A fixed arena of equal pages that the hbm and ram tiers keep their entries in.
+
+::
+
+    arena (exactly capacity bytes, allocated once)
+    +--------+--------+--------+--------+--------+--   --+--------+~~~~~~~+
+    | page 0 | page 1 | page 2 | page 3 | page 4 |  ...  | page P | slack |
+    +--------+--------+--------+--------+--------+--   --+--------+~~~~~~~+
+      entry a (3 pages)          entry b (2 pages, not contiguous: 3 and 7)
+
+An entry of ``n`` bytes takes ``ceil(n / page_bytes)`` pages, any free ones.
+Writes go through ``index_copy_`` on the ``[pages, page_bytes]`` view (or one
+``copy_`` when the pages happen to be a contiguous run), reads through
+``index_select``, so a read result is a fresh tensor that never aliases the
+arena. The ``slack`` past the last whole page (when the capacity is not a
+multiple of the page size) is allocated but never used.
+
+The free list is a preallocated stack of page numbers: alloc pops, free pushes;
+an entry gets only its page tuple and its index tensor, nothing else. Pages are
+popped in ascending order and pushed back reversed, so an entry freed and a new
+entry of the same size get the same contiguous run back: with fixed-size
+blocks (every block of a layout has the same size) entries stay contiguous and
+reads take the fast path.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from kvstore.tiers.base import TierFull
+
+from kvstore.errors import ConfigError
+
+DEFAULT_PAGE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PageSpan:
+    """The pages one entry holds. ``index`` is int64 on the pool's device (for index_copy_/select)."""
+
+    index: torch.Tensor
+    pages: tuple[int, ...]
+    first: int
+    contiguous: bool
+
+    @property
+    def count(self) -> int:
+        return len(self.pages)
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``"auto"`` -> ``cuda:0`` when CUDA is present else ``cpu``; a cuda device without CUDA raises ConfigError."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {device!r} is not a torch device; use 'cpu', 'cuda:N' or 'auto'") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} needs CUDA, but this torch build sees no GPU; "
+                              "use device 'cpu' or 'auto'")
+        index = 0 if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) present")
+        dev = torch.device("cuda", index)
+    elif dev.type != "cpu":
+        raise ConfigError(f"device {device!r} is not supported; use 'cpu', 'cuda:N' or 'auto'")
+    return dev
+
+
+class PagePool:
+    """A preallocated arena cut into ``page_bytes`` pages, with a free list.
+
+    ``can_alloc`` checks, ``alloc``/``free`` change the free list (under a lock,
+    so the pool is thread-safe). ``write``/``read``/``view`` touch only the
+    span's pages and take no lock: the caller owns a span from ``alloc`` until
+    it passes it to ``free``, and must not free a span that is being read.
+    """
+
+    def __init__(self, capacity_bytes: int, page_bytes: int = DEFAULT_PAGE_BYTES,
+                 device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
+        for name, value, low in (("capacity_bytes", capacity_bytes, 0), ("page_bytes", page_bytes, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"page pool {name} must be an integer >= {low}, got {value!r}")
+        self.device = resolve_device(device)
+        self.capacity_bytes = capacity_bytes
+        self.page_bytes = page_bytes
+        self.num_pages = capacity_bytes // page_bytes
+        pin = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
+        self.pinned = pin
+        # Zero-filled on purpose: the memory is touched now, so a host that cannot back the
+        # configured capacity fails at start instead of being OOM-killed under load later.
+        self._arena = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+        self._pages = self._arena[: self.num_pages * page_bytes].view(self.num_pages, page_bytes)
+        self._flat = self._arena[: self.num_pages * page_bytes]
+        # Stack of free page numbers; the top is at _top - 1. Highest pages at the bottom.
+        self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._top = self.num_pages
+        self._lock = threading.Lock()
+
+    # -- checks -----------------------------------------------------------------------
+    def pages_for(self, nbytes: int) -> int:
+        """Pages an entry of ``nbytes`` bytes takes (at least one, so every entry owns a page)."""
+        return max(1, -(-nbytes // self.page_bytes))
+
+    def can_alloc(self, nbytes: int) -> bool:
+        """Whether ``alloc(nbytes)`` would succeed now. Changes nothing."""
+        with self._lock:
+            return self.pages_for(nbytes) <= self._top
+
+    @property
+    def free_pages(self) -> int:
+        with self._lock:
+            return self._top
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - self.free_pages
+
+    # -- changes ----------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> PageSpan:
+        """Take the pages for ``nbytes`` bytes. Raises TierFull (nothing taken) when too few are free."""
+        need = self.pages_for(nbytes)
+        with self._lock:
+            if need > self._top:
+                raise TierFull(f"page pool on {self.device}: {nbytes} bytes need {need} pages of "
+                               f"{self.page_bytes}, {self._top} of {self.num_pages} free")
+            taken = self._free[self._top - need : self._top][::-1].copy()
+            self._top -= need
+        pages = tuple(int(p) for p in taken)
+        contiguous = bool(np.all(np.diff(taken) == 1))
+        index = torch.from_numpy(taken).to(self.device)
+        return PageSpan(index=index, pages=pages, first=pages[0], contiguous=contiguous)
+
+    def free(self, span: PageSpan) -> None:
+        """Return the span's pages to the free list. The span must not be used afterwards."""
+        with self._lock:
+            if self._top + span.count > self.num_pages:
+                raise RuntimeError("page pool: freeing more pages than were taken (double free)")
+            self._free[self._top : self._top + span.count] = span.pages[::-1]
+            self._top += span.count
+
+    # -- data -------------------------------------------------------------------------
+    def write(self, span: PageSpan, data: torch.Tensor) -> None:
+        """Copy ``data`` (1-D uint8, any device) into the span's pages, from the start of its first page."""
+        n = data.numel()
+        if n > span.count * self.page_bytes:
+            raise ValueError(f"{n} bytes do not fit {span.count} pages of {self.page_bytes}")
+        data = data.to(self.device, non_blocking=False)
+        if span.contiguous:
+            start = span.first * self.page_bytes
+            self._flat[start : start + n].copy_(data)
+            return
+        full = n // self.page_bytes
+        if full:
+            self._pages.index_copy_(0, span.index[:full], data[: full * self.page_bytes].view(full, self.page_bytes))
+        rest = n - full * self.page_bytes
+        if rest:
+            self._pages[span.pages[full], :rest].copy_(data[full * self.page_bytes :])
+
+    def read(self, span: PageSpan, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` bytes of the span as a fresh 1-D uint8 tensor on the pool's device."""
+        if span.contiguous:
+            start = span.first * self.page_bytes
+            return self._flat[start : start + nbytes].clone()
+        return self._pages.index_select(0, span.index).view(-1)[:nbytes]
+
+    def view(self, span: PageSpan, nbytes: int) -> torch.Tensor | None:
+        """The bytes in place (aliasing the arena) when the span is contiguous, else None.
+
+        Only valid while the caller keeps the span from being freed; copy before letting go.
+        """
+        if not span.contiguous:
+            return None
+        start = span.first * self.page_bytes
+        return self._flat[start : start + nbytes]
+
+    def xor_byte(self, span: PageSpan, offset: int, mask: int = 0xFF) -> None:
+        """Flip bits of the byte at ``offset`` of the span's data in place. For corruption tests only."""
+        if not 0 <= offset < span.count * self.page_bytes:
+            raise IndexError(f"offset {offset} is outside the span's {span.count * self.page_bytes} bytes")
+        page, pos = span.pages[offset // self.page_bytes], offset % self.page_bytes
+        self._pages[page, pos] ^= mask
