@@ -1,0 +1,179 @@
+"""The client's connection to a daemon: one DEALER socket, timeouts, retries, reconnects.
+
+Requests are pipelined (up to ``window`` in flight) and replies are handed to
+a callback as they arrive, in whatever order the daemon finishes them, so a
+long prefix streams through without either side holding all of it twice.
+
+When a reply does not come within ``timeout`` (daemon restarted, killed, or
+stopping), an idempotent exchange closes the socket, opens a fresh one,
+says hello again and re-sends what was unanswered, up to ``retries`` times.
+A reply saying the namespace is unknown (the daemon restarted and came back
+on the same socket) triggers a hello and a re-send, without a new socket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvstore.keys import Namespace
+from kvstore.messages import ErrorReply, Hello, HelloOk, Message
+from kvstore.protocol import ClientProtocol, Limits
+from kvstore.protocol_errors import RemoteProtocolError, RequestTimeout, ServerError, error_for_reply
+
+# Error codes after which the same request may succeed on a (re)started daemon.
+TRANSIENT = frozenset({"shutting_down", "busy"})
+BACKOFF = 0.05  # seconds before the first re-send after a transient error; doubles each time
+
+
+class Connection:
+    """A DEALER socket to ``endpoint`` speaking the kvstore protocol. Not thread-safe."""
+
+    def __init__(self, endpoint: str, *, timeout: float, retries: int, namespace: Namespace | None,
+                 context: zmq.Context | None = None) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.retries = retries
+        self.namespace = namespace
+        self.limits: Limits | None = None  # learnt from the hello reply
+        self._own_ctx = context is None
+        self.ctx = context or zmq.Context()
+        self.sock: zmq.Socket | None = None
+        self.proto = ClientProtocol()
+        self.reconnects = 0
+        self._greeted = False
+
+    def _open(self) -> zmq.Socket:
+        if self.sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.linger = 0  # never block close on requests nobody will answer
+            sock.connect(self.endpoint)
+            self.sock = sock
+        return self.sock
+
+    def reconnect(self) -> None:
+        """Drop the socket and everything awaited on it; the next exchange opens a fresh one."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        self.proto = ClientProtocol()
+        self._greeted = False
+        self.reconnects += 1
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        if self._own_ctx:
+            self.ctx.term()
+
+    def _send(self, msg: Message) -> int:
+        rid, frames = self.proto.send(msg)
+        # payload frames go without copying; a lone header is cheaper copied than wrapped in a zmq.Frame
+        self._open().send_multipart(frames, copy=len(frames) == 1)
+        return rid
+
+    def _recv(self, deadline: float) -> tuple[int, Message] | None:
+        """The next awaited reply, or None at ``deadline``. Raises RemoteProtocolError for a malformed one."""
+        sock = self._open()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            sock.rcvtimeo = max(1, int(left * 1000))
+            try:
+                frames: list[Any] = [sock.recv()]  # the header: small, copying is cheapest
+            except zmq.Again:
+                return None
+            while sock.rcvmore:
+                frames.append(sock.recv(copy=False))  # payloads: kept as zmq frames, never copied
+            got = self.proto.receive(frames)
+            if got is not None:
+                return got
+
+    def ensure_hello(self) -> None:
+        """Register the namespace (once per socket); a no-op for a client without one."""
+        if self._greeted or self.namespace is None:
+            return
+        self._greeted = True  # set first: the exchange below must not recurse
+        reply = self.call(Hello(namespace=self.namespace), idempotent=True, greet=False)
+        assert isinstance(reply, HelloOk)
+        self.limits = Limits.from_dict(reply.limits)
+
+    def call(self, msg: Message, *, idempotent: bool, greet: bool = True) -> Message:
+        """Send one request and return its reply (error replies raise)."""
+        out: list[Message] = []
+        self.pipeline(1, lambda _: msg, lambda _, r: out.append(r), idempotent=idempotent, greet=greet)
+        return out[0]
+
+    def pipeline(self, n: int, make: Callable[[int], Message], on_reply: Callable[[int, Message], Any], *,
+                 idempotent: bool, window: int = 1, greet: bool = True) -> None:
+        """Send requests ``make(0) .. make(n-1)``, at most ``window`` in flight; ``on_reply(i, reply)`` per answer.
+
+        ``make`` may be called again for the same index after a reconnect.
+        Raises the library exception of the first error reply, RequestTimeout
+        when retries run out, RemoteProtocolError for a garbled reply that a
+        retry did not cure.
+        """
+        todo: deque[int] = deque(range(n))
+        inflight: dict[int, int] = {}  # request id -> index
+        attempts = 0
+
+        def again(reason: str, *, fresh_socket: bool, backoff: bool = False, cause: Exception | None = None) -> None:
+            nonlocal attempts, inflight
+            if not idempotent or attempts >= self.retries:
+                for rid in inflight:
+                    self.proto.forget(rid)
+                if cause is not None:
+                    raise cause
+                raise RequestTimeout(f"no reply from {self.endpoint} within {self.timeout}s ({reason}) after "
+                                     f"{attempts + 1} attempt(s); is the daemon running?")
+            attempts += 1
+            todo.extendleft(sorted(inflight.values(), reverse=True))
+            if fresh_socket:
+                self.reconnect()
+            else:
+                for rid in inflight:
+                    self.proto.forget(rid)
+                self._greeted = False
+            inflight = {}
+            if backoff:
+                time.sleep(BACKOFF * 2 ** (attempts - 1))
+
+        while todo or inflight:
+            if greet:
+                self.ensure_hello()
+            while todo and len(inflight) < window:
+                i = todo.popleft()
+                inflight[self._send(make(i))] = i
+            try:
+                got = self._recv(time.monotonic() + self.timeout)
+            except RemoteProtocolError as e:
+                again("garbled reply", fresh_socket=True, cause=e)
+                continue
+            if got is None:
+                again("timeout", fresh_socket=True)
+                continue
+            rid, reply = got
+            i = inflight.pop(rid)
+            if isinstance(reply, ErrorReply):
+                if reply.code == "unknown_namespace" and greet:
+                    inflight[rid] = i  # re-sent with the others after the hello
+                    again("daemon forgot the namespace", fresh_socket=False)
+                    continue
+                if reply.code in TRANSIENT:
+                    inflight[rid] = i
+                    again(reply.code, fresh_socket=reply.code == "shutting_down", backoff=True,
+                          cause=error_for_reply(reply.code, reply.message))
+                    continue
+                for other in inflight:
+                    self.proto.forget(other)
+                raise error_for_reply(reply.code, reply.message)
+            on_reply(i, reply)
+
+
+__all__ = ["Connection", "ServerError"]

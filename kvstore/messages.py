@@ -1,0 +1,267 @@
+"""The typed messages of the kvstore wire protocol (no I/O).
+
+A message is a msgpack header (frame 0) plus, for ``put`` requests and ``get``
+replies, one raw payload frame holding K/V bytes ``[L, 2, n*T, H, D]`` in the
+namespace's dtype. Token ids travel inside the header as a msgpack ``bin`` of
+little-endian uint32 (what the Python client sends) or as a list of ints
+(what a hand-written client may send; range-checked here).
+
+Each class lists its header fields in ``schema`` (name -> checker); decoding a
+header runs every checker, rejects unknown fields and missing required ones,
+and raises RemoteProtocolError with a stable code, never anything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvstore import fields as F
+from kvstore.keys import Namespace
+from kvstore.protocol_errors import RemoteProtocolError
+
+Buffer = Any  # a bytes-like object: bytes, memoryview, numpy array, zmq.Frame
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every request and reply. ``payload`` names the field sent as a raw frame, if any."""
+
+    op: ClassVar[str] = ""
+    schema: ClassVar[dict[str, F.Check]] = {}
+    payload: ClassVar[str | None] = None
+
+    def header_fields(self) -> dict[str, Any]:
+        return {name: F.wire(getattr(self, name)) for name in self.schema}
+
+    def payload_frames(self) -> list[Buffer]:
+        if self.payload is None:
+            return []
+        data = getattr(self, self.payload)
+        return [] if data is None else [data]
+
+    @classmethod
+    def payload_count(cls, header: dict[str, Any]) -> int:
+        """How many payload frames a message with these (already checked) fields carries."""
+        return 0 if cls.payload is None else 1
+
+    @classmethod
+    def from_fields(cls, header: dict[str, Any], frames: list[Buffer]) -> Message:
+        """Build from a header's fields (``v``/``op``/``id`` removed) and its payload frames."""
+        unknown = set(header) - set(cls.schema)
+        if unknown:
+            raise RemoteProtocolError("bad_header", f"{cls.op}: unknown field(s) {sorted(unknown)}")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name == cls.payload:
+                continue
+            if f.name in header:
+                values[f.name] = cls.schema[f.name](f.name, header[f.name])
+            elif f.default is MISSING:
+                raise RemoteProtocolError("bad_header", f"{cls.op}: missing field {f.name!r}")
+        expected = cls.payload_count(values)
+        if len(frames) != expected:
+            raise RemoteProtocolError(
+                "bad_frames", f"{cls.op} carries {expected} payload frame(s), got {len(frames)}"
+            )
+        if cls.payload is not None:
+            values[cls.payload] = frames[0] if frames else None
+        return cls(**values)
+
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Register the namespace this client works in; the reply names it (``ns``) and the limits."""
+
+    op = "hello"
+    schema = {"namespace": F.namespace}
+    namespace: Namespace
+
+
+@dataclass(frozen=True)
+class Ping(Message):
+    op = "ping"
+
+
+@dataclass(frozen=True)
+class Lookup(Message):
+    op = "lookup"
+    schema = {"ns": F.text, "tokens": F.tokens}
+    ns: str
+    tokens: np.ndarray
+
+
+@dataclass(frozen=True)
+class Get(Message):
+    """Blocks ``start_block .. start_block+max_blocks-1`` of the prefix, as far as they match."""
+
+    op = "get"
+    schema = {"ns": F.text, "tokens": F.tokens, "start_block": F.nonneg_int, "max_blocks": F.opt_int}
+    ns: str
+    tokens: np.ndarray
+    start_block: int = 0
+    max_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class Put(Message):
+    """Blocks ``start_block ..`` of the prefix ``tokens``; ``kv`` is ``shape`` in ``dtype``."""
+
+    op = "put"
+    schema = {"ns": F.text, "tokens": F.tokens, "start_block": F.nonneg_int, "shape": F.shape,
+              "dtype": F.text, "session": F.opt_text}
+    payload = "kv"
+    ns: str
+    tokens: np.ndarray
+    shape: tuple[int, ...]
+    dtype: str
+    kv: Buffer = None
+    start_block: int = 0
+    session: str | None = None
+
+
+@dataclass(frozen=True)
+class Evict(Message):
+    """Evict what matches every given filter (``all`` alone matches everything)."""
+
+    op = "evict"
+    schema = {"session": F.opt_text, "older_than": F.opt_number, "tier": F.opt_text, "namespace": F.opt_text,
+              "model": F.opt_text, "tenant": F.opt_text, "all": F.boolean, "dry_run": F.boolean}
+    session: str | None = None
+    older_than: float | None = None
+    tier: str | None = None
+    namespace: str | None = None
+    model: str | None = None
+    tenant: str | None = None
+    all: bool = False
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class Stats(Message):
+    op = "stats"
+
+
+@dataclass(frozen=True)
+class Inspect(Message):
+    """No fields: every session. ``session``: that session. ``ns`` + ``tokens``: where each block is."""
+
+    op = "inspect"
+    schema = {"session": F.opt_text, "ns": F.opt_text, "tokens": F.opt_tokens}
+    session: str | None = None
+    ns: str | None = None
+    tokens: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Prefetch(Message):
+    op = "prefetch"
+    schema = {"session": F.text, "to": F.text}
+    session: str
+    to: str = "ram"
+
+
+REQUESTS: dict[str, type[Message]] = {
+    c.op: c for c in (Hello, Ping, Lookup, Get, Put, Evict, Stats, Inspect, Prefetch)
+}
+# Safe to send again after a timeout: a repeat changes nothing a first try would not.
+IDEMPOTENT = frozenset({"hello", "ping", "lookup", "get", "put", "stats", "inspect", "prefetch"})
+
+
+# ---------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True)
+class HelloOk(Message):
+    op = "hello"
+    schema = {"ns": F.text, "limits": F.a_map, "server": F.text}
+    ns: str
+    limits: dict[str, Any]
+    server: str = ""
+
+
+@dataclass(frozen=True)
+class Pong(Message):
+    op = "ping"
+    schema = {"server": F.text, "pid": F.nonneg_int, "time": F.opt_number}
+    server: str
+    pid: int
+    time: float | None = None
+
+
+@dataclass(frozen=True)
+class LookupOk(Message):
+    op = "lookup"
+    schema = {"matched_blocks": F.nonneg_int, "matched_tokens": F.nonneg_int, "tiers": F.a_list}
+    matched_blocks: int
+    matched_tokens: int
+    tiers: list[str]
+
+
+@dataclass(frozen=True)
+class GetOk(Message):
+    """``blocks`` blocks from ``start_block``, as one ``[L, 2, blocks*T, H, D]`` payload (none when 0)."""
+
+    op = "get"
+    schema = {"start_block": F.nonneg_int, "blocks": F.nonneg_int, "tiers": F.a_list}
+    payload = "kv"
+    start_block: int
+    blocks: int
+    tiers: list[str]
+    kv: Buffer = None
+
+    @classmethod
+    def payload_count(cls, header: dict[str, Any]) -> int:
+        return 1 if header.get("blocks") else 0
+
+
+@dataclass(frozen=True)
+class PutOk(Message):
+    """``failed`` lists ``[block index, code, message]`` for every block that was not stored."""
+
+    op = "put"
+    schema = {"stored": F.nonneg_int, "present": F.nonneg_int, "failed": F.a_list, "deferred": F.nonneg_int}
+    stored: int
+    present: int
+    failed: list[list[Any]]
+    deferred: int = 0
+
+
+@dataclass(frozen=True)
+class EvictOk(Message):
+    op = "evict"
+    schema = {"blocks": F.nonneg_int, "bytes_freed": F.a_map, "moved": F.nonneg_int, "keys": F.a_list}
+    blocks: int
+    bytes_freed: dict[str, int]
+    moved: int
+    keys: list[bytes]
+
+
+@dataclass(frozen=True)
+class DataOk(Message):
+    """A reply whose body is plain data (stats, inspect, prefetch)."""
+
+    op = "data"
+    schema = {"data": F.anything}
+    data: Any
+
+
+@dataclass(frozen=True)
+class ErrorReply(Message):
+    """The request failed; ``code`` is stable (see protocol.ERROR_CODES), ``message`` says why and the fix."""
+
+    op = "error"
+    schema = {"code": F.text, "message": F.text}
+    code: str
+    message: str
+
+
+REPLIES: dict[str, type[Message]] = {
+    "hello": HelloOk, "ping": Pong, "lookup": LookupOk, "get": GetOk, "put": PutOk, "evict": EvictOk,
+    "stats": DataOk, "inspect": DataOk, "prefetch": DataOk,
+}

@@ -1,0 +1,279 @@
+"""The kvstore wire protocol, without I/O (in the manner of h11).
+
+Every message is a list of frames::
+
+    frame 0   msgpack map {"v": PROTOCOL_VERSION, "op": str, "id": int, ...fields}
+    frame 1   (put requests, get replies with blocks > 0) raw K/V bytes [L, 2, n*T, H, D]
+
+A ``ClientProtocol`` turns typed requests into frames and frames back into
+typed replies, matching them by request id (replies may come out of order).
+A ``ServerProtocol`` turns frames into validated requests (or a
+RemoteProtocolError carrying the code of the error reply to send), keeps the
+namespace registry (``hello``) and counts each peer's requests in flight.
+Moving frames is the job of client.py and server.py; tests join the two
+objects in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from kvstore.errors import LayoutError
+from kvstore.keys import Namespace
+from kvstore.layout import DTYPES, dtype_name
+from kvstore.messages import REPLIES, REQUESTS, Buffer, ErrorReply, Get, Hello, HelloOk, Message, Put
+from kvstore.protocol_errors import LocalProtocolError, RemoteProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_NAMESPACES = 4096  # distinct namespaces one daemon registers; more is almost surely a bug
+
+
+def tensor_payload(kv: torch.Tensor) -> Buffer:
+    """The bytes of ``kv`` (on the CPU, contiguous) as a buffer zmq can send without copying."""
+    kv = kv.detach().to("cpu").contiguous()
+    return kv.view(-1).view(torch.uint8).numpy()
+
+
+def payload_tensor(buf: Buffer, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over the bytes of a received frame (no copy when the frame is writable)."""
+    raw: Any = getattr(buf, "buffer", buf)
+    view = memoryview(raw)
+    if view.readonly:  # bytes (in-memory use); zmq frames are writable
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=dtype).view(shape)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one message may carry. The daemon enforces them and tells clients in the hello reply."""
+
+    max_message_bytes: int = 512 * 2**20
+    max_tokens: int = 131072
+    max_inflight: int = 64
+
+    @property
+    def max_header_bytes(self) -> int:
+        # room for the fields plus every token id as a msgpack int (at most 5 bytes as uint32)
+        return 65536 + 5 * self.max_tokens
+
+    def to_dict(self) -> dict[str, int]:
+        return {"max_message_bytes": self.max_message_bytes, "max_tokens": self.max_tokens,
+                "max_inflight": self.max_inflight}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Limits:
+        try:
+            return cls(**{k: int(d[k]) for k in ("max_message_bytes", "max_tokens", "max_inflight")})
+        except (KeyError, TypeError, ValueError) as e:
+            raise RemoteProtocolError("bad_header", f"hello reply has malformed limits {d!r}") from e
+
+
+def nbytes(buf: Buffer) -> int:
+    """Size in bytes of a frame or buffer."""
+    n = getattr(buf, "nbytes", None)  # memoryview, numpy; bytes and zmq.Frame have len()
+    return int(n) if n is not None else len(buf)
+
+
+def encode(rid: int | None, msg: Message, op: str | None = None) -> list[Buffer]:
+    """Frames of ``msg`` with request id ``rid``. ``op`` overrides the header op (replies echo the request's)."""
+    header = {"v": PROTOCOL_VERSION, "op": op or msg.op, "id": rid, **msg.header_fields()}
+    if isinstance(msg, ErrorReply):
+        header["op"] = "error"
+    return [msgpack.packb(header, use_bin_type=True), *msg.payload_frames()]
+
+
+def read_header(frame: Buffer, limit: int) -> tuple[dict[str, Any], int | None]:
+    """Decode frame 0 into (fields, request id). Raises RemoteProtocolError (with the id when known)."""
+    size = nbytes(frame)
+    if size > limit:
+        raise RemoteProtocolError("too_large", f"header is {size} bytes, over the limit of {limit}")
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types on garbage
+        raise RemoteProtocolError("bad_message", f"frame 0 is not valid msgpack: {e}") from None
+    if not isinstance(header, dict):
+        raise RemoteProtocolError("bad_message", f"frame 0 must be a msgpack map, got {type(header).__name__}")
+    rid = header.pop("id", None)
+    if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 2**64):
+        raise RemoteProtocolError("bad_header", f"header id must be an unsigned integer, got {rid!r}")
+    version = header.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            "version", f"protocol version {version!r} is not spoken here (this side speaks {PROTOCOL_VERSION}); "
+            "upgrade the older of client and daemon", rid)
+    return header, rid
+
+
+def _check_put_payload(msg: Put, exc: type[LocalProtocolError] | type[RemoteProtocolError]) -> None:
+    """The payload of a put must hold exactly ``shape`` values of ``dtype``."""
+    try:
+        itemsize = DTYPES[dtype_name(msg.dtype)].itemsize
+    except LayoutError as e:
+        raise exc("layout", str(e)) from None
+    expect = math.prod(msg.shape) * itemsize
+    got = nbytes(msg.kv) if msg.kv is not None else 0
+    if got != expect:
+        raise exc("bad_payload", f"put payload is {got} bytes; shape {list(msg.shape)} in {msg.dtype} is {expect}")
+
+
+def reply_frames(request: Request, msg: Message) -> list[Buffer]:
+    """Frames answering ``request`` with ``msg`` (a reply of its op, or an ErrorReply). Pure: safe on any thread.
+
+    Raises LocalProtocolError when ``msg`` does not answer that op.
+    """
+    if not isinstance(msg, (ErrorReply, REPLIES[request.msg.op])):
+        raise LocalProtocolError("bad_header", f"{type(msg).__name__} does not answer {request.msg.op!r}")
+    return encode(request.id, msg, op=request.msg.op)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request from ``peer``; ``namespace`` is resolved from ``msg.ns`` when the op has one."""
+
+    peer: bytes
+    id: int
+    msg: Message
+    namespace: Namespace | None = None
+
+
+class ServerProtocol:
+    """The daemon's half: validation, namespaces, and requests in flight per peer. Not thread-safe."""
+
+    def __init__(self, limits: Limits, server: str = "kvstore") -> None:
+        self.limits = limits
+        self.server = server
+        self.namespaces: dict[str, Namespace] = {}
+        self.inflight: dict[bytes, int] = {}
+
+    def receive(self, peer: bytes, frames: list[Buffer]) -> Request:
+        """Validate a request; on success it counts as in flight until ``reply`` is called for it.
+
+        Raises RemoteProtocolError (code and, when readable, the request id) for
+        anything malformed or over a limit; nothing is then counted.
+        """
+        if not frames:
+            raise RemoteProtocolError("bad_message", "empty message")
+        header, rid = read_header(frames[0], self.limits.max_header_bytes)
+        if rid is None:
+            raise RemoteProtocolError("bad_header", "header has no request id")
+        try:
+            total = sum(nbytes(f) for f in frames)
+            if total > self.limits.max_message_bytes:
+                raise RemoteProtocolError("too_large", f"message is {total} bytes, over max_message_bytes "
+                                          f"{self.limits.max_message_bytes}; send smaller chunks")
+            op = header.pop("op", None)
+            cls = REQUESTS.get(op) if isinstance(op, str) else None
+            if cls is None:
+                raise RemoteProtocolError("unknown_op", f"unknown op {op!r}; ops are {', '.join(REQUESTS)}")
+            msg = cls.from_fields(header, list(frames[1:]))
+            namespace = self._check(msg)
+            if self.inflight.get(peer, 0) >= self.limits.max_inflight:
+                raise RemoteProtocolError("busy", f"{self.limits.max_inflight} requests already in flight "
+                                          "from this client; wait for replies")
+        except RemoteProtocolError as e:
+            e.request_id = rid
+            raise
+        self.inflight[peer] = self.inflight.get(peer, 0) + 1
+        return Request(peer, rid, msg, namespace)
+
+    def _check(self, msg: Message) -> Namespace | None:
+        tokens = getattr(msg, "tokens", None)
+        if tokens is not None and len(tokens) > self.limits.max_tokens:
+            raise RemoteProtocolError("too_many_tokens", f"{len(tokens)} token ids, over max_tokens_per_request "
+                                      f"{self.limits.max_tokens}")
+        ns_id = getattr(msg, "ns", None)
+        if ns_id is None:
+            return None
+        namespace = self.namespaces.get(ns_id)
+        if namespace is None:
+            raise RemoteProtocolError("unknown_namespace", f"namespace {ns_id!r} is not registered; send hello first")
+        layout = namespace.layout
+        if isinstance(msg, Put):
+            if msg.dtype != layout.dtype or len(msg.shape) != 5 or msg.shape[2] % layout.block_tokens or \
+                    msg.shape != layout.shape(msg.shape[2]):
+                raise RemoteProtocolError("layout", f"put of shape {list(msg.shape)} {msg.dtype} contradicts the "
+                                          f"namespace layout {layout.to_dict()}")
+            _check_put_payload(msg, RemoteProtocolError)
+            blocks = msg.shape[2] // layout.block_tokens
+            if blocks == 0 or msg.start_block + blocks > len(msg.tokens) // layout.block_tokens:
+                raise RemoteProtocolError("invalid_argument", f"put of {blocks} block(s) from block "
+                                          f"{msg.start_block} needs that many full blocks of tokens")
+        if isinstance(msg, Get) and msg.max_blocks == 0:
+            raise RemoteProtocolError("invalid_argument", "get max_blocks must be at least 1 (or absent)")
+        return namespace
+
+    def hello(self, request: Request) -> list[Buffer]:
+        """Register the hello's namespace and return the reply frames (hello needs no worker)."""
+        assert isinstance(request.msg, Hello)
+        ns = request.msg.namespace
+        if ns.id not in self.namespaces and len(self.namespaces) >= MAX_NAMESPACES:
+            return self.error(request.peer, request.id, "invalid_namespace",
+                              f"this daemon already serves {MAX_NAMESPACES} namespaces", done=True)
+        self.namespaces[ns.id] = ns
+        return self.reply(request, HelloOk(ns=ns.id, limits=self.limits.to_dict(), server=self.server))
+
+    def reply(self, request: Request, msg: Message) -> list[Buffer]:
+        """Frames answering ``request`` with ``msg``; the request stops counting as in flight."""
+        frames = reply_frames(request, msg)
+        self.done(request.peer)
+        return frames
+
+    def error(self, peer: bytes, rid: int | None, code: str, message: str, *, done: bool) -> list[Buffer]:
+        """Frames of an error reply; ``done`` when it answers a request that was counted in flight."""
+        if done:
+            self.done(peer)
+        return encode(rid, ErrorReply(code=code, message=message))
+
+    def done(self, peer: bytes) -> None:
+        """One request of ``peer`` was answered (by frames from ``reply_frames`` sent elsewhere)."""
+        left = self.inflight.get(peer, 0) - 1
+        if left > 0:
+            self.inflight[peer] = left
+        else:
+            self.inflight.pop(peer, None)
+
+
+class ClientProtocol:
+    """The client's half: request ids and the replies they await. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._next_id = 1
+        self.pending: dict[int, str] = {}  # request id -> op
+
+    def send(self, msg: Message) -> tuple[int, list[Buffer]]:
+        """Frames for ``msg`` under a fresh request id. Raises LocalProtocolError for an invalid message."""
+        if msg.op not in REQUESTS or not isinstance(msg, REQUESTS[msg.op]):
+            raise LocalProtocolError("unknown_op", f"{type(msg).__name__} is not a request")
+        if isinstance(msg, Put):
+            _check_put_payload(msg, LocalProtocolError)
+        rid = self._next_id
+        self._next_id += 1
+        self.pending[rid] = msg.op
+        return rid, encode(rid, msg)
+
+    def receive(self, frames: list[Buffer]) -> tuple[int, Message] | None:
+        """The (request id, reply) in ``frames``: a typed reply or an ErrorReply.
+
+        Returns None for a reply to a request no longer awaited (it timed out
+        and was forgotten). Raises RemoteProtocolError for a malformed reply.
+        """
+        if not frames:
+            raise RemoteProtocolError("bad_message", "empty reply")
+        header, rid = read_header(frames[0], 2**31)
+        op = header.pop("op", None)
+        if rid is None or rid not in self.pending:
+            return None
+        expected = self.pending.pop(rid)
+        cls = ErrorReply if op == "error" else REPLIES.get(expected)
+        if cls is None or (op != "error" and op != expected):
+            raise RemoteProtocolError("bad_header", f"reply op {op!r} to a {expected!r} request", rid)
+        return rid, cls.from_fields(header, list(frames[1:]))
+
+    def forget(self, rid: int) -> None:
+        """Stop awaiting ``rid`` (after a timeout); a late reply to it is dropped by ``receive``."""
+        self.pending.pop(rid, None)

@@ -1,0 +1,101 @@
+"""Errors of the wire protocol, and the stable error codes of error replies.
+
+Three different things go wrong on a wire, and each has its own exception:
+
+- LocalProtocolError: this side was asked to send something the protocol does
+  not allow (nothing was sent).
+- RemoteProtocolError: the peer sent something the protocol does not allow.
+  The daemon answers it with an error reply carrying ``code``; a client drops
+  the connection it came on.
+- ServerError: the daemon answered a well-formed request with an error reply.
+  Codes of kvstore.errors classes come back to the client as those classes
+  (a remote ``layout`` error raises LayoutError), with ServerError mixed in.
+"""
+
+from __future__ import annotations
+
+from kvstore import errors
+from kvstore.errors import KVStoreError
+
+# code -> what it means; a code never changes meaning once published.
+ERROR_CODES: dict[str, str] = {
+    "bad_message": "frame 0 is not a msgpack map",
+    "bad_header": "a header field is missing, unknown or of the wrong type",
+    "unknown_op": "the op is not one this daemon serves",
+    "version": "the protocol version is not one this daemon speaks",
+    "bad_frames": "the number of payload frames does not match the op",
+    "bad_payload": "the payload's size does not match its shape and dtype",
+    "too_large": "the message or its header is over the daemon's limit",
+    "too_many_tokens": "more token ids than max_tokens_per_request",
+    "busy": "this client already has max_inflight_per_client requests in flight",
+    "unknown_namespace": "the ns id was never registered with hello (or the daemon restarted)",
+    "not_found": "the session (or other named thing) does not exist",
+    "invalid_argument": "a field has a value outside what the op allows",
+    "shutting_down": "the daemon is stopping and takes no new requests",
+    "timeout": "no reply within the client's timeout (client side only)",
+    "internal": "an unexpected error inside the daemon; the daemon logged it",
+    "config": "a configuration value is not allowed",
+    "layout": "a layout is invalid or a tensor does not match the namespace's layout",
+    "invalid_tokens": "token ids that cannot be keyed (type, rank, range)",
+    "invalid_namespace": "a namespace field is empty or malformed",
+    "codec": "a codec could not encode a block",
+    "corrupt_frame": "a stored frame failed its checks and was dropped",
+    "tier_full": "no room in a tier: every block there is pinned",
+    "tier_io": "the backing store failed (disk full, I/O error)",
+    "store_locked": "another daemon holds the LMDB path",
+    "invalid_filter": "an evict filter with no criterion, or an unknown tier",
+}
+
+
+class ProtocolError(KVStoreError):
+    """Base of protocol errors; ``code`` is one of ERROR_CODES."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class LocalProtocolError(ProtocolError):
+    """This side tried to send a message the protocol forbids; nothing was sent."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent a message the protocol forbids. ``request_id`` is its id when it could be read."""
+
+    def __init__(self, code: str, message: str, request_id: int | None = None) -> None:
+        super().__init__(code, message)
+        self.request_id = request_id
+
+
+class ServerError(KVStoreError):
+    """The daemon answered with an error reply (``code``, ``message``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{message} [{code}]")
+        self.code = code
+        self.message = message
+
+
+class RequestTimeout(ServerError, TimeoutError):
+    """No reply came within the timeout (after the retries an idempotent request gets)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("timeout", message)
+
+
+def _library_classes() -> dict[str, type[KVStoreError]]:
+    found: dict[str, type[KVStoreError]] = {}
+    for obj in vars(errors).values():
+        if isinstance(obj, type) and issubclass(obj, KVStoreError) and obj is not KVStoreError:
+            found.setdefault(obj.code, obj)  # first definition of a code is its base class
+    return found
+
+
+def error_for_reply(code: str, message: str) -> ServerError:
+    """The exception a client raises for an error reply: the library's class for its code, else ServerError."""
+    base = _library_classes().get(code)
+    if base is None:
+        return ServerError(code, message)
+    cls = type(f"Server{base.__name__}", (ServerError, base), {})
+    return cls(code, message)

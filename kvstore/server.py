@@ -1,0 +1,290 @@
+"""The kvstore daemon: a ZeroMQ ROUTER loop in front of the store.
+
+::
+
+    clients (DEALER) ──► ROUTER ─ loop thread ─► ThreadPoolExecutor ─► Handlers ─► Store
+                          ▲          ▲  (validate, hello, ping inline)        │
+                          └──────────┴──── inproc PULL ◄── PUSH (one per worker) ◄┘
+
+The loop thread owns both sockets and never waits on LMDB or codec work: it
+validates frames (ServerProtocol), answers hello and ping itself, answers a
+lookup itself when the store's lock is free that instant (``try_lookup``;
+a lookup reads only the in-memory index), hands every other request to a worker, and forwards replies as workers finish them, out
+of order, each carrying its request id. zmq sockets are not thread-safe, so
+each worker thread sends its replies through its own inproc PUSH socket.
+
+SIGTERM/SIGINT: stop accepting (new requests get ``shutting_down``), finish
+the requests in flight, flush the write-through queue and close LMDB
+(``Store.close``), remove the socket file, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from kvstore.config import Config, load_config
+from kvstore.endpoint import claim, ipc_path
+from kvstore.errors import KVStoreError
+from kvstore.handlers import Handlers
+from kvstore.messages import ErrorReply, Hello, Message, Ping, Pong
+from kvstore.metrics import Metrics
+from kvstore.protocol import PROTOCOL_VERSION, Limits, Request, ServerProtocol, encode, reply_frames
+from kvstore.protocol_errors import RemoteProtocolError
+
+if TYPE_CHECKING:
+    from kvstore.store import Store
+
+log = logging.getLogger("kvstore.server")
+
+EXIT_OK, EXIT_REFUSED = 0, 1
+DRAIN_TIMEOUT = 60.0  # seconds to finish in-flight requests after a stop signal
+POLL_MS = 100  # how soon the loop notices a stop request
+BATCH = 64  # messages taken from a socket per wake-up, so neither side starves the other
+
+
+class Server:
+    """One daemon instance serving ``store`` on ``config.server.endpoint``. ``run`` blocks until stopped."""
+
+    def __init__(self, config: Config, store: Store, ctx: zmq.Context | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.ctx = ctx or zmq.Context()
+        cfg = config.server
+        self.limits = Limits(max_message_bytes=cfg.max_message_bytes, max_tokens=cfg.max_tokens_per_request,
+                             max_inflight=cfg.max_inflight_per_client)
+        self.proto = ServerProtocol(self.limits, server=f"kvstore/{PROTOCOL_VERSION}")
+        self.handlers = Handlers(store, self.info)
+        self.metrics = Metrics(store)
+        self._stop_reason: str | None = None
+        self._local = threading.local()
+        self._worker_sockets: list[zmq.Socket] = []
+        self._sockets_lock = threading.Lock()
+        self._replies = f"inproc://kvstore-replies-{id(self):x}"
+        self._started = time.time()
+        self.requests = self.errors = self.outstanding = 0
+
+    def stop(self, reason: str) -> None:
+        """Ask the loop to stop (safe from a signal handler or another thread)."""
+        self._stop_reason = self._stop_reason or reason
+
+    def info(self) -> dict[str, Any]:
+        """Counters for ``stats`` (read from worker threads; plain ints, so a snapshot is consistent enough)."""
+        return {"endpoint": self.config.server.endpoint, "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
+                "uptime": time.time() - self._started, "requests": self.requests, "errors": self.errors,
+                "inflight": self.outstanding, "clients": len(self.proto.inflight),
+                "namespaces": len(self.proto.namespaces), "workers": self.config.server.workers,
+                "limits": self.limits.to_dict()}
+
+    def run(self) -> int:
+        """Bind, serve until ``stop``, then drain and close everything. Returns the exit code."""
+        router = self.ctx.socket(zmq.ROUTER)
+        router.linger = 1000  # let the last replies leave on close
+        # a hard cap far above the soft limit: bigger frames cost the peer its connection, smaller
+        # ones over max_message_bytes get a too_large reply
+        router.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_message_bytes + self.limits.max_header_bytes)
+        pull = self.ctx.socket(zmq.PULL)
+        pull.bind(self._replies)
+        try:
+            router.bind(self.config.server.endpoint)
+            metrics_url = self.metrics.start(self.config.server.metrics_port)
+        except BaseException:
+            router.close(linger=0)
+            pull.close(linger=0)
+            raise
+        path = ipc_path(self.config.server.endpoint)
+        if path is not None:
+            os.chmod(path, 0o600)
+        workers = ThreadPoolExecutor(self.config.server.workers, thread_name_prefix="kvstore-worker",
+                                     initializer=self._init_worker)
+        self._log_start(metrics_url)
+        try:
+            self._loop(router, pull, workers)
+        finally:
+            workers.shutdown(wait=True)
+            self.metrics.stop()
+            while self.outstanding and self._forward(router, pull, block=False):
+                pass
+            with self._sockets_lock:
+                for s in self._worker_sockets:
+                    s.close(linger=0)
+            pull.close(linger=0)
+            router.close()
+            if path is not None:
+                path.unlink(missing_ok=True)
+        return EXIT_OK
+
+    def _loop(self, router: zmq.Socket, pull: zmq.Socket, workers: ThreadPoolExecutor) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(pull, zmq.POLLIN)
+        deadline = None
+        while True:
+            if self._stop_reason is not None:
+                if deadline is None:
+                    log.info("stopping (%s): finishing %d request(s) in flight", self._stop_reason, self.outstanding)
+                    deadline = time.monotonic() + DRAIN_TIMEOUT
+                if self.outstanding == 0:
+                    return
+                if time.monotonic() > deadline:
+                    log.warning("%d request(s) still running after %.0fs; waiting for them to end",
+                                self.outstanding, DRAIN_TIMEOUT)
+                    return
+            events = dict(poller.poll(POLL_MS))
+            if pull in events:
+                self._forward(router, pull, block=False)
+            if router in events:
+                for _ in range(BATCH):
+                    try:
+                        peer = router.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    frames: list[Any] = []
+                    while router.rcvmore:  # the header is small: copied; payloads stay zmq frames
+                        frames.append(router.recv(copy=not frames))
+                    try:
+                        self._on_request(router, workers, peer, frames)
+                    except Exception as e:  # a bug in our checks must not end the daemon
+                        log.exception("a request from %s broke the loop; answering internal", peer.hex())
+                        router.send_multipart([peer, *encode(None, ErrorReply(code="internal", message=str(e)))])
+
+    def _on_request(self, router: zmq.Socket, workers: ThreadPoolExecutor, peer: bytes, frames: list) -> None:
+        self.requests += 1
+        arrived = time.perf_counter()
+        try:
+            request = self.proto.receive(peer, frames)
+        except RemoteProtocolError as e:
+            self.errors += 1
+            self.metrics.observe("invalid", time.perf_counter() - arrived, e.code)
+            log.debug("rejected a request from %s: %s [%s]", peer.hex(), e.message, e.code)
+            router.send_multipart([peer, *self.proto.error(peer, e.request_id, e.code, e.message, done=False)])
+            return
+        reply: Message | None
+        if self._stop_reason is not None:
+            reply = ErrorReply(code="shutting_down", message="the daemon is stopping; retry shortly")
+        elif isinstance(request.msg, Hello):
+            reply = None
+        elif isinstance(request.msg, Ping):
+            reply = Pong(server=self.proto.server, pid=os.getpid(), time=time.time())
+        else:
+            reply = self.handlers.try_inline(request)
+            if reply is None:
+                self.outstanding += 1
+                workers.submit(self._work, request, arrived)
+                return
+        out = self.proto.hello(request) if reply is None else self.proto.reply(request, reply)
+        self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
+        router.send_multipart([peer, *out])  # a small reply: copying beats wrapping in zmq.Frames
+
+    def _init_worker(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.connect(self._replies)
+        self._local.push = sock
+        with self._sockets_lock:
+            self._worker_sockets.append(sock)
+
+    def _work(self, request: Request, arrived: float) -> None:
+        """Run on a worker thread: exactly one reply goes back for ``request``, whatever happens."""
+        try:
+            reply = self.handlers.handle(request)
+            frames = reply_frames(request, reply)
+            self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
+            if isinstance(reply, ErrorReply):
+                self.errors += 1
+        except BaseException as e:  # noqa: B036 - the reply must go out even then
+            log.exception("encoding the reply to request %s failed", request.id)
+            frames = encode(request.id, ErrorReply(code="internal", message=f"reply failed: {e}"))
+        self._local.push.send_multipart([request.peer, *frames], copy=False)
+
+    def _forward(self, router: zmq.Socket, pull: zmq.Socket, *, block: bool) -> int:
+        """Send up to BATCH replies workers finished; returns how many. A vanished peer's reply is dropped."""
+        for n in range(BATCH):
+            try:
+                frames = pull.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return n
+            router.send_multipart(frames, copy=False)
+            self.proto.done(frames[0].bytes)
+            self.outstanding -= 1
+        return BATCH
+
+    def _log_start(self, metrics_url: str | None) -> None:
+        cfg = self.config
+        try:
+            tiers = {name: f"{t.used}/{t.capacity} bytes, {t.blocks} blocks"
+                     for name, t in self.store.stats().tiers.items()}
+        except Exception as e:  # logging must not stop the start
+            tiers = {"?": str(e)}
+        log.info("kvstore %s serving %s (pid %d, %d workers)", PROTOCOL_VERSION, cfg.server.endpoint, os.getpid(),
+                 cfg.server.workers)
+        log.info("tiers: %s; hbm device %s, ram codec %s, nvme %s", tiers, cfg.hbm.resolved_device(), cfg.ram.codec,
+                 f"{cfg.nvme.path} ({cfg.nvme.codec}, write_through={cfg.nvme.write_through})"
+                 if cfg.nvme.enabled else "off")
+        log.info("limits: %s; metrics: %s", self.limits.to_dict(), metrics_url or "off")
+
+
+def _setup_logging(level: str) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kvstore").setLevel(level.upper())
+
+
+def serve(config: Config) -> int:
+    """Run the daemon until SIGTERM/SIGINT. Returns 0 after a clean stop, 1 when it refuses to start."""
+    _setup_logging(config.server.log_level)
+    ctx = zmq.Context()
+    try:
+        claim(ctx, config.server.endpoint, insecure_tcp_ok=config.server.allow_insecure_tcp,
+              curve=config.server.curve_secret_key is not None)
+        if config.server.curve_secret_key is not None:
+            raise KVStoreError("CURVE encryption is not implemented in this build; serve tcp only with "
+                               "allow_insecure_tcp = true on a trusted network, or use an ipc:// endpoint")
+        from kvstore.store import Store
+
+        store = Store.from_config(config)
+    except KVStoreError as e:
+        log.error("refusing to start: %s", e)
+        ctx.destroy(linger=0)
+        return EXIT_REFUSED
+    server = Server(config, store, ctx)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: server.stop(signal.Signals(signum).name))
+    try:
+        try:
+            code = server.run()
+        except (zmq.ZMQError, KVStoreError) as e:
+            log.error("refusing to start: cannot serve %s: %s", config.server.endpoint, e)
+            code = EXIT_REFUSED
+            server.stop("start failed")
+    finally:
+        store.close()  # flushes the write-through queue and closes LMDB
+        ctx.destroy(linger=1000)
+    log.info("stopped (%s); %d requests served, store flushed and closed",
+             server._stop_reason or "loop ended", server.requests)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstore.server", description="Run the kvstore daemon.")
+    parser.add_argument("--config", help="TOML file (default: $KVSTORE_CONFIG, else built-in defaults)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except KVStoreError as e:
+        print(f"kvstore: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

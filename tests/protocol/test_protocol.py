@@ -1,0 +1,271 @@
+"""The protocol objects joined in memory: a client and a server half, no sockets."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.errors import LayoutError
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from kvstore.messages import (
+    REQUESTS,
+    DataOk,
+    ErrorReply,
+    Evict,
+    Get,
+    GetOk,
+    Hello,
+    HelloOk,
+    Lookup,
+    LookupOk,
+    Ping,
+    Pong,
+    Put,
+    PutOk,
+)
+from kvstore.protocol import PROTOCOL_VERSION, ClientProtocol, Limits, Request, ServerProtocol
+from kvstore.protocol_errors import (
+    LocalProtocolError,
+    RemoteProtocolError,
+    ServerError,
+    error_for_reply,
+)
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float16", block_tokens=4)
+NS = Namespace(model="m", layout=LAYOUT, tenant="t")
+PEER = b"peer-1"
+
+
+def kv_bytes(blocks: int) -> bytes:
+    return torch.zeros(LAYOUT.shape(blocks * LAYOUT.block_tokens), dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+
+
+def put_msg(ns: str, tokens: np.ndarray, blocks: int, start: int = 0) -> Put:
+    return Put(ns=ns, tokens=tokens, shape=LAYOUT.shape(blocks * 4), dtype="float16", kv=kv_bytes(blocks),
+               start_block=start)
+
+
+def joined(limits: Limits | None = None) -> tuple[ClientProtocol, ServerProtocol, str]:
+    """A client that has said hello to a server; returns both and the ns id."""
+    client, server = ClientProtocol(), ServerProtocol(limits or Limits(), server="test")
+    _, frames = client.send(Hello(namespace=NS))
+    got = client.receive(server.hello(server.receive(PEER, frames)))
+    assert got is not None and isinstance(got[1], HelloOk)
+    return client, server, got[1].ns
+
+
+def roundtrip(client: ClientProtocol, server: ServerProtocol, msg: object) -> Request:
+    _, frames = client.send(msg)  # type: ignore[arg-type]
+    return server.receive(PEER, frames)
+
+
+def test_hello_registers_namespace_and_returns_limits() -> None:
+    limits = Limits(max_message_bytes=1 << 20, max_tokens=64, max_inflight=2)
+    _, server, ns = joined(limits)
+    assert ns == NS.id and server.namespaces[ns] == NS
+    assert server.inflight == {}  # hello answered: nothing left in flight
+
+
+def test_lookup_round_trip_keeps_tokens_and_matches_reply_by_id() -> None:
+    client, server, ns = joined()
+    tokens = np.arange(10, dtype="<u4")
+    req = roundtrip(client, server, Lookup(ns=ns, tokens=tokens))
+    # the server sees the same tokens and the namespace resolved from the ns id
+    assert isinstance(req.msg, Lookup) and req.namespace == NS
+    assert np.array_equal(req.msg.tokens, tokens)
+    assert server.inflight == {PEER: 1}
+    rid, reply = client.receive(server.reply(req, LookupOk(matched_blocks=2, matched_tokens=8, tiers=["hbm"] * 2)))
+    assert rid == req.id and reply == LookupOk(2, 8, ["hbm", "hbm"])
+    assert server.inflight == {} and client.pending == {}
+
+
+def test_replies_out_of_order_match_their_requests() -> None:
+    client, server, ns = joined()
+    a = roundtrip(client, server, Lookup(ns=ns, tokens=np.arange(4, dtype="<u4")))
+    b = roundtrip(client, server, Ping())
+    # b answered first
+    got_b = client.receive(server.reply(b, Pong(server="test", pid=1)))
+    got_a = client.receive(server.reply(a, LookupOk(1, 4, ["ram"])))
+    assert got_b is not None and got_b[0] == b.id
+    assert got_a is not None and got_a[0] == a.id and isinstance(got_a[1], LookupOk)
+
+
+def test_put_payload_travels_as_a_separate_frame_and_get_reply_carries_blocks() -> None:
+    client, server, ns = joined()
+    tokens = np.arange(12, dtype="<u4")
+    _, frames = client.send(put_msg(ns, tokens, blocks=2, start=1))
+    assert len(frames) == 2 and len(frames[1]) == 2 * LAYOUT.block_nbytes
+    req = server.receive(PEER, frames)
+    assert isinstance(req.msg, Put) and req.msg.start_block == 1 and len(req.msg.kv) == 2 * LAYOUT.block_nbytes
+    rid, reply = client.receive(server.reply(req, PutOk(stored=1, present=0, failed=[[2, "tier_full", "pinned"]])))
+    assert reply == PutOk(1, 0, [[2, "tier_full", "pinned"]])
+
+    req = roundtrip(client, server, Get(ns=ns, tokens=tokens, max_blocks=16))
+    out = server.reply(req, GetOk(start_block=0, blocks=3, tiers=["hbm"] * 3, kv=kv_bytes(3)))
+    assert len(out) == 2
+    _, reply = client.receive(out)
+    assert isinstance(reply, GetOk) and reply.blocks == 3 and len(reply.kv) == 3 * LAYOUT.block_nbytes
+    # a get reply without blocks has no payload frame
+    req = roundtrip(client, server, Get(ns=ns, tokens=tokens))
+    out = server.reply(req, GetOk(start_block=0, blocks=0, tiers=[]))
+    assert len(out) == 1 and client.receive(out)[1].kv is None  # type: ignore[index,union-attr]
+
+
+def raw(header: dict, *payload: bytes) -> list[bytes]:
+    return [msgpack.packb(header, use_bin_type=True), *payload]
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([b"\xc1\xc1 not msgpack"], "bad_message"),
+        ([msgpack.packb([1, 2, 3])], "bad_message"),
+        (raw({"v": PROTOCOL_VERSION, "op": "ping"}), "bad_header"),
+        (raw({"v": PROTOCOL_VERSION, "op": "fly", "id": 1}), "unknown_op"),
+        (raw({"v": 99, "op": "ping", "id": 1}), "version"),
+        (raw({"v": PROTOCOL_VERSION, "op": "ping", "id": 1}, b"extra"), "bad_frames"),
+        (raw({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "colour": "red"}), "bad_header"),
+        (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": 5, "tokens": b""}), "bad_header"),
+        (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": NS.id, "tokens": [1, -1]}), "invalid_tokens"),
+        (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": NS.id, "tokens": [2**32]}), "invalid_tokens"),
+        (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": NS.id, "tokens": b"abc"}), "invalid_tokens"),
+        (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": "nope", "tokens": b""}), "unknown_namespace"),
+        (raw({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "namespace": {"model": "m"}}), "invalid_namespace"),
+        (raw({"v": PROTOCOL_VERSION, "op": "hello", "id": 1,
+              "namespace": {"model": "m", "layout": {"num_layers": 0, "num_kv_heads": 1, "head_dim": 4}}}), "layout"),
+    ],
+)
+def test_malformed_requests_raise_remote_errors_with_codes(frames: list[bytes], code: str) -> None:
+    _, server, _ = joined()
+    with pytest.raises(RemoteProtocolError) as info:
+        server.receive(PEER, frames)
+    assert info.value.code == code
+    assert server.inflight == {}  # a rejected request is never counted
+
+
+def test_request_id_survives_into_the_error_when_readable() -> None:
+    _, server, _ = joined()
+    with pytest.raises(RemoteProtocolError) as info:
+        server.receive(PEER, raw({"v": PROTOCOL_VERSION, "op": "fly", "id": 77}))
+    assert info.value.request_id == 77
+    # the error reply goes back under that id and the client sees the code
+    client = ClientProtocol()
+    client.pending[77] = "ping"
+    rid, reply = client.receive(server.error(PEER, 77, info.value.code, info.value.message, done=False))
+    assert rid == 77 and isinstance(reply, ErrorReply) and reply.code == "unknown_op"
+
+
+def test_put_checks_against_the_namespace_layout() -> None:
+    client, server, ns = joined()
+    tokens = np.arange(8, dtype="<u4")
+    # shape of another layout (3 heads): contradicts the namespace
+    wrong = Put(ns=ns, tokens=tokens, shape=(2, 2, 4, 3, 4), dtype="float16", kv=bytes(2 * 2 * 4 * 3 * 4 * 2))
+    with pytest.raises(RemoteProtocolError, match="contradicts") as info:
+        roundtrip(client, server, wrong)
+    assert info.value.code == "layout"
+    # right shape, other dtype
+    with pytest.raises(RemoteProtocolError) as info:
+        roundtrip(client, server, Put(ns=ns, tokens=tokens, shape=LAYOUT.shape(4), dtype="bfloat16", kv=kv_bytes(1)))
+    assert info.value.code == "layout"
+    # more blocks than the tokens name
+    with pytest.raises(RemoteProtocolError) as info:
+        roundtrip(client, server, put_msg(ns, tokens, blocks=2, start=1))
+    assert info.value.code == "invalid_argument"
+
+
+def test_payload_size_mismatch_is_local_before_sending_and_remote_on_receipt() -> None:
+    client, server, ns = joined()
+    tokens = np.arange(4, dtype="<u4")
+    short = Put(ns=ns, tokens=tokens, shape=LAYOUT.shape(4), dtype="float16", kv=kv_bytes(1)[:-2])
+    with pytest.raises(LocalProtocolError) as local:
+        client.send(short)
+    assert local.value.code == "bad_payload" and not isinstance(local.value, RemoteProtocolError)
+    # the same message built by hand (no client checks) is refused by the server
+    header = {"v": PROTOCOL_VERSION, "op": "put", "id": 5, "ns": ns, "tokens": tokens.tobytes(),
+              "shape": list(LAYOUT.shape(4)), "dtype": "float16"}
+    with pytest.raises(RemoteProtocolError) as remote:
+        server.receive(PEER, raw(header, kv_bytes(1)[:-2]))
+    assert remote.value.code == "bad_payload"
+    with pytest.raises(RemoteProtocolError) as remote:
+        server.receive(PEER, raw(header))  # payload frame missing
+    assert remote.value.code == "bad_frames"
+
+
+def test_limits_tokens_and_inflight() -> None:
+    client, server, ns = joined(Limits(max_message_bytes=4096, max_tokens=16, max_inflight=2))
+    with pytest.raises(RemoteProtocolError) as info:
+        roundtrip(client, server, Lookup(ns=ns, tokens=np.arange(17, dtype="<u4")))
+    assert info.value.code == "too_many_tokens"
+    # two in flight is the most: the third is refused as busy, then accepted once one is answered
+    first = roundtrip(client, server, Ping())
+    roundtrip(client, server, Ping())
+    with pytest.raises(RemoteProtocolError) as info:
+        roundtrip(client, server, Ping())
+    assert info.value.code == "busy"
+    server.reply(first, Pong(server="test", pid=1))
+    assert isinstance(roundtrip(client, server, Ping()).msg, Ping)
+
+
+def test_oversized_message_is_too_large() -> None:
+    client, server, ns = joined(Limits(max_message_bytes=1000, max_tokens=64, max_inflight=4))
+    with pytest.raises(RemoteProtocolError) as info:
+        roundtrip(client, server, put_msg(ns, np.arange(32, dtype="<u4"), blocks=8))  # 8 * 64 B payload
+    assert info.value.code == "too_large"
+
+
+def test_late_reply_after_forget_is_dropped_and_wrong_op_is_remote_error() -> None:
+    client, server, ns = joined()
+    req = roundtrip(client, server, Lookup(ns=ns, tokens=np.arange(4, dtype="<u4")))
+    client.forget(req.id)
+    assert client.receive(server.reply(req, LookupOk(1, 4, ["hbm"]))) is None
+    req = roundtrip(client, server, Lookup(ns=ns, tokens=np.arange(4, dtype="<u4")))
+    with pytest.raises(RemoteProtocolError):
+        client.receive(server.reply(Request(PEER, req.id, Ping()), Pong(server="test", pid=1)))
+    # the server half refuses to answer a request with a reply of another op
+    with pytest.raises(LocalProtocolError):
+        server.reply(req, DataOk(data=1))
+
+
+def test_evict_fields_round_trip_with_defaults() -> None:
+    client, server, _ = joined()
+    req = roundtrip(client, server, Evict(session="conv-1", older_than=60.0, dry_run=True))
+    assert req.msg == Evict(session="conv-1", older_than=60.0, dry_run=True)
+
+
+def test_error_replies_become_library_exceptions_on_the_client() -> None:
+    err = error_for_reply("layout", "shape mismatch")
+    assert isinstance(err, LayoutError) and isinstance(err, ServerError) and err.code == "layout"
+    other = error_for_reply("busy", "slow down")
+    assert type(other) is ServerError and other.code == "busy"
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=8)
+    | st.binary(max_size=64),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_field_names = st.sampled_from(["ns", "tokens", "start_block", "max_blocks", "shape", "dtype", "session", "namespace",
+                                "older_than", "tier", "all", "dry_run", "to", "id", "v", "op", "junk"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(op=st.sampled_from([*REQUESTS, "nope"]), fields=st.dictionaries(_field_names, _values, max_size=6),
+       payloads=st.lists(st.binary(max_size=64), max_size=2))
+def test_any_header_is_either_a_request_or_a_remote_protocol_error(op: str, fields: dict, payloads: list) -> None:
+    """Whatever a peer sends, the server half answers with a typed request or a coded error, nothing else."""
+    _, server, ns = joined()
+    header = {"v": PROTOCOL_VERSION, "op": op, "id": 9, **fields}
+    if fields.get("ns") == "registered":
+        header["ns"] = ns
+    try:
+        req = server.receive(PEER, [msgpack.packb(header, use_bin_type=True), *payloads])
+    except RemoteProtocolError as e:
+        assert e.code and e.message
+        assert server.inflight == {}
+    else:
+        assert req.msg.op == op and server.inflight == {PEER: 1}
