@@ -1,0 +1,282 @@
+"""Tier and store throughput beside memcpy and raw LMDB; index lookup, memory and reopen at scale.
+
+    .venv/bin/python bench/tiers.py [--blocks 24] [--repeat 5] [--index-blocks 1000000] [--threads 1] [--dir DIR]
+
+1. Throughput, in GB/s of native bytes of SmolLM2-135M blocks (30 layers x 2 x
+   64 tokens x 3 KV heads x 64 dims, bfloat16 = 1.47 MB a block), of put and get
+   on each tier and on the whole store (hashing and index included), beside
+   ``clone()`` of the same blocks (a get returns a fresh tensor, so clone is its
+   memcpy) and beside raw LMDB put/get of the very frames the nvme tier writes
+   (one transaction per put; get = the frame's bytes copied out). Aims: hbm and
+   ram (raw codec) get >= 50% of memcpy; nvme get >= 50% of raw LMDB reads with
+   the same codec. Best of ``--repeat`` rounds, peer measured in the same round.
+2. Lookup of a 32K-token prompt (512 blocks) with 10K, 100K and 1M blocks
+   indexed: it should stay flat (one SHA-256 and one dict probe per block).
+3. Index memory per block (tracemalloc, aim <= 300 B) and the time to reopen a
+   store of 1M blocks from LMDB (aim <= 10 s). These use a tiny layout (1 layer,
+   1 head, 8 dims, 4 tokens: 128-byte blocks) so that 1M blocks take ~0.5 GB of
+   disk and a minute to write; the index does not depend on the block size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import statistics
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import torch
+
+from kvstore.codecs import get_codec
+from kvstore.keys import Namespace, chain
+from kvstore.layout import KVLayout
+from kvstore.record import BlockRecord
+from kvstore.results import EvictFilter
+from kvstore.store import Store
+from kvstore.tiers.hbm import HbmTier
+from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.ram import RamTier
+
+SMOL = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=64)
+TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16", block_tokens=4)
+GB = 1e9
+
+
+def best_pair(fn: Callable[[], object], peer: Callable[[], object], repeat: int) -> tuple[float, float]:
+    """Best time of ``fn`` and of ``peer`` over ``repeat`` rounds, run alternately (same conditions)."""
+    a, b = [], []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        peer()
+        b.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fn()
+        a.append(time.perf_counter() - t)
+    return min(a), min(b)
+
+
+def line(name: str, nbytes: int, secs: float, peer: float, peer_name: str) -> None:
+    print(f"  {name:<30} {nbytes / secs / GB:7.2f} GB/s   {peer_name:<14} {nbytes / peer / GB:7.2f} GB/s"
+          f"   ratio {peer / secs:5.2f}")
+
+
+def throughput(n: int, repeat: int, root: Path) -> None:
+    print(f"\n== throughput: {n} SmolLM2 blocks of {SMOL.block_nbytes / 1e6:.2f} MB "
+          f"({n * SMOL.block_nbytes / 1e6:.0f} MB a pass), best of {repeat} alternating rounds ==")
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(SMOL.shape(), generator=g).to(torch.bfloat16) for _ in range(n)]
+    dst = [torch.empty_like(b) for b in blocks]
+    keys = [i.to_bytes(32, "big") for i in range(n)]
+    total = n * SMOL.block_nbytes
+
+    def copy() -> None:  # the peer of a put: bytes into memory that exists
+        for d, b in zip(dst, blocks, strict=True):
+            d.copy_(b)
+
+    def clone() -> None:  # the peer of a get: a fresh tensor holding the bytes
+        for b in blocks:
+            b.clone()
+
+    def tier_case(name: str, tier: Any) -> None:
+        def put() -> None:
+            for k, b in zip(keys, blocks, strict=True):
+                tier.put(k, b)
+
+        def get() -> None:
+            for k in keys:
+                tier.get(k)
+
+        line(f"{name} put", total, *best_pair(put, copy, repeat), "memcpy")
+        line(f"{name} get", total, *best_pair(get, clone, repeat), "memcpy(clone)")
+        tier.close()
+
+    page = 1 << 20
+    cap = (SMOL.block_nbytes // page + 2) * page * n
+    tier_case("hbm (cpu pool)", HbmTier(cap, page_bytes=page))
+    tier_case("ram raw", RamTier(cap, get_codec("raw"), page_bytes=page, pin_memory=False))
+    tier_case("ram fp8", RamTier(cap, get_codec("fp8"), page_bytes=page, pin_memory=False))
+
+    def nvme_case(codec_name: str, params: dict[str, Any]) -> None:
+        tier = NvmeTier(root / f"nvme-{codec_name}", 4 * cap, get_codec(codec_name, **params))
+        for k, b in zip(keys, blocks, strict=True):
+            tier.put(k, b)
+        frames = [tier.get_frame(k) for k in keys]
+        env = lmdb.open(str(root / f"lmdb-{codec_name}"), map_size=8 * cap, sync=False, metasync=False)
+
+        def put() -> None:
+            for k, b in zip(keys, blocks, strict=True):
+                tier.put(k, b)
+
+        def get() -> None:
+            for k in keys:
+                tier.get(k)
+
+        def raw_put() -> None:
+            for k, f in zip(keys, frames, strict=True):
+                with env.begin(write=True) as txn:
+                    txn.put(k, f)
+
+        def raw_get() -> None:
+            with env.begin(buffers=True) as txn:
+                for k in keys:
+                    bytes(txn.get(k) or b"")
+
+        label = f"nvme {codec_name}{'+zstd' if params else ''}"
+        line(f"{label} put", total, *best_pair(put, raw_put, repeat), "raw LMDB put")
+        line(f"{label} get", total, *best_pair(get, raw_get, repeat), "raw LMDB get")
+        print(f"  {'':<30} (frames are {sum(map(len, frames)) / total:.3f} of the native bytes)")
+        tier.close()
+        env.close()
+
+    nvme_case("raw", {})
+    nvme_case("int4", {"zstd": 3})
+
+    # The whole store: hashing, index, pins, hbm copies (no nvme: LMDB is measured above).
+    ns = Namespace("smollm2-135m-instruct", SMOL)
+    store = Store(HbmTier(cap, page_bytes=page), RamTier(cap, get_codec("fp8"), page_bytes=page, pin_memory=False),
+                  None)
+    toks = list(range(n * SMOL.block_tokens))
+    kv = torch.cat(blocks, dim=2)
+    whole = torch.empty_like(kv)
+    store.put(ns, toks, kv)
+    line("store put (present: touch)", total, *best_pair(lambda: store.put(ns, toks, kv),
+                                                         lambda: whole.copy_(kv), repeat), "memcpy")
+    line("store get (from hbm)", total, *best_pair(lambda: store.get(ns, toks), lambda: kv.clone(), repeat),
+         "memcpy(clone)")
+    store.close()
+    store = Store(HbmTier(cap, page_bytes=page), RamTier(cap, get_codec("fp8"), page_bytes=page, pin_memory=False),
+                  None)
+
+    def fresh_put() -> None:
+        store.evict(EvictFilter(all=True))
+        store.put(ns, toks, kv)
+
+    line("store put (new, into hbm)", total, *best_pair(fresh_put, lambda: whole.copy_(kv), repeat), "memcpy")
+    store.close()
+
+
+def tiny_block() -> torch.Tensor:
+    return torch.randn(TINY.shape()).to(torch.bfloat16)
+
+
+def fill_nvme(path: Path, n: int) -> tuple[Namespace, list[int]]:
+    """Write ``n`` tiny blocks as prompts of 512 blocks through NvmeTier.put_frame; returns the first prompt."""
+    ns = Namespace("bench-tiny", TINY)
+    tier = NvmeTier(path, 4 << 30, get_codec("raw"))
+    tier.put_namespace(ns.id, ns.to_dict())
+    frame = bytes(get_codec("raw").encode(tiny_block()))
+    T = TINY.block_tokens
+    first: list[int] = []
+    t0 = time.perf_counter()
+    done, prompt, now = 0, 0, time.time()
+    while done < n:
+        length = min(512, n - done)
+        toks = [prompt * 1_000_003 + i for i in range(length * T)]
+        if prompt == 0:
+            first = toks
+        parent = ns.root()
+        for i in range(length):
+            blk = toks[i * T:(i + 1) * T]
+            key = chain(parent, torch.tensor(blk).numpy().astype("<u4"))
+            rec = BlockRecord(key=key, parent=parent, namespace=ns.id, position=i,
+                              tokens=torch.tensor(blk, dtype=torch.int64).numpy().astype("<u4").tobytes(),
+                              created=now, last_access=now + prompt)
+            tier.put_frame(key, frame, rec)
+            parent = key
+        done += length
+        prompt += 1
+        if prompt % 200 == 0:
+            print(f"    ... {done} blocks written ({time.perf_counter() - t0:.0f} s)", flush=True)
+    tier.close()
+    return ns, first
+
+
+def open_store(path: Path) -> Store:
+    return Store(HbmTier(1 << 20, page_bytes=4096), RamTier(1 << 20, get_codec("raw"), page_bytes=4096,
+                                                            pin_memory=False),
+                 NvmeTier(path, 4 << 30, get_codec("raw")), tick=3600.0)
+
+
+def lookup_time(store: Store, ns: Namespace, toks: list[int], repeat: int = 20) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        r = store.lookup(ns, toks)
+        times.append(time.perf_counter() - t)
+    assert r.matched_blocks == len(toks) // ns.layout.block_tokens, r.matched_blocks
+    return statistics.median(times)
+
+
+def scale(index_blocks: int, root: Path) -> None:
+    print(f"\n== index at scale (tiny layout {TINY.block_nbytes} B blocks; lookups of a 32K-token prompt "
+          f"= 512 blocks) ==")
+    sizes = [s for s in (10_000, 100_000, 1_000_000) if s < index_blocks] + [index_blocks]
+    results = []
+    for n in sizes:
+        path = root / f"index-{n}"
+        t = time.perf_counter()
+        ns, first = fill_nvme(path, n)
+        fill = time.perf_counter() - t
+        gc.collect()
+        t = time.perf_counter()
+        store = open_store(path)
+        reopen = time.perf_counter() - t
+        look = lookup_time(store, ns, first)
+        store.close()
+        del store
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        store = open_store(path)
+        held = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        blocks = store.stats().blocks
+        store.close()
+        del store
+        gc.collect()
+        results.append((n, blocks, fill, reopen, look, held / max(blocks, 1)))
+        shutil.rmtree(path, ignore_errors=True)
+    print(f"  {'blocks':>9} {'write':>8} {'reopen':>8} {'lookup 32K':>11} {'index B/block':>14}")
+    for _n, blocks, fill, reopen, look, per in results:
+        print(f"  {blocks:>9} {fill:7.1f}s {reopen:7.2f}s {look * 1e3:9.3f}ms {per:13.0f}")
+    base_look = results[0][4]
+    print("  lookup flat?  " + ", ".join(f"{r[1]}: {r[4] / base_look:.2f} x" for r in results)
+          + f" of the {results[0][1]}-block time")
+    n, blocks, _, reopen, _, per = results[-1]
+    print(f"  aims: index {per:.0f} B/block ({per / 300:.2f} x the 300 B aim); "
+          f"reopen of {blocks} blocks {reopen:.2f} s ({reopen / 10:.2f} x the 10 s aim)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=24, help="SmolLM2 blocks per throughput pass")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--index-blocks", type=int, default=1_000_000, help="largest index for the scale part")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: with several busy cores, more only adds waiting)")
+    ap.add_argument("--dir", type=Path, default=None, help="where LMDB files go (default: a temp dir)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    root = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=args.dir))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; files under {root}")
+    try:
+        if not args.skip_throughput:
+            throughput(args.blocks, args.repeat, root)
+        if not args.skip_scale:
+            scale(args.index_blocks, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

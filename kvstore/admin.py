@@ -1,0 +1,241 @@
+"""Operator operations of the store: evict, prefetch, sessions.
+
+::
+
+    evict(filter)            select (AND of criteria) -> plan -> (dry run: report | act)
+      no tier:               drop each selected block and its descendants from every tier
+      tier = T:              each selected block held in T goes down one tier (from the last: dropped)
+    prefetch(session, to)    copy the session's chain up into tier ``to`` (reads outside the lock)
+
+A mixin of Store (store.py), over the Background mixin: it uses the store's
+lock, index, tiers and mover. Also here: stats and check_integrity.
+Pinned blocks are never evicted, not even on request; they are left out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvstore.background import Background
+from kvstore.index import TIER_MASK, BlockIndex, Entry
+from kvstore.keys import Namespace
+from kvstore.movement import Mover
+from kvstore.pins import PinTable
+from kvstore.results import (
+    BlockInfo,
+    EvictFilter,
+    EvictResult,
+    InvalidFilter,
+    InvalidRequest,
+    PrefetchResult,
+    SessionDetail,
+    SessionInfo,
+    StoreStats,
+    TierStats,
+)
+from kvstore.sessions import SessionState, SessionTable
+from kvstore.tiers.base import Tier
+
+
+class AdminOps(Background):
+    _lock: Any
+    _clock: Any
+    _index: BlockIndex
+    _tiers: list[Tier]
+    _names: list[str]
+    _mover: Mover
+    _pins: PinTable
+    _sessions: SessionTable
+    _namespaces: dict[str, Namespace]
+    _lease: float
+
+    _read: Any  # Store._read: decode a block from its best copy, outside the lock
+    _needs_record: Any
+
+    def evict(self, flt: EvictFilter, *, dry_run: bool = False) -> EvictResult:
+        """Drop (or, with ``flt.tier``, move down) the blocks ``flt`` selects, descendants included.
+
+        With ``dry_run`` nothing changes and the result lists what would go
+        and the bytes it would free per tier. Raises InvalidFilter for a filter
+        without criteria or with an unknown tier.
+        """
+        if not flt.selects_anything():
+            raise InvalidFilter("the filter selects nothing; give session, older_than, tier, namespace, "
+                                "model or tenant, or all=True to evict everything")
+        if flt.tier is not None and flt.tier not in self._names:
+            raise InvalidFilter(f"unknown tier {flt.tier!r}; tiers are {', '.join(self._names)}")
+        t = None if flt.tier is None else self._names.index(flt.tier)
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            chosen = [e for e in self._index.entries() if self._selected(e, flt, t, now)]
+            freed = dict.fromkeys(self._names, 0)
+            keys: list[bytes] = []
+            moved = 0
+            seen: set[bytes] = set()
+            plan: list[tuple[Entry, bool]] = []  # (block, whole subtree goes)
+            for e in chosen:
+                if e.key in seen or self._mover.pinned(e):
+                    continue
+                drops_all = t is None or (t == len(self._tiers) - 1 and e.tiers & TIER_MASK == 1 << t)
+                if drops_all:
+                    sub = self._index.subtree(e)
+                    if any(self._mover.pinned(d) for d in sub):
+                        continue
+                    for d in sub:
+                        if d.key not in seen:
+                            seen.add(d.key)
+                            keys.append(d.key)
+                            for dt in d.tier_list():
+                                freed[self._names[dt]] += self._tiers[dt].nbytes(d.key)
+                else:
+                    assert t is not None
+                    seen.add(e.key)
+                    keys.append(e.key)
+                    freed[self._names[t]] += self._tiers[t].nbytes(e.key)
+                    moved += not e.tiers & TIER_MASK & ~(1 << t)
+                plan.append((e, drops_all))
+            if not dry_run:
+                for e, drops_all in plan:
+                    if self._index.get(e.key) is not e:
+                        continue
+                    if drops_all:
+                        self._mover.drop_block(e)
+                    else:
+                        assert t is not None
+                        self._mover.evict_from(t, e)
+                if flt.session is not None and t is None and self._sessions.remove(flt.session):
+                    self._forget_session(flt.session)
+        return EvictResult(blocks=len(keys), bytes_freed={k: v for k, v in freed.items() if v},
+                           moved=moved, keys=keys, dry_run=dry_run)
+
+    def prefetch(self, session: str, to: str = "ram") -> PrefetchResult:
+        """Copy the blocks of ``session`` held below tier ``to`` up into it (making room there).
+
+        KeyError when the session is unknown; InvalidRequest for an unknown tier.
+        """
+        if to not in self._names:
+            raise InvalidRequest(f"unknown tier {to!r}; tiers are {', '.join(self._names)}")
+        target = self._names.index(to)
+        with self._lock:
+            self._check_open()
+            s = self._sessions.get(session)
+            if s is None:
+                raise KeyError(f"unknown session {session!r}")
+            tail = self._index.get(s.tail) if s.tail is not None else None
+            chain = self._index.chain(tail) if tail is not None else []
+            handle = self._pins.pin([e.key for e in chain], self._lease)
+        moved = present = failed = 0
+        try:
+            for e in chain:
+                with self._lock:
+                    gone = self._index.get(e.key) is not e
+                    up = not gone and e.highest() <= target
+                if up:
+                    present += 1
+                    continue
+                got = None if gone else self._read(e, torch.device("cpu"))
+                if got is None:
+                    failed += 1
+                    break  # the chain is broken here: nothing after it can be used
+                block, t = got
+                frames = {}
+                if t > target and self._mover.frame_tier(target):  # encoded before taking the lock
+                    frames[e.key] = (target, self._tiers[target].codec.encode(block))  # type: ignore[attr-defined]
+                with self._lock:
+                    self._mover.prepared = frames
+                    try:
+                        if t <= target:
+                            present += 1
+                        elif self._mover.promote(e, block, target, t):
+                            moved += 1
+                        else:
+                            failed += 1
+                    finally:
+                        self._mover.prepared = {}
+        finally:
+            with self._lock:
+                self._pins.release(handle)
+        return PrefetchResult(session=session, to=to, moved=moved, present=present, failed=failed)
+
+    def sessions(self) -> list[SessionInfo]:
+        """Every session, by name."""
+        with self._lock:
+            return [self._session_info(s)[0] for s in self._sessions.all()]
+
+    def session(self, name: str) -> SessionDetail:
+        """One session and its cached blocks, root first. KeyError when unknown."""
+        with self._lock:
+            s = self._sessions.get(name)
+            if s is None:
+                raise KeyError(f"unknown session {name!r}")
+            info, chain = self._session_info(s)
+            blocks = [BlockInfo(position=i, key=e.key.hex(), tiers=[self._names[t] for t in e.tier_list()],
+                                last_access=e.last_access) for i, e in enumerate(chain)]
+            return SessionDetail(info=info, blocks=blocks)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            tiers = {}
+            for t, tier in enumerate(self._tiers):
+                u, c = tier.usage(), self._mover.counters[t]
+                tiers[tier.name] = TierStats(tier.name, u.blocks, u.used_bytes, u.capacity_bytes, c.hits,
+                                             c.misses, c.evictions, c.demotions, c.promotions, c.corrupt)
+            return StoreStats(tiers=tiers, blocks=len(self._index), sessions=len(self._sessions),
+                              namespaces=len(self._namespaces), pinned=self._pins.pinned_keys(),
+                              write_queue=self._writer.depth() if self._writer else 0,
+                              write_deferred=len(self._deferred), written=self._counts["written"],
+                              expired=self._counts["expired"], lookups=self._counts["lookups"],
+                              tokens_asked=self._counts["tokens_asked"],
+                              tokens_matched=self._counts["tokens_matched"],
+                              tokens_served=self._counts["tokens_served"])
+
+
+    def check_integrity(self) -> list[str]:
+        """Every broken invariant (orphans, index/tier disagreement, capacity overrun); empty when sound."""
+        with self._lock:
+            keys = [set(t.keys()) for t in self._tiers]
+            if self._nvme_t is not None:
+                # a block the writer is writing may be on nvme a moment before the index says so
+                for k in self._writing:
+                    e = self._index.get(k)
+                    keys[self._nvme_t].discard(k)
+                    if e is not None and e.tiers & (1 << self._nvme_t):
+                        keys[self._nvme_t].add(k)
+            problems = self._index.check(keys, self._names, self._needs_record)
+            for tier in self._tiers:
+                u = tier.usage()
+                if u.used_bytes > u.capacity_bytes:
+                    problems.append(f"{tier.name} uses {u.used_bytes} bytes, over its capacity {u.capacity_bytes}")
+            return problems
+
+    # -- internals (lock held) ----------------------------------------------------------
+    def _selected(self, e: Entry, flt: EvictFilter, t: int | None, now: float) -> bool:
+        if t is not None and not e.tiers & (1 << t):
+            return False
+        if flt.session is not None and e.sessions != (flt.session,):
+            return False
+        if flt.older_than is not None and e.last_access > now - flt.older_than:
+            return False
+        if flt.namespace is not None and e.ns != flt.namespace:
+            return False
+        if flt.model is not None or flt.tenant is not None:
+            ns = self._namespaces.get(e.ns)
+            if ns is None or flt.model not in (None, ns.model) or flt.tenant not in (None, ns.tenant):
+                return False
+        return True
+
+    def _session_info(self, s: SessionState) -> tuple[SessionInfo, list[Entry]]:
+        tail = self._index.get(s.tail) if s.tail is not None else None
+        chain = self._index.chain(tail) if tail is not None else []
+        per_tier = dict.fromkeys(self._names, 0)
+        for e in chain:
+            for t in e.tier_list():
+                per_tier[self._names[t]] += 1
+        ns = self._namespaces.get(s.namespace)
+        info = SessionInfo(name=s.name, namespace=s.namespace, model=ns.model if ns else "",
+                           tenant=ns.tenant if ns else "", tokens=s.tokens, blocks=len(chain),
+                           tiers=per_tier, created=s.created, last_access=s.last_access)
+        return info, chain

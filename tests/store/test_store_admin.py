@@ -1,0 +1,144 @@
+"""Store: evict by filter (dry run too), prefetch, sessions, stats."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import NS, Clock, T, kv, tokens
+
+from kvstore.keys import Namespace, block_keys
+from kvstore.results import EvictFilter, InvalidFilter, InvalidRequest
+
+
+def test_evict_by_session_drops_its_blocks_and_keeps_shared_ones(make_store) -> None:
+    s = make_store(hbm_blocks=8, ram_blocks=8)
+    shared = tokens(2, seed=1)
+    a = shared + tokens(2, seed=2)  # a = shared prefix + 2 own blocks
+    s.put(NS, a, kv(4 * T, 1), session="a")
+    s.put(NS, shared, kv(2 * T, 1), session="b")  # b tags the shared prefix too
+    dry = s.evict(EvictFilter(session="a"), dry_run=True)
+    assert dry.blocks == 2 and dry.dry_run and set(dry.keys) == set(block_keys(NS, a)[2:])
+    assert dry.bytes_freed["hbm"] == 2 * 1024
+    assert s.lookup(NS, a).matched_blocks == 4  # nothing changed
+    r = s.evict(EvictFilter(session="a"))
+    assert r.blocks == 2 and set(r.keys) == set(dry.keys)
+    assert s.lookup(NS, a).matched_blocks == 2  # the shared prefix stays for b
+    assert [i.name for i in s.sessions()] == ["b"]
+    with pytest.raises(KeyError):
+        s.session("a")
+    assert s.check_integrity() == []
+
+
+def test_evicting_a_block_drops_its_descendants(make_store) -> None:
+    clock = Clock()
+    s = make_store(clock=clock, hbm_blocks=8, ram_blocks=8)
+    toks, data = tokens(4), kv(4 * T)
+    s.put(NS, toks, data[:, :, : 2 * T])                     # [0, 1] now
+    clock.advance(3600)
+    s.put(NS, toks, data[:, :, 2 * T :], start_block=2)      # [2, 3] an hour later
+    s.lookup(NS, toks)                                        # a lookup is not an access
+    # older than 30 min selects [0, 1]; their descendants [2, 3] go with them
+    dry = s.evict(EvictFilter(older_than=1800), dry_run=True)
+    assert set(dry.keys) == set(block_keys(NS, toks))
+    assert s.evict(EvictFilter(older_than=1800)).blocks == 4
+    assert s.stats().blocks == 0 and s.check_integrity() == []
+
+
+def test_evict_from_nvme_keeps_the_copies_above(make_store) -> None:
+    s = make_store(hbm_blocks=8, ram_blocks=8)
+    toks = tokens(4)
+    s.put(NS, toks, kv(4 * T))
+    assert s.flush(10)
+    r = s.evict(EvictFilter(tier="nvme"))
+    assert r.blocks == 4 and r.moved == 0 and set(r.keys) == set(block_keys(NS, toks))
+    assert s.lookup(NS, toks).tiers == ["hbm"] * 4
+    assert not set(s._tiers[-1].keys())
+    r = s.evict(EvictFilter(namespace=NS.id))
+    assert r.blocks == 4 and s.stats().blocks == 0
+    assert s.check_integrity() == []
+
+
+def test_evict_by_tier_moves_blocks_down_one_tier(make_store) -> None:
+    s = make_store(nvme=False)
+    toks = tokens(3)
+    s.put(NS, toks, kv(3 * T))
+    r = s.evict(EvictFilter(tier="hbm"))
+    assert r.blocks == 3 and r.moved == 3 and r.bytes_freed == {"hbm": 3 * 1024}
+    assert s.lookup(NS, toks).tiers == ["ram"] * 3
+    # from the last tier they are dropped, descendants first
+    r = s.evict(EvictFilter(tier="ram"))
+    assert r.blocks == 3 and r.moved == 0
+    assert s.stats().blocks == 0
+    assert s.check_integrity() == []
+
+
+def test_evict_by_model_and_tenant_and_all(make_store) -> None:
+    s = make_store(hbm_blocks=8, ram_blocks=8)
+    other = Namespace("other-model", NS.layout, tenant="t2")
+    s.put(NS, tokens(2), kv(2 * T))
+    s.put(other, tokens(2), kv(2 * T))
+    assert s.evict(EvictFilter(model="other-model"), dry_run=True).blocks == 2
+    assert s.evict(EvictFilter(tenant="t2")).blocks == 2
+    assert s.lookup(other, tokens(2)).matched_blocks == 0
+    assert s.lookup(NS, tokens(2)).matched_blocks == 2
+    assert s.evict(EvictFilter(all=True)).blocks == 2
+    assert s.stats().blocks == 0
+    with pytest.raises(InvalidFilter, match="all=True"):
+        s.evict(EvictFilter())
+    with pytest.raises(InvalidFilter, match="unknown tier"):
+        s.evict(EvictFilter(tier="disk"))
+
+
+def test_evict_leaves_pinned_blocks_alone(make_store) -> None:
+    s = make_store(nvme=False)
+    toks = tokens(2)
+    s.put(NS, toks, kv(2 * T))
+    s.pin(block_keys(NS, toks)[1:])
+    # dropping block 0 would take pinned block 1: neither goes
+    assert s.evict(EvictFilter(all=True)).blocks == 0
+    assert s.lookup(NS, toks).matched_blocks == 2
+
+
+def test_prefetch_brings_a_session_up_from_nvme(make_store, tmp_path) -> None:
+    path = tmp_path / "lmdb"
+    s = make_store(path=path)
+    toks = tokens(3)
+    s.put(NS, toks, kv(3 * T), session="conv-42")
+    s.close()
+    s = make_store(path=path)
+    assert s.lookup(NS, toks).tiers == ["nvme"] * 3
+    r = s.prefetch("conv-42", to="ram")
+    assert (r.moved, r.present, r.failed) == (3, 0, 0)
+    assert s.lookup(NS, toks).tiers == ["ram"] * 3
+    assert s.prefetch("conv-42", to="ram").present == 3
+    assert s.prefetch("conv-42", to="hbm").moved == 3
+    with pytest.raises(KeyError):
+        s.prefetch("nobody")
+    with pytest.raises(InvalidRequest):
+        s.prefetch("conv-42", to="tape")
+    assert s.check_integrity() == []
+
+
+def test_sessions_report_their_prefix_and_tiers(make_store) -> None:
+    s = make_store(hbm_blocks=8, ram_blocks=8)
+    toks = tokens(3, tail=1)
+    s.put(NS, toks[: 2 * T], kv(2 * T), session="conv")
+    s.put(NS, toks, kv(3 * T + 1), session="conv")  # the conversation grew by a block
+    (info,) = s.sessions()
+    assert (info.name, info.tokens, info.blocks, info.model, info.tenant) == ("conv", 3 * T, 3, NS.model, "default")
+    assert info.tiers["hbm"] == 3
+    detail = s.session("conv")
+    assert [b.position for b in detail.blocks] == [0, 1, 2]
+    assert detail.blocks[2].key == block_keys(NS, toks)[2].hex()
+
+
+def test_stats_count_hits_misses_and_tokens(make_store) -> None:
+    s = make_store(nvme=False)
+    toks = tokens(5)
+    s.put(NS, toks, kv(5 * T))  # [0] in ram, [1..4] in hbm
+    s.get(NS, tokens(6))        # asks 6 blocks, 5 served
+    st = s.stats()
+    assert st.tiers["ram"].hits == 1 and st.tiers["hbm"].hits == 4
+    assert st.tiers["hbm"].misses == 1 + 1  # block 0 was not in hbm; block 5 was nowhere
+    assert (st.lookups, st.tokens_asked, st.tokens_served) == (1, 6 * T, 5 * T)
+    assert st.blocks == 5 and st.tiers["hbm"].capacity == 4096
+    assert st.to_dict()["tiers"]["ram"]["blocks"] == st.tiers["ram"].blocks

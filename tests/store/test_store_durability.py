@@ -1,0 +1,159 @@
+"""Store: write-through to nvme, flush as the durable acknowledgement, restart, admission policies."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import NS, T, close_to, kv, tokens
+
+from kvstore.keys import block_keys
+from kvstore.results import EvictFilter
+
+
+def nvme_keys(s) -> set[bytes]:
+    return set(s._tiers[-1].keys())
+
+
+def test_every_stored_block_is_written_through_to_nvme(make_store) -> None:
+    s = make_store()
+    toks = tokens(6)
+    s.put(NS, toks, kv(6 * T))
+    # flush() returns once the queue drained and LMDB synced: every block is on nvme, with its record
+    assert s.flush(10)
+    keys = block_keys(NS, toks)
+    assert nvme_keys(s) == set(keys)
+    rec = s._tiers[-1].record(keys[1])
+    assert rec.position == 1 and rec.parent == keys[0] and list(rec.token_ids()) == toks[T : 2 * T]
+    st = s.stats()
+    assert st.written == 6 and st.write_queue == 0
+    assert s.check_integrity() == []
+
+
+def test_restart_finds_every_flushed_block_and_session(make_store, tmp_path: Path) -> None:
+    path = tmp_path / "lmdb"
+    s = make_store(path=path)
+    a, b = tokens(6, seed=1), tokens(3, seed=2)
+    s.put(NS, a, kv(6 * T, 1), session="conv-a")
+    s.put(NS, b, kv(3 * T, 2), session="conv-b")
+    s.close()
+    # reopen: the index, namespaces and sessions come back from LMDB
+    s2 = make_store(path=path)
+    assert s2.lookup(NS, a).matched_blocks == 6
+    assert s2.lookup(NS, b).matched_blocks == 3
+    got = s2.get(NS, a)
+    assert got.tiers[0] == "nvme" and close_to(got.kv, kv(6 * T, 1))
+    info = {i.name: i for i in s2.sessions()}
+    assert info["conv-a"].tokens == 6 * T and info["conv-a"].blocks == 6 and info["conv-a"].model == NS.model
+    assert info["conv-b"].tokens == 3 * T
+    assert s2.stats().namespaces == 1
+    assert s2.check_integrity() == []
+
+
+def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> None:
+    # a separate process puts, flushes, and dies without closing (os._exit: no cleanup at all)
+    path = tmp_path / "lmdb"
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conftest import NS, T, kv, tokens
+        from kvstore.codecs import get_codec
+        from kvstore.store import Store
+        from kvstore.tiers.hbm import HbmTier
+        from kvstore.tiers.nvme import NvmeTier
+        from kvstore.tiers.ram import RamTier
+        s = Store(HbmTier(4096, page_bytes=1024), RamTier(8192, get_codec("raw"), page_bytes=2048, pin_memory=False),
+                  NvmeTier({str(path)!r}, 1 << 22, get_codec("int4")))
+        s.put(NS, tokens(5), kv(5 * T), session="killed")
+        assert s.flush(30)
+        os._exit(0)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    from conftest import HBM_PAGE, RAM_PAGE  # noqa: F401 - same tiers as the fixture
+
+    from kvstore.codecs import get_codec
+    from kvstore.store import Store
+    from kvstore.tiers.hbm import HbmTier
+    from kvstore.tiers.nvme import NvmeTier
+    from kvstore.tiers.ram import RamTier
+
+    s = Store(HbmTier(4096, page_bytes=1024), RamTier(8192, get_codec("raw"), page_bytes=2048, pin_memory=False),
+              NvmeTier(path, 1 << 22, get_codec("int4")))
+    try:
+        assert s.lookup(NS, tokens(5)).matched_blocks == 5
+        assert s.session("killed").info.tokens == 5 * T
+        got = s.get(NS, tokens(5)).kv
+        assert got is not None and close_to(got, kv(5 * T))
+    finally:
+        s.close()
+
+
+def test_restart_drops_blocks_whose_parent_never_reached_disk(make_store, tmp_path: Path) -> None:
+    path = tmp_path / "lmdb"
+    s = make_store(path=path)
+    toks = tokens(4)
+    s.put(NS, toks, kv(4 * T))
+    assert s.flush(10)
+    keys = block_keys(NS, toks)
+    s._tiers[-1].drop(keys[1])  # as if block 1's write had been lost: 2 and 3 are orphans on disk
+    s.close()
+    s2 = make_store(path=path)
+    assert s2.lookup(NS, toks).matched_blocks == 1
+    assert nvme_keys(s2) == {keys[0]}
+    assert s2.check_integrity() == []
+
+
+def test_write_through_off_writes_only_on_demotion(make_store) -> None:
+    s = make_store(write_through=False)
+    toks = tokens(4)
+    s.put(NS, toks, kv(4 * T))
+    assert s.flush(10) and nvme_keys(s) == set()
+    # 6 more blocks push the older prompt down through ram, tail first: its [2, 3] reach nvme
+    s.put(NS, tokens(6, seed=9), kv(6 * T, 9))
+    assert s.flush(10)
+    assert nvme_keys(s) == set(block_keys(NS, toks)[2:])
+    assert s.lookup(NS, toks).tiers == ["ram", "ram", "nvme", "nvme"]
+    assert s.check_integrity() == []
+
+
+def test_second_use_admits_blocks_on_their_second_hit(make_store) -> None:
+    s = make_store(admit="second_use")
+    toks = tokens(2)
+    s.put(NS, toks, kv(2 * T))
+    assert s.flush(10) and nvme_keys(s) == set()
+    s.get(NS, toks)  # first hit: remembered
+    assert s.flush(10) and nvme_keys(s) == set()
+    s.get(NS, toks)  # second hit: admitted
+    assert s.flush(10) and nvme_keys(s) == set(block_keys(NS, toks))
+    assert s.check_integrity() == []
+
+
+def test_a_full_write_queue_defers_and_flush_still_writes_everything(make_store) -> None:
+    from kvstore.config import PolicyConfig
+
+    # a queue of 1 and no patience: most keys are deferred, none is lost
+    s = make_store(policy=PolicyConfig(write_queue=1), backpressure=0.0, hbm_blocks=16, ram_blocks=16)
+    toks = tokens(12)
+    r = s.put(NS, toks, kv(12 * T))
+    assert r.stored == 12 and r.deferred >= 1
+    assert s.flush(30)
+    assert nvme_keys(s) == set(block_keys(NS, toks))
+    assert s.stats().write_deferred == 0
+
+
+def test_session_tags_added_later_reach_the_records(make_store, tmp_path: Path) -> None:
+    path = tmp_path / "lmdb"
+    s = make_store(path=path)
+    toks = tokens(2)
+    s.put(NS, toks, kv(2 * T), session="a")
+    assert s.flush(10)
+    s.put(NS, toks, kv(2 * T), session="b")  # present: only the tag is new
+    s.close()
+    s2 = make_store(path=path)
+    rec = s2._tiers[-1].record(block_keys(NS, toks)[0])
+    assert set(rec.sessions) == {"a", "b"}
+    # shared with b, so evicting a's own blocks leaves them
+    assert s2.evict(EvictFilter(session="a")).blocks == 0
+    assert s2.lookup(NS, toks).matched_blocks == 2

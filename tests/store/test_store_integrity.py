@@ -1,0 +1,105 @@
+"""Store: damaged frames fail closed (deleted, counted, a miss, never served); threads at once."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import lmdb
+from conftest import NS, T, close_to, kv, same, served_right, tokens
+
+from kvstore.keys import block_keys
+
+
+def test_a_damaged_ram_frame_is_a_miss_and_takes_its_descendants(make_store) -> None:
+    s = make_store(nvme=False)
+    toks, data = tokens(6), kv(6 * T)
+    s.put(NS, toks, data)
+    assert s.lookup(NS, toks).tiers[:2] == ["ram", "ram"]
+    keys = block_keys(NS, toks)
+    s._tiers[1]._debug_corrupt(keys[1], 200)  # a payload byte of block 1's frame
+    # get stops at block 1: block 0 is served, 1 is deleted and counted, 2.. go with it (no orphans)
+    got = s.get(NS, toks)
+    assert got.matched_blocks == 1 and same(got.kv, data[:, :, :T])
+    assert s.stats().tiers["ram"].corrupt == 1
+    assert s.lookup(NS, toks).matched_blocks == 1
+    assert s.check_integrity() == []
+
+
+def test_a_damaged_ram_frame_falls_back_to_the_good_nvme_copy(make_store) -> None:
+    s = make_store()
+    toks, data = tokens(6), kv(6 * T)
+    s.put(NS, toks, data)
+    assert s.flush(10)
+    keys = block_keys(NS, toks)
+    s._tiers[1]._debug_corrupt(keys[0], 100)
+    got = s.get(NS, toks)
+    # block 0 came from nvme (int4), never from the damaged ram frame
+    assert got.matched_blocks == 6 and got.tiers[0] == "nvme"
+    assert close_to(got.kv[:, :, :T], data[:, :, :T])
+    assert s.stats().tiers["ram"].corrupt == 1
+    assert s.check_integrity() == []
+
+
+def flip_lmdb_value(path: Path, key: bytes, offset: int) -> None:
+    env = lmdb.open(str(path), max_dbs=8, subdir=True)
+    try:
+        blocks = env.open_db(b"blocks")
+        with env.begin(write=True, db=blocks) as txn:
+            frame = bytearray(txn.get(key) or b"")
+            frame[offset] ^= 0xFF
+            txn.put(key, bytes(frame))
+    finally:
+        env.close()
+
+
+def test_a_damaged_lmdb_value_is_never_served(make_store, tmp_path: Path) -> None:
+    path = tmp_path / "lmdb"
+    s = make_store(path=path)
+    toks, data = tokens(5), kv(5 * T)
+    s.put(NS, toks, data)
+    s.close()
+    keys = block_keys(NS, toks)
+    flip_lmdb_value(path, keys[2], 100)  # inside block 2's frame on disk
+    s2 = make_store(path=path)
+    assert s2.lookup(NS, toks).matched_blocks == 5  # lookup reads no frames
+    got = s2.get(NS, toks)
+    assert got.matched_blocks == 2 and close_to(got.kv, data[:, :, : 2 * T])
+    st = s2.stats()
+    assert st.tiers["nvme"].corrupt == 1
+    assert s2.lookup(NS, toks).matched_blocks == 2
+    assert not {keys[2], keys[3], keys[4]} & set(s2._tiers[-1].keys())
+    assert s2.check_integrity() == []
+
+
+def test_many_threads_at_once_keep_the_store_sound(make_store) -> None:
+    s = make_store(hbm_blocks=6, ram_blocks=6)
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(12):
+                seed = w * 100 + i % 4
+                toks, data = tokens(3, seed=seed), kv(3 * T, seed)
+                s.put(NS, toks, data, session=f"w{w}")
+                got = s.get(NS, toks)
+                # whatever survived is this prompt's data (exact from raw tiers, int4 within error)
+                keys = block_keys(NS, toks)
+                for j, tier in enumerate(got.tiers):
+                    part, want = got.kv[:, :, j * T : (j + 1) * T], data[:, :, j * T : (j + 1) * T]
+                    assert served_right(s, keys[j], tier, part, want)
+                s.lookup(NS, toks)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert s.flush(30)
+    assert s.check_integrity() == []
+    st = s.stats()
+    assert all(ts.used <= ts.capacity for ts in st.tiers.values())
+    assert st.pinned == 0

@@ -1,0 +1,84 @@
+"""Store: pins are leases; TTL expiry on the writer thread."""
+
+from __future__ import annotations
+
+import time
+
+from conftest import NS, Clock, T, kv, tokens
+
+from kvstore.keys import block_keys
+
+
+def test_pinned_blocks_are_never_demoted_until_released(make_store) -> None:
+    s = make_store(nvme=False)
+    a = tokens(2, seed=1)
+    s.put(NS, a, kv(2 * T, 1))
+    handle = s.pin(block_keys(NS, a))
+    # hbm holds 4: two more prompts of 2 push everything unpinned out of hbm, never a
+    s.put(NS, tokens(2, seed=2), kv(2 * T, 2))
+    s.put(NS, tokens(2, seed=3), kv(2 * T, 3))
+    assert s.lookup(NS, a).tiers == ["hbm", "hbm"]
+    assert s.stats().pinned == 2
+    # released: a is the least recently used and goes down next
+    assert s.release(handle)
+    s.put(NS, tokens(2, seed=4), kv(2 * T, 4))
+    assert s.lookup(NS, a).tiers == ["ram", "ram"]
+    assert s.check_integrity() == []
+
+
+def test_a_pin_lapses_when_its_lease_ends(make_store) -> None:
+    clock = Clock()
+    s = make_store(clock=clock)
+    a = tokens(2, seed=1)
+    s.put(NS, a, kv(2 * T, 1))
+    handle = s.pin(block_keys(NS, a), lease=30.0)
+    s.put(NS, tokens(2, seed=2), kv(2 * T, 2))
+    s.put(NS, tokens(2, seed=3), kv(2 * T, 3))
+    assert s.lookup(NS, a).tiers == ["hbm", "hbm"]
+    # the client died: 31 s later its pin no longer protects anything
+    clock.advance(31)
+    assert s.stats().pinned == 0
+    s.put(NS, tokens(4, seed=4), kv(4 * T, 4))
+    assert s.lookup(NS, a).tiers == ["ram", "ram"]
+    assert not s.release(handle)  # already gone
+
+
+def test_a_pin_covers_only_blocks_that_are_held(make_store) -> None:
+    s = make_store(nvme=False)
+    toks = tokens(3)
+    s.put(NS, toks[: 2 * T], kv(2 * T))
+    assert len(s.pin(block_keys(NS, toks)).keys) == 2
+
+
+def test_blocks_past_their_ttl_expire_in_the_background_with_descendants(make_store) -> None:
+    clock = Clock()
+    s = make_store(clock=clock, ttl=7 * 86400.0, tick=0.02)
+    old, new = tokens(3, seed=1), tokens(2, seed=2)
+    s.put(NS, old, kv(3 * T, 1), session="old")
+    clock.advance(6 * 86400)
+    s.put(NS, new, kv(2 * T, 2))
+    assert s.flush(10)
+    # a day later the first prompt is 7 days old: the writer thread's tick drops it (all tiers)
+    clock.advance(86400 + 1)
+    deadline = time.monotonic() + 10
+    while s.lookup(NS, old).matched_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s.lookup(NS, old).matched_blocks == 0
+    assert s.lookup(NS, new).matched_blocks == 2
+    assert s.stats().expired == 3
+    assert not set(block_keys(NS, old)) & set(s._tiers[-1].keys())
+    # the session's tail followed its blocks out
+    assert s.session("old").info.blocks == 0
+    assert s.check_integrity() == []
+
+
+def test_an_access_renews_the_ttl(make_store) -> None:
+    clock = Clock()
+    s = make_store(clock=clock, ttl=100.0, tick=0.02)
+    toks = tokens(2)
+    s.put(NS, toks, kv(2 * T))
+    clock.advance(90)
+    s.get(NS, toks)
+    clock.advance(90)  # 180 s after the put, 90 s after the get
+    time.sleep(0.2)    # several ticks
+    assert s.lookup(NS, toks).matched_blocks == 2

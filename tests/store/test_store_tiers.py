@@ -1,0 +1,169 @@
+"""Store: new blocks enter hbm, LRU demotion hbm -> ram -> nvme, leaf-first drops, promotion on hit."""
+
+from __future__ import annotations
+
+from conftest import NS, T, close_to, kv, same, tokens
+
+from kvstore.keys import block_keys
+from kvstore.results import NO_ROOM
+
+
+def tiers_of(s, toks) -> list[str]:
+    return s.lookup(NS, toks).tiers
+
+
+def test_hbm_full_moves_the_least_recently_used_block_to_ram(make_store) -> None:
+    s = make_store(nvme=False)
+    a, b = tokens(2, seed=1), tokens(2, seed=2)
+    s.put(NS, a, kv(2 * T, 1))
+    s.put(NS, b, kv(2 * T, 2))
+    # hbm holds 4: [a0 a1 b0 b1]; touch a so that b is the least recently used
+    s.get(NS, a)
+    c = tokens(1, seed=3)
+    # put [c0] -> b's leaf b1 moves to ram (leaf-first among the LRU), c0 enters hbm
+    s.put(NS, c, kv(T, 3))
+    assert tiers_of(s, c) == ["hbm"]
+    assert tiers_of(s, b) == ["hbm", "ram"]
+    assert tiers_of(s, a) == ["hbm", "hbm"]
+    assert s.stats().tiers["hbm"].demotions == 1
+    # ram is raw here: the demoted block reads back bit-exact (and is promoted back to hbm)
+    assert same(s.get(NS, b).kv, kv(2 * T, 2))
+    assert s.stats().tiers["ram"].hits == 1
+    assert s.check_integrity() == []
+
+
+def test_put_of_a_fifth_block_moves_block_0_down(make_store) -> None:
+    s = make_store(nvme=False)
+    toks = tokens(5)
+    # hbm full: put [4] -> [0] moves to ram (every older block has a child in hbm: plain LRU)
+    s.put(NS, toks, kv(5 * T))
+    assert tiers_of(s, toks) == ["ram", "hbm", "hbm", "hbm", "hbm"]
+
+
+def test_hits_promote_blocks_one_tier_up(make_store) -> None:
+    s = make_store(nvme=False)
+    toks = tokens(5)
+    s.put(NS, toks, kv(5 * T))
+    assert tiers_of(s, toks)[0] == "ram"
+    # get reads [0] from ram -> a copy goes up to hbm (some other block goes down to make room)
+    got = s.get(NS, toks)
+    assert got.tiers[0] == "ram" and same(got.kv, kv(5 * T))
+    assert tiers_of(s, toks)[0] == "hbm"
+    assert s.stats().tiers["hbm"].promotions == 1
+    # between memory tiers a promotion is a move: block 0 no longer takes room in ram
+    assert block_keys(NS, toks)[0] not in s._tiers[1]
+    assert s.check_integrity() == []
+
+
+def test_promotion_from_nvme_keeps_the_nvme_copy(make_store, tmp_path) -> None:
+    s = make_store(path=tmp_path / "lmdb")
+    toks = tokens(2)
+    s.put(NS, toks, kv(2 * T))
+    s.close()
+    s = make_store(path=tmp_path / "lmdb")
+    assert tiers_of(s, toks) == ["nvme", "nvme"]
+    s.get(NS, toks)
+    assert tiers_of(s, toks) == ["ram", "ram"]
+    assert set(block_keys(NS, toks)) <= set(s._tiers[-1].keys())
+
+
+def test_promotion_can_be_switched_off(make_store) -> None:
+    from kvstore.config import PolicyConfig
+
+    s = make_store(nvme=False, policy=PolicyConfig(promote_on_hit=False))
+    toks = tokens(5)
+    s.put(NS, toks, kv(5 * T))
+    s.get(NS, toks)
+    assert tiers_of(s, toks)[0] == "ram"
+    assert s.stats().tiers["hbm"].promotions == 0
+
+
+def test_last_tier_full_drops_whole_prefixes_leaf_first(make_store) -> None:
+    s = make_store(nvme=False)  # 4 hbm + 4 ram, nothing below
+    a, b, c = (tokens(4, seed=i) for i in (1, 2, 3))
+    for i, t in enumerate((a, b, c), 1):
+        assert s.put(NS, t, kv(4 * T, i)).stored == 4
+    # c pushed b down to ram and a out of the store: a's blocks went leaf first, none is left orphaned
+    assert tiers_of(s, c) == ["hbm"] * 4
+    assert tiers_of(s, b) == ["ram"] * 4
+    assert tiers_of(s, a) == []
+    assert s.stats().blocks == 8
+    assert s.check_integrity() == []
+
+
+def test_a_prefix_longer_than_every_tier_stores_what_fits(make_store) -> None:
+    s = make_store(nvme=False)
+    toks = tokens(10)
+    # 8 blocks fit; dropping [0] would take its whole chain, so [8, 9] are refused instead
+    r = s.put(NS, toks, kv(10 * T))
+    assert r.stored == 8 and [(i, c) for i, c, _ in r.failed] == [(8, NO_ROOM), (9, NO_ROOM)]
+    assert s.lookup(NS, toks).matched_blocks == 8
+    assert s.check_integrity() == []
+
+
+def test_ram_full_demotes_to_nvme_reencoded(make_store) -> None:
+    s = make_store(write_through=False)
+    toks, data = tokens(10), kv(10 * T)
+    # 10 blocks: [0, 1] end up on nvme (int4), [2..5] in ram, [6..9] in hbm
+    assert s.put(NS, toks, data).stored == 10
+    assert tiers_of(s, toks) == ["nvme"] * 2 + ["ram"] * 4 + ["hbm"] * 4
+    assert s.stats().tiers["ram"].demotions == 2
+    got = s.get(NS, toks, device="cpu")
+    assert got.matched_blocks == 10
+    assert close_to(got.kv[:, :, : 2 * T], data[:, :, : 2 * T])
+    assert same(got.kv[:, :, 2 * T :], data[:, :, 2 * T :])
+    assert s.check_integrity() == []
+
+
+def test_nvme_full_drops_least_recently_used_prefixes(make_store) -> None:
+    # an nvme of 1 MiB holds a few hundred tiny int4 blocks: fill it well past that
+    s = make_store(nvme_capacity=1 << 20)
+    prompts = [tokens(8, seed=i) for i in range(60)]
+    for i, p in enumerate(prompts):
+        s.put(NS, p, kv(8 * T, i))
+        assert s.flush(10)
+    st = s.stats()
+    assert st.tiers["nvme"].used <= st.tiers["nvme"].capacity
+    assert st.tiers["nvme"].evictions > 0
+    # the newest prompt is whole; the oldest went first
+    assert s.lookup(NS, prompts[-1]).matched_blocks == 8
+    assert s.lookup(NS, prompts[0]).matched_blocks == 0
+    assert s.check_integrity() == []
+
+
+def test_get_pins_nothing_after_it_returns(make_store) -> None:
+    s = make_store(nvme=False)
+    toks = tokens(2)
+    s.put(NS, toks, kv(2 * T))
+    s.get(NS, toks)
+    assert s.stats().pinned == 0
+    assert block_keys(NS, toks)[0] in {k for k in s._tiers[0].keys()}
+
+
+def test_demotion_frames_are_encoded_outside_the_lock(tmp_path) -> None:
+    from conftest import HBM_PAGE, RAM_PAGE
+
+    from kvstore.codecs.raw import RawCodec
+    from kvstore.store import Store
+    from kvstore.tiers.hbm import HbmTier
+    from kvstore.tiers.ram import RamTier
+
+    class Watching(RawCodec):
+        """A raw codec that notes, at each encode, whether the store's lock was held."""
+
+        locked: list[bool] = []
+
+        def encode(self, block):  # type: ignore[no-untyped-def]
+            self.locked.append(store._lock._is_owned())
+            return super().encode(block)
+
+    store = Store(HbmTier(4 * HBM_PAGE, page_bytes=HBM_PAGE),
+                  RamTier(8 * RAM_PAGE, Watching(), page_bytes=RAM_PAGE, pin_memory=False), None)
+    try:
+        store.put(NS, tokens(4, seed=1), kv(4 * T, 1))
+        # hbm full: put 4 more -> the first prompt's 4 blocks are encoded for ram before the lock
+        store.put(NS, tokens(4, seed=2), kv(4 * T, 2))
+        assert store.lookup(NS, tokens(4, seed=1)).tiers == ["ram"] * 4
+        assert Watching.locked == [False] * 4
+    finally:
+        store.close()
