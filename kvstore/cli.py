@@ -8,10 +8,15 @@
     kvstore evict    (--session S | --older-than 2d | --tier T | --model M | --tenant T | --namespace ID | --all)
                      [--dry-run] [--yes] [--json]
     kvstore prefetch --session S [--to ram|hbm] [--json]
+    kvstore demo     [--session S] [--tenant T] [--max-new-tokens N] [--document-tokens N]
+    kvstore keygen   [--out DIR] [--name NAME] [--force] [--json]
 
 Every command takes ``--endpoint`` (default: the config's ``[server] endpoint``,
 from ``--config``/``$KVSTORE_CONFIG``, overridden by ``$KVSTORE_ENDPOINT``), and
-``--config``. Operator commands talk to the daemon through KVStoreClient.
+``--config``. Operator commands talk to the daemon through KVStoreClient; over
+``tcp://`` with CURVE they take their keys from ``KVSTORE_CURVE_SERVER_KEY`` and
+``KVSTORE_CURVE_SECRET_KEY`` (see KVStoreClient). ``keygen`` makes a CURVE key
+pair (``NAME.key``, ``NAME.key_secret`` mode 0600) and prints the public key.
 
 Exit codes: 0 done; 1 the daemon refused (unknown session, ...) or the
 operator declined; 2 usage errors, bad config, or no daemon to talk to. Errors
@@ -167,6 +172,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", required=True, help="the session to warm up")
     p.add_argument("--to", choices=("ram", "hbm"), default="ram", help="target tier (default ram)")
     p.set_defaults(parser=p)
+
+    p = sub.add_parser("keygen", allow_abbrev=False, help="make a CURVE key pair for tcp daemons and clients",
+                       description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) into DIR and "
+                                   "print the public key. A daemon uses its secret file as [server] "
+                                   "curve_secret_key; a client's public key goes into the daemon's "
+                                   "curve_allowed_keys as '<public key> <tenant>'.")
+    p.add_argument("--out", metavar="DIR", default=".", help="directory for the pair (created 0700 if missing; "
+                   "default: the current directory)")
+    p.add_argument("--name", default="kvstore", help="file name of the pair (default kvstore)")
+    p.add_argument("--force", action="store_true", help="replace an existing pair of that name")
+    p.add_argument("--json", action="store_true", help="print the key and both paths as JSON")
+    p.set_defaults(parser=p)
+
+    p = sub.add_parser("demo", parents=[common], allow_abbrev=False, help="chat with SmolLM2 through the daemon",
+                       description="A multi-turn conversation with SmolLM2-135M-Instruct through a running daemon, "
+                                   "printing per turn the tokens reused, the time to first token with and without "
+                                   "kvstore, and the tier each reused block came from.")
+    p.add_argument("--session", default="demo", help="session tag of the conversation (default: demo)")
+    p.add_argument("--tenant", default="default", help="tenant of the conversation (default: default)")
+    p.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="answer length cap (default 48)")
+    p.add_argument("--document-tokens", type=int, default=1024, metavar="N",
+                   help="tokens of the document handed over in turn 1 (default 1024)")
+    p.add_argument("--timeout", type=_duration_arg, default=30.0, metavar="DURATION",
+                   help="how long to wait for the daemon per call (default 30s)")
+    p.set_defaults(parser=p)
     return parser
 
 
@@ -305,8 +335,35 @@ def cmd_prefetch(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
+def cmd_keygen(args: argparse.Namespace, out: IO[str]) -> int:
+    from kvstore.auth import write_keypair
+
+    try:
+        files = write_keypair(Path(args.out), args.name, force=args.force)
+    except OSError as e:
+        raise UsageError(f"cannot write a key pair into {args.out}: {e.strerror}") from None
+    if args.json:
+        out.write(json.dumps({"public_key": files.public_key, "public_file": str(files.public_file),
+                              "secret_file": str(files.secret_file)}, indent=2) + "\n")
+    else:
+        out.write(files.public_key + "\n")  # stdout is the key alone: PUB=$(kvstore keygen ...)
+        sys.stderr.write(f"wrote {files.public_file} (public) and {files.secret_file} (secret, mode 0600)\n")
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
+    endpoint = resolve_endpoint(args)
+    check_reachable(endpoint)
+    from kvstore.demo import run_demo
+
+    run_demo(endpoint, out, session=args.session, tenant=args.tenant, max_new_tokens=args.max_new_tokens,
+             document_tokens=args.document_tokens, timeout=args.timeout)
+    return EXIT_OK
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, IO[str]], int]] = {
     "serve": cmd_serve, "stats": cmd_stats, "inspect": cmd_inspect, "evict": cmd_evict, "prefetch": cmd_prefetch,
+    "keygen": cmd_keygen, "demo": cmd_demo,
 }
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import zmq
 
+from kvstore.auth import ClientKeys
 from kvstore.connection import Connection
 from kvstore.errors import InvalidNamespace
 from kvstore.keys import Namespace, TokenInput, as_tokens
@@ -42,17 +43,23 @@ from kvstore.messages import (
     DataOk,
     Evict,
     EvictOk,
+    Flush,
+    FlushOk,
     Get,
     GetOk,
     Inspect,
     Lookup,
     LookupOk,
     Message,
+    Pin,
     Ping,
+    PinOk,
     Pong,
     Prefetch,
     Put,
     PutOk,
+    Release,
+    ReleaseOk,
     Stats,
 )
 from kvstore.protocol import payload_tensor, tensor_payload
@@ -87,14 +94,30 @@ class KVStoreClient:
     """A connection to a kvstore daemon for one namespace (``model``, ``layout``, ``tenant``, ``revision``).
 
     ``model``/``layout`` may be left out for an operator's client (ping, stats,
-    evict, sessions, inspect, prefetch). Construction does no I/O; the first
-    call connects and says hello.
+    evict, sessions, inspect, prefetch). Construction does no network I/O (it
+    reads key files); the first call connects and says hello.
+
+    CURVE (tcp daemons with ``curve_secret_key``): ``curve_server_key`` is the
+    daemon's public key, ``curve_secret_key`` this client's secret key
+    (``curve_public_key`` is derived from it; given, it must match). Each is
+    a Z85 key or the path of a key file written by ``kvstore keygen`` (secret
+    files must be private: mode 0600). Without them, a ``tcp://`` client reads
+    ``KVSTORE_CURVE_SERVER_KEY``, ``KVSTORE_CURVE_SECRET_KEY`` and
+    ``KVSTORE_CURVE_PUBLIC_KEY`` (so the ``kvstore`` CLI works over tcp); ipc
+    clients never use CURVE from the environment. The daemon confines a CURVE
+    client to the tenant its key is listed with: ``tenant`` must be that
+    tenant (a hello for another raises Forbidden), and evict, inspect, stats
+    and prefetch see only that tenant's sessions and blocks. A key the daemon
+    does not list gets no answer at all: calls raise RequestTimeout. Raises
+    ConfigError for a bad key, a secret file others can read, or a server key
+    without a secret key.
     """
 
     def __init__(self, endpoint: str | None = None, model: str | None = None, layout: KVLayout | None = None,
                  tenant: str = "default", timeout: float = 5.0, *, revision: str = "", retries: int = 2,
                  chunk_blocks: int | None = None, window: int = WINDOW,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, curve_server_key: str | bytes | None = None,
+                 curve_secret_key: str | bytes | None = None, curve_public_key: str | bytes | None = None) -> None:
         if (model is None) != (layout is None):
             raise InvalidNamespace("give both model and layout (or neither, for an operator's client)")
         self.namespace = None if model is None or layout is None else \
@@ -102,8 +125,9 @@ class KVStoreClient:
         self.endpoint = endpoint or _default_endpoint()
         self.chunk_blocks = chunk_blocks if chunk_blocks is None else max(1, chunk_blocks)
         self.window = max(1, window)
+        curve = ClientKeys.resolve(self.endpoint, curve_server_key, curve_secret_key, curve_public_key)
         self._conn = Connection(self.endpoint, timeout=timeout, retries=retries, namespace=self.namespace,
-                                context=context)
+                                context=context, curve=curve)
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ plumbing
@@ -300,3 +324,42 @@ class KVStoreClient:
         reply = self._call(Prefetch(session=session, to=to))
         assert isinstance(reply, DataOk)
         return _build(PrefetchResult, reply.data)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every block the daemon stored before this call is on nvme and synced to disk.
+
+        True is the durable acknowledgement: those blocks survive a daemon kill
+        and (in every durability mode) a power loss, unless evicted for room
+        or expired later. False when ``timeout`` seconds (default: no limit)
+        passed first; nothing is lost, a later flush goes on. Each request
+        asks the daemon to answer within half the client's timeout, so a long
+        flush never looks like a dead daemon.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = self._conn.timeout / 2
+            if deadline is not None:
+                step = max(0.0, min(step, deadline - time.monotonic()))
+            reply = self._call(Flush(timeout=step))
+            assert isinstance(reply, FlushOk)
+            if reply.durable:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def pin(self, token_ids: TokenInput, lease: float | None = None) -> tuple[int, int]:
+        """Pin the held leading blocks of ``token_ids`` for ``lease`` seconds (default and cap: the
+        daemon's pin lease). Returns (handle, blocks pinned); end it early with ``release(handle)``.
+        A client that dies holding pins leaks nothing: they lapse with the lease."""
+        ns = self._ns()
+        with self._lock:
+            self._conn.ensure_hello()
+            reply = self._conn.call(Pin(ns=ns.id, tokens=self._tokens(token_ids), lease=lease), idempotent=False)
+        assert isinstance(reply, PinOk)
+        return reply.handle, reply.blocks
+
+    def release(self, handle: int) -> bool:
+        """End a pin from ``pin``; False when its lease had already ended (or the handle is unknown)."""
+        reply = self._call(Release(handle=handle))
+        assert isinstance(reply, ReleaseOk)
+        return reply.released

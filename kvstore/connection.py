@@ -9,6 +9,10 @@ stopping), an idempotent exchange closes the socket, opens a fresh one,
 says hello again and re-sends what was unanswered, up to ``retries`` times.
 A reply saying the namespace is unknown (the daemon restarted and came back
 on the same socket) triggers a hello and a re-send, without a new socket.
+
+With ``curve`` (kvstore.auth.ClientKeys) every socket is a CURVE client of the
+daemon. A daemon that refuses the key sends nothing at all, so a refused key
+shows up as a RequestTimeout (its message says to check the allow-list).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 import zmq
 
+from kvstore.auth import ClientKeys
 from kvstore.keys import Namespace
 from kvstore.messages import ErrorReply, Hello, HelloOk, Message
 from kvstore.protocol import ClientProtocol, Limits
@@ -34,8 +39,9 @@ class Connection:
     """A DEALER socket to ``endpoint`` speaking the kvstore protocol. Not thread-safe."""
 
     def __init__(self, endpoint: str, *, timeout: float, retries: int, namespace: Namespace | None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, curve: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.timeout = timeout
         self.retries = retries
         self.namespace = namespace
@@ -51,6 +57,10 @@ class Connection:
         if self.sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.linger = 0  # never block close on requests nobody will answer
+            # a DEALER with no usable peer (a refused CURVE key, a daemon never reached) blocks on send
+            sock.sndtimeo = max(1, int(self.timeout * 1000))
+            if self.curve is not None:
+                self.curve.apply(sock)  # before connect: the handshake starts with it
             sock.connect(self.endpoint)
             self.sock = sock
         return self.sock
@@ -73,8 +83,12 @@ class Connection:
 
     def _send(self, msg: Message) -> int:
         rid, frames = self.proto.send(msg)
-        # payload frames go without copying; a lone header is cheaper copied than wrapped in a zmq.Frame
-        self._open().send_multipart(frames, copy=len(frames) == 1)
+        try:
+            # payload frames go without copying; a lone header is cheaper copied than wrapped in a zmq.Frame
+            self._open().send_multipart(frames, copy=len(frames) == 1)
+        except zmq.Again:  # not even queued within the timeout: nothing was sent
+            self.proto.forget(rid)
+            raise
         return rid
 
     def _recv(self, deadline: float) -> tuple[int, Message] | None:
@@ -100,7 +114,11 @@ class Connection:
         if self._greeted or self.namespace is None:
             return
         self._greeted = True  # set first: the exchange below must not recurse
-        reply = self.call(Hello(namespace=self.namespace), idempotent=True, greet=False)
+        try:
+            reply = self.call(Hello(namespace=self.namespace), idempotent=True, greet=False)
+        except BaseException:
+            self._greeted = False  # a refused hello (forbidden tenant, timeout) is tried again next call
+            raise
         assert isinstance(reply, HelloOk)
         self.limits = Limits.from_dict(reply.limits)
 
@@ -130,8 +148,9 @@ class Connection:
                     self.proto.forget(rid)
                 if cause is not None:
                     raise cause
+                hint = " (and does its curve_allowed_keys list this client's public key?)" if self.curve else ""
                 raise RequestTimeout(f"no reply from {self.endpoint} within {self.timeout}s ({reason}) after "
-                                     f"{attempts + 1} attempt(s); is the daemon running?")
+                                     f"{attempts + 1} attempt(s); is the daemon running{hint}?")
             attempts += 1
             todo.extendleft(sorted(inflight.values(), reverse=True))
             if fresh_socket:
@@ -147,9 +166,17 @@ class Connection:
         while todo or inflight:
             if greet:
                 self.ensure_hello()
-            while todo and len(inflight) < window:
+            blocked = False
+            while todo and len(inflight) < window and not blocked:
                 i = todo.popleft()
-                inflight[self._send(make(i))] = i
+                try:
+                    inflight[self._send(make(i))] = i
+                except zmq.Again:
+                    todo.appendleft(i)
+                    again("no connection to send on", fresh_socket=True)
+                    blocked = True
+            if blocked:
+                continue  # on a fresh socket, from the first unanswered request
             try:
                 got = self._recv(time.monotonic() + self.timeout)
             except RemoteProtocolError as e:

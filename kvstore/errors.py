@@ -80,3 +80,9 @@ class StoreFormatError(KVStoreError):
     """The nvme store's directory holds data of another format version (or is not a kvstore store)."""
 
     code = "store_format"
+
+
+class Forbidden(KVStoreError):
+    """The connection's authenticated tenant may not do this (another tenant's data, an operator-only op)."""
+
+    code = "forbidden"

@@ -8,6 +8,9 @@ an ErrorReply with a stable code, so no request can take the daemon down.
 from __future__ import annotations
 
 import logging
+import secrets
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -19,20 +22,28 @@ from kvstore.messages import (
     ErrorReply,
     Evict,
     EvictOk,
+    Flush,
+    FlushOk,
     Get,
     GetOk,
     Inspect,
     Lookup,
     LookupOk,
     Message,
+    Pin,
+    PinOk,
     Prefetch,
     Put,
     PutOk,
+    Release,
+    ReleaseOk,
     Stats,
 )
 from kvstore.protocol import Request, payload_tensor, tensor_payload
 from kvstore.protocol_errors import ProtocolError
 from kvstore.results import EvictFilter
+from kvstore.tenancy import TenantOps
+from kvstore.tiers.base import TierFull, TierIOError
 
 if TYPE_CHECKING:
     from kvstore.store import Store
@@ -40,29 +51,47 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.server")
 
 PREFETCH_TARGETS = ("ram", "hbm")
+MAX_PINS = 65536  # pins held through the protocol at once; each ends by release or lease
+MAX_FLUSH_WAIT = 60.0  # seconds one flush request may hold a worker; the client asks again
 
 
 class Handlers:
     """Maps each request op to its store call. Thread-safe as far as the store is."""
 
-    def __init__(self, store: Store, server_info: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, store: Store, server_info: Callable[[], dict[str, Any]], *, max_lease: float = 30.0) -> None:
         self.store = store
         self.server_info = server_info
+        self.max_lease = max_lease  # a client's pin never outlives this (the store's pin lease)
+        self.failed_blocks = 0  # blocks put replies named as not stored (stats: server.put_failed_blocks)
+        # pin handles given to clients: a random id (unguessable by other clients) -> (store handle, expiry)
+        self._pins: dict[int, tuple[Any, float]] = {}
+        self._pins_lock = threading.Lock()
         self._ops: dict[type[Message], Callable[[Any, Namespace | None], Message]] = {
             Lookup: self._lookup, Get: self._get, Put: self._put, Evict: self._evict,
             Stats: self._stats, Inspect: self._inspect, Prefetch: self._prefetch,
+            Flush: self._flush, Pin: self._pin, Release: self._release,
         }
+        self.tenant_ops = TenantOps(store, server_info)  # requests of CURVE clients confined to a tenant
 
     def handle(self, request: Request) -> Message:
-        """The reply to ``request``: its op's result, or an ErrorReply. Never raises."""
+        """The reply to ``request``: its op's result, or an ErrorReply. Never raises.
+
+        A request with a ``tenant`` (an authenticated CURVE client) goes through
+        TenantOps, which limits it to that tenant's sessions and blocks.
+        """
         try:
-            return self._ops[type(request.msg)](request.msg, request.namespace)
+            if request.tenant is not None:
+                return self.tenant_ops.handle(request.msg, request.namespace, request.tenant, self._run)
+            return self._run(request.msg, request.namespace)
         except (KVStoreError, ProtocolError) as e:
             return ErrorReply(code=getattr(e, "code", "internal") or "internal", message=str(e))
         except Exception as e:  # the daemon must survive anything a request triggers
             log.exception("request %s (%s) failed", request.id, request.msg.op)
             return ErrorReply(code="internal", message=f"{request.msg.op} failed inside the daemon: "
                               f"{type(e).__name__}: {e} (see the daemon log)")
+
+    def _run(self, msg: Message, ns: Namespace | None) -> Message:
+        return self._ops[type(msg)](msg, ns)
 
     def try_inline(self, request: Request) -> Message | None:
         """The reply to a lookup when the store can answer this instant without waiting, else None.
@@ -103,7 +132,15 @@ class Handlers:
         kv = payload_tensor(msg.kv, msg.shape, ns.layout.torch_dtype)
         end = msg.start_block + msg.shape[2] // ns.layout.block_tokens
         tokens = msg.tokens[: end * ns.layout.block_tokens]
-        r = self.store.put(ns, tokens, kv, session=msg.session, start_block=msg.start_block)
+        try:
+            r = self.store.put(ns, tokens, kv, session=msg.session, start_block=msg.start_block)
+        except (TierFull, TierIOError) as e:  # a tier failed part way: name the blocks not held, and why
+            held = max(msg.start_block, self.store.lookup(ns, tokens).matched_blocks)
+            log.warning("put of blocks %d..%d failed from block %d: %s", msg.start_block, end - 1, held, e)
+            self.failed_blocks += end - held
+            return PutOk(stored=0, present=held - msg.start_block,
+                         failed=[[i, e.code, str(e)] for i in range(held, end)])
+        self.failed_blocks += len(r.failed)
         return PutOk(stored=r.stored, present=r.present, failed=[list(f) for f in r.failed],
                      deferred=getattr(r, "deferred", 0))
 
@@ -141,3 +178,29 @@ class Handlers:
             return DataOk(data=asdict(self.store.prefetch(msg.session, to=msg.to)))
         except KeyError:
             raise ProtocolError("not_found", f"no session {msg.session!r} to prefetch") from None
+
+    def _flush(self, msg: Flush, ns: Namespace | None) -> Message:
+        wait = MAX_FLUSH_WAIT if msg.timeout is None else min(msg.timeout, MAX_FLUSH_WAIT)
+        return FlushOk(durable=bool(self.store.flush(wait)))
+
+    def _pin(self, msg: Pin, ns: Namespace | None) -> Message:
+        assert ns is not None
+        if msg.lease is not None and msg.lease <= 0:
+            raise ProtocolError("invalid_argument", "pin lease must be positive seconds (or absent)")
+        lease = self.max_lease if msg.lease is None else min(msg.lease, self.max_lease)
+        matched = self.store.lookup(ns, msg.tokens).matched_blocks
+        now = time.monotonic()
+        with self._pins_lock:
+            for hid in [h for h, (_, exp) in self._pins.items() if exp <= now]:
+                del self._pins[hid]  # lapsed: the store has let go of them already
+            if len(self._pins) >= MAX_PINS:
+                raise ProtocolError("busy", f"{MAX_PINS} pins are held; release some or wait for leases to end")
+            handle = self.store.pin(block_keys(ns, msg.tokens)[:matched], lease)
+            hid = secrets.randbits(63)
+            self._pins[hid] = (handle, now + lease)
+        return PinOk(handle=hid, blocks=len(handle.keys), lease=lease)
+
+    def _release(self, msg: Release, ns: Namespace | None) -> Message:
+        with self._pins_lock:
+            got = self._pins.pop(msg.handle, None)
+        return ReleaseOk(released=got is not None and bool(self.store.release(got[0])))

@@ -133,12 +133,17 @@ def reply_frames(request: Request, msg: Message) -> list[Buffer]:
 
 @dataclass(frozen=True)
 class Request:
-    """A validated request from ``peer``; ``namespace`` is resolved from ``msg.ns`` when the op has one."""
+    """A validated request from ``peer``; ``namespace`` is resolved from ``msg.ns`` when the op has one.
+
+    ``tenant``: the tenant the connection authenticated as (CURVE), to which the
+    request is confined (see kvstore.tenancy); None for a trusted connection.
+    """
 
     peer: bytes
     id: int
     msg: Message
     namespace: Namespace | None = None
+    tenant: str | None = None
 
 
 class ServerProtocol:

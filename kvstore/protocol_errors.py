@@ -44,6 +44,7 @@ ERROR_CODES: dict[str, str] = {
     "tier_io": "the backing store failed (disk full, I/O error)",
     "store_locked": "another daemon holds the LMDB path",
     "invalid_filter": "an evict filter with no criterion, or an unknown tier",
+    "forbidden": "the connection's authenticated tenant may not do this (another tenant, an operator op)",
 }
 
 

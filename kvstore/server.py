@@ -13,6 +13,11 @@ a lookup reads only the in-memory index), hands every other request to a worker,
 of order, each carrying its request id. zmq sockets are not thread-safe, so
 each worker thread sends its replies through its own inproc PUSH socket.
 
+Authentication: with ``[server] curve_secret_key`` the tcp ROUTER is a CURVE
+server; a ZAP handler thread (kvstore.auth) admits only the keys of
+``curve_allowed_keys`` and stamps each connection with its tenant, which the
+loop reads from every message and confines the request to (kvstore.tenancy).
+
 SIGTERM/SIGINT: stop accepting (new requests get ``shutting_down``), finish
 the requests in flight, flush the write-through queue and close LMDB
 (``Store.close``), remove the socket file, exit 0.
@@ -28,10 +33,12 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from kvstore.auth import OPERATOR, ServerAuth
 from kvstore.config import Config, load_config
 from kvstore.endpoint import claim, ipc_path
 from kvstore.errors import KVStoreError
@@ -40,6 +47,8 @@ from kvstore.messages import ErrorReply, Hello, Message, Ping, Pong
 from kvstore.metrics import Metrics
 from kvstore.protocol import PROTOCOL_VERSION, Limits, Request, ServerProtocol, encode, reply_frames
 from kvstore.protocol_errors import RemoteProtocolError
+from kvstore.tenancy import admit
+from kvstore.zap import ZapHandler, peer_tenant
 
 if TYPE_CHECKING:
     from kvstore.store import Store
@@ -55,15 +64,19 @@ BATCH = 64  # messages taken from a socket per wake-up, so neither side starves 
 class Server:
     """One daemon instance serving ``store`` on ``config.server.endpoint``. ``run`` blocks until stopped."""
 
-    def __init__(self, config: Config, store: Store, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, config: Config, store: Store, ctx: zmq.Context | None = None, *,
+                 auth: ServerAuth | None = None) -> None:
+        """``auth``: the CURVE keys, loaded from ``config`` when not given (ConfigError if they are bad)."""
         self.config = config
         self.store = store
         self.ctx = ctx or zmq.Context()
         cfg = config.server
+        # loaded here too, so that a Server built without serve() never listens unauthenticated by mistake
+        self.auth = auth or ServerAuth.from_config(cfg.endpoint, cfg.curve_secret_key, cfg.curve_allowed_keys)
         self.limits = Limits(max_message_bytes=cfg.max_message_bytes, max_tokens=cfg.max_tokens_per_request,
                              max_inflight=cfg.max_inflight_per_client)
         self.proto = ServerProtocol(self.limits, server=f"kvstore/{PROTOCOL_VERSION}")
-        self.handlers = Handlers(store, self.info)
+        self.handlers = Handlers(store, self.info, max_lease=config.policy.pin_lease)
         self.metrics = Metrics(store)
         self._stop_reason: str | None = None
         self._local = threading.local()
@@ -83,7 +96,7 @@ class Server:
                 "uptime": time.time() - self._started, "requests": self.requests, "errors": self.errors,
                 "inflight": self.outstanding, "clients": len(self.proto.inflight),
                 "namespaces": len(self.proto.namespaces), "workers": self.config.server.workers,
-                "limits": self.limits.to_dict()}
+                "limits": self.limits.to_dict(), "put_failed_blocks": self.handlers.failed_blocks}
 
     def run(self) -> int:
         """Bind, serve until ``stop``, then drain and close everything. Returns the exit code."""
@@ -94,12 +107,19 @@ class Server:
         router.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_message_bytes + self.limits.max_header_bytes)
         pull = self.ctx.socket(zmq.PULL)
         pull.bind(self._replies)
+        zap: ZapHandler | None = None
         try:
+            if self.auth is not None:  # the ZAP handler is up before the first handshake can start
+                self.auth.secure(router)
+                zap = self.auth.handler()
+                zap.start(self.ctx)
             router.bind(self.config.server.endpoint)
             metrics_url = self.metrics.start(self.config.server.metrics_port)
         except BaseException:
             router.close(linger=0)
             pull.close(linger=0)
+            if zap is not None:
+                zap.stop()
             raise
         path = ipc_path(self.config.server.endpoint)
         if path is not None:
@@ -119,6 +139,8 @@ class Server:
                     s.close(linger=0)
             pull.close(linger=0)
             router.close()
+            if zap is not None:
+                zap.stop()
             if path is not None:
                 path.unlink(missing_ok=True)
         return EXIT_OK
@@ -145,19 +167,23 @@ class Server:
             if router in events:
                 for _ in range(BATCH):
                     try:
-                        peer = router.recv(zmq.NOBLOCK)
+                        first: Any = router.recv(zmq.NOBLOCK, copy=self.auth is None)  # a Frame has User-Id
                     except zmq.Again:
                         break
+                    peer: bytes = first if self.auth is None else first.bytes
+                    tenant = None if self.auth is None else peer_tenant(first)
                     frames: list[Any] = []
                     while router.rcvmore:  # the header is small: copied; payloads stay zmq frames
                         frames.append(router.recv(copy=not frames))
                     try:
-                        self._on_request(router, workers, peer, frames)
+                        self._on_request(router, workers, peer, frames, tenant)
                     except Exception as e:  # a bug in our checks must not end the daemon
                         log.exception("a request from %s broke the loop; answering internal", peer.hex())
                         router.send_multipart([peer, *encode(None, ErrorReply(code="internal", message=str(e)))])
 
-    def _on_request(self, router: zmq.Socket, workers: ThreadPoolExecutor, peer: bytes, frames: list) -> None:
+    def _on_request(self, router: zmq.Socket, workers: ThreadPoolExecutor, peer: bytes, frames: list,
+                    tenant: str | None = None) -> None:
+        """Answer or dispatch one request; ``tenant``: the CURVE identity its connection authenticated as."""
         self.requests += 1
         arrived = time.perf_counter()
         try:
@@ -168,6 +194,18 @@ class Server:
             log.debug("rejected a request from %s: %s [%s]", peer.hex(), e.message, e.code)
             router.send_multipart([peer, *self.proto.error(peer, e.request_id, e.code, e.message, done=False)])
             return
+        if self.auth is not None:
+            request = replace(request, tenant=None if tenant == OPERATOR else tenant)
+            denied = None
+            if tenant is None:  # never expected (the ZAP handler names every tenant); refuse rather than trust
+                denied = ErrorReply(code="forbidden", message="the connection carries no authenticated tenant")
+            elif request.tenant is not None:
+                denied = admit(request.msg, request.namespace, request.tenant)
+            if denied is not None:
+                self.errors += 1
+                self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, denied)
+                router.send_multipart([peer, *self.proto.reply(request, denied)])
+                return
         reply: Message | None
         if self._stop_reason is not None:
             reply = ErrorReply(code="shutting_down", message="the daemon is stopping; retry shortly")
@@ -230,6 +268,10 @@ class Server:
                  f"{cfg.nvme.path} ({cfg.nvme.codec}, write_through={cfg.nvme.write_through})"
                  if cfg.nvme.enabled else "off")
         log.info("limits: %s; metrics: %s", self.limits.to_dict(), metrics_url or "off")
+        if self.auth is not None:
+            tenants = sorted(set(self.auth.allowed.values()))
+            log.info("CURVE on: server public key %s; %d client key(s) allowed, tenants %s",
+                     self.auth.public_key.decode(), len(self.auth.allowed), ", ".join(tenants) or "none")
 
 
 def _setup_logging(level: str) -> None:
@@ -243,11 +285,9 @@ def serve(config: Config) -> int:
     _setup_logging(config.server.log_level)
     ctx = zmq.Context()
     try:
-        claim(ctx, config.server.endpoint, insecure_tcp_ok=config.server.allow_insecure_tcp,
-              curve=config.server.curve_secret_key is not None)
-        if config.server.curve_secret_key is not None:
-            raise KVStoreError("CURVE encryption is not implemented in this build; serve tcp only with "
-                               "allow_insecure_tcp = true on a trusted network, or use an ipc:// endpoint")
+        cfg = config.server
+        auth = ServerAuth.from_config(cfg.endpoint, cfg.curve_secret_key, cfg.curve_allowed_keys)
+        claim(ctx, cfg.endpoint, insecure_tcp_ok=cfg.allow_insecure_tcp, curve=auth is not None)
         from kvstore.store import Store
 
         store = Store.from_config(config)
@@ -255,7 +295,7 @@ def serve(config: Config) -> int:
         log.error("refusing to start: %s", e)
         ctx.destroy(linger=0)
         return EXIT_REFUSED
-    server = Server(config, store, ctx)
+    server = Server(config, store, ctx, auth=auth)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: server.stop(signal.Signals(signum).name))
