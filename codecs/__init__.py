@@ -17,12 +17,15 @@ from typing import Any
 import torch
 
 from kvstore.codecs.base import Codec
+from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.frame import FrameHeader, read_header
+from kvstore.codecs.int4 import Int4Codec
+from kvstore.codecs.int8 import Int8Codec
 from kvstore.codecs.raw import RawCodec
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
-CODECS: dict[str, type[Codec]] = {c.name: c for c in (RawCodec,)}
+CODECS: dict[str, type[Codec]] = {c.name: c for c in (RawCodec, Fp8Codec, Int8Codec, Int4Codec)}
 
 
 def register(cls: type[Codec]) -> type[Codec]:

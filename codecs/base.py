@@ -18,16 +18,23 @@ import torch
 import zstandard
 
 from kvstore.codecs import frame as framing
+from kvstore.codecs.frame import Buffer
 from kvstore.errors import ChecksumMismatch, CodecError, FrameError
 from kvstore.layout import KVLayout
-
-Buffer = framing.Buffer
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A flat byte view of a tensor's data, on the CPU (copies only if it is on another device)."""
     t = t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1)
-    return memoryview(t.numpy())
+    return t.numpy().data
+
+
+def cast_block(wide: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A decoded float32 block rounded into ``dtype``: written into ``out`` when given (one pass,
+    no extra copy), else a new tensor (``wide`` itself when ``dtype`` is float32)."""
+    if out is not None:
+        return out.copy_(wide)
+    return wide if dtype == torch.float32 else wide.to(dtype)
 
 
 def bytes_tensor(buf: Buffer) -> torch.Tensor:
@@ -51,6 +58,10 @@ class Codec(ABC):
     name: ClassVar[str]
     codec_id: ClassVar[int]
     lossless: ClassVar[bool] = False
+    #: A lossy codec's promise: every decoded value is within ``max_error`` times
+    #: the absmax of its group of the original, and every group lies inside one
+    #: (layer, K/V, head) slice of the block. The codec tests hold each codec to it.
+    max_error: ClassVar[float | None] = None
 
     def __init__(self, *, zstd: int = 0) -> None:
         if isinstance(zstd, bool) or not isinstance(zstd, int) or not 0 <= zstd <= 22:
@@ -88,19 +99,26 @@ class Codec(ABC):
         return framing.pack(self.codec_id, layout, params, buffers, flags=flags)
 
     def decode(self, frame: Buffer, *, layout: KVLayout | None = None,
-               device: torch.device | str | None = None, verify: bool = True) -> torch.Tensor:
+               device: torch.device | str | None = None, verify: bool = True,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode a frame written by this codec into a block on ``device`` (default CPU).
 
         With ``layout``, a frame of any other layout raises LayoutMismatch. Any
-        damage raises a FrameError; a damaged frame never decodes.
+        damage raises a FrameError; a damaged frame never decodes. With ``out``
+        (a tensor of the block's shape and dtype, possibly a strided view such
+        as a slice of a longer sequence), the block is written into ``out`` and
+        ``out`` is returned: for a codec that decodes from the bytes in place
+        (raw), that write is the only copy. ``out`` is unchanged when this raises.
         """
         header = framing.read_header(frame, expect=layout, verify=verify)
         if header.codec_id != self.codec_id:
             raise FrameError(f"frame was written by codec id {header.codec_id}, not {self.name}")
-        return self._decode_checked(frame, header, device)
+        return self._decode_checked(frame, header, device, out)
 
     def _decode_checked(self, frame: Buffer, header: framing.FrameHeader,
-                        device: torch.device | str | None) -> torch.Tensor:
+                        device: torch.device | str | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None:
+            header.layout.check_tensor(out, what="decode's out")  # a caller's bug: LayoutError, not FrameError
         mv = memoryview(frame).cast("B")[header.payload_offset : header.frame_len]
         if header.zstd:
             try:
@@ -109,15 +127,32 @@ class Codec(ABC):
                 raise ChecksumMismatch(f"zstd payload does not decompress: {e}") from e
         else:
             data = mv
+        on_host = (device is None or torch.device(device).type == "cpu") and (out is None or out.device.type == "cpu")
+        if on_host:
+            block = self._decode_direct(data, header.layout, header.params, out)
+            if block is not None:
+                return block
         payload = bytes_tensor(data)
         if device is not None and torch.device(device).type != "cpu":
             payload = payload.to(device, non_blocking=False)
         try:
-            return self._decode(payload, header.layout, header.params)
+            block = self._decode(payload, header.layout, header.params)
         except FrameError:
             raise
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise FrameError(f"{self.name} frame does not decode: {e}") from e
+        if out is None:
+            return block
+        return out.copy_(block)
+
+    def _decode_direct(self, data: Buffer, layout: KVLayout, params: dict[str, Any],
+                       out: torch.Tensor | None) -> torch.Tensor | None:
+        """The block decoded from the payload bytes (host memory) in one pass into ``out``, or into a
+        fresh CPU tensor when ``out`` is None; None when this codec cannot (then ``_decode`` runs).
+
+        Must raise FrameError, before writing anything, for a payload that does not fit the layout.
+        """
+        return None
 
     def max_frame_bytes(self, layout: KVLayout) -> int:
         """An upper bound of a frame's size for ``layout`` (sizes RAM-tier slots).

@@ -28,6 +28,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import msgpack
@@ -45,6 +46,9 @@ VERSION = 1
 HEADER = struct.Struct("<4sBBBBHHHHIIQ16sI12x")
 HEADER_SIZE = HEADER.size
 _CRC_AT = 48
+_SIZES = struct.Struct("<4sB15xIQ16xI12s")  # magic, version, params length, payload length, CRC, reserved
+_ZEROS = bytes(12)
+_FIXED = struct.Struct("<BBBHHHHI16s")  # header bytes 5..19 and 32..47: what one layout and codec share
 FLAG_ZSTD = 1
 DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}
 _DTYPE_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
@@ -112,7 +116,7 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
     mv = memoryview(frame).cast("B")
     if mv.nbytes < HEADER_SIZE:
         raise TruncatedFrame(f"frame of {mv.nbytes} bytes is shorter than its {HEADER_SIZE}-byte header")
-    (magic, version, codec_id, dcode, flags, L, H, D, _r, tokens, plen, nlen, fp, crc) = HEADER.unpack_from(mv)
+    magic, version, plen, nlen, crc, reserved = _SIZES.unpack_from(mv)
     if magic != MAGIC:
         raise BadMagic(f"not a kvstore frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version != VERSION:
@@ -120,7 +124,7 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
     end = HEADER_SIZE + plen + nlen
     if plen > MAX_PARAMS or mv.nbytes < end:
         raise TruncatedFrame(f"frame of {mv.nbytes} bytes, header says {end}")
-    if any(mv[_CRC_AT + 4 : HEADER_SIZE]):  # reserved bytes sit outside the checksum: they must be 0
+    if reserved != _ZEROS:  # reserved bytes sit outside the checksum: they must be 0
         raise ChecksumMismatch(f"frame header bytes {_CRC_AT + 4}..{HEADER_SIZE - 1} are reserved and not zero: "
                                f"the frame was damaged")
     if verify:
@@ -128,6 +132,23 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
         got = crc32(mv[HEADER_SIZE:end], got)
         if got != crc:
             raise ChecksumMismatch(f"frame checksum {got:08x} does not match the stored {crc:08x}")
+    # Frames of one layout and codec share these bytes, so their checks and decode are done once
+    # (the checksum above covers them; any damaged byte makes another cache key and a fresh parse).
+    codec_id, flags, layout, params = _parse_fixed(bytes(mv[5:20]) + bytes(mv[32:_CRC_AT]),
+                                                   bytes(mv[HEADER_SIZE : HEADER_SIZE + plen]))
+    if expect is not None and layout != expect:
+        raise LayoutMismatch(f"frame holds a block of layout {layout.canonical().decode()}, "
+                             f"expected {expect.canonical().decode()}")
+    return FrameHeader(codec_id, flags, layout, dict(params), HEADER_SIZE + plen, nlen, crc)
+
+
+@lru_cache(maxsize=256)
+def _parse_fixed(head: bytes, raw_params: bytes) -> tuple[int, int, KVLayout, dict[str, Any]]:
+    """(codec id, flags, layout, params) from header bytes 5..19 and 32..47 and the params bytes.
+
+    A pure function, cached: the params dict it returns is shared and must not be changed
+    (read_header hands out copies)."""
+    codec_id, dcode, flags, L, H, D, _r, tokens, fp = _FIXED.unpack(head)
     if dcode not in _DTYPE_BY_CODE:
         raise ChecksumMismatch(f"frame names unknown dtype code {dcode}")
     try:
@@ -136,13 +157,10 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
         raise ChecksumMismatch(f"frame header holds an impossible layout: {e}") from e
     if layout.fingerprint() != bytes(fp):
         raise LayoutMismatch("frame's layout fingerprint does not match its own header")
-    if expect is not None and layout != expect:
-        raise LayoutMismatch(f"frame holds a block of layout {layout.canonical().decode()}, "
-                             f"expected {expect.canonical().decode()}")
     try:
-        params = msgpack.unpackb(mv[HEADER_SIZE : HEADER_SIZE + plen], raw=False) if plen else {}
+        params = msgpack.unpackb(raw_params, raw=False) if raw_params else {}
     except Exception as e:  # msgpack raises several types for damaged input
         raise ChecksumMismatch(f"frame parameters do not decode: {e}") from e
     if not isinstance(params, dict):
         raise ChecksumMismatch("frame parameters are not a map")
-    return FrameHeader(codec_id, flags, layout, params, HEADER_SIZE + plen, nlen, crc)
+    return codec_id, flags, layout, params

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstore.codecs.base import Codec, expect_bytes
-from kvstore.errors import CodecError
+from kvstore.codecs.frame import Buffer
+from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
 
@@ -36,6 +38,20 @@ class RawCodec(Codec):
         if self.shuffle:
             b = b.reshape(-1, block.element_size()).t().contiguous().reshape(-1)
         return {"shuffle": self.shuffle}, [b]
+
+    def _decode_direct(self, data: Buffer, layout: KVLayout, params: dict[str, Any],
+                       out: torch.Tensor | None) -> torch.Tensor | None:
+        if params.get("shuffle") or (out is not None and out.stride(-1) != 1):
+            return None
+        src = np.frombuffer(data, dtype=np.uint8)
+        if src.size != layout.block_nbytes:
+            raise FrameError(f"raw payload has {src.size} bytes, the layout needs {layout.block_nbytes}")
+        if out is None:  # a fresh block: one copy of the bytes, then typed views of it
+            return torch.from_numpy(src.copy()).view(layout.torch_dtype).view(layout.shape())
+        # bfloat16 has no numpy dtype: copy as bytes, [L, 2, T, H, D * itemsize], into out's strides
+        view = out.view(torch.uint8).numpy()
+        np.copyto(view, src.reshape(view.shape))
+        return out
 
     def _decode(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
         expect_bytes(payload, layout.block_nbytes, "raw")

@@ -1,0 +1,41 @@
+"""Scale arithmetic shared by the scaled codecs (fp8, int8).
+
+A codec that stores its scales in a narrow float rounds them *up*, and then
+quantizes with the rounded value: the decoder multiplies by exactly the scale
+the encoder divided by, and no value can land past the code range.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.errors import CodecError
+
+
+def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32, every element >= 0) rounded up into ``dtype`` (a new tensor)."""
+    out = x.to(dtype)
+    if dtype == torch.float32:
+        return out.clone() if out.data_ptr() == x.data_ptr() else out
+    ints = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    # Casting rounds to nearest; for non-negative floats the next representable
+    # value up is the next bit pattern up.
+    out.view(ints).add_((out.float() < x).to(ints))
+    return out
+
+
+def round_down(value: float, dtype: torch.dtype) -> float:
+    """The largest ``dtype`` number <= ``value`` (a positive, finite Python float)."""
+    x = torch.tensor(value, dtype=torch.float64)
+    b = x.to(dtype)
+    if float(b) > value:
+        ints = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+        b = (b.view(ints) - 1).view(dtype)
+    return float(b)
+
+
+def require_finite(stat: torch.Tensor, codec: str) -> None:
+    """Raise CodecError unless every element of ``stat`` (a per-group max or min) is finite."""
+    if not bool(torch.isfinite(stat).all()):
+        raise CodecError(f"{codec}: the block holds inf or NaN; a KV block must be finite "
+                         f"(check the model's output, or store it with codec raw)")

@@ -1,0 +1,43 @@
+"""Codecs on CUDA: the same torch code, so a block encoded on the GPU decodes like one encoded on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from codec_blocks import DTYPES, codec_variants, make_codec, slice_absmax, structured_block, variant_id
+
+from kvstore.codecs import decode_frame
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("variant", codec_variants(), ids=variant_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["normal", "heavy", "wide", "huge", "constant"])
+def test_gpu_encode_and_decode_match_the_cpu(variant: tuple[str, dict], dtype: torch.dtype, kind: str) -> None:
+    codec = make_codec(variant)
+    block = structured_block(kind, (3, 2, 64, 3, 64), dtype, seed=21)
+    cpu_frame = codec.encode(block)
+    gpu_frame = codec.encode(block.cuda())
+    want = decode_frame(cpu_frame).double()
+    # one frame decoded on either device: the same correctly rounded operations, so within
+    # one unit of the dtype at the slice's scale (in practice bit for bit)
+    on_gpu = decode_frame(cpu_frame, device="cuda")
+    assert on_gpu.device.type == "cuda" and on_gpu.dtype == dtype
+    ulp = slice_absmax(block) * float(torch.finfo(dtype).eps)
+    assert bool(((on_gpu.cpu().double() - want).abs() <= ulp).all())
+    # a frame encoded on the GPU: same size, and it decodes within the codec's promise of the
+    # block and of the CPU's result (a reduction order may move a code by one step)
+    assert len(gpu_frame) == len(cpu_frame)
+    got = decode_frame(gpu_frame, device="cuda").cpu().double()
+    if codec.lossless:
+        assert torch.equal(got, block.double()) and bytes(gpu_frame) == bytes(cpu_frame)
+        return
+    assert codec.max_error is not None
+    bound = codec.max_error * slice_absmax(block) + ulp
+    assert bool(((got - block.double()).abs() <= bound).all())
+    assert bool(((got - want).abs() <= 2 * bound).all())
+    assert float((got == want).double().mean()) > 0.99
