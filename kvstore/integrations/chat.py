@@ -2,9 +2,14 @@
 
 ::
 
-    turn = run_turn(model, client, prompt_ids, max_new_tokens=64, session="conv-42")
-    turn.reused_tokens, turn.ttft_s, turn.output_ids
+    chat = Conversation(tokenizer)
+    for question in questions:
+        turn = run_turn(model, client, chat.ask(question), session="conv-42")
+        print(chat.answer(turn.output_ids), turn.reused_tokens, turn.ttft_s, turn.tiers)
 
+``Conversation`` keeps the conversation as token ids and extends it with the
+tokenizer's chat template, so turn k+1's prompt starts with exactly the tokens
+turn k computed (prompt and answer) and every whole block of them is reused.
 Greedy decoding, batch size 1: enough for a chat loop and for measuring the
 time to first token with and without the cache.
 """
@@ -17,11 +22,20 @@ from typing import Any
 
 import torch
 
-from kvstore.integrations.transformers import CacheClient, fetch_cache, save_cache, single_sequence
+from kvstore.integrations.transformers import (
+    CacheClient,
+    cache_kwargs,
+    fetch_cache,
+    save_cache,
+    single_sequence,
+)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TurnResult:
+    """One answered turn: the generated ids (the end-of-turn token included when it came), how many
+    prompt tokens came from kvstore and from which tier each block, timings, blocks stored."""
+
     output_ids: list[int]
     reused_tokens: int
     prompt_tokens: int
@@ -33,32 +47,35 @@ class TurnResult:
 
 @torch.inference_mode()
 def run_turn(model: Any, client: CacheClient, input_ids: Any, *, max_new_tokens: int = 64,
-             session: str | None = None, eos_token_id: int | None = None, store: bool = True) -> TurnResult:
+             session: str | None = None, eos_token_id: int | list[int] | None = None,
+             store: bool = True) -> TurnResult:
     """Answer ``input_ids`` greedily, reusing every cached block and storing the new ones.
 
-    The time to first token covers the lookup, the fetch, building the cache
-    and computing the uncached tokens. With ``store`` the prompt and the
-    answer's full blocks are saved under ``session`` for the next turn.
+    The time to first token covers the fetch from the daemon, building the
+    cache and computing the uncached tokens. Generation stops after
+    ``max_new_tokens`` or at an end token (``eos_token_id``, default the
+    model's). With ``store`` the whole blocks of the prompt and the answer are
+    saved under ``session`` for the next turn (after the answer; not timed in
+    the TTFT). Raises BatchNotSupported for a batch > 1.
     """
     ids = single_sequence(input_ids)
     eos = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
+    stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     t0 = time.perf_counter()
     hit = fetch_cache(client, ids, config=model.config, device=model.device)
-    out = model(ids[hit.tokens:].unsqueeze(0).to(model.device), past_key_values=hit.cache, use_cache=True)
+    cache = hit.cache
+    out = model(ids[hit.tokens:].unsqueeze(0).to(model.device), **cache_kwargs(model, cache))
     nxt = int(out.logits[0, -1].argmax())
     ttft = time.perf_counter() - t0
     generated = [nxt]
-    cache = out.past_key_values
-    while len(generated) < max_new_tokens and nxt != eos:
-        out = model(torch.tensor([[nxt]], device=model.device), past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+    while len(generated) < max_new_tokens and nxt not in stops:
+        out = model(torch.tensor([[nxt]], device=model.device), **cache_kwargs(model, cache))
         nxt = int(out.logits[0, -1].argmax())
         generated.append(nxt)
     stored = 0
-    if store:
+    if store:  # the cache now holds the prompt and every answer token but the last
         full = torch.cat([ids, torch.tensor(generated, dtype=ids.dtype)])
-        result = save_cache(client, full, cache, session=session)
-        stored = int(getattr(result, "stored", 0) or 0) if result is not None else 0
+        stored = save_cache(client, full, cache, session=session).stored
     return TurnResult(generated, hit.tokens, len(ids), hit.tiers, ttft, time.perf_counter() - t0, stored)
 
 
@@ -70,3 +87,61 @@ def time_to_first_token(model: Any, input_ids: Any) -> float:
     out = model(ids.unsqueeze(0).to(model.device), use_cache=True)
     int(out.logits[0, -1].argmax())
     return time.perf_counter() - t0
+
+
+class Conversation:
+    """A chat as token ids, extended turn by turn with the tokenizer's chat template.
+
+    ``ask`` returns the prompt ids of the next turn: the ids so far (earlier
+    prompts and the answers exactly as generated) plus the template's text for
+    the new user message and the assistant header. Re-tokenizing a decoded
+    answer can give other ids than the model generated; appending keeps the
+    prefix identical, so the store's blocks match it.
+    """
+
+    def __init__(self, tokenizer: Any, *, system: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.messages: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system}]
+        self.ids: list[int] = []
+        self._end = tokenizer.eos_token  # the template's end-of-turn string, e.g. <|im_end|>
+
+    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+        text: str = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                       add_generation_prompt=generation_prompt)
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def ask(self, text: str) -> list[int]:
+        """Add a user message; the prompt ids of the whole conversation, ending with the assistant header.
+
+        Raises ValueError when the previous question has no answer yet (call ``answer`` first).
+        """
+        if self.messages and self.messages[-1]["role"] == "user":
+            raise ValueError("the last question has no answer yet; call Conversation.answer(output_ids) first")
+        new = [*self.messages, {"role": "user", "content": text}]
+        rendered = self._render(new, generation_prompt=True)
+        if not self.ids:
+            self.ids = self._encode(rendered)
+        else:
+            before = self._render(self.messages, generation_prompt=False)
+            cut = before.rfind(self._end) + len(self._end)  # our ids end at the last answer's end token
+            if cut < len(self._end) or not rendered.startswith(before[:cut]):
+                self.ids = self._encode(rendered)  # the template rewrites history: start over
+            else:
+                self.ids = self.ids + self._encode(rendered[cut:])
+        self.messages = new
+        return list(self.ids)
+
+    def answer(self, output_ids: list[int]) -> str:
+        """Record the assistant's answer (ids as generated); returns its text. An answer cut short
+        gets the end-of-turn token appended, as the template would render it."""
+        end_id = self.tokenizer.convert_tokens_to_ids(self._end)
+        ids = list(output_ids)
+        if not ids or ids[-1] != end_id:
+            ids.append(end_id)
+        self.ids = self.ids + ids
+        text: str = self.tokenizer.decode(ids[:-1], skip_special_tokens=True)
+        self.messages = [*self.messages, {"role": "assistant", "content": text}]
+        return text

@@ -1,0 +1,145 @@
+"""load_cache / save_cache / run_turn against a real daemon, with a tiny random Llama (fast, no weights).
+
+The blocks are stored in float32, the model's dtype, through hbm (raw): a
+reused prefix is then the very K/V the model computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.errors import LayoutError
+from kvstore.integrations.chat import run_turn
+from kvstore.integrations.models import layout_of
+from kvstore.integrations.transformers import (
+    BatchNotSupported,
+    cache_kwargs,
+    cache_to_kv,
+    kv_to_cache,
+    load_cache,
+    save_cache,
+)
+
+T = 4  # block tokens
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def client(serve: Callable[..., Any], tiny: Any) -> Iterator[KVStoreClient]:
+    d = serve(hbm="8MiB", ram="8MiB")
+    layout = layout_of(tiny.config, dtype="float32", block_tokens=T)
+    with KVStoreClient(d.endpoint, model="tiny-llama", layout=layout, timeout=30.0) as c:
+        yield c
+
+
+def logits(model: Any, ids: torch.Tensor, cache: Any = None) -> torch.Tensor:
+    with torch.inference_mode():
+        kwargs = cache_kwargs(model, cache) if cache is not None else {}
+        return model(ids.unsqueeze(0), **kwargs).logits[0]
+
+
+def test_save_then_load_reuses_the_prefix_and_gives_the_same_logits(client: KVStoreClient, tiny: Any) -> None:
+    ids = torch.randint(0, 96, (30,))
+    # nothing stored yet: an empty cache, nothing reused
+    cache, n = load_cache(client, ids, config=tiny.config)
+    assert n == 0 and cache.get_seq_length() == 0
+    # turn 1 computes 18 tokens and stores their 4 whole blocks (16 tokens); the tail of 2 is not stored
+    with torch.inference_mode():
+        out = tiny(ids[:18].unsqueeze(0), use_cache=True)
+    r = save_cache(client, ids[:18], out.past_key_values, session="s")
+    assert (r.stored, r.present, r.failed) == (4, 0, [])
+    # turn 2 (30 tokens) finds those 16 and computes only the other 14
+    cache, n = load_cache(client, ids, config=tiny.config)
+    assert n == 16 and cache.get_seq_length() == 16
+    assert torch.allclose(logits(tiny, ids[16:], cache)[-1], logits(tiny, ids)[-1], atol=1e-5)
+    # saving again rewrites nothing: the blocks are present
+    with torch.inference_mode():
+        out = tiny(ids[:18].unsqueeze(0), use_cache=True)
+    assert save_cache(client, ids[:18], out.past_key_values).present == 4
+
+
+def test_the_last_prompt_token_is_always_computed(client: KVStoreClient, tiny: Any) -> None:
+    ids = torch.randint(0, 96, (8,))
+    with torch.inference_mode():
+        out = tiny(ids.unsqueeze(0), use_cache=True)
+    assert save_cache(client, ids, out.past_key_values).stored == 2
+    # both blocks are stored, but the prompt's last token must run through the model: only block 0 comes back
+    _, n = load_cache(client, ids, config=tiny.config)
+    assert n == 4
+    # a prompt of one whole block only: nothing can be reused
+    _, n = load_cache(client, ids[:4], config=tiny.config)
+    assert n == 0
+
+
+def test_a_short_cache_stores_nothing(client: KVStoreClient, tiny: Any) -> None:
+    ids = torch.randint(0, 96, (3,))
+    with torch.inference_mode():
+        out = tiny(ids.unsqueeze(0), use_cache=True)
+    r = save_cache(client, ids, out.past_key_values)
+    assert (r.stored, r.present) == (0, 0)
+
+
+def test_a_batch_is_refused(client: KVStoreClient, tiny: Any) -> None:
+    ids = torch.randint(0, 96, (2, 12))
+    with pytest.raises(BatchNotSupported, match="batch of 2"):
+        load_cache(client, ids, config=tiny.config)
+    with torch.inference_mode():
+        out = tiny(ids, use_cache=True)
+    with pytest.raises(BatchNotSupported, match="batch of 2"):
+        save_cache(client, ids[:1], out.past_key_values)
+    with pytest.raises(BatchNotSupported):
+        run_turn(tiny, client, ids, max_new_tokens=2)
+
+
+def test_a_model_of_another_shape_is_refused(serve: Callable[..., Any], tiny: Any) -> None:
+    d = serve()
+    wrong = layout_of(tiny.config, dtype="float32", block_tokens=T)
+    wrong = type(wrong)(num_layers=3, num_kv_heads=wrong.num_kv_heads, head_dim=wrong.head_dim,
+                        dtype="float32", block_tokens=T)
+    with KVStoreClient(d.endpoint, model="tiny-llama", layout=wrong) as c, \
+            pytest.raises(LayoutError, match="layers, kv heads, head dim"):
+        load_cache(c, torch.arange(12), config=tiny.config)
+
+
+def test_cache_and_block_tensor_convert_both_ways(tiny: Any) -> None:
+    ids = torch.randint(0, 96, (9,))
+    with torch.inference_mode():
+        cache = tiny(ids.unsqueeze(0), use_cache=True).past_key_values
+    kv = cache_to_kv(cache)
+    assert kv.shape == (2, 2, 9, 2, 8)  # [L, 2, T, H, D]
+    assert torch.equal(kv[1, 0, :, 1], cache.layers[1].keys[0, 1])  # layer 1, K, head 1: [T, D]
+    back = kv_to_cache(kv, tiny.config)
+    assert back.get_seq_length() == 9
+    assert torch.equal(cache_to_kv(back), kv)
+    assert torch.equal(cache_to_kv(cache, tokens=4, dtype=torch.bfloat16), kv[:, :, :4].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="holds 9 tokens, 12 were asked"):
+        cache_to_kv(cache, tokens=12)
+
+
+def test_run_turn_reuses_the_last_turn_and_answers_as_without_cache(client: KVStoreClient, tiny: Any) -> None:
+    prompt = torch.randint(0, 96, (10,))
+    first = run_turn(tiny, client, prompt, max_new_tokens=8, session="chat", eos_token_id=-1)
+    # prompt 10 + 8 answer tokens; the cache holds 17 of them (the last answer token was never fed): 4 blocks
+    assert (first.reused_tokens, first.stored_blocks, len(first.output_ids)) == (0, 4, 8)
+    follow = torch.cat([prompt, torch.tensor(first.output_ids), torch.randint(0, 96, (5,))])
+    second = run_turn(tiny, client, follow, max_new_tokens=6, store=False, eos_token_id=-1)
+    assert second.reused_tokens == 16 and second.tiers == ["hbm"] * 4
+    # the same answer without kvstore at all
+    with torch.inference_mode():
+        out = tiny.generate(follow.unsqueeze(0), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                            pad_token_id=0)
+    assert out[0, len(follow):].tolist() == second.output_ids
