@@ -18,7 +18,11 @@ whether the row meets the gate (tests/model) and the aim.
 Part 1 is every registered codec at its defaults. Part 2 is what each int4
 choice buys (group sizes, per-channel vs per-token K, a Hadamard rotation of
 the head dimension, keeping the first block -- the attention sink -- exact,
-zstd on top). Part 3 tries other settings of fp8 and int8. No timings here:
+zstd on top). Part 3 tries other settings of fp8 and int8. Part 4 is the nvme tier as
+the default config sets it up (``[nvme]`` codec, rotate, zstd, head_codec, head_blocks):
+bits per value there count every frame of the prefix as stored (header, stats, the
+int8 head block, zstd), for the 1,024-token prefixes scored and, from frame sizes
+alone, for a 4,096-token prefix of the longest text. No timings here:
 bench/codec_speed.py measures speed.
 """
 
@@ -29,7 +33,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.codecs import CODECS, get_codec
+import torch
+
+from kvstore.codecs import CODECS, Codec, get_codec
+from kvstore.config import NvmeConfig
+from kvstore.integrations.transformers import cache_to_kv
 from kvstore.quality import AIMS, GATES, QualityHarness, QualityResult, reference_texts
 
 
@@ -64,6 +72,25 @@ OTHER_ROWS = [
 QUICK = {"KIVI g32 (default)", "groups of 64 (K and V)", "Hadamard rotation", "first block exact"}
 
 
+def prefix_bits(harness: QualityHarness, tokens: int, codec: Codec, head_blocks: int,
+                head: Codec | None) -> tuple[str, float] | None:
+    """(text, bits per value) of the frames of a ``tokens``-token prefix of the longest reference
+    text, as the nvme tier would store them; None when no text is that long."""
+    loaded = harness.loaded
+    best = None
+    for name, text in reference_texts():
+        ids = loaded.tokenizer(text, return_tensors="pt").input_ids[0]
+        if ids.numel() >= tokens and (best is None or ids.numel() > best[1].numel()):
+            best = (name, ids)
+    if best is None:
+        return None
+    with torch.no_grad():
+        out = loaded.model(best[1][:tokens].unsqueeze(0), use_cache=True)
+    kv = cache_to_kv(out.cache if hasattr(out, "cache") else out.past_key_values, dtype=harness.block_dtype)
+    _, nbytes = harness.roundtrip(codec, kv, head_blocks=head_blocks, head_codec=head)
+    return best[0], nbytes * 8 / kv.numel()
+
+
 def verdict(name: str, result: QualityResult) -> tuple[str, str]:
     out = []
     for targets in (GATES, AIMS):
@@ -94,6 +121,7 @@ def print_row(row: Row, r: QualityResult) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="defaults and a few int4 rows only")
+    ap.add_argument("--nvme", action="store_true", help="part 4 only: the nvme tier as configured by default")
     ap.add_argument("--continuation", type=int, default=256, help="scored tokens per text")
     ap.add_argument("--prefix-blocks", type=int, default=16, help="64-token blocks of prefix per text")
     args = ap.parse_args()
@@ -115,10 +143,22 @@ def main() -> None:
                 codec, head = get_codec(row.codec, **row.params), get_codec(row.head_codec)
                 print_row(row, harness.measure(codec, head_blocks=row.head_blocks, head_codec=head))
 
-    run("1. Registered codecs at their defaults", [Row(n, n) for n in CODECS])
-    run("2. int4: what each choice buys", [r for r in INT4_ROWS if not args.quick or r.label in QUICK])
-    if not args.quick:
+    if not args.nvme:
+        run("1. Registered codecs at their defaults", [Row(n, n) for n in CODECS])
+        run("2. int4: what each choice buys", [r for r in INT4_ROWS if not args.quick or r.label in QUICK])
+    if not args.quick and not args.nvme:
         run("3. fp8 / int8 settings", OTHER_ROWS)
+
+    nvme = NvmeConfig()
+    codec, head = nvme.codecs()
+    n_head = nvme.head_blocks if head is not None else 0
+    print_header("4. nvme tier as configured by default (configs/default.toml [nvme])")
+    row = Row("nvme tier as configured by default", codec.name, codec.params(), n_head,
+              head.name if head is not None else "raw")
+    print_row(row, harness.measure(codec, head_blocks=n_head, head_codec=head))
+    long = prefix_bits(harness, 4096, codec, n_head, head)
+    if long is not None:
+        print(f"  the same for a 4,096-token prefix of {long[0]} (frame sizes only): {long[1]:.3f} bits/value")
     print("\ngates (tests/model) and aims:")
     for name in CODECS:
         if name in GATES:

@@ -82,6 +82,11 @@ class Codec(ABC):
         the layout, and must return a tensor that does not alias ``payload``.
         """
 
+    def error_bound(self, layout: KVLayout) -> float | None:
+        """``max_error`` for the frames this instance writes for blocks of ``layout``: the same
+        promise, for codecs whose bound depends on their parameters and the layout (int4 rotated)."""
+        return self.max_error
+
     def params(self) -> dict[str, Any]:
         """The parameters this codec was built with (for logs and reports)."""
         return {"zstd": self.zstd_level}

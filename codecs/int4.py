@@ -21,16 +21,20 @@ exactly. Bits per value for 16-bit dtypes: ``4 + 32/k_group`` for K and
 
 ``rotate=True`` multiplies the head dimension by an orthonormal Sylvester Hadamard
 matrix before quantizing and undoes it after decoding (QuaRot, Ashkboos et al. 2024);
-it spreads outlier channels over the head but breaks the per-value error bound and
-costs a 64x64 matmul per token on decode, so it is off by default. A head dimension
-that is not a power of two is rotated in blocks of its largest power-of-two divisor.
+it spreads outlier channels over the head but loosens the per-value error bound (to
+n/14 of the slice's absmax for a rotation of order n: ``error_bound``) and costs a
+64x64 matmul per token on decode, so the codec's default is off; the nvme tier turns
+it on, with an int8 first block (configs/default.toml). A head dimension that is not a
+power of two is rotated in blocks of its largest power-of-two divisor; a block whose
+rotated values could pass the dtype's range is written unrotated (its frame says so).
 
 Measured on SmolLM2-135M (bench/codec_quality.py): the defaults give KL 4.0e-3 at
 5.0 bits/value; groups of 64 cost 1.8x the KL for 0.5 bit less; K per token (like V)
 2.3x; rotation alone nothing (4.3e-3). Most of the loss is K of the attention sink
 (the prefix's first tokens), which a codec cannot single out -- its values look like
 any other token's. A store that keeps the first block at int8 halves the KL (1.9e-3),
-and then rotation helps: 1.7e-3, top-1 98.3% (5.0 bits in the int4 blocks).
+and then rotation helps: 1.7e-3, top-1 98.3% (5.0 bits in the int4 blocks; 4.94 bits/value
+over the whole prefix as the nvme tier stores it, int8 block and zstd 3 included).
 
 Group sizes that do not divide the block are fine: the last group is padded by
 repeating its last entry (which cannot widen its range). Every parameter travels
@@ -93,7 +97,7 @@ class Int4Codec(Codec):
     name = "int4"
     codec_id = 4
     # s/2 <= (max - min)/30 <= absmax/15, plus the rounding of z (dtype epsilon x absmax) and of
-    # the result; groups lie inside one (layer, K/V, head) slice. Holds with rotate=False only.
+    # the result; groups lie inside one (layer, K/V, head) slice. Rotated frames: see error_bound.
     max_error = 1 / 14
 
     def __init__(self, *, k_axis: str = "channel", k_group: int = 32, v_group: int = 32,
@@ -107,6 +111,16 @@ class Int4Codec(Codec):
     def params(self) -> dict[str, Any]:
         return {**self.grouping.to_dict(), **super().params()}
 
+    def error_bound(self, layout: KVLayout) -> float | None:
+        """Rotated by an orthonormal Hadamard matrix of order n, a value y of the rotated slice is
+        within sqrt(n) x absmax; its error, within sqrt(n) x absmax / 15; and rotating back sums n
+        such errors, each divided by sqrt(n): n x absmax / 15 at worst. The worst comes from values
+        sharing one sign: their mean gathers in one rotated channel and sets its group's scale
+        (random normal blocks stay within about 1/10)."""
+        if not self.grouping.rotate:
+            return self.max_error
+        return (layout.head_dim & -layout.head_dim) * self.max_error
+
     def payload_bytes(self, layout: KVLayout) -> int:
         return _sizes(self.grouping, layout).total
 
@@ -114,8 +128,10 @@ class Int4Codec(Codec):
     def _encode(self, block: torch.Tensor) -> tuple[dict[str, Any], list[torch.Tensor]]:
         g, dtype = self.grouping, block.dtype
         x = block.to(torch.float32)
-        if g.rotate:
+        if g.rotate and _rotation_fits(x, dtype):
             x = _rotate(x)
+        elif g.rotate:  # rotated, values could pass the dtype's range: this frame goes unrotated
+            g = Int4Params(g.k_axis, g.k_group, g.v_group, rotate=False)
         pieces, codes = [], []
         edge = False
         for i, (dim, size) in enumerate(g.specs()):
@@ -196,6 +212,13 @@ def _params_of_frame(params: dict[str, Any]) -> tuple[Int4Params, bool]:
     if problem:
         raise FrameError(f"int4 frame parameters: {problem}")
     return g, clamp
+
+
+def _rotation_fits(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether every rotated value stays well inside ``dtype`` (|y| <= sqrt(n) x absmax, n <= D)."""
+    d = x.shape[-1]
+    limit = torch.finfo(dtype).max / 4  # centres and scales, rounded up, must stay finite too
+    return bool(x.numel() == 0 or float(x.abs().amax()) * math.sqrt(d & -d) <= limit)
 
 
 def _hadamard(n: int, device: torch.device) -> torch.Tensor:

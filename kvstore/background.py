@@ -149,7 +149,7 @@ class Background:
                 break
             except TierFull:
                 with self._lock:
-                    if not self._mover.make_room(t_n, block):
+                    if not self._mover.make_room(t_n, block, position=rec.position):
                         self._counts["write_failures"] += 1
                         return
             except TierIOError:

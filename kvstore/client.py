@@ -329,8 +329,10 @@ class KVStoreClient:
         """Wait until every block the daemon stored before this call is on nvme and synced to disk.
 
         True is the durable acknowledgement: those blocks survive a daemon kill
-        and (in every durability mode) a power loss, unless evicted for room
-        or expired later. False when ``timeout`` seconds (default: no limit)
+        in every durability mode, and a power loss in ``balanced`` and ``safe``
+        (in ``fast``, only until the next write: a power loss after unsynced
+        commits wipes the store), unless evicted for room or expired later.
+        A put reply alone is not durable. False when ``timeout`` seconds (default: no limit)
         passed first; nothing is lost, a later flush goes on. Each request
         asks the daemon to answer within half the client's timeout, so a long
         flush never looks like a dead daemon.

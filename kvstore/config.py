@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ConfigError
 from kvstore.units import parse_duration, parse_size
@@ -38,12 +38,16 @@ __all__ = [
     "runtime_dir", "with_overrides",
 ]
 
+if TYPE_CHECKING:
+    from kvstore.codecs import Codec
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
 _NEVER = ("never", "off", "inf")
+_FIDELITY = ("int4", "fp8", "int8", "raw")  # nvme codecs, from the one that keeps least
 
 
 def runtime_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -116,6 +120,25 @@ class NvmeConfig:
     capacity: int = 64 * 2**30
     codec: str = "int4"
     zstd: int = 3  # zstd level on top of the codec; 0 = off
+    rotate: bool = True  # int4 only: Hadamard-rotate the head dimension (with head_codec, lower KL)
+    # The first ``head_blocks`` blocks of every prefix (the attention sink's) are stored with
+    # ``head_codec`` instead; None = off. int4 loses most on the sink's K (see codecs/int4.py).
+    head_codec: str | None = "int8"
+    head_blocks: int = 1
+
+    def codecs(self) -> tuple[Codec, Codec | None]:
+        """The tier codec and the head codec these settings describe (imports torch).
+
+        The head codec is None (off) when ``head_codec`` is "none", ``head_blocks`` is 0, or it
+        keeps no more than ``codec`` does (int4 < fp8 < int8 < raw): the head blocks are there
+        to be kept better, so with ``codec = "raw"`` every block stays lossless.
+        """
+        from kvstore.codecs import get_codec
+
+        params: dict[str, Any] = {"rotate": self.rotate} if self.codec == "int4" else {}
+        better = self.head_codec is not None and _FIDELITY.index(self.head_codec) > _FIDELITY.index(self.codec)
+        head = get_codec(self.head_codec, zstd=self.zstd) if better and self.head_blocks else None
+        return get_codec(self.codec, zstd=self.zstd, **params), head
     write_through: bool = True
     admit: str = "always"  # or "second_use"
     ttl: float = 7 * 86400.0  # math.inf = never expire
@@ -279,6 +302,9 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         "capacity": _size(1 << 20),
         "codec": _choice("int4", "int8", "fp8", "raw"),
         "zstd": _int(0, 22),
+        "rotate": _bool,
+        "head_codec": _optional(_choice("int8", "fp8", "raw", "int4", "none")),
+        "head_blocks": _int(0, 65536),
         "write_through": _bool,
         "admit": _choice("always", "second_use"),
         "ttl": _duration(never=True),
@@ -351,6 +377,14 @@ def _read_env(env: Mapping[str, str], values: dict[str, dict[str, Any]]) -> None
         _apply(values, section, key, env[name], f"environment {name}")
 
 
+def _check_nvme(nvme: dict[str, Any], where: str) -> None:
+    """Checks across [nvme] keys: ``rotate`` is an int4 parameter."""
+    codec = nvme.get("codec", NvmeConfig.codec)
+    if nvme.get("rotate") is True and codec != "int4":
+        raise ConfigError(f"{where}: [nvme] rotate = true needs codec = \"int4\" (codec is {codec!r}); "
+                          "drop rotate or set it to false")
+
+
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Defaults, then the TOML file (``path``, else ``$KVSTORE_CONFIG``), then ``KVSTORE_*`` overrides.
 
@@ -368,6 +402,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     _read_env(env, values)
     values["server"].setdefault("endpoint", default_endpoint(env))
     values["nvme"].setdefault("path", default_data_dir(env))
+    _check_nvme(values["nvme"], str(source) if source is not None else "environment")
     sections = {s: cls(**values[s]) for s, (cls, _) in _CHECKS.items()}
     return Config(source=source, **sections)
 
@@ -382,4 +417,8 @@ def with_overrides(config: Config, section: str, **changes: Any) -> Config:
         if key not in names:
             raise ConfigError(f"unknown key {key!r} in [{section}]{_suggest(key, sorted(names))}")
         _apply(values, section, key, raw, "override")
-    return replace(config, **{section: replace(getattr(config, section), **values[section])})
+    changed = replace(getattr(config, section), **values[section])
+    if section == "nvme":
+        _check_nvme({"codec": changed.codec, **({"rotate": changed.rotate} if "rotate" in changes else {})},
+                    "override")
+    return replace(config, **{section: changed})

@@ -3,7 +3,7 @@
 ::
 
     _store_new(e, block)      new block -> the uppermost tier that can make room (lock held)
-    _read(e, device)          decode from the uppermost good copy; a bad copy is deleted (no lock held)
+    _read(e, device, out)     decode from the uppermost good copy into out; a bad copy is deleted (no lock held)
     _after_get(read)          hit/miss counts, touch, admission on second use, promotions (lock held)
     _prepare_demotions(keys)  ram frames of the hbm blocks a put will likely push down (no lock held)
     _prepare_promotions(read) ram frames of the blocks a get will promote from nvme (no lock held)
@@ -83,7 +83,7 @@ class DataPath:
             self._mover.busy.add(p.key)  # its own descendants-to-be must not push it out
         try:
             for t, tier in enumerate(self._tiers):
-                if not self._mover.make_room(t, block):
+                if not self._mover.make_room(t, block, position=self._mover.position(e)):
                     continue
                 if p is not None and self._index.get(p.key) is not p:
                     return False
@@ -102,15 +102,17 @@ class DataPath:
             if p is not None:
                 self._mover.busy.discard(p.key)
 
-    def _read(self, e: Entry, device: torch.device) -> tuple[torch.Tensor, int] | None:
-        """Decode ``e`` from its uppermost good copy (no lock held). None: it is gone or every copy was bad."""
+    def _read(self, e: Entry, device: torch.device, out: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, int] | None:
+        """Decode ``e`` from its uppermost good copy (no lock held), into ``out`` if given (then the
+        tensor returned is ``out``). None: it is gone or every copy was bad."""
         while True:
             with self._lock:
                 t = e.highest() if self._index.get(e.key) is e else -1
             if t < 0:
                 return None
             try:
-                return self._tiers[t].get(e.key, device=device), t
+                return self._tiers[t].get(e.key, device=device, out=out), t
             except FrameError:
                 with self._lock:
                     self._mover.corrupt(e, t)

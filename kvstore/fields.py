@@ -8,6 +8,7 @@ back: a typed value as msgpack can carry it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -53,8 +54,8 @@ def boolean(name: str, v: Any) -> bool:
 def opt_number(name: str, v: Any) -> float | None:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise bad(name, "a non-negative number", v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:  # no NaN, no inf
+        raise bad(name, "a finite non-negative number", v)
     return float(v)
 
 

@@ -51,7 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.server")
 
 PREFETCH_TARGETS = ("ram", "hbm")
-MAX_PINS = 65536  # pins held through the protocol at once; each ends by release or lease
+# Pins held through the protocol at once, and the block references they hold in all (each costs the
+# store's pin table an entry): bounds what clients pinning in a loop can make the daemon keep.
+MAX_PINS = 4096
+MAX_PINNED_KEYS = 1 << 18
 MAX_FLUSH_WAIT = 60.0  # seconds one flush request may hold a worker; the client asks again
 
 
@@ -193,8 +196,10 @@ class Handlers:
         with self._pins_lock:
             for hid in [h for h, (_, exp) in self._pins.items() if exp <= now]:
                 del self._pins[hid]  # lapsed: the store has let go of them already
-            if len(self._pins) >= MAX_PINS:
-                raise ProtocolError("busy", f"{MAX_PINS} pins are held; release some or wait for leases to end")
+            held = sum(len(h.keys) for h, _ in self._pins.values())
+            if len(self._pins) >= MAX_PINS or held + matched > MAX_PINNED_KEYS:
+                raise ProtocolError("busy", f"{len(self._pins)} pins hold {held} blocks (at most {MAX_PINS} pins, "
+                                    f"{MAX_PINNED_KEYS} blocks); release some or wait for leases to end")
             handle = self.store.pin(block_keys(ns, msg.tokens)[:matched], lease)
             hid = secrets.randbits(63)
             self._pins[hid] = (handle, now + lease)

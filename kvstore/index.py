@@ -159,10 +159,10 @@ class BlockIndex:
         self._entries[entry.key] = entry
         self.set_tier(entry, tier)
 
-    def insert_restored(self, entries: list[Entry], tier: int) -> None:
+    def insert_restored(self, entries: list[Entry], tier: int, *, keys: list[bytes] | None = None) -> None:
         """Bulk-load entries (already linked to each other, their tier bits set) held in ``tier``,
-        in the given access order."""
-        self._entries.update(zip(map(attrgetter("key"), entries), entries, strict=True))
+        in the given access order. ``keys``: their keys, when the caller has them as a list."""
+        self._entries.update(zip(map(attrgetter("key"), entries) if keys is None else keys, entries, strict=True))
         if tier < self.ntiers - 1:
             self._lru[tier].update(dict.fromkeys(e.key for e in entries))
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from kvstore.layout import KVLayout
 
 KEY_BYTES = 32
 MAX_TOKEN_ID = 2**32 - 1
+_U32 = np.dtype("<u4")
 _MAX_FIELD = 256
 
 
@@ -71,15 +73,20 @@ class Namespace:
 
     def root(self) -> bytes:
         """The chain's root digest (32 bytes)."""
+        return self._root
+
+    @cached_property
+    def _root(self) -> bytes:
+        # computed once per instance: every lookup starts its chain here (the instance is frozen)
         h = hashlib.sha256(b"kvstore/1")
         for field in (self.model.encode(), self.revision.encode(), self.layout.canonical(), self.tenant.encode()):
             h.update(_lp(field))
         return h.digest()
 
-    @property
+    @cached_property
     def id(self) -> str:
         """A short stable identifier (hex) for logs, metrics and LMDB metadata."""
-        return self.root()[:8].hex()
+        return self._root[:8].hex()
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "revision": self.revision, "tenant": self.tenant, "layout": self.layout.to_dict()}
@@ -133,6 +140,8 @@ def as_tokens(tokens: Any) -> np.ndarray:
         arr = arr[0]
     if arr.ndim != 1:
         raise InvalidTokens(f"token ids must be 1-D, got shape {arr.shape}")
+    if arr.dtype == _U32:  # every uint32 is in range (ids off the wire are already this): no scan
+        return np.ascontiguousarray(arr)
     if arr.size:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > MAX_TOKEN_ID:
@@ -147,11 +156,23 @@ def chain(parent: bytes, block: np.ndarray) -> bytes:
 
 def block_keys(namespace: Namespace, tokens: Any) -> list[bytes]:
     """Keys of every full block of ``tokens``; a trailing partial block gets none."""
+    return list(iter_block_keys(namespace, tokens))
+
+
+def iter_block_keys(namespace: Namespace, tokens: Any) -> Iterator[bytes]:
+    """The keys of ``block_keys``, each computed when the caller asks for it.
+
+    A walk that stops at the first block not held hashes no further: a miss
+    costs one SHA-256, not one per block of the prompt. Raises InvalidTokens
+    at once (not at the first ``next``) for malformed ``tokens``.
+    """
     arr = as_tokens(tokens)
-    t = namespace.layout.block_tokens
-    key = namespace.root()
-    keys = []
-    for i in range(len(arr) // t):
-        key = chain(key, arr[i * t : (i + 1) * t])
-        keys.append(key)
-    return keys
+    return _chain_keys(namespace.root(), arr.data.cast("B"), 4 * namespace.layout.block_tokens)
+
+
+def _chain_keys(key: bytes, raw: memoryview, step: int) -> Iterator[bytes]:
+    # a view of the prompt's bytes, sliced per block: no copy of the prompt, no array object per block
+    sha = hashlib.sha256
+    for off in range(0, len(raw) - step + 1, step):
+        key = sha(key + raw[off : off + step]).digest()
+        yield key

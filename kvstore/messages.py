@@ -166,11 +166,43 @@ class Prefetch(Message):
     to: str = "ram"
 
 
+@dataclass(frozen=True)
+class Flush(Message):
+    """Wait (at most ``timeout`` seconds) until every block stored before it is on nvme and LMDB is
+    synced to disk. A reply with ``durable`` true is the durable acknowledgement."""
+
+    op = "flush"
+    schema = {"timeout": F.opt_number}
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class Pin(Message):
+    """Pin the held leading blocks of ``tokens`` for ``lease`` seconds (capped at the daemon's pin
+    lease): neither evicted nor demoted until ``release`` or the lease ends."""
+
+    op = "pin"
+    schema = {"ns": F.text, "tokens": F.tokens, "lease": F.opt_number}
+    ns: str
+    tokens: np.ndarray
+    lease: float | None = None
+
+
+@dataclass(frozen=True)
+class Release(Message):
+    """End the pin ``handle`` (from a pin reply) before its lease runs out."""
+
+    op = "release"
+    schema = {"handle": F.nonneg_int}
+    handle: int
+
+
 REQUESTS: dict[str, type[Message]] = {
-    c.op: c for c in (Hello, Ping, Lookup, Get, Put, Evict, Stats, Inspect, Prefetch)
+    c.op: c for c in (Hello, Ping, Lookup, Get, Put, Evict, Stats, Inspect, Prefetch, Flush, Pin, Release)
 }
 # Safe to send again after a timeout: a repeat changes nothing a first try would not.
-IDEMPOTENT = frozenset({"hello", "ping", "lookup", "get", "put", "stats", "inspect", "prefetch"})
+IDEMPOTENT = frozenset({"hello", "ping", "lookup", "get", "put", "stats", "inspect", "prefetch", "flush",
+                        "release"})
 
 
 # ---------------------------------------------------------------- replies
@@ -261,7 +293,38 @@ class ErrorReply(Message):
     message: str
 
 
+@dataclass(frozen=True)
+class FlushOk(Message):
+    """``durable``: everything stored before the flush is on nvme and synced (false: ``timeout`` passed
+    first; nothing is lost, flush again)."""
+
+    op = "flush"
+    schema = {"durable": F.boolean}
+    durable: bool
+
+
+@dataclass(frozen=True)
+class PinOk(Message):
+    """``blocks`` leading blocks are pinned under ``handle`` for ``lease`` seconds."""
+
+    op = "pin"
+    schema = {"handle": F.nonneg_int, "blocks": F.nonneg_int, "lease": F.opt_number}
+    handle: int
+    blocks: int
+    lease: float | None = None
+
+
+@dataclass(frozen=True)
+class ReleaseOk(Message):
+    """``released``: the pin was still held (false: unknown handle, or its lease had ended)."""
+
+    op = "release"
+    schema = {"released": F.boolean}
+    released: bool
+
+
 REPLIES: dict[str, type[Message]] = {
     "hello": HelloOk, "ping": Pong, "lookup": LookupOk, "get": GetOk, "put": PutOk, "evict": EvictOk,
-    "stats": DataOk, "inspect": DataOk, "prefetch": DataOk,
+    "stats": DataOk, "inspect": DataOk, "prefetch": DataOk, "flush": FlushOk, "pin": PinOk,
+    "release": ReleaseOk,
 }

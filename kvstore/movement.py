@@ -102,12 +102,22 @@ class Mover:
         return fallback
 
     # -- making room ------------------------------------------------------------------
-    def make_room(self, t: int, block: torch.Tensor | None, frame_bytes: int = 0) -> bool:
+    def make_room(self, t: int, block: torch.Tensor | None, frame_bytes: int = 0, *,
+                  position: int | None = None) -> bool:
         """Push blocks out of tier ``t`` until ``block`` (or a frame of ``frame_bytes``) fits.
-        False when only pinned blocks are left."""
+        ``position``: the block's index in its prefix, which picks the nvme tier's codec (a head
+        block's frame is larger). False when only pinned blocks are left."""
         tier = self.tiers[t]
         tried: set[bytes] = set()
-        while not (tier.can_put_frame(frame_bytes) if block is None else tier.can_put(block)):  # type: ignore[attr-defined]
+
+        def fits() -> bool:
+            if block is None:
+                return bool(tier.can_put_frame(frame_bytes))  # type: ignore[attr-defined]
+            if t == self.nvme_tier and position is not None:
+                return bool(tier.can_put(block, position))  # type: ignore[call-arg]
+            return tier.can_put(block)
+
+        while not fits():
             e = self.victim(t, tried)
             if e is None:
                 return False
@@ -182,7 +192,8 @@ class Mover:
             # encoded first, so that room is made for its exact size (under the lock: no frame was prepared)
             frame = self.tiers[t].codec.encode(block)  # type: ignore[attr-defined]
         for _ in range(3):
-            room = self.make_room(t, None, len(frame)) if frame is not None else self.make_room(t, block)
+            room = (self.make_room(t, None, len(frame)) if frame is not None
+                    else self.make_room(t, block, position=self.position(e)))
             if not room or self.index.get(e.key) is not e:
                 return False
             try:
@@ -210,6 +221,11 @@ class Mover:
         parent = e.parent.key if e.parent is not None else self.roots[e.ns]
         return BlockRecord(key=e.key, parent=parent, namespace=e.ns, position=position, tokens=tokens,
                            sessions=e.sessions, created=e.created, last_access=e.last_access)
+
+    @staticmethod
+    def position(e: Entry) -> int | None:
+        """The block's index in its prefix when known in memory (kept while no nvme copy exists)."""
+        return e.pending[0] if e.pending is not None else None
 
     def keep_record(self, e: Entry) -> bool:
         """Before the nvme copy goes while others stay: keep its position and tokens in memory."""

@@ -295,6 +295,11 @@ def serve(config: Config) -> int:
         log.error("refusing to start: %s", e)
         ctx.destroy(linger=0)
         return EXIT_REFUSED
+    except OSError as e:  # e.g. the socket's directory cannot be made: one line, no traceback
+        log.error("refusing to start: %s: %s; check [server] endpoint and [nvme] path", e.strerror or e,
+                  e.filename or cfg.endpoint)
+        ctx.destroy(linger=0)
+        return EXIT_REFUSED
     server = Server(config, store, ctx, auth=auth)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -7,11 +7,13 @@
                          likely push down (no lock), then store it (lock): new blocks -> hbm,
                          room made by demotion hbm -> ram -> nvme -> gone
                          new keys -> write-through queue -> writer thread -> nvme (int4, LMDB)
-    lookup(ns, tokens)   walk keys from block 0 while indexed                   (lock, dict lookups)
+    lookup(ns, tokens)   walk keys from block 0 while indexed, each hashed as the walk reaches it
+                         (lock, one SHA-256 and one dict lookup a block; a miss ends the hashing)
     get(ns, tokens)      pin the chain (lease) -> read + decode each block (no lock) -> encode
                          frames for promotion (no lock) -> touch, promote one tier up, unpin (lock)
 
-One RLock guards the index and what each tier holds. Hashing, layout checks,
+One RLock guards the index and what each tier holds. Hashing (but for the
+lazy walks of lookup and get: under a microsecond a block), layout checks,
 get()'s reads and decodes, the ram frames of demotions and promotions (encoded
 ahead, see ``Mover.prepared``), and the write-through's int4 encode and LMDB
 put run outside it. Under it run memory copies into hbm, LMDB deletes, and
@@ -23,18 +25,21 @@ flush, close) in background.py.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import replace
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvstore.admin import AdminOps
 from kvstore.datapath import DataPath
 from kvstore.errors import LayoutError
 from kvstore.index import BlockIndex, Entry
-from kvstore.keys import Namespace, as_tokens, block_keys
+from kvstore.keys import Namespace, as_tokens, block_keys, iter_block_keys
 from kvstore.movement import Mover
 from kvstore.pins import PinHandle, PinTable
 from kvstore.restore import restore
@@ -118,7 +123,9 @@ class Store(AdminOps, DataPath):
             from kvstore.tiers.nvme import NvmeTier
 
             n = config.nvme
-            nvme = NvmeTier(n.path, n.capacity, get_codec(n.codec, zstd=n.zstd), durability=n.durability)
+            codec, head = n.codecs()
+            nvme = NvmeTier(n.path, n.capacity, codec, durability=n.durability, head_codec=head,
+                            head_blocks=n.head_blocks)
         return cls(hbm, ram, nvme, p, write_through=config.nvme.write_through, admit=config.nvme.admit,
                    ttl=config.nvme.ttl)
 
@@ -202,11 +209,11 @@ class Store(AdminOps, DataPath):
     def lookup(self, ns: Namespace, tokens: Any) -> LookupResult:
         """How many leading blocks of ``tokens`` are held (and the uppermost tier of each). Reads nothing."""
         arr = as_tokens(tokens)
-        keys = block_keys(ns, arr)
+        keys = iter_block_keys(ns, arr)
         tiers: list[str] = []
         with self._lock:
             self._check_open()
-            for k in keys:
+            for k in keys:  # hashed as the walk goes: a miss at block i costs i + 1 hashes, not one per block
                 e = self._index.get(k)
                 if e is None:
                     break
@@ -240,14 +247,17 @@ class Store(AdminOps, DataPath):
         T = ns.layout.block_tokens
         start = _index_arg("start_block", start_block)
         arr = as_tokens(tokens)
-        keys = block_keys(ns, arr)[start:]
+        want = max(0, len(arr) // T - start)
         if max_blocks is not None:
-            keys = keys[: _index_arg("max_blocks", max_blocks)]
+            want = min(want, _index_arg("max_blocks", max_blocks))
+        keys = iter_block_keys(ns, arr)
+        for _ in islice(keys, start if want else 0):  # the chain up to start_block: hashed before the lock
+            pass
         dev = torch.device("cpu" if device is None else device)
         with self._lock:
             self._check_open()
             chain: list[Entry] = []
-            for k in keys:
+            for k in islice(keys, want):  # hashed as the walk goes, like lookup
                 e = self._index.get(k)
                 if e is None:
                     break
@@ -255,17 +265,16 @@ class Store(AdminOps, DataPath):
             handle = self._pins.pin([e.key for e in chain], self._lease)
             self._counts["lookups"] += 1
             self._counts["tokens_asked"] += max(0, len(arr) - start * T)
-        out: torch.Tensor | None = None
+        # each block is decoded or copied straight into its place in the result: one copy, not two
+        out = _empty(ns.layout.shape(len(chain) * T), ns.layout.torch_dtype, dev) if chain else None
         read: list[tuple[Entry, torch.Tensor, int]] = []
         try:
             for j, e in enumerate(chain):
-                got = self._read(e, dev)
+                assert out is not None
+                got = self._read(e, dev, out[:, :, j * T:(j + 1) * T])
                 if got is None:
                     break
-                block, t = got
-                if out is None:
-                    out = torch.empty(ns.layout.shape(len(chain) * T), dtype=block.dtype, device=dev)
-                out[:, :, j * T:(j + 1) * T].copy_(block)
+                block, t = got  # block: a view of out (what promotion copies up)
                 read.append((e, block, t))
         finally:
             frames = self._prepare_promotions(read)
@@ -273,7 +282,7 @@ class Store(AdminOps, DataPath):
                 self._pins.release(handle)  # before promoting: the chain itself may need to make room
                 self._mover.prepared = frames
                 try:
-                    self._after_get(read, missed=len(read) < len(keys))
+                    self._after_get(read, missed=len(read) < want)
                 finally:
                     self._mover.prepared = {}
                 self._counts["tokens_served"] += len(read) * T
@@ -339,6 +348,16 @@ class Store(AdminOps, DataPath):
 
 
 _CHUNK = 32  # blocks a put stores per hold of the lock
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor; on the CPU its memory comes from numpy, which asks the kernel for
+    huge pages for large arrays (madvise): filling a 94 MB get result then takes a third of the
+    time it takes in torch.empty's memory, faulted in 4 KiB at a time."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _index_arg(name: str, v: Any) -> int:

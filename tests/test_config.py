@@ -115,6 +115,9 @@ path = "store"
 capacity = "10GB"
 codec = "raw"
 zstd = 0
+rotate = false
+head_codec = "fp8"
+head_blocks = 2
 write_through = false
 admit = "second_use"
 ttl = "2h"
@@ -143,6 +146,7 @@ def test_every_key_is_read_from_a_file(tmp_path: Path, monkeypatch: pytest.Monke
     n = c.nvme
     assert (n.path, n.capacity, n.codec, n.zstd, n.write_through) == (tmp_path / "store", 10**10, "raw", 0, False)
     assert (n.admit, n.ttl, n.durability, n.enabled) == ("second_use", 7200.0, "safe", False)
+    assert (n.rotate, n.head_codec, n.head_blocks) == (False, "fp8", 2)
     p = c.policy
     assert (p.promote_on_hit, p.pin_lease, p.write_queue, p.page_bytes) == (False, 0.5, 7, 4096)
 
@@ -238,6 +242,9 @@ def test_env_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None
     ("nvme", "capacity", '"1KiB"', "at least"),
     ("nvme", "codec", '"zip"', "int4"),
     ("nvme", "zstd", "23", "0 to 22"),
+    ("nvme", "rotate", '"sideways"', "true or false"),
+    ("nvme", "head_codec", '"int3"', "int8, fp8, raw, int4, none"),
+    ("nvme", "head_blocks", "-1", "integer from 0"),
     ("nvme", "write_through", '"sometimes"', "true or false"),
     ("nvme", "admit", '"third_use"', "second_use"),
     ("nvme", "ttl", '"7 days"', "duration"),
@@ -288,6 +295,37 @@ def test_missing_or_malformed_file(tmp_path: Path) -> None:
         load_config(write(tmp_path, "[ram\ncapacity = 1\n"), env={})
     with pytest.raises(ConfigError, match="must be a table"):
         load_config(write(tmp_path, "ram = 5\n"), env={})
+
+
+def test_nvme_head_block_policy_keys(tmp_path: Path) -> None:
+    # default: int4 rotated, the first block of each prefix at int8, all at the same zstd level
+    n = load_config(env={}).nvme
+    assert (n.codec, n.rotate, n.head_codec, n.head_blocks, n.zstd) == ("int4", True, "int8", 1, 3)
+    codec, head = n.codecs()
+    assert (codec.name, codec.params()["rotate"], codec.zstd_level) == ("int4", True, 3)
+    assert head is not None and (head.name, head.zstd_level) == ("int8", 3)
+    # "none" (file or environment) switches the policy off; so does head_blocks = 0
+    off = load_config(write(tmp_path, '[nvme]\nhead_codec = "none"\n'), env={}).nvme
+    assert off.head_codec is None and off.codecs()[1] is None
+    env = {"KVSTORE_NVME_HEAD_CODEC": "raw", "KVSTORE_NVME_HEAD_BLOCKS": "2", "KVSTORE_NVME_ROTATE": "off"}
+    n = load_config(env=env).nvme
+    assert (n.head_codec, n.head_blocks, n.rotate) == ("raw", 2, False)
+    assert n.codecs()[0].params()["rotate"] is False
+    assert load_config(env={"KVSTORE_NVME_HEAD_BLOCKS": "0"}).nvme.codecs()[1] is None
+    # a head codec that keeps no more than the tier codec is not used: raw stays lossless throughout
+    assert load_config(env={"KVSTORE_NVME_CODEC": "raw"}).nvme.codecs()[1] is None
+    assert load_config(env={"KVSTORE_NVME_CODEC": "int8", "KVSTORE_NVME_HEAD_CODEC": "fp8"}).nvme.codecs()[1] is None
+    assert load_config(env={"KVSTORE_NVME_CODEC": "fp8"}).nvme.codecs()[1].name == "int8"  # type: ignore[union-attr]
+    # rotate is int4's: other codecs ignore the default, but an explicit rotate = true is a mistake
+    n = load_config(write(tmp_path, '[nvme]\ncodec = "int8"\n'), env={}).nvme
+    assert n.codecs()[0].name == "int8"
+    with pytest.raises(ConfigError, match=r"rotate = true needs codec = \"int4\""):
+        load_config(write(tmp_path, '[nvme]\ncodec = "int8"\nrotate = true\n'), env={})
+    with pytest.raises(ConfigError, match="rotate"):
+        load_config(env={"KVSTORE_NVME_CODEC": "fp8", "KVSTORE_NVME_ROTATE": "true"})
+    assert with_overrides(Config(), "nvme", codec="int8").nvme.codec == "int8"
+    with pytest.raises(ConfigError, match="rotate"):
+        with_overrides(Config(), "nvme", codec="raw", rotate=True)
 
 
 def test_with_overrides_checks_like_a_file(tmp_path: Path) -> None:

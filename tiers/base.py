@@ -67,11 +67,15 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def get(self, key: bytes, device: torch.device | str | None = None) -> torch.Tensor:
+    def get(self, key: bytes, device: torch.device | str | None = None, *,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode the block under ``key`` onto ``device`` (default: the tier's own device).
 
         Raises KeyError when absent, FrameError when the stored frame fails its
         checks; the caller then drops the key. The result never aliases tier memory.
+        With ``out`` (the block's shape and dtype, on ``device``; a strided view is
+        fine) the block is written into ``out`` and ``out`` returned, so a caller
+        assembling many blocks copies each once; LayoutError if ``out`` does not fit.
         """
 
     @abstractmethod

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kvstore.errors import LayoutError
 from kvstore.tiers.paged import PagedTier
 from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool
 
@@ -45,11 +47,20 @@ class HbmTier(PagedTier):
         data = block.detach().contiguous().view(-1).view(torch.uint8)
         return self._store(key, data, _BlockMeta(shape=tuple(block.shape), dtype=block.dtype))
 
-    def get(self, key: bytes, device: torch.device | str | None = None) -> torch.Tensor:
-        """A copy of the block on ``device`` (default: the pool's). KeyError when absent."""
+    def get(self, key: bytes, device: torch.device | str | None = None, *,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of the block on ``device`` (default: the pool's), or written into ``out``. KeyError when absent."""
         with self._reading(key) as entry:
+            meta: _BlockMeta = entry.meta
+            if out is not None:  # one copy, arena -> out (the entry stays allocated while it runs)
+                if tuple(out.shape) != meta.shape or out.dtype != meta.dtype:
+                    raise LayoutError(f"hbm get: out is {tuple(out.shape)} {out.dtype}, the block is "
+                                      f"{meta.shape} {meta.dtype}")
+                src = self._pool.view(entry.span, entry.nbytes)
+                if src is None:
+                    src = self._pool.read(entry.span, entry.nbytes)
+                return out.copy_(src.view(meta.dtype).view(meta.shape))
             data = self._pool.read(entry.span, entry.nbytes)
-        meta: _BlockMeta = entry.meta
         block = data.view(meta.dtype).view(meta.shape)
         if device is not None and torch.device(device) != block.device:
             block = block.to(device)

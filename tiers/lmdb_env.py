@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
-from kvstore.tiers.base import TierFull, TierIOError
 
 from kvstore.errors import ConfigError, StoreFormatError, StoreLocked
+from kvstore.tiers.base import TierFull, TierIOError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,6 +59,12 @@ DURABILITY: dict[str, dict[str, bool]] = {
 DEFAULT_DURABILITY = "fast"
 DB_NAMES = (b"blocks", b"records", b"sessions", b"namespaces", b"meta")
 LOCK_FILE = "kvstore.lock"
+# Room always left free on the filesystem: writes that would eat into it are refused (TierFull),
+# and a store is not opened on a filesystem with less than half of it free.
+DISK_HEADROOM = 1 << 20
+# LMDB's lock file (reader table) is mapped; a page of it that the filesystem cannot allocate
+# is a SIGBUS, not an error. It is allocated up front (1024 readers take ~64 KiB).
+LOCK_MDB_BYTES = 128 << 10
 _DIRTY = b"dirty_boot"
 
 
@@ -79,17 +85,24 @@ class ResizeGate:
 
     @contextmanager
     def txn(self) -> Iterator[None]:
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def enter(self) -> None:
+        """Begin a transaction's turn (waits while a resize runs); pair with ``leave``."""
         with self._cond:
             while self._resizing:
                 self._cond.wait()
             self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -129,6 +142,17 @@ class Environment:
         self._dirty = False
         self._closed = False
 
+    def disk_room(self) -> int:
+        """Bytes the B-trees can hold without the filesystem running out: the pages data.mdb already
+        has (high-water mark) plus the filesystem's free space beyond DISK_HEADROOM. A disk filled by
+        others caps the store at the pages it has (old blocks make way for new ones there)."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return 1 << 62  # cannot tell: the configured capacity alone decides
+        allocated = (int(self.env.info()["last_pgno"]) + 1) * self.psize
+        return allocated + max(0, st.f_bavail * st.f_frsize - DISK_HEADROOM)
+
     def used_bytes(self, txn: lmdb.Transaction) -> int:
         """Pages the B-trees of every db hold, plus the two meta pages, in bytes."""
         pages = 2
@@ -144,11 +168,14 @@ class Environment:
     def read(self, fn: Callable[[lmdb.Transaction], T], *, buffers: bool = False) -> T:
         """Run ``fn`` in a read transaction (with ``buffers``, values are views valid inside ``fn`` only)."""
         self._check_open()
+        self._gate.enter()  # enter/leave, not ``with gate.txn()``: reads are the hot path, a generator costs
         try:
-            with self._gate.txn(), self.env.begin(buffers=buffers) as txn:  # type: ignore[call-overload]
+            with self.env.begin(buffers=buffers) as txn:  # type: ignore[call-overload]
                 return fn(txn)
         except lmdb.Error as e:
             raise TierIOError(f"nvme store {self.path}: read failed: {e}; check the disk") from e
+        finally:
+            self._gate.leave()
 
     def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
         """Run ``fn`` in one write transaction; grow the map on MapFullError; TierFull at the ceiling."""
@@ -172,6 +199,9 @@ class Environment:
                     raise TierFull(f"nvme store {self.path} has filled its {self.ceiling} bytes "
                                    "(LMDB map full); evict or raise [nvme] capacity") from None
             except lmdb.Error as e:
+                if "No space left" in str(e):  # the transaction was aborted: nothing changed
+                    raise TierFull(f"nvme store {self.path}: the filesystem is full ({e}); evict, free "
+                                   "disk space or lower [nvme] capacity") from None
                 raise TierIOError(f"nvme store {self.path}: write failed: {e}; "
                                   "check the disk (space, permissions)") from e
 
@@ -234,8 +264,15 @@ def _lock(path: Path) -> int:
 
 
 def _open_lmdb(path: Path, durability: str, map_size: int, max_dbs: int) -> lmdb.Environment:
-    return lmdb.open(str(path), map_size=map_size, max_dbs=max_dbs, max_readers=1024, subdir=True,
-                     writemap=False, map_async=False, readahead=True, **DURABILITY[durability])
+    try:
+        return lmdb.open(str(path), map_size=map_size, max_dbs=max_dbs, max_readers=1024, subdir=True,
+                         writemap=False, map_async=False, readahead=True, **DURABILITY[durability])
+    except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as e:
+        raise StoreFormatError(f"{path} holds a data.mdb that is not a kvstore nvme store ({e}); point "
+                               "[nvme] path at another directory, or delete this one to start empty") from None
+    except lmdb.Error as e:  # ENOSPC, EACCES, EROFS, ...
+        raise TierIOError(f"nvme store {path} cannot be opened: {e}; point [nvme] path at a writable "
+                          "directory with free space") from None
 
 
 def open_environment(path: str | Path, *, durability: str, map_size: int, ceiling: int) -> Environment:
@@ -248,10 +285,15 @@ def open_environment(path: str | Path, *, durability: str, map_size: int, ceilin
     if durability not in DURABILITY:
         raise ConfigError(f"nvme durability {durability!r} is not one of {sorted(DURABILITY)}")
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    fd = _lock(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = _lock(path)
+    except OSError as e:  # unwritable, not a directory, read-only or full filesystem
+        raise TierIOError(f"nvme store {path} cannot be opened: {e.strerror or e}; point [nvme] path at a "
+                          "writable directory with free space") from None
     try:
         reset_reason = _check_clean(path, map_size)
+        _check_disk(path)
         env = _open_lmdb(path, durability, map_size, len(DB_NAMES))
         try:
             dbs, created = _open_dbs(env, path)
@@ -263,6 +305,24 @@ def open_environment(path: str | Path, *, durability: str, map_size: int, ceilin
         raise
     return Environment(path, env, dbs, durability=durability, created=created, reset_reason=reset_reason,
                        lock_fd=fd, ceiling=ceiling)
+
+
+def _check_disk(path: Path) -> None:
+    """TierIOError unless the filesystem has room to run a store: half of DISK_HEADROOM free, and
+    LMDB's mapped lock file allocated for real (a full disk must be an error, not a SIGBUS)."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < DISK_HEADROOM // 2:
+        raise TierIOError(f"nvme store {path}: the filesystem has only {free} bytes free (at least "
+                          f"{DISK_HEADROOM // 2} needed); free disk space or point [nvme] path elsewhere")
+    fd = os.open(path / "lock.mdb", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(LOCK_MDB_BYTES, os.fstat(fd).st_size))
+    except OSError as e:
+        raise TierIOError(f"nvme store {path}: cannot allocate LMDB's lock file: {e.strerror}; free disk "
+                          "space or point [nvme] path elsewhere") from None
+    finally:
+        os.close(fd)
 
 
 def _open_dbs(env: lmdb.Environment, path: Path) -> tuple[dict[str, Any], float]:
@@ -287,7 +347,13 @@ def _open_dbs(env: lmdb.Environment, path: Path) -> tuple[dict[str, Any], float]
             created = float(txn.get(b"created", default=b"0", db=meta))
     except lmdb.IncompatibleError as e:
         raise StoreFormatError(f"{path} holds an LMDB database that is not a kvstore nvme store: {e}") from e
-    env.sync(True)
+    except lmdb.Error as e:  # e.g. no space left to write the first transaction
+        raise TierIOError(f"nvme store {path} cannot be opened: {e}; point [nvme] path at a writable "
+                          "directory with free space") from None
+    try:
+        env.sync(True)
+    except lmdb.Error as e:
+        raise TierIOError(f"nvme store {path} cannot be synced: {e}; check the disk") from None
     return dbs, created
 
 
@@ -295,7 +361,10 @@ def _check_clean(path: Path, map_size: int) -> str | None:
     """Wipe a ``fast`` store that went down with the machine while it had unsynced commits."""
     if not (path / "data.mdb").exists():
         return None
-    env = lmdb.open(str(path), map_size=map_size, max_dbs=len(DB_NAMES), readonly=True, lock=False)
+    try:
+        env = lmdb.open(str(path), map_size=map_size, max_dbs=len(DB_NAMES), readonly=True, lock=False)
+    except lmdb.Error:
+        return None  # _open_lmdb reports what is wrong with it
     try:
         with env.begin() as txn:
             if txn.get(b"meta") is None:

@@ -13,10 +13,11 @@
 
 A block's frame and entry are written in one transaction. Every block has an
 entry (it gives the frame's length without touching the frame's pages), so
-keys, sizes and the restart index (``iter_index``: ~2.6 s of CPU per million
-records here) come from the small records db. ``get`` checks and decodes the
-frame straight from the memory map inside the read transaction: the decode's
-output is the only copy.
+keys, sizes and the restart index (``iter_index_columns``: ~1 s of CPU per
+million records here, fixed fields read by numpy) come from the small records
+db. ``get`` checks and decodes the frame straight from the memory map inside
+the read transaction: the decode's output (or, with ``out=``, the caller's
+tensor) is the only copy.
 
 Capacity is hard twice over:
 
@@ -47,17 +48,24 @@ from typing import Any, cast
 import lmdb
 import msgpack
 import torch
+
 from kvstore.codecs import Codec, decode_frame, read_header
 from kvstore.codecs.frame import Buffer
-from kvstore.tiers import lmdb_env
-from kvstore.tiers.base import Tier, TierFull, TierUsage
-from kvstore.tiers.lmdb_env import DEFAULT_DURABILITY
-from kvstore.tiers.nvme_format import EntryDecoder, IndexEntry, frame_len, pack_entry, with_frame_len
-
 from kvstore.errors import ConfigError, FrameError, KVStoreError
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
 from kvstore.record import BlockRecord
+from kvstore.tiers import lmdb_env
+from kvstore.tiers.base import Tier, TierFull, TierUsage
+from kvstore.tiers.lmdb_env import DEFAULT_DURABILITY
+from kvstore.tiers.nvme_format import (
+    EntryDecoder,
+    IndexColumns,
+    IndexEntry,
+    frame_len,
+    pack_entry,
+    with_frame_len,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +73,8 @@ MIN_CAPACITY = 1 << 20
 DEFAULT_MAP_SIZE = 64 << 20
 _RECORD_GUESS = 512  # bytes of a records entry when can_put has only the block to go on
 _CHUNK = 4096  # records read per transaction while iterating
+_CODEC_AT = 5  # offset of the codec id in a frame (codecs/frame.py)
+_INDEX_CHUNK = 16384  # records read per transaction by iter_index_columns (~5 MB of entries)
 
 
 class NvmeTier(Tier):
@@ -77,13 +87,20 @@ class NvmeTier(Tier):
     name = "nvme"
 
     def __init__(self, path: str | Path, capacity_bytes: int, codec: Codec, *,
-                 durability: str = DEFAULT_DURABILITY, map_size_initial: int = DEFAULT_MAP_SIZE) -> None:
+                 durability: str = DEFAULT_DURABILITY, map_size_initial: int = DEFAULT_MAP_SIZE,
+                 head_codec: Codec | None = None, head_blocks: int = 1) -> None:
+        """``head_codec``: the codec of a prefix's first ``head_blocks`` blocks (record.position <
+        head_blocks; the attention sink's), None = every block with ``codec`` (see ``codec_for``)."""
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < MIN_CAPACITY:
             raise ConfigError(f"nvme capacity must be an integer of at least {MIN_CAPACITY} bytes, got {capacity_bytes!r}")
         if isinstance(map_size_initial, bool) or not isinstance(map_size_initial, int) or map_size_initial < 1:
             raise ConfigError(f"nvme map_size_initial must be a positive integer, got {map_size_initial!r}")
+        if isinstance(head_blocks, bool) or not isinstance(head_blocks, int) or head_blocks < 0:
+            raise ConfigError(f"nvme head_blocks must be a non-negative integer, got {head_blocks!r}")
         self.capacity_bytes = capacity_bytes
         self.codec = codec
+        self.head_codec = head_codec if head_blocks else None
+        self.head_blocks = head_blocks if head_codec is not None else 0
         ceiling = capacity_bytes - capacity_bytes % 4096
         self._env = lmdb_env.open_environment(path, durability=durability, ceiling=ceiling,
                                               map_size=min(map_size_initial, ceiling))
@@ -97,7 +114,7 @@ class NvmeTier(Tier):
         self._blocks, self._records = self._env.dbs["blocks"], self._env.dbs["records"]
         self._sessions, self._namespaces = self._env.dbs["sessions"], self._env.dbs["namespaces"]
         self._read, self._write = self._env.read, self._env.write
-        self._frame_bytes: dict[KVLayout, int] = {}
+        self._frame_bytes: dict[tuple[KVLayout, bool], int] = {}  # (layout, head?) -> largest frame seen
         self._largest = 0  # the largest frame's cost written since open (sizes the reserve)
 
     # -- size estimates ---------------------------------------------------------------
@@ -126,27 +143,61 @@ class NvmeTier(Tier):
         if used - old_cost + new_cost > self.capacity_bytes - self._reserve():
             raise TierFull(f"nvme store {self.path}: an entry of ~{new_cost} bytes does not fit "
                            f"({used} of {self.capacity_bytes} bytes used); evict first")
+        if used - old_cost + new_cost > self._env.disk_room() - self._reserve():
+            raise TierFull(f"nvme store {self.path}: the filesystem is full (an entry of ~{new_cost} bytes "
+                           "does not fit); evict, or free disk space")
 
     # -- blocks -----------------------------------------------------------------------
-    def can_put(self, block: torch.Tensor) -> bool:
+    def codec_for(self, position: int | None) -> Codec:
+        """The codec a block at ``position`` in its prefix is stored with: ``head_codec`` for the
+        first ``head_blocks``, ``codec`` otherwise (and when the position is unknown)."""
+        if self.head_codec is not None and position is not None and position < self.head_blocks:
+            return self.head_codec
+        return self.codec
+
+    def _frame_hint(self, layout: KVLayout, head: bool) -> int:
+        codec = self.head_codec if head and self.head_codec is not None else self.codec
+        return self._frame_bytes.get((layout, head), codec.max_frame_bytes(layout))
+
+    def can_put(self, block: torch.Tensor, position: int | None = None) -> bool:
+        """Whether ``put`` of ``block`` at ``position`` in its prefix would fit now; with no position,
+        whether a block of either codec would. Changes nothing."""
         layout = KVLayout.of_block(block)
-        frame = self._frame_bytes.get(layout, self.codec.max_frame_bytes(layout))
+        heads = (False, True) if position is None else (self.codec_for(position) is not self.codec,)
+        frame = max(self._frame_hint(layout, h) for h in heads if not h or self.head_codec is not None)
         need = self._entry_cost(frame, _RECORD_GUESS)
         reserve = 64 * self._psize + 2 * max(self._largest, self._value_cost(frame))
-        return self.usage().used_bytes + need <= self.capacity_bytes - reserve
+        room = min(self.capacity_bytes, self._env.disk_room())  # a full disk is as full as the capacity
+        return self.usage().used_bytes + need <= room - reserve
 
     def put(self, key: bytes, block: torch.Tensor, record: BlockRecord | None = None) -> int:
-        """Encode ``block`` and store frame and ``record`` in one transaction; returns the estimated bytes.
+        """Encode ``block`` with ``codec_for(record.position)`` and store frame and ``record`` in one
+        transaction; returns the estimated bytes.
 
-        ``record=None`` keeps the key's stored record, if any. TierFull / TierIOError: nothing changed.
+        ``record=None`` keeps the key's stored record, if any (and its position picks the codec).
+        TierFull / TierIOError: nothing changed.
         """
-        frame = self.codec.encode(block)
-        layout = KVLayout.of_block(block)
-        self._frame_bytes[layout] = max(len(frame), self._frame_bytes.get(layout, 0))  # a hint; races are harmless
+        if record is not None:
+            position: int | None = record.position
+        else:  # the stored record's position, read only when a head policy makes it matter
+            position = self._stored_position(key) if self.head_codec is not None else None
+        codec = self.codec_for(position)
+        frame = codec.encode(block)
+        hint = (KVLayout.of_block(block), codec is not self.codec)
+        self._frame_bytes[hint] = max(len(frame), self._frame_bytes.get(hint, 0))  # a hint; races are harmless
         return self._put_frame(key, frame, record)
 
+    def _stored_position(self, key: bytes) -> int | None:
+        """The position in the stored record of ``key``; None when absent, stored bare or damaged."""
+        try:
+            return self.record(key).position
+        except (KeyError, FrameError):
+            return None
+
     def put_frame(self, key: bytes, frame: Buffer, record: BlockRecord | None = None) -> int:
-        """Store an already-encoded frame (checked first: FrameError if damaged) and ``record``."""
+        """Store an already-encoded frame (checked first: FrameError if damaged) and ``record``, as it is:
+        the caller chose its codec (``codec_for(position)`` gives the tier's choice). The store never
+        hands nvme a ready frame; it re-encodes from the best copy through ``put``."""
         header = read_header(frame)
         if memoryview(frame).nbytes != header.frame_len:
             raise FrameError(f"frame is {memoryview(frame).nbytes} bytes, its header says {header.frame_len}")
@@ -174,19 +225,29 @@ class NvmeTier(Tier):
 
         return self._write(txn_put)
 
-    def get(self, key: bytes, device: torch.device | str | None = None) -> torch.Tensor:
-        """Check and decode the frame under ``key`` straight from the map onto ``device`` (default CPU).
+    def get(self, key: bytes, device: torch.device | str | None = None, *,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Check and decode the frame under ``key`` straight from the map onto ``device`` (default CPU),
+        or into ``out`` (with the raw codec, one copy from the map into ``out``).
 
         KeyError when absent, FrameError when the frame is damaged.
         """
+        codec, head = self.codec, self.head_codec
+
         def decode(txn: lmdb.Transaction) -> torch.Tensor:
             frame = txn.get(key, db=self._blocks)
             if frame is None:
                 raise KeyError(key)
-            header = read_header(frame, verify=False)
-            if header.codec_id == self.codec.codec_id:
-                return self.codec.decode(frame, device=device)
-            return decode_frame(frame, device=device)
+            # frames are self-describing (parameters included): decode by the frame's codec id
+            if len(frame) > _CODEC_AT and frame[_CODEC_AT] == codec.codec_id:  # decode checks the whole header
+                return codec.decode(frame, device=device, out=out)
+            if head is not None and len(frame) > _CODEC_AT and frame[_CODEC_AT] == head.codec_id:
+                return head.decode(frame, device=device, out=out)
+            block = decode_frame(frame, device=device)
+            if out is not None:
+                KVLayout.of_block(block).check_tensor(out, what="nvme get's out")
+                out.copy_(block)
+            return block if out is None else out
 
         return self._read(decode, buffers=True)
 
@@ -322,6 +383,36 @@ class NvmeTier(Tier):
                 continue
             if entry is not None:
                 yield entry
+
+    def iter_index_columns(self, on_damaged: Callable[[bytes, FrameError], None] | None = None
+                           ) -> Iterator[IndexColumns]:
+        """What ``iter_index`` gives, as columns, a chunk of records at a time (same order, same
+        checks, damaged records handed to ``on_damaged``): rebuilding the index of a million blocks
+        makes no per-record tuple and decodes the fixed fields with numpy."""
+        decoder = EntryDecoder()
+        after: bytes | None = None
+        while True:
+            keys, values = self._read(lambda txn, after=after: self._columns(txn, after))  # type: ignore[misc]
+            if not keys:
+                return
+            cols = decoder.index_columns(keys, values)
+            for key, err in cols.damaged:
+                self._damaged(key, err, on_damaged)
+            yield cols
+            if len(keys) < _INDEX_CHUNK:
+                return
+            after = keys[-1]
+
+    def _columns(self, txn: lmdb.Transaction, after: bytes | None) -> tuple[list[bytes], list[bytes]]:
+        """Up to _INDEX_CHUNK keys and values of the records db after ``after`` (from the start if None)."""
+        cur = txn.cursor(db=self._records)
+        if not (cur.first() if after is None else cur.set_range(after)):
+            return [], []
+        if after is not None and cur.key() == after and not cur.next():
+            return [], []
+        # without buffers=True, lmdb hands out bytes
+        pairs = cast(list[tuple[bytes, bytes]], list(islice(cur.iternext(), _INDEX_CHUNK)))
+        return [k for k, _ in pairs], [v for _, v in pairs]
 
     def _damaged(self, key: bytes, err: FrameError, on_damaged: Callable[[bytes, FrameError], None] | None) -> None:
         if on_damaged is None:

@@ -28,9 +28,11 @@ carries a CRC, so a damaged one is reported, never half-believed.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgpack
+import numpy as np
 
 from kvstore.errors import FrameError
 from kvstore.record import BlockRecord
@@ -47,6 +49,26 @@ _HAS_RECORD = 1
 _EMPTY_LIST = msgpack.packb([])
 _ALL = struct.Struct(HEAD.format + FIXED.format.lstrip("<"))
 _EMPTY_CRC = crc32(b"")
+_META_AT = _ALL.size - 8  # the lengths N, S, E: with the namespace and sessions, what entries share
+# HEAD + FIXED as one numpy record, to read the fixed part of many entries at once
+_ALL_DTYPE = np.dtype([("fmt", "u1"), ("flags", "u1"), ("_r", "V2"), ("flen", "<u4"), ("crc", "<u4"),
+                       ("parent", "V32"), ("position", "<u4"), ("created", "<f8"), ("accessed", "<f8"),
+                       ("n", "<u2"), ("s", "<u2"), ("e", "<u2"), ("_r2", "V2")])
+assert _ALL_DTYPE.itemsize == _ALL.size
+
+
+class IndexColumns(NamedTuple):
+    """The index part of a run of entries as columns, row i = the i-th good entry holding a record
+    (see ``EntryDecoder.index_columns``); ``damaged`` lists the entries that failed their checks."""
+
+    keys: list[bytes]
+    parents: np.ndarray  # void32: each row's parent key (``bytes(parents[i])``)
+    positions: np.ndarray  # uint32
+    namespaces: list[str]
+    sessions: list[tuple[str, ...]]
+    created: np.ndarray  # float64
+    last_access: np.ndarray  # float64
+    damaged: list[tuple[bytes, FrameError]]
 
 
 class IndexEntry(NamedTuple):
@@ -102,6 +124,7 @@ class EntryDecoder:
     def __init__(self) -> None:
         self._strings: dict[bytes, str] = {}
         self._sessions: dict[bytes, tuple[str, ...]] = {_EMPTY_LIST: ()}
+        self._shared: dict[bytes, tuple[str, tuple[str, ...]] | None] = {}  # index_columns: per meta bytes
 
     def _parse(self, key: bytes, value: bytes) -> tuple[Any, ...] | None:
         """(parent, position, created, accessed, ns, sessions, n, s, e), None without a record."""
@@ -131,6 +154,67 @@ class EntryDecoder:
                 raise _damaged(key, f"sessions do not decode: {err}") from err
             self._sessions[raw_s] = sessions
         return parent, position, created, accessed, ns, sessions, n, s, e
+
+    def index_columns(self, keys: Sequence[bytes], values: Sequence[bytes]) -> IndexColumns:
+        """What ``index_entry`` gives of each (key, value), for a run of entries at once: the fixed
+        fields are read as one numpy array, every entry's CRC is checked, and entries sharing a
+        namespace and sessions share one decode. Entries without a record are left out; damaged
+        ones are listed, with the FrameError ``index_entry`` would raise, and left out too."""
+        n = len(values)
+        damaged: list[tuple[bytes, FrameError]] = []
+        lens = np.fromiter(map(len, values), dtype=np.int64, count=n)
+        if n and int(lens.min()) < _ALL.size:  # entries without a record (or too short to hold one)
+            for i in np.flatnonzero(lens < _ALL.size).tolist():
+                try:
+                    self._parse(keys[i], values[i])  # None (no record) or raises
+                except FrameError as err:
+                    damaged.append((keys[i], err))
+            keep = np.flatnonzero(lens >= _ALL.size).tolist()
+            keys, values, lens = [keys[i] for i in keep], [values[i] for i in keep], lens[keep]
+        fixed = np.frombuffer(b"".join([v[: _ALL.size] for v in values]), dtype=_ALL_DTYPE)
+        crcs = np.fromiter([crc32(v[HEAD.size :]) for v in values], dtype=np.uint32, count=len(values))
+        meta_end = _ALL.size + fixed["n"].astype(np.int64) + fixed["s"]
+        bad = ((fixed["fmt"] != ENTRY_FORMAT) | (crcs != fixed["crc"]) | ((fixed["flags"] & _HAS_RECORD) == 0)
+               | (lens < meta_end + fixed["e"]))
+        metas = [v[_META_AT:end] for v, end in zip(values, meta_end.tolist(), strict=True)]
+        shared = self._shared
+        for m in set(metas).difference(shared):
+            shared[m] = self._meta(m)
+        pairs = [shared[m] for m in metas]
+        bad |= np.fromiter([p is None for p in pairs], dtype=bool, count=len(pairs))
+        if bad.any():
+            for i in np.flatnonzero(bad).tolist():
+                try:
+                    self._parse(keys[i], values[i])
+                except FrameError as e:
+                    damaged.append((keys[i], e))
+                else:  # fine by _parse, yet its lengths overrun it
+                    damaged.append((keys[i], _damaged(keys[i], "holds lengths that overrun the entry")))
+            good = np.flatnonzero(~bad)
+            rows = good.tolist()
+            keys, values, pairs, fixed = [keys[i] for i in rows], [values[i] for i in rows], \
+                [pairs[i] for i in rows], fixed[good]
+        return IndexColumns(
+            keys=list(keys), parents=fixed["parent"].copy(), positions=fixed["position"].copy(),
+            namespaces=[p[0] for p in pairs],  # type: ignore[index]
+            sessions=[p[1] for p in pairs],  # type: ignore[index]
+            created=fixed["created"].copy(), last_access=fixed["accessed"].copy(), damaged=damaged)
+
+    def _meta(self, meta: bytes) -> tuple[str, tuple[str, ...]] | None:
+        """(namespace, sessions) from an entry's bytes [_META_AT, end of sessions); None if they do not decode."""
+        n, s = struct.unpack_from("<HH", meta)
+        raw_ns, raw_s = meta[8 : 8 + n], meta[8 + n : 8 + n + s]
+        ns = self._strings.get(raw_ns)
+        if ns is None:
+            ns = self._strings[raw_ns] = raw_ns.decode(errors="replace")
+        sessions = self._sessions.get(raw_s)
+        if sessions is None:
+            try:
+                sessions = tuple(str(x) for x in msgpack.unpackb(raw_s, raw=False))
+            except Exception:  # msgpack raises many types; _parse words the error
+                return None
+            self._sessions[raw_s] = sessions
+        return ns, sessions
 
     def index_entry(self, key: bytes, value: bytes, nbytes: int) -> IndexEntry | None:
         """The index part of an entry (None when it holds no record); FrameError when damaged."""

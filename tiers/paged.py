@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvstore.tiers.base import Tier, TierFull, TierUsage
 from kvstore.tiers.pool import PagePool, PageSpan
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from kvstore.tiers.base import TierFull
 
 from kvstore.errors import ConfigError
+from kvstore.tiers.base import TierFull
 
 DEFAULT_PAGE_BYTES = 64 * 1024
 
@@ -94,7 +94,11 @@ class PagePool:
         self.pinned = pin
         # Zero-filled on purpose: the memory is touched now, so a host that cannot back the
         # configured capacity fails at start instead of being OOM-killed under load later.
-        self._arena = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+        try:
+            self._arena = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
+        except (RuntimeError, MemoryError) as e:  # out of host or device memory: a capacity too large
+            raise ConfigError(f"a {capacity_bytes}-byte pool cannot be allocated on {self.device} "
+                              f"({str(e).splitlines()[0][:200]}); lower the tier's capacity") from None
         self._pages = self._arena[: self.num_pages * page_bytes].view(self.num_pages, page_bytes)
         self._flat = self._arena[: self.num_pages * page_bytes]
         # Stack of free page numbers; the top is at _top - 1. Highest pages at the bottom.

@@ -14,14 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvstore.codecs import Codec, decode_frame, read_header
 from kvstore.codecs.base import bytes_tensor
 from kvstore.codecs.frame import Buffer
-from kvstore.tiers.paged import PagedTier
-from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool
-
 from kvstore.errors import FrameError
 from kvstore.layout import KVLayout
+from kvstore.tiers.paged import PagedTier
+from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,9 @@ class RamTier(PagedTier):
             raise FrameError(f"frame is {memoryview(frame).nbytes} bytes, its header says {header.frame_len}")
         return self._store(key, bytes_tensor(frame), _FrameMeta(layout=header.layout, codec_id=header.codec_id))
 
-    def get(self, key: bytes, device: torch.device | str | None = None) -> torch.Tensor:
-        """Check and decode the frame under ``key`` onto ``device`` (default CPU).
+    def get(self, key: bytes, device: torch.device | str | None = None, *,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """Check and decode the frame under ``key`` onto ``device`` (default CPU), or into ``out``.
 
         KeyError when absent; FrameError (ChecksumMismatch, LayoutMismatch, ...) when damaged.
         """
@@ -85,8 +86,11 @@ class RamTier(PagedTier):
             meta: _FrameMeta = entry.meta
             frame = memoryview(data.numpy())
             if meta.codec_id == self.codec.codec_id:
-                return self.codec.decode(frame, layout=meta.layout, device=device)
-            return decode_frame(frame, layout=meta.layout, device=device)
+                return self.codec.decode(frame, layout=meta.layout, device=device, out=out)
+            if out is not None:
+                meta.layout.check_tensor(out, what="ram get's out")
+            block = decode_frame(frame, layout=meta.layout, device=device)
+            return block if out is None else out.copy_(block)
 
     def get_frame(self, key: bytes) -> bytes:
         """A copy of the stored frame, unchecked (the receiver checks it). KeyError when absent."""

@@ -17,7 +17,8 @@ def codec_variants() -> list[tuple[str, dict]]:
     variants: list[tuple[str, dict]] = []
     for name in CODECS:
         variants += [(name, {}), (name, {"zstd": 1})]
-    extra = {"raw": [{"shuffle": True, "zstd": 3}, {"shuffle": True}], "int8": [{"symmetric": True}]}
+    extra = {"raw": [{"shuffle": True, "zstd": 3}, {"shuffle": True}], "int8": [{"symmetric": True}],
+             "int4": [{"rotate": True, "zstd": 3}]}  # the nvme tier's default
     for name, options in extra.items():
         if name in CODECS:
             variants += [(name, p) for p in options]

@@ -7,6 +7,7 @@ import torch
 from codec_blocks import DTYPES, codec_variants, make_codec, slice_absmax, structured_block, variant_id
 
 from kvstore.codecs import decode_frame
+from kvstore.layout import KVLayout
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,8 +37,9 @@ def test_gpu_encode_and_decode_match_the_cpu(variant: tuple[str, dict], dtype: t
     if codec.lossless:
         assert torch.equal(got, block.double()) and bytes(gpu_frame) == bytes(cpu_frame)
         return
-    assert codec.max_error is not None
-    bound = codec.max_error * slice_absmax(block) + ulp
+    promise = codec.error_bound(KVLayout.of_block(block))
+    assert promise is not None
+    bound = promise * slice_absmax(block) + ulp
     assert bool(((got - block.double()).abs() <= bound).all())
     assert bool(((got - want).abs() <= 2 * bound).all())
     assert float((got == want).double().mean()) > 0.99

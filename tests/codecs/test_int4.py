@@ -159,3 +159,25 @@ def test_frames_with_unusable_parameters_do_not_decode(params: dict) -> None:
     forged = framing.pack(Int4Codec.codec_id, good.layout, {**good.params, **params}, [payload])
     with pytest.raises(FrameError):
         decode_frame(forged)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotation_near_the_dtype_limit_falls_back_to_an_unrotated_frame(dtype: torch.dtype) -> None:
+    # rotated, a block near the dtype's largest value would overflow (|y| <= sqrt(64) x absmax):
+    # the frame is written unrotated, says so, and keeps the unrotated promise
+    codec = Int4Codec(rotate=True)
+    huge = structured_block("huge", (1, 2, 8, 2, 64), dtype, seed=3)
+    frame = codec.encode(huge)
+    assert read_header(frame).params["rotate"] is False
+    out = decode_frame(frame)
+    assert bool(torch.isfinite(out).all())
+    bound = codec.max_error * huge.double().abs().amax(dim=(2, 4), keepdim=True) + subnormal_unit(dtype)
+    assert bool(((out.double() - huge.double()).abs() <= bound).all())
+    # an ordinary block is rotated, and its error stays within the rotated bound
+    normal = structured_block("normal", (1, 2, 8, 2, 64), dtype, seed=3)
+    frame = codec.encode(normal)
+    assert read_header(frame).params["rotate"] is True
+    promise = codec.error_bound(KVLayout.of_block(normal))
+    assert promise == 64 / 14
+    assert float((decode_frame(frame).double() - normal.double()).abs().max()) <= float(
+        normal.double().abs().max()) * promise

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 import torch
-from kvstore.tiers import HbmTier, TierFull
 
 from kvstore.errors import ConfigError
+from kvstore.tiers import HbmTier, TierFull
 
 # 2 layers, 4 tokens, 2 heads, head_dim 8, bf16 -> 512 bytes a block = 2 pages of 256
 SHAPE = (2, 2, 4, 2, 8)

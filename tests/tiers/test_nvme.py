@@ -15,12 +15,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from kvstore.codecs import get_codec
-from kvstore.tiers import NvmeTier, TierFull, TierIOError
-from kvstore.tiers.lmdb_env import DURABILITY
 
+from kvstore.codecs import get_codec
 from kvstore.errors import ConfigError, FrameError, StoreFormatError, StoreLocked
 from kvstore.record import BlockRecord
+from kvstore.tiers import NvmeTier, TierFull, TierIOError
+from kvstore.tiers.lmdb_env import DURABILITY
 
 SHAPE = (2, 2, 16, 2, 64)  # 16 KiB a block in bf16: frames live in overflow pages, like real ones
 
@@ -374,6 +374,24 @@ def test_iter_index_matches_iter_records(tier: NvmeTier) -> None:
         assert (e.parent, e.namespace, e.position, e.sessions, e.created, e.last_access) == (
             r.parent, r.namespace, r.position, r.sessions, r.created, r.last_access)
         assert e.nbytes == tier.nbytes(e.key)
+
+
+def test_index_columns_match_iter_index(tier: NvmeTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvstore.tiers.nvme._INDEX_CHUNK", 3)  # 7 entries: three chunks
+    for i in range(6):
+        tier.put(key(i), block(i), record(i, sessions=("a",) if i % 2 else ()))
+    tier.put(key(50), block(50))  # no record: in neither
+    tier._write(lambda txn: txn.put(key(3), b"\x01\x01" + bytes(80), db=tier._records))  # damaged: in neither
+    seen: list[bytes] = []
+    cols = list(tier.iter_index_columns(on_damaged=lambda k, e: seen.append(k)))
+    index = list(tier.iter_index(on_damaged=lambda k, e: None))
+    assert seen == [key(3)] and len(cols) == 3
+    rows = [(k, bytes(p), int(pos), ns, s, float(c), float(a)) for c_ in cols for k, p, pos, ns, s, c, a in
+            zip(c_.keys, c_.parents, c_.positions, c_.namespaces, c_.sessions, c_.created, c_.last_access,
+                strict=True)]
+    assert rows == [(e.key, e.parent, e.position, e.namespace, e.sessions, e.created, e.last_access)
+                    for e in index]
+    assert [r[0] for r in rows] == [key(i) for i in (0, 1, 2, 4, 5)]
 
 
 def test_drop_many_in_one_transaction(tier: NvmeTier) -> None:

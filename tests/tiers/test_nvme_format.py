@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+
+from kvstore.errors import FrameError
+from kvstore.record import BlockRecord
 from kvstore.tiers.nvme_format import (
     EntryDecoder,
     IndexEntry,
@@ -11,9 +14,6 @@ from kvstore.tiers.nvme_format import (
     pack_entry,
     with_frame_len,
 )
-
-from kvstore.errors import FrameError
-from kvstore.record import BlockRecord
 
 KEY = bytes(range(32))
 

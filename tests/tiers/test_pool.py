@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvstore.tiers import PagePool, TierFull
 
 from kvstore.errors import ConfigError
+from kvstore.tiers import PagePool, TierFull
 
 
 def data(n: int, seed: int = 0) -> torch.Tensor:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvstore.codecs import get_codec
-from kvstore.tiers import RamTier, TierFull
 
+from kvstore.codecs import get_codec
 from kvstore.errors import ChecksumMismatch, FrameError
 from kvstore.layout import KVLayout
+from kvstore.tiers import RamTier, TierFull
 
 SHAPE = (2, 2, 4, 2, 8)  # 512 bytes in bf16; a raw frame adds a header and params
 

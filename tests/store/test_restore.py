@@ -1,0 +1,116 @@
+"""Rebuilding the index on start: the columnar path (NvmeTier) against the per-record one.
+
+Both read the same LMDB files (built twice, identically) and must give the same index: the
+same blocks in the same access order, the same tree, the same orphans dropped from disk.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.codecs import get_codec
+from kvstore.index import BlockIndex, Entry
+from kvstore.record import BlockRecord
+from kvstore.restore import _orphaned, _rows_of, restore
+from kvstore.tiers.nvme import NvmeTier
+
+FRAME = bytes(get_codec("raw").encode(torch.zeros((1, 2, 4, 1, 8), dtype=torch.bfloat16)))
+
+
+class PerRecord:
+    """An nvme that offers only ``iter_records``: restore takes its per-record path."""
+
+    def __init__(self, tier: NvmeTier) -> None:
+        self.tier = tier
+
+    def iter_namespaces(self) -> Any:
+        return self.tier.iter_namespaces()
+
+    def iter_records(self, on_damaged: Any = None) -> Any:
+        return self.tier.iter_records(on_damaged=on_damaged)
+
+    def drop(self, key: bytes) -> int:
+        return self.tier.drop(key)
+
+
+def k(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+def build(path: Path) -> NvmeTier:
+    """A forest on disk (names are keys; access times make the LRU order):
+
+        a0 - a1 - a2 - a3            prompt a
+               \\- b2 - b3           prompt b shares a0, a1: a1 has two children
+        c0 - c1 - c2 - c3            c1's record is damaged: c2, c3 are orphans' kin
+        d1 - d2                      d0 never reached disk: d1 is an orphan, d2 with it
+        e0                           no record at all (a bare frame): not indexed
+    """
+    tier = NvmeTier(path, 8 << 20, get_codec("raw"))
+    root = b"R" * 32
+    chains = {"a": ["a0", "a1", "a2", "a3"], "b": ["a0", "a1", "b2", "b3"], "c": ["c0", "c1", "c2", "c3"],
+              "d": ["d0", "d1", "d2"]}
+    t = 100.0
+    for sessions, names in (((), chains["a"]), (("s1",), chains["b"]), (("s1", "s2"), chains["c"]),
+                            ((), chains["d"])):
+        parent = root
+        for pos, name in enumerate(names):
+            t += 1.0
+            rec = BlockRecord(key=k(name), parent=parent, namespace="ns" + name[0], position=pos,
+                              tokens=bytes(16), sessions=sessions, created=float(pos),
+                              last_access=t - 50.0 if name == "b2" else t)  # b2: the least recently used
+            tier.put_frame(k(name), FRAME, rec)
+            parent = k(name)
+    tier.put_frame(k("e0"), FRAME, None)
+    tier.drop(k("d0"))
+    damaged = bytearray(tier._read(lambda txn: bytes(txn.get(k("c1"), db=tier._records))))
+    damaged[-1] ^= 0xFF  # a token byte: only the CRC can tell
+    tier._write(lambda txn: txn.put(k("c1"), bytes(damaged), db=tier._records))
+    return tier
+
+
+def snapshot(index: BlockIndex) -> list[tuple[Any, ...]]:
+    def name(e: Entry | None) -> str | None:
+        return None if e is None else e.key.rstrip(b".").decode()
+
+    return [(name(e), name(e.parent), sorted(str(name(c)) for c in e.child_list()), e.ns, e.sessions,
+             e.created, e.last_access, e.tiers) for e in index.entries()]
+
+
+def test_columns_rebuild_the_same_index_as_records(tmp_path: Path) -> None:
+    fast, slow = build(tmp_path / "fast"), build(tmp_path / "slow")
+    got: list[Any] = []
+    for nvme, tier in ((fast, fast), (PerRecord(slow), slow)):
+        index, roots = BlockIndex(3), {}  # type: ignore[var-annotated]
+        report = restore(index, nvme, 2, {}, roots)
+        got.append((snapshot(index), roots, report, sorted(tier.keys())))
+        tier.close()
+    assert got[0] == got[1]
+    entries, roots, report, on_disk = got[0]
+    # c1 (damaged) is dropped, frame and entry: c2, c3 follow it out; d1, d2 are orphans: gone as well
+    # prompt b rewrote the records of a0 and a1: they were used after a2 and a3
+    assert [e[0] for e in entries] == ["b2", "a2", "a3", "a0", "a1", "b3", "c0"]
+    assert report.blocks == 7 and report.orphans == 4 and report.damaged == 1
+    assert not {k("c1"), k("c2"), k("d1")} & set(on_disk) and k("e0") in on_disk
+    a1 = next(e for e in entries if e[0] == "a1")
+    assert a1[1] == "a0" and a1[2] == ["a2", "b2"]  # two children, linked both ways
+    assert roots == {"nsa": b"R" * 32, "nsc": b"R" * 32}
+
+
+def test_rows_of_finds_keys_that_share_their_first_bytes() -> None:
+    keys = sorted([bytes(8) + os.urandom(24) for _ in range(50)] + [os.urandom(32) for _ in range(50)])
+    wanted = [keys[7], keys[60], b"\xff" * 32, keys[0], bytes(32)]
+    rows = _rows_of(keys, np.frombuffer(b"".join(wanted), dtype="V32"))
+    assert rows.tolist() == [7, 60, -1, 0, -1]
+
+
+def test_orphaned_marks_whole_subtrees() -> None:
+    # 0 <- 1 <- 2 <- 3 <- 4, and 5 <- 6; 1 is an orphan: 1..4 go, 0, 5 and 6 stay
+    prow = np.array([-1, -1, 1, 2, 3, -1, 5])
+    orphans = np.array([False, True, False, False, False, False, False])
+    assert _orphaned(prow, orphans).tolist() == [False, True, True, True, True, False, False]
