@@ -5,7 +5,8 @@
     evict(filter)            select (AND of criteria) -> plan -> (dry run: report | act)
       no tier:               drop each selected block and its descendants from every tier
       tier = T:              each selected block held in T goes down one tier (from the last: dropped)
-    prefetch(session, to)    copy the session's chain up into tier ``to`` (reads outside the lock)
+    prefetch(session, to)    copy the session's chain up into tier ``to`` (reads outside the lock);
+                             start_block/max_blocks: one slice of the chain, for chunked progress
 
 A mixin of Store (store.py), over the Background mixin: it uses the store's
 lock, index, tiers and mover. Also here: stats and check_integrity.
@@ -111,13 +112,24 @@ class AdminOps(Background):
         return EvictResult(blocks=len(keys), bytes_freed={k: v for k, v in freed.items() if v},
                            moved=moved, keys=keys, dry_run=dry_run)
 
-    def prefetch(self, session: str, to: str = "ram") -> PrefetchResult:
+    def prefetch(self, session: str, to: str = "ram", *, start_block: int = 0,
+                 max_blocks: int | None = None) -> PrefetchResult:
         """Copy the blocks of ``session`` held below tier ``to`` up into it (making room there).
 
-        KeyError when the session is unknown; InvalidRequest for an unknown tier.
+        Only blocks ``start_block .. start_block+max_blocks-1`` of the session's
+        chain (root first, the positions ``session()`` shows) are visited; the
+        defaults visit the whole chain. The result's ``blocks`` is the chain's
+        length and ``remaining`` how many blocks after the slice a next call
+        (``start_block + visited``) can still bring up: 0 at the end of the
+        chain, and 0 after a block that could not be read (nothing after it
+        can be used). KeyError when the session is unknown; InvalidRequest for
+        an unknown tier or a negative start_block/max_blocks.
         """
         if to not in self._names:
             raise InvalidRequest(f"unknown tier {to!r}; tiers are {', '.join(self._names)}")
+        for name, v in (("start_block", start_block), ("max_blocks", max_blocks)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise InvalidRequest(f"prefetch {name} must be a non-negative integer, got {v!r}")
         target = self._names.index(to)
         with self._lock:
             self._check_open()
@@ -125,9 +137,12 @@ class AdminOps(Background):
             if s is None:
                 raise KeyError(f"unknown session {session!r}")
             tail = self._index.get(s.tail) if s.tail is not None else None
-            chain = self._index.chain(tail) if tail is not None else []
+            whole = self._index.chain(tail) if tail is not None else []
+            end = len(whole) if max_blocks is None else min(len(whole), start_block + max_blocks)
+            chain = whole[start_block:end]
             handle = self._pins.pin([e.key for e in chain], self._lease)
-        moved = present = failed = 0
+        moved = present = failed = moved_bytes = 0
+        broken = False
         try:
             for e in chain:
                 with self._lock:
@@ -139,6 +154,7 @@ class AdminOps(Background):
                 got = None if gone else self._read(e, torch.device("cpu"))
                 if got is None:
                     failed += 1
+                    broken = True
                     break  # the chain is broken here: nothing after it can be used
                 block, t = got
                 frames = {}
@@ -151,6 +167,7 @@ class AdminOps(Background):
                             present += 1
                         elif self._mover.promote(e, block, target, t):
                             moved += 1
+                            moved_bytes += self._tiers[target].nbytes(e.key)
                         else:
                             failed += 1
                     finally:
@@ -158,7 +175,10 @@ class AdminOps(Background):
         finally:
             with self._lock:
                 self._pins.release(handle)
-        return PrefetchResult(session=session, to=to, moved=moved, present=present, failed=failed)
+        return PrefetchResult(session=session, to=to, moved=moved, present=present, failed=failed,
+                              start_block=start_block, blocks=len(whole),
+                              remaining=0 if broken else max(0, len(whole) - max(end, start_block)),
+                              bytes_moved=moved_bytes)
 
     def sessions(self) -> list[SessionInfo]:
         """Every session, by name."""
@@ -190,7 +210,8 @@ class AdminOps(Background):
                               expired=self._counts["expired"], lookups=self._counts["lookups"],
                               tokens_asked=self._counts["tokens_asked"],
                               tokens_matched=self._counts["tokens_matched"],
-                              tokens_served=self._counts["tokens_served"])
+                              tokens_served=self._counts["tokens_served"],
+                              write_failures=self._counts["write_failures"])
 
 
     def check_integrity(self) -> list[str]:

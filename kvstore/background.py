@@ -150,13 +150,15 @@ class Background:
             except TierFull:
                 with self._lock:
                     if not self._mover.make_room(t_n, block, position=rec.position):
-                        self._counts["write_failures"] += 1
+                        self._write_failed(key)
                         return
             except TierIOError:
-                self._counts["write_failures"] += 1
+                with self._lock:
+                    self._write_failed(key)
                 return
         else:
-            self._counts["write_failures"] += 1
+            with self._lock:
+                self._write_failed(key)
             return
         with self._lock:
             now = self._index.get(key)
@@ -168,6 +170,13 @@ class Background:
             self._counts["written"] += 1
             if now.sessions != rec.sessions or now.last_access != rec.last_access:
                 self._dirty.add(key)
+
+    def _write_failed(self, key: bytes) -> None:
+        """(Lock held.) ``key`` did not reach nvme (full disk, I/O error): counted, and kept among the
+        deferred keys, retried at the next tick or flush, so that flush does not call it durable."""
+        self._counts["write_failures"] += 1
+        if key in self._index:
+            self._deferred[key] = None
 
     def _idle(self) -> None:
         """Periodic upkeep on the writer thread."""

@@ -7,7 +7,7 @@
     kvstore inspect  [--session S | --tokens FILE --model M --layout SPEC] [--json]
     kvstore evict    (--session S | --older-than 2d | --tier T | --model M | --tenant T | --namespace ID | --all)
                      [--dry-run] [--yes] [--json]
-    kvstore prefetch --session S [--to ram|hbm] [--json]
+    kvstore prefetch --session S [--to ram|hbm] [--chunk N] [--json]
     kvstore demo     [--session S] [--tenant T] [--max-new-tokens N] [--document-tokens N]
     kvstore keygen   [--out DIR] [--name NAME] [--force] [--json]
 
@@ -15,7 +15,10 @@ Every command takes ``--endpoint`` (default: the config's ``[server] endpoint``,
 from ``--config``/``$KVSTORE_CONFIG``, overridden by ``$KVSTORE_ENDPOINT``), and
 ``--config``. Operator commands talk to the daemon through KVStoreClient; over
 ``tcp://`` with CURVE they take their keys from ``KVSTORE_CURVE_SERVER_KEY`` and
-``KVSTORE_CURVE_SECRET_KEY`` (see KVStoreClient). ``keygen`` makes a CURVE key
+``KVSTORE_CURVE_SECRET_KEY`` (see KVStoreClient). ``prefetch`` asks for the
+session ``--chunk`` blocks at a time, drawing a progress bar on stderr when
+stderr is a terminal (never with ``--json``), and ends with the time taken, the
+blocks and bytes moved, and the rate. ``keygen`` makes a CURVE key
 pair (``NAME.key``, ``NAME.key_secret`` mode 0600) and prints the public key.
 
 Exit codes: 0 done; 1 the daemon refused (unknown session, ...) or the
@@ -42,6 +45,7 @@ from kvstore.errors import ConfigError, KVStoreError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 TIERS = ("hbm", "ram", "nvme")
+PREFETCH_CHUNK = 16  # blocks per prefetch request: small enough for a smooth bar, big enough to stay cheap
 START_HINT = "start it with `kvstore serve` (or `./dev serve` in a checkout)"
 
 
@@ -67,6 +71,16 @@ def _duration_arg(text: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"duration {text!r} must be positive")
     return seconds
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
 
 
 def _endpoint_arg(text: str) -> str:
@@ -168,9 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.set_defaults(parser=p)
 
-    p = sub.add_parser("prefetch", parents=[ops], allow_abbrev=False, help="bring a session's blocks up a tier")
+    p = sub.add_parser("prefetch", parents=[ops], allow_abbrev=False, help="bring a session's blocks up a tier",
+                       description="Warm a session up (e.g. from nvme after a restart) before its user comes "
+                                   "back: its blocks are copied up into --to, a chunk at a time, with a progress "
+                                   "bar on a terminal; then the time taken, what moved and the rate.")
     p.add_argument("--session", required=True, help="the session to warm up")
     p.add_argument("--to", choices=("ram", "hbm"), default="ram", help="target tier (default ram)")
+    p.add_argument("--chunk", type=_positive_int, default=PREFETCH_CHUNK, metavar="N",
+                   help=f"blocks per request (default {PREFETCH_CHUNK})")
     p.set_defaults(parser=p)
 
     p = sub.add_parser("keygen", allow_abbrev=False, help="make a CURVE key pair for tcp daemons and clients",
@@ -329,9 +348,35 @@ def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
-def cmd_prefetch(args: argparse.Namespace, out: IO[str]) -> int:
+def cmd_prefetch(args: argparse.Namespace, out: IO[str], err: IO[str] | None = None) -> int:
+    """Prefetch ``--chunk`` blocks per request until the session's chain is done (or broke at a
+    failed block); the summary adds the wall time and the rate to the summed PrefetchResults."""
+    err = err or sys.stderr
+    bar = not args.json and err.isatty()  # a bar in a pipe or a log is noise
+    total = dict.fromkeys(("moved", "present", "failed", "bytes_moved"), 0)
+    blocks = requests = start = 0
+    started = time.monotonic()
     with connect(args) as client:
-        _emit(args, plain(client.prefetch(args.session, to=args.to)), display.render_prefetch, out)
+        try:
+            while True:
+                r = client.prefetch(args.session, to=args.to, start_block=start, max_blocks=args.chunk)
+                requests += 1
+                blocks = r.blocks
+                for k in total:
+                    total[k] += getattr(r, k)
+                if bar:
+                    err.write("\r" + display.render_progress(r.blocks - r.remaining, r.blocks, total["bytes_moved"]))
+                    err.flush()
+                if r.remaining <= 0:
+                    break
+                start += args.chunk
+        finally:
+            if bar:
+                err.write("\r\x1b[K")  # the summary replaces the bar
+                err.flush()
+    seconds = time.monotonic() - started
+    _emit(args, {"session": args.session, "to": args.to, **total, "blocks": blocks, "requests": requests,
+                 "seconds": round(seconds, 6)}, display.render_prefetch, out)
     return EXIT_OK
 
 

@@ -319,9 +319,12 @@ class KVStoreClient:
         return SessionDetail(info=_build(SessionInfo, reply.data["info"]),
                              blocks=[_build(BlockInfo, b) for b in reply.data["blocks"]])
 
-    def prefetch(self, session: str, to: str = "ram") -> PrefetchResult:
-        """Bring a session's blocks up into ``to`` ("ram" or "hbm") ahead of use."""
-        reply = self._call(Prefetch(session=session, to=to))
+    def prefetch(self, session: str, to: str = "ram", *, start_block: int = 0,
+                 max_blocks: int | None = None) -> PrefetchResult:
+        """Bring a session's blocks up into ``to`` ("ram" or "hbm") ahead of use: the whole chain, or
+        blocks ``start_block .. start_block+max_blocks-1`` of it (go on from ``start_block + max_blocks``
+        while the result's ``remaining`` is positive)."""
+        reply = self._call(Prefetch(session=session, to=to, start_block=start_block, max_blocks=max_blocks))
         assert isinstance(reply, DataOk)
         return _build(PrefetchResult, reply.data)
 

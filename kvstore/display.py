@@ -177,7 +177,36 @@ def render_evict(result: Mapping[str, Any]) -> str:
     return f"evicted {format_count(blocks)} blocks{moved_text}; freed {freed_text}"
 
 
+def format_seconds(seconds: float | None) -> str:
+    """An elapsed time with sub-second detail: ``0.0421 -> "0.04s"``, ``12.34 -> "12.3s"``, ``75 -> "1m 15s"``."""
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{max(0.0, seconds):.2f}s"
+    return f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
+
+
+def format_rate(nbytes: int | float | None, seconds: float | None) -> str:
+    """Bytes per second: ``"7.1 MiB/s"``; ``-`` when either is unknown or no time passed."""
+    if nbytes is None or not seconds or seconds <= 0:
+        return "-"
+    return f"{format_bytes(nbytes / seconds)}/s"
+
+
+def render_progress(done: int, total: int, nbytes: int, width: int = 30) -> str:
+    """One progress line (no newline): ``[######........]  12/40 blocks  3.0 MiB``; a bar of ``width``."""
+    fill = width if total <= 0 else min(width, width * max(0, done) // total)
+    return f"[{'#' * fill}{'.' * (width - fill)}] {format_count(done)}/{format_count(total)} blocks  " \
+           f"{format_bytes(nbytes)}"
+
+
 def render_prefetch(result: Mapping[str, Any]) -> str:
-    return (f"session {result.get('session', '?')}: {format_count(result.get('moved'))} blocks brought up to "
+    """``kvstore prefetch``: what moved; with ``seconds`` (the CLI's timing) also the bytes, time and rate."""
+    text = (f"session {result.get('session', '?')}: {format_count(result.get('moved'))} blocks brought up to "
             f"{result.get('to', '?')}, {format_count(result.get('present'))} already there, "
             f"{format_count(result.get('failed'))} failed")
+    if "seconds" in result:
+        nbytes, seconds = result.get("bytes_moved"), result.get("seconds")
+        text += (f"; {format_bytes(nbytes)} moved in {format_seconds(seconds)} "
+                 f"({format_rate(nbytes, seconds)})")
+    return text

@@ -178,7 +178,8 @@ class Handlers:
         if msg.to not in PREFETCH_TARGETS:
             raise ProtocolError("invalid_argument", f"prefetch to {msg.to!r}: use one of {PREFETCH_TARGETS}")
         try:
-            return DataOk(data=asdict(self.store.prefetch(msg.session, to=msg.to)))
+            return DataOk(data=asdict(self.store.prefetch(msg.session, to=msg.to, start_block=msg.start_block,
+                                                          max_blocks=msg.max_blocks)))
         except KeyError:
             raise ProtocolError("not_found", f"no session {msg.session!r} to prefetch") from None
 

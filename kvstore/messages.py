@@ -160,10 +160,15 @@ class Inspect(Message):
 
 @dataclass(frozen=True)
 class Prefetch(Message):
+    """Bring blocks ``start_block .. start_block+max_blocks-1`` of the session's chain (default: all)
+    up into ``to``; the reply (DataOk) is a PrefetchResult as a map."""
+
     op = "prefetch"
-    schema = {"session": F.text, "to": F.text}
+    schema = {"session": F.text, "to": F.text, "start_block": F.nonneg_int, "max_blocks": F.opt_int}
     session: str
     to: str = "ram"
+    start_block: int = 0
+    max_blocks: int | None = None
 
 
 @dataclass(frozen=True)

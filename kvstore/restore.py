@@ -204,10 +204,10 @@ def _rows_of(keys: list[bytes], wanted: np.ndarray) -> np.ndarray:
     by = np.argsort(needles)  # sorted needles: each search starts from the last one (cache friendly)
     j = np.empty(len(needles), dtype=np.int64)
     j[by] = np.searchsorted(lead, needles[by])
-    np.minimum(j, n - 1, out=j)
+    j = np.minimum(j, np.int64(n - 1))
     rows = j if srt is None else srt[j]
-    hit = np.all(K[rows] == W, axis=1)
-    out = np.where(hit, rows, -1).astype(np.int64)
+    hit: np.ndarray = np.asarray(np.all(K[rows] == W, axis=1), dtype=bool)
+    out = np.where(hit, rows, np.int64(-1)).astype(np.int64)
     tie = ~hit & (lead[j] == W[:, 0])
     if tie.any():
         exact = {k: i for i, k in enumerate(keys)}

@@ -108,13 +108,21 @@ class EvictResult:
 @dataclass(frozen=True)
 class PrefetchResult:
     """``moved``: blocks copied up into the target tier; ``present``: already there (or above);
-    ``failed``: blocks that could not be read (corrupt) or placed (no room)."""
+    ``failed``: blocks that could not be read (corrupt) or placed (no room).
+
+    For one slice of the session's chain (``start_block`` on): ``blocks`` is the whole chain's
+    length, ``remaining`` the blocks after the slice still to visit (0: done, or the chain broke
+    at a failed block), ``bytes_moved`` what the moved blocks take in the target tier."""
 
     session: str
     to: str
     moved: int
     present: int
     failed: int
+    start_block: int = 0
+    blocks: int = 0
+    remaining: int = 0
+    bytes_moved: int = 0
 
 
 @dataclass(frozen=True)
@@ -176,6 +184,7 @@ class StoreStats:
     tokens_asked: int
     tokens_matched: int
     tokens_served: int
+    write_failures: int = 0  # write-through attempts that failed (full disk, I/O error); retried
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for ``--json`` and the protocol)."""

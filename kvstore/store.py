@@ -101,7 +101,8 @@ class Store(AdminOps, DataPath):
         self._closed = False
         self._writer: WriteThrough | None = None
         if nvme is not None:
-            restore(self._index, nvme, self._nvme_t or 0, self._namespaces, self._roots)
+            report = restore(self._index, nvme, self._nvme_t or 0, self._namespaces, self._roots)
+            self._mover.counters[self._nvme_t or 0].corrupt += report.damaged
             for name, d in nvme.iter_sessions():
                 self._sessions.set(self._restored_session(SessionState.from_dict(name, d)))
             self._writer = WriteThrough(self._write_one, self._idle,

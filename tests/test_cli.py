@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -50,6 +51,8 @@ def test_evict_filters_combine() -> None:
     (["evict", "--tier", "disk"], "--tier: invalid choice: 'disk'"),
     (["prefetch", "--session", "s", "--to", "nvme"], "--to: invalid choice"),
     (["prefetch"], "--session"),
+    (["prefetch", "--session", "s", "--chunk", "0"], "--chunk: 0 must be at least 1"),
+    (["prefetch", "--session", "s", "--chunk", "x"], "--chunk: 'x' is not a whole number"),
     (["stats", "--endpoint", "http://x"], "--endpoint"),
     (["stats", "--timeout", "soon"], "--timeout"),
     (["inspect", "--layout", "L=2,H=x"], "--layout"),
@@ -77,6 +80,7 @@ def test_inspect_tokens_needs_the_namespace(capsys: pytest.CaptureFixture[str]) 
 def test_defaults() -> None:
     args = parse_args(["prefetch", "--session", "s"])
     assert (args.to, args.timeout, args.json, args.endpoint, args.config) == ("ram", 5.0, False, None, None)
+    assert args.chunk == 16 and parse_args(["prefetch", "--session", "s", "--chunk", "2"]).chunk == 2
     assert parse_args(["serve", "--config", "c.toml"]).config == "c.toml"
 
 
@@ -209,6 +213,20 @@ def test_render_session_prefix_evict_prefetch() -> None:
                                  "dry_run": True}) == "would evict 3 blocks; would free hbm 1.0 KiB, nvme 10 B"
     assert display.render_prefetch({"session": "s", "to": "hbm", "moved": 2, "present": 1, "failed": 0}) == \
         "session s: 2 blocks brought up to hbm, 1 already there, 0 failed"
+
+
+def test_render_prefetch_timing_and_progress() -> None:
+    # the CLI's summary adds bytes, wall time and rate
+    done = {"session": "s", "to": "ram", "moved": 40, "present": 0, "failed": 0, "bytes_moved": 3 * 2**20,
+            "seconds": 0.5, "blocks": 40, "requests": 3}
+    assert display.render_prefetch(done) == \
+        "session s: 40 blocks brought up to ram, 0 already there, 0 failed; 3.0 MiB moved in 0.50s (6.0 MiB/s)"
+    assert display.render_prefetch({**done, "moved": 0, "bytes_moved": 0, "seconds": 0.0}).endswith(
+        "; 0 B moved in 0.00s (-)")
+    assert [display.format_seconds(x) for x in (0.0421, 12.34, 75, None)] == ["0.04s", "12.3s", "1m 15s", "-"]
+    assert display.format_rate(2048, 2.0) == "1.0 KiB/s" and display.format_rate(10, 0) == "-"
+    assert display.render_progress(12, 40, 2048, width=10) == "[###.......] 12/40 blocks  2.0 KiB"
+    assert display.render_progress(0, 0, 0, width=4) == "[####] 0/0 blocks  0 B"  # an empty session is done
 
 
 # ---------------------------------------------------------------- real subprocesses
@@ -385,3 +403,200 @@ def test_evict_asks_on_a_terminal(daemon: Path) -> None:
     assert rc == 0 and out.startswith("evicted 2 blocks; freed hbm")
     with KVStoreClient(endpoint, model="m", layout=layout, timeout=30) as c:
         assert c.lookup(tokens).matched_blocks == 0
+
+
+# ---------------------------------------------------------------- restart, prefetch, metrics
+
+
+def write_daemon_config(root: Path, **server: object) -> Path:
+    """Small tiers like the module's daemon, its own socket and LMDB under ``root``."""
+    extra = "".join(f"{k} = {v}\n" for k, v in server.items())
+    cfg = root / "kvstore.toml"
+    cfg.write_text(f'[server]\nendpoint = "ipc://{root}/run/kv.sock"\nworkers = 2\n{extra}'
+                   '[hbm]\ndevice = "cpu"\ncapacity = "8MiB"\n[ram]\ncapacity = "8MiB"\n'
+                   f'[nvme]\npath = "{root}/nvme"\ncapacity = "64MiB"\n[policy]\npage_bytes = "4KiB"\n')
+    return cfg
+
+
+def serve(cfg: Path) -> subprocess.Popen[str]:
+    """``kvstore serve --config cfg``, returned once it answers a ping."""
+    import zmq
+
+    from kvstore.config import load_config
+    from kvstore.endpoint import probe
+
+    endpoint = load_config(cfg, env={}).server.endpoint
+    proc = subprocess.Popen([*kvstore_cmd(), "serve", "--config", str(cfg)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ctx = zmq.Context()
+    try:
+        deadline = time.monotonic() + 120
+        while probe(ctx, endpoint, timeout_ms=200) is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"daemon did not start: {proc.communicate()[0]}")
+            time.sleep(0.1)
+    finally:
+        ctx.destroy(linger=0)
+    return proc
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM, as an operator (or systemd) would; the daemon must flush and exit 0. Returns its output."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out = proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, out
+    return out
+
+
+def block_tiers(cfg: Path, session: str) -> list[list[str]]:
+    detail = cli_json(cfg, "inspect", "--session", session)
+    assert isinstance(detail, dict)
+    return [b["tiers"] for b in detail["blocks"]]
+
+
+def run_with_terminal_stderr(argv: list[str]) -> tuple[int, str, str]:
+    """Run the CLI with a pseudo-terminal as stderr (so it draws its bar); returns (rc, stdout, stderr)."""
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([*kvstore_cmd(), *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=slave, env=clean_env())
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not data:
+                break
+            chunks.append(data)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        os.close(master)
+    return proc.returncode, out.decode(), b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_prefetch_warms_a_session_up_from_nvme_after_a_restart(tmp_path: Path) -> None:
+    import torch
+
+    from kvstore.client import KVStoreClient
+    from kvstore.config import load_config
+
+    cfg = write_daemon_config(tmp_path)
+    layout = parse_layout(LAYOUT_SPEC)
+    proc = serve(cfg)
+    try:
+        with KVStoreClient(load_config(cfg, env={}).server.endpoint, model="m", layout=layout, timeout=30) as c:
+            # conv-9: 5 blocks of 4 tokens
+            assert c.put(list(range(20)), torch.randn(layout.shape(20)).half(), session="conv-9").stored == 5
+        assert all("hbm" in t for t in block_tiers(cfg, "conv-9"))
+    finally:
+        stop(proc)  # flushes the write-through queue: every block is on nvme
+    proc = serve(cfg)
+    try:
+        # restarted: the memory tiers are empty, the session's blocks sit on nvme only
+        assert block_tiers(cfg, "conv-9") == [["nvme"]] * 5
+
+        # piped stderr: no bar; 2 blocks per request -> 3 requests; the summary names time and bytes
+        r = run_cli("prefetch", "--session", "conv-9", "--to", "ram", "--chunk", "2", "--config", str(cfg))
+        assert r.returncode == 0, r.stderr
+        assert r.stderr == ""
+        head, _, timing = r.stdout.strip().partition("; ")
+        assert head == "session conv-9: 5 blocks brought up to ram, 0 already there, 0 failed"
+        m = re.fullmatch(r"(\d+(?:\.\d)?) (B|KiB|MiB) moved in (\d+\.\d+)s \((.+)/s\)", timing)
+        assert m is not None, timing
+        assert float(m.group(1)) > 0 and m.group(2) != "B"  # 5 blocks, a 4 KiB ram page or more each
+        assert [sorted(t) for t in block_tiers(cfg, "conv-9")] == [["nvme", "ram"]] * 5
+
+        # --json: the sums, the request count and the seconds, for scripts
+        again = cli_json(cfg, "prefetch", "--session", "conv-9", "--to", "ram", "--chunk", "2")
+        assert isinstance(again, dict)
+        assert (again["moved"], again["present"], again["failed"], again["blocks"], again["requests"],
+                again["bytes_moved"]) == (0, 5, 0, 5, 3, 0)
+        assert again["seconds"] >= 0
+
+        # on a terminal the bar is drawn on stderr, and stdout still gets the summary alone
+        rc, out, err = run_with_terminal_stderr(["prefetch", "--session", "conv-9", "--to", "hbm", "--chunk", "2",
+                                                 "--config", str(cfg)])
+        assert rc == 0, err
+        assert out.startswith("session conv-9: 5 blocks brought up to hbm") and "moved in" in out
+        assert "[" in err and "5/5 blocks" in err and "2/5 blocks" in err  # every chunk redrew it
+        assert all("hbm" in t for t in block_tiers(cfg, "conv-9"))
+        # --json on a terminal: no bar
+        rc, out, err = run_with_terminal_stderr(["prefetch", "--session", "conv-9", "--to", "hbm", "--json",
+                                                 "--config", str(cfg)])
+        assert rc == 0 and "blocks" not in err and json.loads(out)["present"] == 5
+
+        missing = run_cli("prefetch", "--session", "nope", "--config", str(cfg))
+        assert missing.returncode == 1
+        assert missing.stderr.strip().splitlines() == ["kvstore: no session 'nope' to prefetch [not_found]"]
+    finally:
+        stop(proc)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_metrics_endpoint_agrees_with_kvstore_stats(tmp_path: Path) -> None:
+    import urllib.request
+
+    import torch
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstore.client import KVStoreClient
+    from kvstore.config import load_config
+
+    port = free_port()
+    cfg = write_daemon_config(tmp_path, metrics_port=port)
+    layout = parse_layout(LAYOUT_SPEC)
+    proc = serve(cfg)
+    try:
+        with KVStoreClient(load_config(cfg, env={}).server.endpoint, model="m", layout=layout, timeout=30) as c:
+            a, b = list(range(12)), list(range(100, 108))
+            assert c.put(a, torch.randn(layout.shape(12)).half(), session="a").stored == 3
+            assert c.put(b, torch.randn(layout.shape(8)).half(), session="b").stored == 2
+            assert c.get(a).matched_blocks == 3
+            assert c.get(b).matched_blocks == 2
+            assert c.get(list(range(500, 508))).matched_blocks == 0  # a miss
+            assert c.flush(timeout=30)  # nvme is written through: nothing moves between stats and scrape
+        stats = cli_json(cfg, "stats")
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        stop(proc)
+    assert isinstance(stats, dict)
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    tiers = stats["store"]["tiers"]
+    assert set(tiers) == {"hbm", "ram", "nvme"} and tiers["hbm"]["blocks"] == 5 and tiers["nvme"]["blocks"] == 5
+    for tier, t in tiers.items():
+        label = (("tier", tier),)
+        assert samples[("kvstore_tier_blocks", label)] == t["blocks"], tier
+        assert samples[("kvstore_tier_used_bytes", label)] == t["used"], tier
+        assert samples[("kvstore_tier_capacity_bytes", label)] == t["capacity"], tier
+        assert samples[("kvstore_tier_hits_total", label)] == t["hits"], tier
+        assert samples[("kvstore_tier_misses_total", label)] == t["misses"], tier
+    store = stats["store"]
+    assert samples[("kvstore_blocks", ())] == store["blocks"] == 5
+    assert samples[("kvstore_sessions", ())] == store["sessions"] == 2
+    assert samples[("kvstore_lookups_total", ())] == store["lookups"]
+    assert samples[("kvstore_tokens_served_total", ())] == store["tokens_served"] == 20
+    # every request the daemon counted (this stats call and its hello included) is in kvstore_requests_total
+    requests = {dict(labels)["op"] + "/" + dict(labels)["code"]: v for (name, labels), v in samples.items()
+                if name == "kvstore_requests_total"}
+    assert sum(requests.values()) == stats["server"]["requests"]
+    assert sum(v for k, v in requests.items() if not k.endswith("/ok")) == stats["server"]["errors"] == 0
+    assert requests["put/ok"] >= 2 and requests["get/ok"] >= 3 and requests["stats/ok"] == 1

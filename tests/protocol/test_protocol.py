@@ -269,3 +269,25 @@ def test_any_header_is_either_a_request_or_a_remote_protocol_error(op: str, fiel
         assert server.inflight == {}
     else:
         assert req.msg.op == op and server.inflight == {PEER: 1}
+
+
+def test_prefetch_slice_round_trip_and_old_style_request() -> None:
+    from dataclasses import asdict
+
+    from kvstore.messages import Prefetch
+    from kvstore.results import PrefetchResult
+
+    client, server, _ = joined()
+    req = roundtrip(client, server, Prefetch(session="conv-1", to="hbm", start_block=32, max_blocks=16))
+    assert req.msg == Prefetch(session="conv-1", to="hbm", start_block=32, max_blocks=16)
+    result = PrefetchResult(session="conv-1", to="hbm", moved=10, present=6, failed=0, start_block=32,
+                            blocks=100, remaining=52, bytes_moved=10 * 4096)
+    _, reply = client.receive(server.reply(req, DataOk(data=asdict(result))))  # type: ignore[misc]
+    assert isinstance(reply, DataOk) and PrefetchResult(**reply.data) == result
+    # a request with only session and to (an older client) means the whole chain
+    old = server.receive(PEER, raw({"v": PROTOCOL_VERSION, "op": "prefetch", "id": 9, "session": "s", "to": "ram"}))
+    assert old.msg == Prefetch(session="s", to="ram", start_block=0, max_blocks=None)
+    for bad in ({"start_block": -1}, {"max_blocks": "16"}):
+        with pytest.raises(RemoteProtocolError) as info:
+            server.receive(PEER, raw({"v": PROTOCOL_VERSION, "op": "prefetch", "id": 10, "session": "s", **bad}))
+        assert info.value.code == "bad_header"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import NS, Clock, T, kv, tokens
+from storekit import NS, Clock, T, kv, tokens
 
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter, InvalidFilter, InvalidRequest
@@ -142,3 +142,32 @@ def test_stats_count_hits_misses_and_tokens(make_store) -> None:
     assert (st.lookups, st.tokens_asked, st.tokens_served) == (1, 6 * T, 5 * T)
     assert st.blocks == 5 and st.tiers["hbm"].capacity == 4096
     assert st.to_dict()["tiers"]["ram"]["blocks"] == st.tiers["ram"].blocks
+
+
+def test_prefetch_in_chunks_reports_the_chain_and_what_remains(make_store, tmp_path) -> None:
+    path = tmp_path / "lmdb"
+    s = make_store(path=path, ram_blocks=8)
+    toks = tokens(5)
+    s.put(NS, toks, kv(5 * T), session="conv-7")
+    s.close()
+    s = make_store(path=path, ram_blocks=8)  # restarted: the 5 blocks sit on nvme only
+    assert s.stats().tiers["ram"].used == 0
+    # 2 blocks a call: [0, 1], [2, 3], [4]; each call names the chain's length and what is left after it
+    steps = [s.prefetch("conv-7", to="ram", start_block=b, max_blocks=2) for b in (0, 2, 4)]
+    assert [(r.start_block, r.moved, r.present, r.failed, r.blocks, r.remaining) for r in steps] == [
+        (0, 2, 0, 0, 5, 3), (2, 2, 0, 0, 5, 1), (4, 1, 0, 0, 5, 0)]
+    assert s.lookup(NS, toks).tiers == ["ram"] * 5
+    # bytes_moved: what the moved blocks now take in ram
+    assert sum(r.bytes_moved for r in steps) == s.stats().tiers["ram"].used > 0
+    # again: nothing to move; a slice past the end visits nothing
+    again = s.prefetch("conv-7", to="ram", start_block=1, max_blocks=3)
+    assert (again.moved, again.present, again.bytes_moved, again.remaining) == (0, 3, 0, 1)
+    past = s.prefetch("conv-7", to="ram", start_block=9, max_blocks=2)
+    assert (past.moved, past.present, past.failed, past.blocks, past.remaining) == (0, 0, 0, 5, 0)
+    # the default is still the whole chain
+    whole = s.prefetch("conv-7", to="ram")
+    assert (whole.present, whole.blocks, whole.remaining) == (5, 5, 0)
+    for bad in ({"start_block": -1}, {"max_blocks": -2}):
+        with pytest.raises(InvalidRequest, match="non-negative"):
+            s.prefetch("conv-7", to="ram", **bad)
+    assert s.check_integrity() == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import NS, T, kv, same, tokens
+from storekit import NS, T, kv, same, tokens
 
 from kvstore.errors import InvalidTokens, LayoutError
 from kvstore.keys import Namespace, block_keys

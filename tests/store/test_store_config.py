@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from conftest import NS, T, kv, same, tokens
+from storekit import NS, T, kv, same, tokens
 
 from kvstore.config import Config, HbmConfig, NvmeConfig, PolicyConfig, RamConfig
 from kvstore.store import Store

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import NS, T, close_to, kv, tokens
+from storekit import NS, T, close_to, kv, tokens
 
 from kvstore.keys import block_keys
 from kvstore.results import EvictFilter
@@ -58,7 +58,7 @@ def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> N
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from conftest import NS, T, kv, tokens
+        from storekit import NS, T, kv, tokens
         from kvstore.codecs import get_codec
         from kvstore.store import Store
         from kvstore.tiers.hbm import HbmTier
@@ -71,7 +71,7 @@ def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> N
         os._exit(0)
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
-    from conftest import HBM_PAGE, RAM_PAGE  # noqa: F401 - same tiers as the fixture
+    from storekit import HBM_PAGE, RAM_PAGE  # noqa: F401 - same tiers as the fixture
 
     from kvstore.codecs import get_codec
     from kvstore.store import Store

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HBM_PAGE, NS, RAM_PAGE, T, kv, same, tokens
+from storekit import HBM_PAGE, NS, RAM_PAGE, T, kv, same, tokens
 
 from kvstore.codecs import get_codec
 from kvstore.store import Store

@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 import lmdb
-from conftest import NS, T, close_to, kv, same, served_right, tokens
+from storekit import NS, T, close_to, kv, same, served_right, tokens
 
 from kvstore.keys import block_keys
 

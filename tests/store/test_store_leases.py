@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from conftest import NS, Clock, T, kv, tokens
+from storekit import NS, Clock, T, kv, tokens
 
 from kvstore.keys import block_keys
 

@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from conftest import Clock
+from storekit import Clock
 
 from kvstore.index import BlockIndex, Entry
 from kvstore.pins import PinTable

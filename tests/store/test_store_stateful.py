@@ -15,10 +15,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from conftest import HBM_PAGE, NS, RAM_PAGE, T, served_right
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from storekit import HBM_PAGE, NS, RAM_PAGE, T, served_right
 
 from kvstore.codecs import get_codec
 from kvstore.keys import block_keys

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import NS, T, close_to, kv, same, tokens
+from storekit import NS, T, close_to, kv, same, tokens
 
 from kvstore.keys import block_keys
 from kvstore.results import NO_ROOM
@@ -141,7 +141,7 @@ def test_get_pins_nothing_after_it_returns(make_store) -> None:
 
 
 def test_demotion_frames_are_encoded_outside_the_lock(tmp_path) -> None:
-    from conftest import HBM_PAGE, RAM_PAGE
+    from storekit import HBM_PAGE, RAM_PAGE
 
     from kvstore.codecs.raw import RawCodec
     from kvstore.store import Store
