@@ -142,7 +142,7 @@ class NvmeConfig:
     write_through: bool = True
     admit: str = "always"  # or "second_use"
     ttl: float = 7 * 86400.0  # math.inf = never expire
-    durability: str = "fast"  # fast | balanced | safe: see tiers/lmdb_env.py
+    durability: str = "balanced"  # fast | balanced | safe: see tiers/lmdb_env.py
     enabled: bool = True
 
 

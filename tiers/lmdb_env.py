@@ -5,13 +5,13 @@ Durability (``durability=``; LMDB's flags; MDB_WRITEMAP and MDB_MAPASYNC are nev
   mode       LMDB flags              each commit            process kill (SIGKILL)  power loss / OS crash
   ---------  ----------------------  ---------------------  ----------------------  ------------------------------
   fast       MDB_NOSYNC              write() to the page    nothing lost,           everything synced by sync() is
-  (default)  (sync=False)            cache, no fsync;       store intact            kept; if commits came after
+             (sync=False)            cache, no fsync;       store intact            kept; if commits came after
                                      sync() fsyncs                                  the last sync(), they are lost
                                                                                     and the store may be damaged
                                                                                     (the disk may reorder writes):
                                                                                     it is wiped on next open (*)
   balanced   MDB_NOMETASYNC          fdatasync of the data  nothing lost,           the last commit(s) may roll
-             (metasync=False)        pages; meta unsynced   store intact            back; integrity kept
+  (default)  (metasync=False)        pages; meta unsynced   store intact            back; integrity kept
   safe       (sync=True,             fdatasync of data,     nothing lost,           nothing acknowledged is lost
              metasync=True)          then of the meta page  store intact
 
@@ -56,7 +56,7 @@ DURABILITY: dict[str, dict[str, bool]] = {
     "balanced": {"sync": True, "metasync": False},
     "safe": {"sync": True, "metasync": True},
 }
-DEFAULT_DURABILITY = "fast"
+DEFAULT_DURABILITY = "balanced"
 DB_NAMES = (b"blocks", b"records", b"sessions", b"namespaces", b"meta")
 LOCK_FILE = "kvstore.lock"
 # Room always left free on the filesystem: writes that would eat into it are refused (TierFull),
