@@ -194,3 +194,28 @@ def expect_bytes(payload: torch.Tensor, n: int, what: str) -> None:
     """Raise FrameError unless the payload holds exactly ``n`` bytes."""
     if payload.numel() != n:
         raise FrameError(f"{what} payload has {payload.numel()} bytes, the layout needs {n}")
+
+
+class WideningCodec(Codec):
+    """A lossy codec that rebuilds a block in float32 and casts once into the block's dtype.
+
+    Subclasses implement ``_decode_f32``; decoding from host bytes then casts
+    straight into the caller's ``out`` (the only write to it).
+    """
+
+    @abstractmethod
+    def _decode_f32(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
+        """The block as a new float32 tensor; FrameError when the payload does not fit."""
+
+    def _decode(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
+        return cast_block(self._decode_f32(payload, layout, params), layout.torch_dtype)
+
+    def _decode_direct(self, data: Buffer, layout: KVLayout, params: dict[str, Any],
+                       out: torch.Tensor | None) -> torch.Tensor | None:
+        try:
+            wide = self._decode_f32(bytes_tensor(data), layout, params)
+        except FrameError:
+            raise
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise FrameError(f"{self.name} frame does not decode: {e}") from e
+        return cast_block(wide, layout.torch_dtype, out)

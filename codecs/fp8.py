@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from kvstore.codecs.base import Buffer, Codec, bytes_tensor, cast_block, expect_bytes
+from kvstore.codecs.base import WideningCodec, expect_bytes
 from kvstore.codecs.kfix import KFix
 from kvstore.codecs.scales import require_finite, round_down, round_up
 from kvstore.errors import CodecError, FrameError
@@ -91,7 +91,7 @@ def fp8_decode_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return w.view(torch.float32).mul_(s32.mul_(_BIAS))
 
 
-class Fp8Codec(Codec):
+class Fp8Codec(WideningCodec):
     """E4M3 with per-(layer, K/V, token, head) bfloat16 scales; see the module docstring.
 
     ``k_fix``: how many K channels per (layer, head) get an int8 correction
@@ -128,22 +128,7 @@ class Fp8Codec(Codec):
     def payload_bytes(self, layout: KVLayout) -> int:
         return _payload_bytes(layout, min(self.k_fix, layout.head_dim))
 
-    def _decode(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
-        return cast_block(self._decode_f32(payload, layout, params), layout.torch_dtype)
-
-    def _decode_direct(self, data: Buffer, layout: KVLayout, params: dict[str, Any],
-                       out: torch.Tensor | None) -> torch.Tensor | None:
-        # Host bytes: the float32 result is cast straight into ``out``, the only write to it.
-        try:
-            wide = self._decode_f32(bytes_tensor(data), layout, params)
-        except FrameError:
-            raise
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise FrameError(f"fp8 frame does not decode: {e}") from e
-        return cast_block(wide, layout.torch_dtype, out)
-
     def _decode_f32(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
-        """The block as a new float32 tensor; FrameError when the payload does not fit."""
         r = params.get("k_fix", 0)
         if params.get("group", GROUP) != GROUP or isinstance(r, bool) or not isinstance(r, int) \
                 or not 0 <= r <= layout.head_dim:

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from kvstore.codecs.base import Buffer, Codec, bytes_tensor, cast_block, expect_bytes
+from kvstore.codecs.base import WideningCodec, expect_bytes
 from kvstore.codecs.scales import require_finite
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
@@ -91,7 +91,7 @@ def too_wide(lo: torch.Tensor, hi: torch.Tensor) -> bool:
     return float((hi * 0.5 - lo * 0.5).max()) > 0.25 * torch.finfo(torch.float32).max
 
 
-class Int8Codec(Codec):
+class Int8Codec(WideningCodec):
     """8-bit codes: K per channel (or per token), V per token; asymmetric unless ``symmetric=True``."""
 
     name = "int8"
@@ -133,22 +133,7 @@ class Int8Codec(Codec):
             codes[:, i] = q
         return {"symmetric": symmetric, "k_axis": self.k_axis}, [*scales, *mins, codes]
 
-    def _decode(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
-        return cast_block(self._decode_f32(payload, layout, params), layout.torch_dtype)
-
-    def _decode_direct(self, data: Buffer, layout: KVLayout, params: dict[str, Any],
-                       out: torch.Tensor | None) -> torch.Tensor | None:
-        # Host bytes: the float32 result is cast straight into ``out``, the only write to it.
-        try:
-            wide = self._decode_f32(bytes_tensor(data), layout, params)
-        except FrameError:
-            raise
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise FrameError(f"int8 frame does not decode: {e}") from e
-        return cast_block(wide, layout.torch_dtype, out)
-
     def _decode_f32(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
-        """The block as a new float32 tensor; FrameError when the payload does not fit."""
         symmetric = params.get("symmetric", False)
         k_axis = params.get("k_axis", "channel")
         if not isinstance(symmetric, bool) or k_axis not in K_AXES:
