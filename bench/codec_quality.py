@@ -37,8 +37,8 @@ import torch
 
 from kvstore.codecs import CODECS, Codec, get_codec
 from kvstore.config import NvmeConfig
+from kvstore.integrations.quality import AIMS, GATES, QualityHarness, QualityResult, reference_texts
 from kvstore.integrations.transformers import cache_to_kv
-from kvstore.quality import AIMS, GATES, QualityHarness, QualityResult, reference_texts
 
 
 @dataclass(frozen=True)

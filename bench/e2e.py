@@ -48,10 +48,10 @@ import torch
 import zmq
 
 from kvstore.client import KVStoreClient
-from kvstore.endpoint import probe
+from kvstore.daemon.endpoint import probe
 from kvstore.integrations.models import LoadedModel, load_smollm2
+from kvstore.integrations.quality import reference_texts
 from kvstore.integrations.transformers import cache_kwargs, fetch_cache, save_cache
-from kvstore.quality import reference_texts
 
 TIERS = ("hbm", "ram", "nvme")
 AIM_SPEEDUP, AIM_NVME_VS_RAM, AIM_AT = 20.0, 3.0, 2048

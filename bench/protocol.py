@@ -34,7 +34,7 @@ import torch
 import zmq
 
 from kvstore.client import KVStoreClient
-from kvstore.endpoint import probe
+from kvstore.daemon.endpoint import probe
 from kvstore.keys import Namespace, block_keys
 from kvstore.layout import KVLayout
 
@@ -83,7 +83,7 @@ def start_daemon(root: Path) -> tuple[subprocess.Popen, str]:
         f'[server]\nendpoint = "{endpoint}"\nworkers = 4\nlog_level = "warning"\n'
         '[hbm]\ndevice = "cpu"\ncapacity = "1GiB"\n[ram]\ncapacity = "256MiB"\n'
         "[nvme]\nenabled = false\n")
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.server", "--config", str(root / "kvstore.toml")])
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon", "--config", str(root / "kvstore.toml")])
     ctx = zmq.Context()
     deadline = time.monotonic() + 120
     while probe(ctx, endpoint, 200) is None:

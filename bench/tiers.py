@@ -40,7 +40,7 @@ from kvstore.keys import Namespace, chain
 from kvstore.layout import KVLayout
 from kvstore.record import BlockRecord
 from kvstore.results import EvictFilter
-from kvstore.store import Store
+from kvstore.store.engine import Store
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.ram import RamTier

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from kvstore.client import KVStoreClient
     from kvstore.keys import Namespace
     from kvstore.layout import KVLayout
-    from kvstore.store import Store
+    from kvstore.store.engine import Store
 
 __version__ = "0.1.0"
 
@@ -23,7 +23,7 @@ _EXPORTS = {
     "KVLayout": "kvstore.layout",
     "Namespace": "kvstore.keys",
     "KVStoreClient": "kvstore.client",
-    "Store": "kvstore.store",
+    "Store": "kvstore.store.engine",
 }
 
 __all__ = ["KVLayout", "KVStoreClient", "Namespace", "Store", "__version__"]

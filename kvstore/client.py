@@ -34,12 +34,23 @@ from typing import Any
 import torch
 import zmq
 
-from kvstore.auth import ClientKeys
 from kvstore.connection import Connection
+from kvstore.daemon.auth import ClientKeys
 from kvstore.errors import InvalidNamespace
 from kvstore.keys import Namespace, TokenInput, as_tokens
 from kvstore.layout import KVLayout
-from kvstore.messages import (
+from kvstore.results import (
+    BlockInfo,
+    EvictResult,
+    GetResult,
+    LookupResult,
+    PrefetchResult,
+    PutResult,
+    SessionDetail,
+    SessionInfo,
+)
+from kvstore.wire.errors import LocalProtocolError
+from kvstore.wire.messages import (
     DataOk,
     Evict,
     EvictOk,
@@ -62,18 +73,7 @@ from kvstore.messages import (
     ReleaseOk,
     Stats,
 )
-from kvstore.protocol import payload_tensor, tensor_payload
-from kvstore.protocol_errors import LocalProtocolError
-from kvstore.results import (
-    BlockInfo,
-    EvictResult,
-    GetResult,
-    LookupResult,
-    PrefetchResult,
-    PutResult,
-    SessionDetail,
-    SessionInfo,
-)
+from kvstore.wire.protocol import payload_tensor, tensor_payload
 
 CHUNK_BYTES = 128 * 2**20  # K/V bytes per message: a 4K-token SmolLM2 prefix (94 MB) goes in one
 WINDOW = 2  # get chunks in flight

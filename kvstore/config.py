@@ -86,7 +86,7 @@ class ServerConfig:
     max_tokens_per_request: int = 131072
     max_inflight_per_client: int = 64
     allow_insecure_tcp: bool = False
-    # tcp only (kvstore.auth): the daemon's Z85 secret key or the path of its key file (`kvstore keygen`)
+    # tcp only (kvstore.daemon.auth): the daemon's Z85 secret key or the path of its key file (`kvstore keygen`)
     curve_secret_key: str | None = None
     curve_allowed_keys: str | None = None  # a file path, lines "<Z85 client public key> <tenant>" (* = operator)
     metrics_port: int | None = None  # serves on 127.0.0.1 only; None = off

@@ -10,7 +10,7 @@ says hello again and re-sends what was unanswered, up to ``retries`` times.
 A reply saying the namespace is unknown (the daemon restarted and came back
 on the same socket) triggers a hello and a re-send, without a new socket.
 
-With ``curve`` (kvstore.auth.ClientKeys) every socket is a CURVE client of the
+With ``curve`` (kvstore.daemon.auth.ClientKeys) every socket is a CURVE client of the
 daemon. A daemon that refuses the key sends nothing at all, so a refused key
 shows up as a RequestTimeout (its message says to check the allow-list).
 """
@@ -24,11 +24,11 @@ from typing import Any
 
 import zmq
 
-from kvstore.auth import ClientKeys
+from kvstore.daemon.auth import ClientKeys
 from kvstore.keys import Namespace
-from kvstore.messages import ErrorReply, Hello, HelloOk, Message
-from kvstore.protocol import ClientProtocol, Limits
-from kvstore.protocol_errors import RemoteProtocolError, RequestTimeout, ServerError, error_for_reply
+from kvstore.wire.errors import RemoteProtocolError, RequestTimeout, ServerError, error_for_reply
+from kvstore.wire.messages import ErrorReply, Hello, HelloOk, Message
+from kvstore.wire.protocol import ClientProtocol, Limits
 
 # Error codes after which the same request may succeed on a (re)started daemon.
 TRANSIENT = frozenset({"shutting_down", "busy"})

@@ -1,4 +1,4 @@
-"""A real daemon process for the end-to-end tests: ``python -m kvstore.server --config FILE``."""
+"""A real daemon process for the end-to-end tests: ``python -m kvstore.daemon --config FILE``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvstore.endpoint import probe
+from kvstore.daemon.endpoint import probe
 from kvstore.layout import KVLayout
 
 # Small blocks keep the tests fast; float16 so the hbm tier's copies are exact.
@@ -43,7 +43,7 @@ class Daemon:
         self._log_file = self.log.open("wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KVSTORE_CONFIG", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.server", "--config", str(config)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
                                      stdout=self._log_file, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 90.0) -> Daemon:

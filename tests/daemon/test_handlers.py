@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from kvstore.config import load_config, with_overrides
-from kvstore.handlers import Handlers
+from kvstore.daemon.handlers import Handlers
 from kvstore.keys import Namespace
-from kvstore.messages import ErrorReply, Get, GetOk, Inspect, Lookup, LookupOk, Prefetch, Put, PutOk
-from kvstore.protocol import Request, tensor_payload
-from kvstore.store import Store
+from kvstore.store.engine import Store
+from kvstore.wire.messages import ErrorReply, Get, GetOk, Inspect, Lookup, LookupOk, Prefetch, Put, PutOk
+from kvstore.wire.protocol import Request, tensor_payload
 from tests.daemon.conftest import LAYOUT, MODEL
 
 NS = Namespace(model=MODEL, layout=LAYOUT)

@@ -1,4 +1,4 @@
-"""The daemon as users see it: a real `python -m kvstore.server` process, real sockets, real LMDB."""
+"""The daemon as users see it: a real `python -m kvstore.daemon` process, real sockets, real LMDB."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import zmq
 from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidTokens, LayoutError
 from kvstore.keys import Namespace
-from kvstore.protocol import PROTOCOL_VERSION
-from kvstore.protocol_errors import ServerError
+from kvstore.wire.errors import ServerError
+from kvstore.wire.protocol import PROTOCOL_VERSION
 from tests.daemon.conftest import LAYOUT, MODEL, Daemon
 
 T = LAYOUT.block_tokens

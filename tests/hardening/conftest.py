@@ -28,7 +28,7 @@ from kvstore.client import KVStoreClient
 from kvstore.config import Config, load_config
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
-from kvstore.protocol import PROTOCOL_VERSION
+from kvstore.wire.protocol import PROTOCOL_VERSION
 from tests.daemon.conftest import Daemon
 
 # 1 KiB blocks: many of them fit small capacities, and tests stay fast.

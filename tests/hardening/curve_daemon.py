@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.auth import KeyFiles, write_keypair
 from kvstore.client import KVStoreClient
+from kvstore.daemon.auth import KeyFiles, write_keypair
 from tests.daemon.conftest import Daemon
 from tests.hardening.conftest import LAYOUT, MODEL, write_config
 

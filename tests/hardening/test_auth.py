@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import zmq
 
-from kvstore import cli
-from kvstore.auth import ClientKeys, ServerAuth, parse_allow_list, read_allow_list, write_keypair
+from kvstore.cli import commands as cli
 from kvstore.client import KVStoreClient
 from kvstore.config import with_overrides
-from kvstore.endpoint import UnsafeEndpoint, secure_dir
+from kvstore.daemon.auth import ClientKeys, ServerAuth, parse_allow_list, read_allow_list, write_keypair
+from kvstore.daemon.endpoint import UnsafeEndpoint, secure_dir
+from kvstore.daemon.server import serve
 from kvstore.errors import ConfigError, Forbidden
-from kvstore.protocol_errors import RequestTimeout
-from kvstore.server import serve
+from kvstore.wire.errors import RequestTimeout
 from tests.hardening.conftest import (
     LAYOUT,
     MODEL,

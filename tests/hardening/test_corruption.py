@@ -21,10 +21,10 @@ import zmq
 
 from kvstore.codecs import get_codec
 from kvstore.config import PolicyConfig
-from kvstore.endpoint import probe
+from kvstore.daemon.endpoint import probe
+from kvstore.daemon.server import Server
 from kvstore.keys import block_keys
-from kvstore.server import Server
-from kvstore.store import Store
+from kvstore.store.engine import Store
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.lmdb_env import DB_NAMES
 from kvstore.tiers.nvme import NvmeTier

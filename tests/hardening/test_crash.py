@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import KVStoreError
-from kvstore.store import Store
+from kvstore.store.engine import Store
 from tests.hardening.conftest import (
     NS,
     Background,

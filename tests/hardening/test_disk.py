@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import KVStoreError
-from kvstore.store import Store
+from kvstore.store.engine import Store
 from kvstore.tiers.lmdb_env import DISK_HEADROOM
 from tests.hardening.conftest import (
     NS,

@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.messages import REPLIES, REQUESTS
-from kvstore.protocol_errors import ERROR_CODES
+from kvstore.wire.errors import ERROR_CODES
+from kvstore.wire.messages import REPLIES, REQUESTS
 from tests.daemon.conftest import Daemon
 from tests.hardening.conftest import (
     NS,

@@ -18,11 +18,11 @@ import msgpack
 import numpy as np
 import pytest
 
+from kvstore.daemon.handlers import MAX_PINS
 from kvstore.errors import KVStoreError
-from kvstore.handlers import MAX_PINS
 from kvstore.keys import Namespace
-from kvstore.protocol import PROTOCOL_VERSION, Limits
-from kvstore.protocol_errors import ProtocolError, ServerError
+from kvstore.wire.errors import ProtocolError, ServerError
+from kvstore.wire.protocol import PROTOCOL_VERSION, Limits
 from tests.daemon.conftest import Daemon
 from tests.hardening.conftest import LAYOUT, NS, Raw, T, client, endpoint_of, header, prefix_kv, write_config
 

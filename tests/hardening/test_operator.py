@@ -21,7 +21,7 @@ from tests.hardening.conftest import client, fill, mounted, prefix_kv, random_to
 def refused(config: Path, *names: str) -> str:
     """Run a daemon on ``config``; it must refuse with one ERROR line containing every one of ``names``."""
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_CONFIG"}
-    p = subprocess.run([sys.executable, "-m", "kvstore.server", "--config", str(config)],
+    p = subprocess.run([sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
                        capture_output=True, timeout=120, env=env)
     err = p.stderr.decode(errors="replace")
     assert p.returncode == 1, f"exit {p.returncode}:\n{err}"

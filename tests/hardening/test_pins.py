@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.protocol_errors import ServerError
+from kvstore.wire.errors import ServerError
 from tests.hardening.conftest import T, client, prefix_kv, random_tokens, wait_until, write_config
 
 LEASE = 2.0  # [policy] pin_lease: the longest any pin lives

@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.auth import ClientKeys
 from kvstore.client import KVStoreClient
 from kvstore.connection import Connection
+from kvstore.daemon.auth import ClientKeys
 from kvstore.errors import Forbidden
 from kvstore.keys import Namespace, as_tokens, block_keys
-from kvstore.messages import Lookup
-from kvstore.protocol_errors import ServerError
 from kvstore.results import LookupResult
+from kvstore.wire.errors import ServerError
+from kvstore.wire.messages import Lookup
 from tests.hardening.conftest import (
     LAYOUT,
     MODEL,

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvstore.endpoint import probe
+from kvstore.daemon.endpoint import probe
 
 
 def kvstore_command() -> list[str]:
-    """The ``kvstore`` console script of this interpreter's environment (``python -m kvstore.cli`` without it)."""
+    """The ``kvstore`` console script of this interpreter's environment (``python -m kvstore.cli.commands`` without it)."""
     script = Path(sys.executable).parent / "kvstore"
     return [str(script)] if script.is_file() else [sys.executable, "-m", "kvstore.cli"]
 

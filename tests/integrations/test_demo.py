@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.cli import EXIT_USAGE, main
-from kvstore.demo import QUESTIONS, run_demo, tier_summary
+from kvstore.cli.commands import EXIT_USAGE, main
+from kvstore.cli.demo import QUESTIONS, run_demo, tier_summary
 from kvstore.integrations.models import LoadedModel
 
 

@@ -27,8 +27,8 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.integrations.chat import Conversation, run_turn
 from kvstore.integrations.models import LoadedModel
+from kvstore.integrations.quality import GATES
 from kvstore.integrations.transformers import cache_kwargs, fetch_cache
-from kvstore.quality import GATES
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.integrations.models import LoadedModel
-from kvstore.quality import QualityHarness, reference_texts
+from kvstore.integrations.quality import QualityHarness, reference_texts
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,8 @@ import torch
 from kvstore.codecs import CODECS, get_codec
 from kvstore.codecs.base import Codec, expect_bytes
 from kvstore.config import NvmeConfig
+from kvstore.integrations.quality import AIMS, GATES, QualityHarness
 from kvstore.layout import KVLayout
-from kvstore.quality import AIMS, GATES, QualityHarness
 
 pytestmark = pytest.mark.model
 

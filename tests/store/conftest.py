@@ -10,7 +10,7 @@ import pytest
 from storekit import HBM_PAGE, RAM_PAGE
 
 from kvstore.codecs import get_codec
-from kvstore.store import Store
+from kvstore.store.engine import Store
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.ram import RamTier

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.index import LOSSY
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
-from kvstore.store import Store
+from kvstore.store.engine import Store
+from kvstore.store.index import LOSSY
 
 # 2 layers x K/V x 4 tokens x 2 heads x 16 dims x bf16 = 1 KiB a block
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_tokens=4)

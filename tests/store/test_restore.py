@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from kvstore.codecs import get_codec
-from kvstore.index import BlockIndex, Entry
 from kvstore.record import BlockRecord
-from kvstore.restore import _orphaned, _rows_of, restore
+from kvstore.store.index import BlockIndex, Entry
+from kvstore.store.restore import _orphaned, _rows_of, restore
 from kvstore.tiers.nvme import NvmeTier
 
 FRAME = bytes(get_codec("raw").encode(torch.zeros((1, 2, 4, 1, 8), dtype=torch.bfloat16)))

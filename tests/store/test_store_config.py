@@ -8,7 +8,7 @@ from pathlib import Path
 from storekit import NS, T, kv, same, tokens
 
 from kvstore.config import Config, HbmConfig, NvmeConfig, PolicyConfig, RamConfig
-from kvstore.store import Store
+from kvstore.store.engine import Store
 
 
 def small_config(path: Path, **nvme: object) -> Config:

@@ -60,7 +60,7 @@ def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> N
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from storekit import NS, T, kv, tokens
         from kvstore.codecs import get_codec
-        from kvstore.store import Store
+        from kvstore.store.engine import Store
         from kvstore.tiers.hbm import HbmTier
         from kvstore.tiers.nvme import NvmeTier
         from kvstore.tiers.ram import RamTier
@@ -74,7 +74,7 @@ def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> N
     from storekit import HBM_PAGE, RAM_PAGE  # noqa: F401 - same tiers as the fixture
 
     from kvstore.codecs import get_codec
-    from kvstore.store import Store
+    from kvstore.store.engine import Store
     from kvstore.tiers.hbm import HbmTier
     from kvstore.tiers.nvme import NvmeTier
     from kvstore.tiers.ram import RamTier

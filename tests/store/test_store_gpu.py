@@ -7,7 +7,7 @@ import torch
 from storekit import HBM_PAGE, NS, RAM_PAGE, T, kv, same, tokens
 
 from kvstore.codecs import get_codec
-from kvstore.store import Store
+from kvstore.store.engine import Store
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.ram import RamTier
 

@@ -8,10 +8,10 @@ import time
 import pytest
 from storekit import Clock
 
-from kvstore.index import BlockIndex, Entry
-from kvstore.pins import PinTable
-from kvstore.sessions import SessionTable
-from kvstore.writer import WriteThrough
+from kvstore.store.index import BlockIndex, Entry
+from kvstore.store.pins import PinTable
+from kvstore.store.sessions import SessionTable
+from kvstore.store.writer import WriteThrough
 
 
 def entry(key: int, parent: Entry | None) -> Entry:

@@ -23,7 +23,7 @@ from storekit import HBM_PAGE, NS, RAM_PAGE, T, served_right
 from kvstore.codecs import get_codec
 from kvstore.keys import block_keys
 from kvstore.results import EvictFilter
-from kvstore.store import Store
+from kvstore.store.engine import Store
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.ram import RamTier

@@ -144,7 +144,7 @@ def test_demotion_frames_are_encoded_outside_the_lock(tmp_path) -> None:
     from storekit import HBM_PAGE, RAM_PAGE
 
     from kvstore.codecs.raw import RawCodec
-    from kvstore.store import Store
+    from kvstore.store.engine import Store
     from kvstore.tiers.hbm import HbmTier
     from kvstore.tiers.ram import RamTier
 

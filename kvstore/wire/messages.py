@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvstore import fields as F
+from kvstore.wire import fields as F
 from kvstore.keys import Namespace
-from kvstore.protocol_errors import RemoteProtocolError
+from kvstore.wire.errors import RemoteProtocolError
 
 Buffer = Any  # a bytes-like object: bytes, memoryview, numpy array, zmq.Frame
 

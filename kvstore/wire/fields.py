@@ -16,7 +16,7 @@ import numpy as np
 
 from kvstore.errors import InvalidNamespace, InvalidTokens, KVStoreError, LayoutError
 from kvstore.keys import Namespace, as_tokens
-from kvstore.protocol_errors import RemoteProtocolError
+from kvstore.wire.errors import RemoteProtocolError
 
 Check = Callable[[str, Any], Any]
 

@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from kvstore.errors import LayoutError
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
-from kvstore.messages import (
+from kvstore.wire.errors import (
+    LocalProtocolError,
+    RemoteProtocolError,
+    ServerError,
+    error_for_reply,
+)
+from kvstore.wire.messages import (
     REQUESTS,
     DataOk,
     ErrorReply,
@@ -28,13 +34,7 @@ from kvstore.messages import (
     Put,
     PutOk,
 )
-from kvstore.protocol import PROTOCOL_VERSION, ClientProtocol, Limits, Request, ServerProtocol
-from kvstore.protocol_errors import (
-    LocalProtocolError,
-    RemoteProtocolError,
-    ServerError,
-    error_for_reply,
-)
+from kvstore.wire.protocol import PROTOCOL_VERSION, ClientProtocol, Limits, Request, ServerProtocol
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float16", block_tokens=4)
 NS = Namespace(model="m", layout=LAYOUT, tenant="t")
@@ -274,8 +274,8 @@ def test_any_header_is_either_a_request_or_a_remote_protocol_error(op: str, fiel
 def test_prefetch_slice_round_trip_and_old_style_request() -> None:
     from dataclasses import asdict
 
-    from kvstore.messages import Prefetch
     from kvstore.results import PrefetchResult
+    from kvstore.wire.messages import Prefetch
 
     client, server, _ = joined()
     req = roundtrip(client, server, Prefetch(session="conv-1", to="hbm", start_block=32, max_blocks=16))

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.errors import FrameError, KVStoreError
-from kvstore.index import LOSSY, TIER_MASK, BlockIndex, Entry
 from kvstore.keys import Namespace
-from kvstore.pins import PinTable
 from kvstore.record import BlockRecord
-from kvstore.sessions import SessionState, SessionTable
+from kvstore.store.index import LOSSY, TIER_MASK, BlockIndex, Entry
+from kvstore.store.pins import PinTable
+from kvstore.store.sessions import SessionState, SessionTable
 from kvstore.tiers.base import Tier, TierFull, TierIOError
 
 _SCAN = 64  # LRU entries examined for a leaf before settling for the oldest candidate

@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import Forbidden
 from kvstore.keys import Namespace
-from kvstore.messages import (
+from kvstore.results import EvictFilter, SessionInfo
+from kvstore.wire.errors import ProtocolError
+from kvstore.wire.messages import (
     DataOk,
     ErrorReply,
     Evict,
@@ -48,11 +50,9 @@ from kvstore.messages import (
     Release,
     Stats,
 )
-from kvstore.protocol_errors import ProtocolError
-from kvstore.results import EvictFilter, SessionInfo
 
 if TYPE_CHECKING:
-    from kvstore.store import Store
+    from kvstore.store.engine import Store
 
 # ops a confined client may send; Evict, Inspect, Stats, Prefetch and Put are rewritten or answered below
 CONFINED_OPS: frozenset[type[Message]] = frozenset(

@@ -1,8 +1,8 @@
-"""kvstore.quality without the model: the quality bars and the texts they are measured on."""
+"""kvstore.integrations.quality without the model: the quality bars and the texts they are measured on."""
 
 from __future__ import annotations
 
-from kvstore.quality import AIMS, GATES, QualityResult, Target, reference_texts
+from kvstore.integrations.quality import AIMS, GATES, QualityResult, Target, reference_texts
 
 
 def result(kl: float, top1: float = 1.0, bits: float = 4.0) -> QualityResult:

@@ -31,9 +31,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.messages import REQUESTS, ErrorReply, PutOk
-from kvstore.protocol_errors import ERROR_CODES
 from kvstore.results import MISSING_PARENT, NO_ROOM
+from kvstore.wire.errors import ERROR_CODES
+from kvstore.wire.messages import REQUESTS, ErrorReply, PutOk
 
 # 50 µs (a lookup answered from the index) .. 10 s (a long prefix read back from nvme)
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore import display
-from kvstore.cli import UsageError, parse_args, parse_layout, plain, read_tokens, resolve_endpoint
+from kvstore.cli import display
+from kvstore.cli.commands import UsageError, parse_args, parse_layout, plain, read_tokens, resolve_endpoint
 from kvstore.results import EvictResult
 
 # ---------------------------------------------------------------- parsing
@@ -423,7 +423,7 @@ def serve(cfg: Path) -> subprocess.Popen[str]:
     import zmq
 
     from kvstore.config import load_config
-    from kvstore.endpoint import probe
+    from kvstore.daemon.endpoint import probe
 
     endpoint = load_config(cfg, env={}).server.endpoint
     proc = subprocess.Popen([*kvstore_cmd(), "serve", "--config", str(cfg)], env=clean_env(),

@@ -39,7 +39,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from kvstore import display
+from kvstore.cli import display
 from kvstore.config import check_endpoint, ipc_socket_path, load_config, parse_duration, with_overrides
 from kvstore.errors import ConfigError, KVStoreError
 
@@ -297,7 +297,7 @@ def cmd_serve(args: argparse.Namespace, out: IO[str]) -> int:
     config = load_config(args.config)
     if args.endpoint:
         config = with_overrides(config, "server", endpoint=args.endpoint)
-    from kvstore.server import serve
+    from kvstore.daemon.server import serve
 
     return serve(config)
 
@@ -381,7 +381,7 @@ def cmd_prefetch(args: argparse.Namespace, out: IO[str], err: IO[str] | None = N
 
 
 def cmd_keygen(args: argparse.Namespace, out: IO[str]) -> int:
-    from kvstore.auth import write_keypair
+    from kvstore.daemon.auth import write_keypair
 
     try:
         files = write_keypair(Path(args.out), args.name, force=args.force)
@@ -399,7 +399,7 @@ def cmd_keygen(args: argparse.Namespace, out: IO[str]) -> int:
 def cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
     endpoint = resolve_endpoint(args)
     check_reachable(endpoint)
-    from kvstore.demo import run_demo
+    from kvstore.cli.demo import run_demo
 
     run_demo(endpoint, out, session=args.session, tenant=args.tenant, max_new_tokens=args.max_new_tokens,
              document_tokens=args.document_tokens, timeout=args.timeout)

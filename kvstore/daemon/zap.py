@@ -5,7 +5,7 @@ in the socket's context; this thread answers. A key of the allow-list gets
 ``200`` with its tenant as User-Id (every message on that connection then
 carries it: ``peer_tenant``); any other key, or any other mechanism, gets
 ``400`` and the connection never carries a message. The router sets
-ZAP_ENFORCE_DOMAIN (kvstore.auth.ServerAuth.secure), so while no handler
+ZAP_ENFORCE_DOMAIN (kvstore.daemon.auth.ServerAuth.secure), so while no handler
 answers, handshakes fail rather than pass.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import zmq
 from zmq.utils import z85
 
-log = logging.getLogger("kvstore.auth")
+log = logging.getLogger("kvstore.daemon.auth")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by libzmq (RFC 27)
 POLL_MS = 100  # how soon the ZAP thread notices a stop

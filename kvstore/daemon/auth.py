@@ -8,7 +8,7 @@
     [server] curve_secret_key   = "DIR/server.key_secret"   (or the Z85 key itself)
     [server] curve_allowed_keys = "/etc/kvstore/clients"    lines "<Z85 public key> <tenant>"
 
-    client DEALER ──CURVE handshake──► daemon ROUTER ──ZAP request──► ZapHandler (kvstore.zap; a thread)
+    client DEALER ──CURVE handshake──► daemon ROUTER ──ZAP request──► ZapHandler (kvstore.daemon.zap; a thread)
                                             ◄── 200 + User-Id = tenant, or 400 (unknown key: no connection)
 
 Every message on an authenticated connection carries its tenant as the
@@ -42,9 +42,9 @@ from zmq.utils import z85
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvstore.zap import ZapHandler
+    from kvstore.daemon.zap import ZapHandler
 
-log = logging.getLogger("kvstore.auth")
+log = logging.getLogger("kvstore.daemon.auth")
 
 ZAP_DOMAIN = b"kvstore"
 OPERATOR = "*"  # allow-list tenant of keys whose connections span every tenant
@@ -221,7 +221,7 @@ class ServerAuth:
 
     def handler(self) -> ZapHandler:
         """A ZAP handler for this allow-list (start it in the router's context before binding)."""
-        from kvstore.zap import ZapHandler
+        from kvstore.daemon.zap import ZapHandler
 
         return ZapHandler(self.allowed)
 

@@ -56,12 +56,12 @@ class DemoTurn:
 
 def document(max_tokens: int, tokenizer: Any) -> str:
     """The first ``max_tokens`` tokens of a real text found on this host (the Apache 2.0 license first)."""
-    from kvstore.quality import reference_texts
+    from kvstore.integrations.quality import reference_texts
 
     texts = dict(reference_texts())
     text = texts.get("Apache-2.0") or next(iter(texts.values()), "")
     if not text:
-        raise DemoUnavailable("no reference text found on this host (see kvstore.quality.reference_texts)")
+        raise DemoUnavailable("no reference text found on this host (see kvstore.integrations.quality.reference_texts)")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
     out: str = tokenizer.decode(ids)
     return out

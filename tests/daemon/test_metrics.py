@@ -14,16 +14,16 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.codecs import get_codec
+from kvstore.daemon.metrics import LATENCY_BUCKETS, Metrics
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
-from kvstore.messages import ErrorReply, PutOk
-from kvstore.metrics import LATENCY_BUCKETS, Metrics
 from kvstore.results import MISSING_PARENT, StoreClosed
-from kvstore.store import Store
+from kvstore.store.engine import Store
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.ram import RamTier
+from kvstore.wire.messages import ErrorReply, PutOk
 
 # 2 layers x K/V x 4 tokens x 2 heads x 16 dims x bf16 = 1 KiB a block
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_tokens=4)

@@ -14,9 +14,9 @@ of order, each carrying its request id. zmq sockets are not thread-safe, so
 each worker thread sends its replies through its own inproc PUSH socket.
 
 Authentication: with ``[server] curve_secret_key`` the tcp ROUTER is a CURVE
-server; a ZAP handler thread (kvstore.auth) admits only the keys of
+server; a ZAP handler thread (kvstore.daemon.auth) admits only the keys of
 ``curve_allowed_keys`` and stamps each connection with its tenant, which the
-loop reads from every message and confines the request to (kvstore.tenancy).
+loop reads from every message and confines the request to (kvstore.daemon.tenancy).
 
 SIGTERM/SIGINT: stop accepting (new requests get ``shutting_down``), finish
 the requests in flight, flush the write-through queue and close LMDB
@@ -38,22 +38,22 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from kvstore.auth import OPERATOR, ServerAuth
 from kvstore.config import Config, load_config
-from kvstore.endpoint import claim, ipc_path
+from kvstore.daemon.auth import OPERATOR, ServerAuth
+from kvstore.daemon.endpoint import claim, ipc_path
+from kvstore.daemon.handlers import Handlers
+from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.tenancy import admit
+from kvstore.daemon.zap import ZapHandler, peer_tenant
 from kvstore.errors import KVStoreError
-from kvstore.handlers import Handlers
-from kvstore.messages import ErrorReply, Hello, Message, Ping, Pong
-from kvstore.metrics import Metrics
-from kvstore.protocol import PROTOCOL_VERSION, Limits, Request, ServerProtocol, encode, reply_frames
-from kvstore.protocol_errors import RemoteProtocolError
-from kvstore.tenancy import admit
-from kvstore.zap import ZapHandler, peer_tenant
+from kvstore.wire.errors import RemoteProtocolError
+from kvstore.wire.messages import ErrorReply, Hello, Message, Ping, Pong
+from kvstore.wire.protocol import PROTOCOL_VERSION, Limits, Request, ServerProtocol, encode, reply_frames
 
 if TYPE_CHECKING:
-    from kvstore.store import Store
+    from kvstore.store.engine import Store
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.daemon.server")
 
 EXIT_OK, EXIT_REFUSED = 0, 1
 DRAIN_TIMEOUT = 60.0  # seconds to finish in-flight requests after a stop signal
@@ -288,7 +288,7 @@ def serve(config: Config) -> int:
         cfg = config.server
         auth = ServerAuth.from_config(cfg.endpoint, cfg.curve_secret_key, cfg.curve_allowed_keys)
         claim(ctx, cfg.endpoint, insecure_tcp_ok=cfg.allow_insecure_tcp, curve=auth is not None)
-        from kvstore.store import Store
+        from kvstore.store.engine import Store
 
         store = Store.from_config(config)
     except KVStoreError as e:
@@ -320,7 +320,7 @@ def serve(config: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.server", description="Run the kvstore daemon.")
+    parser = argparse.ArgumentParser(prog="python -m kvstore.daemon", description="Run the kvstore daemon.")
     parser.add_argument("--config", help="TOML file (default: $KVSTORE_CONFIG, else built-in defaults)")
     args = parser.parse_args(argv)
     try:

@@ -35,14 +35,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvstore.admin import AdminOps
-from kvstore.datapath import DataPath
 from kvstore.errors import LayoutError
-from kvstore.index import BlockIndex, Entry
 from kvstore.keys import Namespace, as_tokens, block_keys, iter_block_keys
-from kvstore.movement import Mover
-from kvstore.pins import PinHandle, PinTable
-from kvstore.restore import restore
 from kvstore.results import (
     MISSING_PARENT,
     NO_ROOM,
@@ -52,9 +46,15 @@ from kvstore.results import (
     PutResult,
     StoreClosed,
 )
-from kvstore.sessions import SessionState, SessionTable
+from kvstore.store.admin import AdminOps
+from kvstore.store.datapath import DataPath
+from kvstore.store.index import BlockIndex, Entry
+from kvstore.store.movement import Mover
+from kvstore.store.pins import PinHandle, PinTable
+from kvstore.store.restore import restore
+from kvstore.store.sessions import SessionState, SessionTable
+from kvstore.store.writer import WriteThrough
 from kvstore.tiers.base import Tier
-from kvstore.writer import WriteThrough
 
 if TYPE_CHECKING:
     from kvstore.config import Config, PolicyConfig

@@ -19,11 +19,7 @@ from typing import Any
 
 import torch
 
-from kvstore.background import Background
-from kvstore.index import TIER_MASK, BlockIndex, Entry
 from kvstore.keys import Namespace
-from kvstore.movement import Mover
-from kvstore.pins import PinTable
 from kvstore.results import (
     BlockInfo,
     EvictFilter,
@@ -36,7 +32,11 @@ from kvstore.results import (
     StoreStats,
     TierStats,
 )
-from kvstore.sessions import SessionState, SessionTable
+from kvstore.store.background import Background
+from kvstore.store.index import TIER_MASK, BlockIndex, Entry
+from kvstore.store.movement import Mover
+from kvstore.store.pins import PinTable
+from kvstore.store.sessions import SessionState, SessionTable
 from kvstore.tiers.base import Tier
 
 

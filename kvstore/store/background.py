@@ -20,12 +20,12 @@ from dataclasses import replace
 from typing import Any
 
 from kvstore.errors import FrameError, KVStoreError
-from kvstore.index import TIER_MASK, BlockIndex, Entry
-from kvstore.movement import Mover
-from kvstore.pins import PinTable
-from kvstore.sessions import SessionState
+from kvstore.store.index import TIER_MASK, BlockIndex, Entry
+from kvstore.store.movement import Mover
+from kvstore.store.pins import PinTable
+from kvstore.store.sessions import SessionState
+from kvstore.store.writer import WriteThrough
 from kvstore.tiers.base import Tier, TierFull, TierIOError
-from kvstore.writer import WriteThrough
 
 _EXPIRE_BATCH = 10000  # blocks dropped per tick at most, so the lock is never held for long
 _RECORD_BATCH = 4096

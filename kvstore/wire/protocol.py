@@ -26,8 +26,8 @@ import torch
 from kvstore.errors import LayoutError
 from kvstore.keys import Namespace
 from kvstore.layout import DTYPES, dtype_name
-from kvstore.messages import REPLIES, REQUESTS, Buffer, ErrorReply, Get, Hello, HelloOk, Message, Put
-from kvstore.protocol_errors import LocalProtocolError, RemoteProtocolError
+from kvstore.wire.errors import LocalProtocolError, RemoteProtocolError
+from kvstore.wire.messages import REPLIES, REQUESTS, Buffer, ErrorReply, Get, Hello, HelloOk, Message, Put
 
 PROTOCOL_VERSION = 1
 MAX_NAMESPACES = 4096  # distinct namespaces one daemon registers; more is almost surely a bug
@@ -136,7 +136,7 @@ class Request:
     """A validated request from ``peer``; ``namespace`` is resolved from ``msg.ns`` when the op has one.
 
     ``tenant``: the tenant the connection authenticated as (CURVE), to which the
-    request is confined (see kvstore.tenancy); None for a trusted connection.
+    request is confined (see kvstore.daemon.tenancy); None for a trusted connection.
     """
 
     peer: bytes

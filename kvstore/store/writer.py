@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-log = logging.getLogger("kvstore.writer")
+log = logging.getLogger("kvstore.store.writer")
 
 
 class WriteThrough:

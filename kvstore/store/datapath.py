@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from kvstore.errors import FrameError, KVStoreError
-from kvstore.index import SEEN, TIER_MASK, BlockIndex, Entry
 from kvstore.keys import Namespace
-from kvstore.movement import Mover
+from kvstore.store.index import SEEN, TIER_MASK, BlockIndex, Entry
+from kvstore.store.movement import Mover
+from kvstore.store.writer import WriteThrough
 from kvstore.tiers.base import Tier, TierFull, TierIOError
-from kvstore.writer import WriteThrough
 
 
 class DataPath:

@@ -56,7 +56,7 @@ def secure_dir(directory: Path) -> None:
 
 def probe(ctx: zmq.Context, endpoint: str, timeout_ms: int = PROBE_TIMEOUT_MS) -> dict | None:
     """Ping ``endpoint``; the pong's fields when a daemon answers, else None. Sends nothing else."""
-    from kvstore.protocol import PROTOCOL_VERSION
+    from kvstore.wire.protocol import PROTOCOL_VERSION
 
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import FrameError
-from kvstore.index import BlockIndex, Entry
 from kvstore.keys import Namespace
+from kvstore.store.index import BlockIndex, Entry
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from kvstore.daemon.tenancy import TenantOps
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, block_keys
-from kvstore.messages import (
+from kvstore.results import EvictFilter
+from kvstore.tiers.base import TierFull, TierIOError
+from kvstore.wire.errors import ProtocolError
+from kvstore.wire.messages import (
     DataOk,
     ErrorReply,
     Evict,
@@ -39,16 +43,12 @@ from kvstore.messages import (
     ReleaseOk,
     Stats,
 )
-from kvstore.protocol import Request, payload_tensor, tensor_payload
-from kvstore.protocol_errors import ProtocolError
-from kvstore.results import EvictFilter
-from kvstore.tenancy import TenantOps
-from kvstore.tiers.base import TierFull, TierIOError
+from kvstore.wire.protocol import Request, payload_tensor, tensor_payload
 
 if TYPE_CHECKING:
-    from kvstore.store import Store
+    from kvstore.store.engine import Store
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.daemon.server")
 
 PREFETCH_TARGETS = ("ram", "hbm")
 # Pins held through the protocol at once, and the block references they hold in all (each costs the

@@ -1,0 +1,7 @@
+"""``python -m kvstore.daemon --config FILE``: run the daemon in the foreground."""
+
+from __future__ import annotations
+
+from kvstore.daemon.server import main
+
+raise SystemExit(main())

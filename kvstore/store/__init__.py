@@ -1,0 +1,18 @@
+"""The store engine: an index over the tiers, blocks moving between them, the write-through to nvme.
+
+::
+
+    engine.py     Store: put / lookup / get / pin, composed of the parts below
+    index.py      which blocks exist, their prefix tree, tier bits and LRU order
+    movement.py   making room: demotion, leaf-first dropping, promotion, corruption
+    writer.py     the write-through thread and its bounded queue
+    restore.py    rebuilding the index from LMDB at start
+    sessions.py   sessions and the prefix each last stored
+    pins.py       pins as leases
+"""
+
+from __future__ import annotations
+
+from kvstore.store.engine import Store
+
+__all__ = ["Store"]
