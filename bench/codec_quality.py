@@ -72,8 +72,9 @@ OTHER_ROWS = [
 QUICK = {"KIVI g32 (default)", "groups of 64 (K and V)", "Hadamard rotation", "first block exact"}
 
 
-def prefix_bits(harness: QualityHarness, tokens: int, codec: Codec, head_blocks: int,
-                head: Codec | None) -> tuple[str, float] | None:
+def prefix_bits(
+    harness: QualityHarness, tokens: int, codec: Codec, head_blocks: int, head: Codec | None
+) -> tuple[str, float] | None:
     """(text, bits per value) of the frames of a ``tokens``-token prefix of the longest reference
     text, as the nvme tier would store them; None when no text is that long."""
     loaded = harness.loaded
@@ -105,8 +106,10 @@ def fmt_params(params: dict[str, Any]) -> str:
 
 def print_header(title: str) -> None:
     print(f"\n{title}")
-    head = (f"{'row':34} {'params':54} {'KL':>9} {'top-1':>7} {'ppl':>8} {'relL2 K':>8} {'relL2 V':>8} "
-            f"{'bits':>6} {'gate':>5} {'aim':>5}")
+    head = (
+        f"{'row':34} {'params':54} {'KL':>9} {'top-1':>7} {'ppl':>8} {'relL2 K':>8} {'relL2 V':>8} "
+        f"{'bits':>6} {'gate':>5} {'aim':>5}"
+    )
     print(head)
     print("-" * len(head), flush=True)
 
@@ -114,8 +117,11 @@ def print_header(title: str) -> None:
 def print_row(row: Row, r: QualityResult) -> None:
     gate, aim = verdict(row.codec, r)
     params = fmt_params(r.params) + (f" +{r.head_blocks} {r.head_codec}" if r.head_blocks else "")
-    print(f"{row.label:34} {params:54} {r.kl:9.2e} {r.top1:7.2%} {r.ppl_change:+8.3%} "
-          f"{r.rel_l2_k:8.4f} {r.rel_l2_v:8.4f} {r.bits_per_value:6.3f} {gate:>5} {aim:>5}", flush=True)
+    print(
+        f"{row.label:34} {params:54} {r.kl:9.2e} {r.top1:7.2%} {r.ppl_change:+8.3%} "
+        f"{r.rel_l2_k:8.4f} {r.rel_l2_v:8.4f} {r.bits_per_value:6.3f} {gate:>5} {aim:>5}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -132,9 +138,11 @@ def main() -> None:
     harness = QualityHarness(load_smollm2())
     harness.prepare(reference_texts(), prefix_blocks=args.prefix_blocks, continuation=args.continuation)
     texts = ", ".join(t.name for t in harness.texts)
-    print(f"SmolLM2-135M-Instruct, float32 compute, bfloat16 blocks of 64 tokens; "
-          f"{harness.positions} scored positions after {args.prefix_blocks * 64}-token prefixes of: {texts} "
-          f"(prepared in {time.perf_counter() - t0:.0f} s)")
+    print(
+        f"SmolLM2-135M-Instruct, float32 compute, bfloat16 blocks of 64 tokens; "
+        f"{harness.positions} scored positions after {args.prefix_blocks * 64}-token prefixes of: {texts} "
+        f"(prepared in {time.perf_counter() - t0:.0f} s)"
+    )
 
     def run(title: str, rows: list[Row]) -> None:
         print_header(title)
@@ -153,18 +161,27 @@ def main() -> None:
     codec, head = nvme.codecs()
     n_head = nvme.head_blocks if head is not None else 0
     print_header("4. nvme tier as configured by default (configs/default.toml [nvme])")
-    row = Row("nvme tier as configured by default", codec.name, codec.params(), n_head,
-              head.name if head is not None else "raw")
+    row = Row(
+        "nvme tier as configured by default",
+        codec.name,
+        codec.params(),
+        n_head,
+        head.name if head is not None else "raw",
+    )
     print_row(row, harness.measure(codec, head_blocks=n_head, head_codec=head))
     long = prefix_bits(harness, 4096, codec, n_head, head)
     if long is not None:
-        print(f"  the same for a 4,096-token prefix of {long[0]} (frame sizes only): {long[1]:.3f} bits/value")
+        print(
+            f"  the same for a 4,096-token prefix of {long[0]} (frame sizes only): {long[1]:.3f} bits/value"
+        )
     print("\ngates (tests/model) and aims:")
     for name in CODECS:
         if name in GATES:
             print(f"  {name:5} gate {GATES[name].describe():40} aim {AIMS[name].describe()}")
-    print("KL is in nats; ppl is the relative change of perplexity on the true next tokens; "
-          "bits include frame header and per-group stats.")
+    print(
+        "KL is in nats; ppl is the relative change of perplexity on the true next tokens; "
+        "bits include frame header and per-group stats."
+    )
 
 
 if __name__ == "__main__":

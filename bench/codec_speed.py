@@ -112,8 +112,10 @@ def main() -> None:
     all_cores = torch.get_num_threads()
     blocks = make_blocks(args.blocks, args.device)
     codecs = codecs_to_run(args.codecs)
-    print(f"layout {LAYOUT.canonical().decode()}  {LAYOUT.block_nbytes / 1e6:.2f} MB/block  "
-          f"working set {args.blocks} blocks  device {args.device}  cpus {os.cpu_count()}  torch {torch.__version__}")
+    print(
+        f"layout {LAYOUT.canonical().decode()}  {LAYOUT.block_nbytes / 1e6:.2f} MB/block  "
+        f"working set {args.blocks} blocks  device {args.device}  cpus {os.cpu_count()}  torch {torch.__version__}"
+    )
     print(f"\n{'codec':<18}{'bits/val':>9}{'relL2 rand':>11}{'relL2 heavy':>12}")
     for label, codec in codecs:
         bits, r_rand, r_heavy = quality(codec)
@@ -121,7 +123,9 @@ def main() -> None:
     for threads in sorted({1, all_cores}):
         torch.set_num_threads(threads)
         clock = "thread CPU time" if threads == 1 and args.device == "cpu" else "wall time"
-        print(f"\n== {threads} thread{'s' if threads > 1 else ''} ({clock}): GB/s (ratio of memcpy measured alongside)")
+        print(
+            f"\n== {threads} thread{'s' if threads > 1 else ''} ({clock}): GB/s (ratio of memcpy measured alongside)"
+        )
         print(f"{'codec':<18}{'memcpy':>8}{'encode':>16}{'decode':>16}{'dec-nv':>16}")
         for label, codec in codecs:
             r = measure(codec, blocks, args.repeat, args.device)

@@ -63,13 +63,30 @@ class Daemon:
     def __init__(self, root: Path, *, hbm: str, ram: str) -> None:
         self.endpoint = f"ipc://{root / 'run' / 'kv.sock'}"
         self.config = root / "kvstore.toml"
-        self.config.write_text("\n".join([
-            "[server]", f'endpoint = "{self.endpoint}"', "workers = 2", 'log_level = "warning"',
-            "[hbm]", 'device = "cpu"', f'capacity = "{hbm}"',
-            "[ram]", f'capacity = "{ram}"', 'codec = "fp8"',
-            "[nvme]", f'path = "{root / "nvme"}"', 'capacity = "4GiB"', 'codec = "int4"', "write_through = true",
-            "[policy]", "promote_on_hit = false",
-        ]) + "\n")
+        self.config.write_text(
+            "\n".join(
+                [
+                    "[server]",
+                    f'endpoint = "{self.endpoint}"',
+                    "workers = 2",
+                    'log_level = "warning"',
+                    "[hbm]",
+                    'device = "cpu"',
+                    f'capacity = "{hbm}"',
+                    "[ram]",
+                    f'capacity = "{ram}"',
+                    'codec = "fp8"',
+                    "[nvme]",
+                    f'path = "{root / "nvme"}"',
+                    'capacity = "4GiB"',
+                    'codec = "int4"',
+                    "write_through = true",
+                    "[policy]",
+                    "promote_on_hit = false",
+                ]
+            )
+            + "\n"
+        )
         self.log = root / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -78,8 +95,9 @@ class Daemon:
         cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "kvstore.cli"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen([*cmd, "serve", "--config", str(self.config)], stdout=log,
-                                         stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                [*cmd, "serve", "--config", str(self.config)], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
         ctx = zmq.Context()
         try:
             deadline = time.monotonic() + timeout
@@ -135,8 +153,9 @@ def recompute(model: Any, prompt: torch.Tensor, tail: int) -> tuple[torch.Tensor
 
 
 @torch.inference_mode()
-def reuse(model: Any, client: KVStoreClient, prompt: torch.Tensor,
-          expect: int) -> tuple[torch.Tensor, list[str], float]:
+def reuse(
+    model: Any, client: KVStoreClient, prompt: torch.Tensor, expect: int
+) -> tuple[torch.Tensor, list[str], float]:
     """TTFT with kvstore: fetch the prefix, compute the tail. The tail's log-probabilities, the tiers read,
     and the seconds spent fetching (get from the daemon and building the cache)."""
     t0 = time.perf_counter()
@@ -144,7 +163,7 @@ def reuse(model: Any, client: KVStoreClient, prompt: torch.Tensor,
     fetch = time.perf_counter() - t0
     if hit.tokens != expect:
         raise SystemExit(f"expected {expect} cached tokens, the daemon served {hit.tokens}")
-    out = model(prompt[hit.tokens:].unsqueeze(0), **cache_kwargs(model, hit.cache))
+    out = model(prompt[hit.tokens :].unsqueeze(0), **cache_kwargs(model, hit.cache))
     int(out.logits[0, -1].argmax())
     return out.logits[0].float().log_softmax(-1), hit.tiers, fetch
 
@@ -165,17 +184,34 @@ def text_tokens(llm: LoadedModel, need: int) -> torch.Tensor:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="512,2048,4096", help="prefix lengths in tokens (multiples of 64)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per tier cell (median; after a warm-up)")
-    parser.add_argument("--scratch-repeat", type=int, default=1,
-                        help="timed runs of recomputing (median; default 1: at 4K tokens one run takes a minute "
-                             "on two loaded cores)")
-    parser.add_argument("--tail", type=int, default=16, help="new tokens after the prefix (computed every time; "
-                        "quality is measured at these positions)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a machine whose "
-                        "cores are oversubscribed, several threads per process run several times slower; 0 = "
-                        "torch's choice)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed runs per tier cell (median; after a warm-up)"
+    )
+    parser.add_argument(
+        "--scratch-repeat",
+        type=int,
+        default=1,
+        help="timed runs of recomputing (median; default 1: at 4K tokens one run takes a minute "
+        "on two loaded cores)",
+    )
+    parser.add_argument(
+        "--tail",
+        type=int,
+        default=16,
+        help="new tokens after the prefix (computed every time; quality is measured at these positions)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a machine whose "
+        "cores are oversubscribed, several threads per process run several times slower; 0 = "
+        "torch's choice)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -187,17 +223,20 @@ def main() -> int:
         raise SystemExit(f"prefix lengths must be multiples of {layout.block_tokens}")
     top = max(sizes)
     tokens = text_tokens(llm, top + args.tail)
-    print(f"SmolLM2-135M-Instruct, float32 compute on {model.device}, torch threads {torch.get_num_threads()}; "
-          f"blocks bfloat16 x {layout.block_tokens} tokens ({layout.block_nbytes / 2**20:.2f} MiB); "
-          f"tail {args.tail} tokens; median of {args.repeat}")
+    print(
+        f"SmolLM2-135M-Instruct, float32 compute on {model.device}, torch threads {torch.get_num_threads()}; "
+        f"blocks bfloat16 x {layout.block_tokens} tokens ({layout.block_nbytes / 2**20:.2f} MiB); "
+        f"tail {args.tail} tokens; median of {args.repeat}"
+    )
 
     # recomputing: the baseline TTFT and the reference distributions; the longest run's cache is stored
     recompute(model, tokens[: layout.block_tokens], 1)  # warm-up
     scratch: dict[int, float] = {}
     refs: dict[int, torch.Tensor] = {}
     for p in sizes:
-        scratch[p], runs = timed(partial(recompute, model, tokens[: p + args.tail], args.tail),
-                                 args.scratch_repeat, warm_up=False)
+        scratch[p], runs = timed(
+            partial(recompute, model, tokens[: p + args.tail], args.tail), args.scratch_repeat, warm_up=False
+        )
         refs[p], cache = runs[-1]
         if p == top:
             full_cache = cache
@@ -228,8 +267,10 @@ def main() -> int:
                         kl, top1 = compare(refs[p], logp)
                         served = "+".join(t for t in TIERS if t in read)
                         cells[tier, p] = Cell(ttft, fetch, kl, top1, served)
-                        print(f"  {tier:>4} {p:>5} tokens: {ttft:.3f} s (fetch {fetch:.3f} s) from {served}",
-                              flush=True)
+                        print(
+                            f"  {tier:>4} {p:>5} tokens: {ttft:.3f} s (fetch {fetch:.3f} s) from {served}",
+                            flush=True,
+                        )
         finally:
             daemon.kill()
     load_after = os.getloadavg()
@@ -237,11 +278,17 @@ def main() -> int:
     return 0
 
 
-def report(sizes: list[int], scratch: dict[int, float], cells: dict[tuple[str, int], Cell],
-           load_before: tuple[float, float, float], load_after: tuple[float, float, float]) -> None:
+def report(
+    sizes: list[int],
+    scratch: dict[int, float],
+    cells: dict[tuple[str, int], Cell],
+    load_before: tuple[float, float, float],
+    load_after: tuple[float, float, float],
+) -> None:
     print()
     head = f"{'prefix':>6} | {'recompute':>9} |" + "|".join(
-        f" {t + ' TTFT':>10} {'fetch':>7} {'speed-up':>8} {'KL':>8} {'top-1':>6} " for t in TIERS)
+        f" {t + ' TTFT':>10} {'fetch':>7} {'speed-up':>8} {'KL':>8} {'top-1':>6} " for t in TIERS
+    )
     print(head)
     print("-" * len(head))
     for p in sizes:
@@ -250,21 +297,29 @@ def report(sizes: list[int], scratch: dict[int, float], cells: dict[tuple[str, i
             c = cells[t, p]
             row += f" {c.ttft:>9.4f}s {c.fetch:>6.3f}s {scratch[p] / c.ttft:>7.1f}x {c.kl:>8.1e} {c.top1:>6.1%} |"
         print(row.rstrip("|"))
-    print("fetch: of the TTFT, getting the prefix from the daemon and building the cache; KL: nats, mean over "
-          "the tail positions")
+    print(
+        "fetch: of the TTFT, getting the prefix from the daemon and building the cache; KL: nats, mean over "
+        "the tail positions"
+    )
     print("\nserved from: " + "; ".join(f"{t}: {cells[t, sizes[0]].tiers}" for t in TIERS))
     at = AIM_AT if AIM_AT in sizes else sizes[len(sizes) // 2]
-    print(f"\nat {at} tokens (aim: >= {AIM_SPEEDUP:.0f}x faster than recomputing from every tier, "
-          f"nvme within {AIM_NVME_VS_RAM:.0f}x of ram):")
+    print(
+        f"\nat {at} tokens (aim: >= {AIM_SPEEDUP:.0f}x faster than recomputing from every tier, "
+        f"nvme within {AIM_NVME_VS_RAM:.0f}x of ram):"
+    )
     for t in TIERS:
         s = scratch[at] / cells[t, at].ttft
-        print(f"  {t:>4}: {s:6.1f}x faster than recomputing  {'meets' if s >= AIM_SPEEDUP else 'MISSES'} the aim")
+        print(
+            f"  {t:>4}: {s:6.1f}x faster than recomputing  {'meets' if s >= AIM_SPEEDUP else 'MISSES'} the aim"
+        )
     for p in sizes:
         ratio = cells["nvme", p].ttft / cells["ram", p].ttft
         flag = "meets" if ratio <= AIM_NVME_VS_RAM else "MISSES"
         print(f"  nvme / ram TTFT at {p:>5}: {ratio:5.2f}x  {flag if p == at else ''}".rstrip())
-    print(f"\nload average (1, 5, 15 min): before {', '.join(f'{x:.1f}' for x in load_before)}; "
-          f"after {', '.join(f'{x:.1f}' for x in load_after)}; {os.cpu_count()} CPUs")
+    print(
+        f"\nload average (1, 5, 15 min): before {', '.join(f'{x:.1f}' for x in load_before)}; "
+        f"after {', '.join(f'{x:.1f}' for x in load_after)}; {os.cpu_count()} CPUs"
+    )
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def start_daemon(root: Path) -> tuple[subprocess.Popen, str]:
     (root / "kvstore.toml").write_text(
         f'[server]\nendpoint = "{endpoint}"\nworkers = 4\nlog_level = "warning"\n'
         '[hbm]\ndevice = "cpu"\ncapacity = "1GiB"\n[ram]\ncapacity = "256MiB"\n'
-        "[nvme]\nenabled = false\n")
+        "[nvme]\nenabled = false\n"
+    )
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon", "--config", str(root / "kvstore.toml")])
     ctx = zmq.Context()
     deadline = time.monotonic() + 120
@@ -103,9 +104,28 @@ def start_redis(root: Path) -> tuple[subprocess.Popen, str] | None:
     with socket.socket() as s:  # a free loopback port, though only the unix socket is used
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--unixsocket", sock,
-                             "--unixsocketperm", "700", "--dir", str(root), "--save", "", "--appendonly", "no",
-                             "--proto-max-bulk-len", "1gb"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--unixsocket",
+            sock,
+            "--unixsocketperm",
+            "700",
+            "--dir",
+            str(root),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--proto-max-bulk-len",
+            "1gb",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 30
     while not os.path.exists(sock):
         if time.monotonic() > deadline:
@@ -150,15 +170,19 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(LAYOUT.shape(PREFIX), generator=gen).to(torch.bfloat16)
     tokens = torch.randint(0, 49152, (PREFIX,), generator=gen).tolist()
-    print(f"kvstore protocol benchmark; ipc endpoints; {os.cpu_count()} CPUs; prefix {PREFIX} tokens = "
-          f"{nbytes / 1e6:.1f} MB ({LAYOUT.num_layers}L x {LAYOUT.num_kv_heads}H x {LAYOUT.head_dim}D bf16); "
-          "daemon: hbm tier on CPU, nvme off")
+    print(
+        f"kvstore protocol benchmark; ipc endpoints; {os.cpu_count()} CPUs; prefix {PREFIX} tokens = "
+        f"{nbytes / 1e6:.1f} MB ({LAYOUT.num_layers}L x {LAYOUT.num_kv_heads}H x {LAYOUT.head_dim}D bf16); "
+        "daemon: hbm tier on CPU, nvme off"
+    )
     try:
         with KVStoreClient(endpoint, model=MODEL, layout=LAYOUT, timeout=60) as c:
             c.ping()
             print("\n-- lookup latency (us; ours and raw interleaved) --")
-            print(f"{'prompt':>8} {'p50':>8} {'p99':>8} {'raw p50':>8} {'raw p99':>8} {'p50/raw':>8} "
-                  f"{'keys p50':>9} {'(p50-keys)/raw':>15}")
+            print(
+                f"{'prompt':>8} {'p50':>8} {'p99':>8} {'raw p50':>8} {'raw p99':>8} {'p50/raw':>8} "
+                f"{'keys p50':>9} {'(p50-keys)/raw':>15}"
+            )
             ns = Namespace(model=MODEL, layout=LAYOUT)
             for n in (1024, 8192, 32768):
                 prompt = torch.randint(0, 49152, (n,), generator=gen).numpy().astype("<u4")
@@ -168,11 +192,17 @@ def main() -> None:
                 for _ in range(reps):
                     ours += timed(lambda p=prompt: c.lookup(p), 1)
                     rt += timed(lambda b=blob: raw_ask(b), 1)
-                    hashing += timed(lambda p=prompt: block_keys(ns, p), 1)  # the chained SHA-256 a lookup must do
+                    hashing += timed(
+                        lambda p=prompt: block_keys(ns, p), 1
+                    )  # the chained SHA-256 a lookup must do
                 p50, r50, k50 = pct(ours, 50), pct(rt, 50), pct(hashing, 50)
-                print(f"{n:>8} {p50 * 1e6:8.0f} {pct(ours, 99) * 1e6:8.0f} {r50 * 1e6:8.0f} "
-                      f"{pct(rt, 99) * 1e6:8.0f} {p50 / r50:8.2f} {k50 * 1e6:9.0f} {(p50 - k50) / r50:15.2f}")
-            print("  keys: computing the prompt's block keys in this process, which the daemon does per lookup")
+                print(
+                    f"{n:>8} {p50 * 1e6:8.0f} {pct(ours, 99) * 1e6:8.0f} {r50 * 1e6:8.0f} "
+                    f"{pct(rt, 99) * 1e6:8.0f} {p50 / r50:8.2f} {k50 * 1e6:9.0f} {(p50 - k50) / r50:15.2f}"
+                )
+            print(
+                "  keys: computing the prompt's block keys in this process, which the daemon does per lookup"
+            )
 
             print("\n-- 4K-token prefix throughput (GB/s; median of interleaved runs) --")
             c.put(tokens, kv)
@@ -193,15 +223,30 @@ def main() -> None:
                 t_echo += timed(lambda: raw_ask(b"echo", payload), 1)
             one.close()
             gb = nbytes / 1e9
-            rate = {k: gb / statistics.median(v) for k, v in
-                    {"get": t_get, "get16": t_get16, "put": t_put, "put16": t_put16, "rget": t_rget,
-                     "rput": t_rput, "echo": t_echo}.items()}
+            rate = {
+                k: gb / statistics.median(v)
+                for k, v in {
+                    "get": t_get,
+                    "get16": t_get16,
+                    "put": t_put,
+                    "put16": t_put16,
+                    "rget": t_rget,
+                    "rput": t_rput,
+                    "echo": t_echo,
+                }.items()
+            }
             get_gbs, put_gbs = rate["get"], rate["put"]
             print(f"{'':>26} {'kvstore':>8} {'raw 1-way':>9} {'ratio':>6} {'raw echo':>9} {'ratio':>6}")
-            for name, key, peer in (("get (one message)", "get", "rget"), ("get (16-block chunks)", "get16", "rget"),
-                                    ("put (one message)", "put", "rput"), ("put (16-block chunks)", "put16", "rput")):
-                print(f"{name:>26} {rate[key]:8.2f} {rate[peer]:9.2f} {rate[key] / rate[peer]:6.2f} "
-                      f"{rate['echo']:9.2f} {rate[key] / rate['echo']:6.2f}")
+            for name, key, peer in (
+                ("get (one message)", "get", "rget"),
+                ("get (16-block chunks)", "get16", "rget"),
+                ("put (one message)", "put", "rput"),
+                ("put (16-block chunks)", "put16", "rput"),
+            ):
+                print(
+                    f"{name:>26} {rate[key]:8.2f} {rate[peer]:9.2f} {rate[key] / rate[peer]:6.2f} "
+                    f"{rate['echo']:9.2f} {rate[key] / rate['echo']:6.2f}"
+                )
             print("  raw 1-way: the same bytes in one message one way (tiny request or reply the other way);")
             print("  raw echo: the same bytes sent and sent back, counted once (bytes / round trip)")
 
@@ -210,8 +255,13 @@ def main() -> None:
         base = None
         for n in (1, 4, 16):
             barrier, out = sp.Barrier(n), sp.Queue()
-            procs = [sp.Process(target=concurrent_worker, args=(endpoint, tokens, 3.0 if not args.quick else 1.5,
-                                                                barrier, out)) for _ in range(n)]
+            procs = [
+                sp.Process(
+                    target=concurrent_worker,
+                    args=(endpoint, tokens, 3.0 if not args.quick else 1.5, barrier, out),
+                )
+                for _ in range(n)
+            ]
             for p in procs:
                 p.start()
             res = [out.get(timeout=600) for _ in procs]
@@ -229,8 +279,10 @@ def main() -> None:
             ns = Namespace(model=MODEL, layout=LAYOUT)
             keys = block_keys(ns, tokens)
             T = LAYOUT.block_tokens
-            blocks = [kv[:, :, i * T:(i + 1) * T].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                      for i in range(len(keys))]
+            blocks = [
+                kv[:, :, i * T : (i + 1) * T].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                for i in range(len(keys))
+            ]
 
             def redis_put() -> None:
                 pipe = r.pipeline(transaction=False)
@@ -245,7 +297,7 @@ def main() -> None:
                     with warnings.catch_warnings():  # read-only bytes: fine, the block is only copied from
                         warnings.simplefilter("ignore")
                         blk = torch.frombuffer(v, dtype=torch.bfloat16).view(LAYOUT.shape())
-                    out[:, :, i * T:(i + 1) * T].copy_(blk)
+                    out[:, :, i * T : (i + 1) * T].copy_(blk)
                 return out
 
             redis_put()

@@ -53,8 +53,12 @@ GB = 1e9
 CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.thread_time, "wall": time.perf_counter}
 
 
-def best_pair(fn: Callable[[], object], peer: Callable[[], object], repeat: int,
-              clock: Callable[[], float] = time.perf_counter) -> tuple[float, float]:
+def best_pair(
+    fn: Callable[[], object],
+    peer: Callable[[], object],
+    repeat: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[float, float]:
     """Best time of ``fn`` and of ``peer`` over ``repeat`` rounds, run alternately (same conditions)."""
     a, b = [], []
     for _ in range(repeat):
@@ -68,17 +72,21 @@ def best_pair(fn: Callable[[], object], peer: Callable[[], object], repeat: int,
 
 
 def line(name: str, nbytes: int, secs: float, peer: float, peer_name: str) -> None:
-    print(f"  {name:<30} {nbytes / secs / GB:7.2f} GB/s   {peer_name:<14} {nbytes / peer / GB:7.2f} GB/s"
-          f"   ratio {peer / secs:5.2f}")
+    print(
+        f"  {name:<30} {nbytes / secs / GB:7.2f} GB/s   {peer_name:<14} {nbytes / peer / GB:7.2f} GB/s"
+        f"   ratio {peer / secs:5.2f}"
+    )
 
 
 def throughput(n: int, repeat: int, root: Path, clock_name: str = "cpu") -> None:
     """``clock_name``: "cpu" (this thread's CPU time: every case runs in the calling thread with one
     torch thread, so on a shared machine it drops the time spent waiting for a core) or "wall"."""
     clock = CLOCKS[clock_name]
-    print(f"\n== throughput: {n} SmolLM2 blocks of {SMOL.block_nbytes / 1e6:.2f} MB "
-          f"({n * SMOL.block_nbytes / 1e6:.0f} MB a pass), best of {repeat} alternating rounds, "
-          f"{clock_name} time ==")
+    print(
+        f"\n== throughput: {n} SmolLM2 blocks of {SMOL.block_nbytes / 1e6:.2f} MB "
+        f"({n * SMOL.block_nbytes / 1e6:.0f} MB a pass), best of {repeat} alternating rounds, "
+        f"{clock_name} time =="
+    )
     g = torch.Generator().manual_seed(0)
     blocks = [torch.randn(SMOL.shape(), generator=g).to(torch.bfloat16) for _ in range(n)]
     dst = [torch.empty_like(b) for b in blocks]
@@ -149,25 +157,40 @@ def throughput(n: int, repeat: int, root: Path, clock_name: str = "cpu") -> None
 
     # The whole store: hashing, index, pins, hbm copies (no nvme: LMDB is measured above).
     ns = Namespace("smollm2-135m-instruct", SMOL)
-    store = Store(HbmTier(cap, page_bytes=page), RamTier(cap, get_codec("fp8"), page_bytes=page, pin_memory=False),
-                  None)
+    store = Store(
+        HbmTier(cap, page_bytes=page), RamTier(cap, get_codec("fp8"), page_bytes=page, pin_memory=False), None
+    )
     toks = list(range(n * SMOL.block_tokens))
     kv = torch.cat(blocks, dim=2)
     whole = torch.empty_like(kv)
     store.put(ns, toks, kv)
-    line("store put (present: touch)", total, *best_pair(lambda: store.put(ns, toks, kv),
-                                                         lambda: whole.copy_(kv), repeat, clock), "memcpy")
-    line("store get (from hbm)", total, *best_pair(lambda: store.get(ns, toks), lambda: kv.clone(), repeat, clock),
-         "memcpy(clone)")
+    line(
+        "store put (present: touch)",
+        total,
+        *best_pair(lambda: store.put(ns, toks, kv), lambda: whole.copy_(kv), repeat, clock),
+        "memcpy",
+    )
+    line(
+        "store get (from hbm)",
+        total,
+        *best_pair(lambda: store.get(ns, toks), lambda: kv.clone(), repeat, clock),
+        "memcpy(clone)",
+    )
     store.close()
-    store = Store(HbmTier(cap, page_bytes=page), RamTier(cap, get_codec("fp8"), page_bytes=page, pin_memory=False),
-                  None)
+    store = Store(
+        HbmTier(cap, page_bytes=page), RamTier(cap, get_codec("fp8"), page_bytes=page, pin_memory=False), None
+    )
 
     def fresh_put() -> None:
         store.evict(EvictFilter(all=True))
         store.put(ns, toks, kv)
 
-    line("store put (new, into hbm)", total, *best_pair(fresh_put, lambda: whole.copy_(kv), repeat, clock), "memcpy")
+    line(
+        "store put (new, into hbm)",
+        total,
+        *best_pair(fresh_put, lambda: whole.copy_(kv), repeat, clock),
+        "memcpy",
+    )
     store.close()
 
 
@@ -192,11 +215,17 @@ def fill_nvme(path: Path, n: int) -> tuple[Namespace, list[int]]:
             first = toks
         parent = ns.root()
         for i in range(length):
-            blk = toks[i * T:(i + 1) * T]
+            blk = toks[i * T : (i + 1) * T]
             key = chain(parent, torch.tensor(blk).numpy().astype("<u4"))
-            rec = BlockRecord(key=key, parent=parent, namespace=ns.id, position=i,
-                              tokens=torch.tensor(blk, dtype=torch.int64).numpy().astype("<u4").tobytes(),
-                              created=now, last_access=now + prompt)
+            rec = BlockRecord(
+                key=key,
+                parent=parent,
+                namespace=ns.id,
+                position=i,
+                tokens=torch.tensor(blk, dtype=torch.int64).numpy().astype("<u4").tobytes(),
+                created=now,
+                last_access=now + prompt,
+            )
             tier.put_frame(key, frame, rec)
             parent = key
         done += length
@@ -208,9 +237,12 @@ def fill_nvme(path: Path, n: int) -> tuple[Namespace, list[int]]:
 
 
 def open_store(path: Path) -> Store:
-    return Store(HbmTier(1 << 20, page_bytes=4096), RamTier(1 << 20, get_codec("raw"), page_bytes=4096,
-                                                            pin_memory=False),
-                 NvmeTier(path, 4 << 30, get_codec("raw")), tick=3600.0)
+    return Store(
+        HbmTier(1 << 20, page_bytes=4096),
+        RamTier(1 << 20, get_codec("raw"), page_bytes=4096, pin_memory=False),
+        NvmeTier(path, 4 << 30, get_codec("raw")),
+        tick=3600.0,
+    )
 
 
 def lookup_time(store: Store, ns: Namespace, toks: list[int], repeat: int = 20) -> float:
@@ -224,8 +256,10 @@ def lookup_time(store: Store, ns: Namespace, toks: list[int], repeat: int = 20) 
 
 
 def scale(index_blocks: int, root: Path) -> None:
-    print(f"\n== index at scale (tiny layout {TINY.block_nbytes} B blocks; lookups of a 32K-token prompt "
-          f"= 512 blocks) ==")
+    print(
+        f"\n== index at scale (tiny layout {TINY.block_nbytes} B blocks; lookups of a 32K-token prompt "
+        f"= 512 blocks) =="
+    )
     sizes = [s for s in (10_000, 100_000, 1_000_000) if s < index_blocks] + [index_blocks]
     results = []
     for n in sizes:
@@ -256,11 +290,16 @@ def scale(index_blocks: int, root: Path) -> None:
     for _n, blocks, fill, reopen, look, per, cpu in results:
         print(f"  {blocks:>9} {fill:7.1f}s {reopen:7.2f}s {cpu:7.2f}s {look * 1e3:9.3f}ms {per:13.0f}")
     base_look = results[0][4]
-    print("  lookup flat?  " + ", ".join(f"{r[1]}: {r[4] / base_look:.2f} x" for r in results)
-          + f" of the {results[0][1]}-block time")
+    print(
+        "  lookup flat?  "
+        + ", ".join(f"{r[1]}: {r[4] / base_look:.2f} x" for r in results)
+        + f" of the {results[0][1]}-block time"
+    )
     n, blocks, _, reopen, _, per, cpu = results[-1]
-    print(f"  aims: index {per:.0f} B/block ({per / 300:.2f} x the 300 B aim); "
-          f"reopen of {blocks} blocks {reopen:.2f} s ({reopen / 10:.2f} x the 10 s aim; {cpu:.2f} s of CPU)")
+    print(
+        f"  aims: index {per:.0f} B/block ({per / 300:.2f} x the 300 B aim); "
+        f"reopen of {blocks} blocks {reopen:.2f} s ({reopen / 10:.2f} x the 10 s aim; {cpu:.2f} s of CPU)"
+    )
 
 
 def main() -> None:
@@ -270,11 +309,19 @@ def main() -> None:
     ap.add_argument("--index-blocks", type=int, default=1_000_000, help="largest index for the scale part")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: with several busy cores, more only adds waiting)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: with several busy cores, more only adds waiting)",
+    )
     ap.add_argument("--dir", type=Path, default=None, help="where LMDB files go (default: a temp dir)")
-    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                    help="throughput timed in this thread's CPU time (default; steady on a shared machine) or wall")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help="throughput timed in this thread's CPU time (default; steady on a shared machine) or wall",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)

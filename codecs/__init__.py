@@ -55,8 +55,9 @@ def codec_for_frame(header: FrameHeader) -> type[Codec]:
     raise FrameError(f"frame was written by unknown codec id {header.codec_id}")
 
 
-def decode_frame(frame: Any, *, layout: KVLayout | None = None,
-                 device: torch.device | str | None = None) -> torch.Tensor:
+def decode_frame(
+    frame: Any, *, layout: KVLayout | None = None, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Decode any kvstore frame, whichever codec wrote it (its parameters travel in the frame)."""
     header = read_header(frame, expect=layout)
     # Decoding reads every parameter from the frame, so a default instance decodes any frame of its codec.

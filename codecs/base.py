@@ -41,7 +41,11 @@ def bytes_tensor(buf: Buffer) -> torch.Tensor:
     """A uint8 CPU tensor over ``buf`` without copying. Callers must not write to it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers are fine: we never write
-        return torch.frombuffer(buf, dtype=torch.uint8) if memoryview(buf).nbytes else torch.empty(0, dtype=torch.uint8)
+        return (
+            torch.frombuffer(buf, dtype=torch.uint8)
+            if memoryview(buf).nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
 
 
 class Codec(ABC):
@@ -65,7 +69,9 @@ class Codec(ABC):
 
     def __init__(self, *, zstd: int = 0) -> None:
         if isinstance(zstd, bool) or not isinstance(zstd, int) or not 0 <= zstd <= 22:
-            raise CodecError(f"codec {self.name}: zstd level must be an integer 0..22 (0 = off), got {zstd!r}")
+            raise CodecError(
+                f"codec {self.name}: zstd level must be an integer 0..22 (0 = off), got {zstd!r}"
+            )
         self.zstd_level = zstd
         self._local = threading.local()
 
@@ -103,9 +109,15 @@ class Codec(ABC):
             flags |= framing.FLAG_ZSTD
         return framing.pack(self.codec_id, layout, params, buffers, flags=flags)
 
-    def decode(self, frame: Buffer, *, layout: KVLayout | None = None,
-               device: torch.device | str | None = None, verify: bool = True,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        frame: Buffer,
+        *,
+        layout: KVLayout | None = None,
+        device: torch.device | str | None = None,
+        verify: bool = True,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Decode a frame written by this codec into a block on ``device`` (default CPU).
 
         With ``layout``, a frame of any other layout raises LayoutMismatch. Any
@@ -120,10 +132,17 @@ class Codec(ABC):
             raise FrameError(f"frame was written by codec id {header.codec_id}, not {self.name}")
         return self._decode_checked(frame, header, device, out)
 
-    def _decode_checked(self, frame: Buffer, header: framing.FrameHeader,
-                        device: torch.device | str | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _decode_checked(
+        self,
+        frame: Buffer,
+        header: framing.FrameHeader,
+        device: torch.device | str | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if out is not None:
-            header.layout.check_tensor(out, what="decode's out")  # a caller's bug: LayoutError, not FrameError
+            header.layout.check_tensor(
+                out, what="decode's out"
+            )  # a caller's bug: LayoutError, not FrameError
         mv = memoryview(frame).cast("B")[header.payload_offset : header.frame_len]
         if header.zstd:
             try:
@@ -132,7 +151,9 @@ class Codec(ABC):
                 raise ChecksumMismatch(f"zstd payload does not decompress: {e}") from e
         else:
             data = mv
-        on_host = (device is None or torch.device(device).type == "cpu") and (out is None or out.device.type == "cpu")
+        on_host = (device is None or torch.device(device).type == "cpu") and (
+            out is None or out.device.type == "cpu"
+        )
         if on_host:
             block = self._decode_direct(data, header.layout, header.params, out)
             if block is not None:
@@ -150,8 +171,9 @@ class Codec(ABC):
             return block
         return out.copy_(block)
 
-    def _decode_direct(self, data: Buffer, layout: KVLayout, params: dict[str, Any],
-                       out: torch.Tensor | None) -> torch.Tensor | None:
+    def _decode_direct(
+        self, data: Buffer, layout: KVLayout, params: dict[str, Any], out: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """The block decoded from the payload bytes (host memory) in one pass into ``out``, or into a
         fresh CPU tensor when ``out`` is None; None when this codec cannot (then ``_decode`` runs).
 
@@ -210,8 +232,9 @@ class WideningCodec(Codec):
     def _decode(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
         return cast_block(self._decode_f32(payload, layout, params), layout.torch_dtype)
 
-    def _decode_direct(self, data: Buffer, layout: KVLayout, params: dict[str, Any],
-                       out: torch.Tensor | None) -> torch.Tensor | None:
+    def _decode_direct(
+        self, data: Buffer, layout: KVLayout, params: dict[str, Any], out: torch.Tensor | None
+    ) -> torch.Tensor | None:
         try:
             wide = self._decode_f32(bytes_tensor(data), layout, params)
         except FrameError:

@@ -105,7 +105,9 @@ class Fp8Codec(WideningCodec):
     def __init__(self, *, k_fix: int = 8, zstd: int = 0) -> None:
         super().__init__(zstd=zstd)
         if isinstance(k_fix, bool) or not isinstance(k_fix, int) or not 0 <= k_fix <= 4096:
-            raise CodecError(f"codec fp8: k_fix must be an integer 0..4096 (channels per head), got {k_fix!r}")
+            raise CodecError(
+                f"codec fp8: k_fix must be an integer 0..4096 (channels per head), got {k_fix!r}"
+            )
         self.k_fix = k_fix
 
     def params(self) -> dict[str, Any]:
@@ -130,10 +132,16 @@ class Fp8Codec(WideningCodec):
 
     def _decode_f32(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
         r = params.get("k_fix", 0)
-        if params.get("group", GROUP) != GROUP or isinstance(r, bool) or not isinstance(r, int) \
-                or not 0 <= r <= layout.head_dim:
-            raise FrameError(f"fp8 frame has unusable parameters {params!r} (scale groups {GROUP!r}, "
-                             f"k_fix 0..{layout.head_dim} expected)")
+        if (
+            params.get("group", GROUP) != GROUP
+            or isinstance(r, bool)
+            or not isinstance(r, int)
+            or not 0 <= r <= layout.head_dim
+        ):
+            raise FrameError(
+                f"fp8 frame has unusable parameters {params!r} (scale groups {GROUP!r}, "
+                f"k_fix 0..{layout.head_dim} expected)"
+            )
         expect_bytes(payload, _payload_bytes(layout, r), "fp8")
         L, _, T, H, D = layout.shape()
         G = _groups(layout)

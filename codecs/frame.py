@@ -81,14 +81,27 @@ class FrameHeader:
 Buffer = bytes | bytearray | memoryview
 
 
-def pack(codec_id: int, layout: KVLayout, params: dict[str, Any], payload: Sequence[Buffer], *, flags: int = 0) -> bytearray:
+def pack(
+    codec_id: int, layout: KVLayout, params: dict[str, Any], payload: Sequence[Buffer], *, flags: int = 0
+) -> bytearray:
     """Assemble a frame from the payload's pieces (written back to back)."""
     p = msgpack.packb(params, use_bin_type=True)
     n = sum(memoryview(b).nbytes for b in payload)
     head = HEADER.pack(
-        MAGIC, VERSION, codec_id, DTYPE_CODES[layout.dtype], flags,
-        layout.num_layers, layout.num_kv_heads, layout.head_dim, 0,
-        layout.block_tokens, len(p), n, layout.fingerprint(), 0,
+        MAGIC,
+        VERSION,
+        codec_id,
+        DTYPE_CODES[layout.dtype],
+        flags,
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        0,
+        layout.block_tokens,
+        len(p),
+        n,
+        layout.fingerprint(),
+        0,
     )
     crc = crc32(head[:_CRC_AT])
     crc = crc32(p, crc)
@@ -125,8 +138,10 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
     if plen > MAX_PARAMS or mv.nbytes < end:
         raise TruncatedFrame(f"frame of {mv.nbytes} bytes, header says {end}")
     if reserved != _ZEROS:  # reserved bytes sit outside the checksum: they must be 0
-        raise ChecksumMismatch(f"frame header bytes {_CRC_AT + 4}..{HEADER_SIZE - 1} are reserved and not zero: "
-                               f"the frame was damaged")
+        raise ChecksumMismatch(
+            f"frame header bytes {_CRC_AT + 4}..{HEADER_SIZE - 1} are reserved and not zero: "
+            f"the frame was damaged"
+        )
     if verify:
         got = crc32(mv[:_CRC_AT])
         got = crc32(mv[HEADER_SIZE:end], got)
@@ -134,11 +149,14 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
             raise ChecksumMismatch(f"frame checksum {got:08x} does not match the stored {crc:08x}")
     # Frames of one layout and codec share these bytes, so their checks and decode are done once
     # (the checksum above covers them; any damaged byte makes another cache key and a fresh parse).
-    codec_id, flags, layout, params = _parse_fixed(bytes(mv[5:20]) + bytes(mv[32:_CRC_AT]),
-                                                   bytes(mv[HEADER_SIZE : HEADER_SIZE + plen]))
+    codec_id, flags, layout, params = _parse_fixed(
+        bytes(mv[5:20]) + bytes(mv[32:_CRC_AT]), bytes(mv[HEADER_SIZE : HEADER_SIZE + plen])
+    )
     if expect is not None and layout != expect:
-        raise LayoutMismatch(f"frame holds a block of layout {layout.canonical().decode()}, "
-                             f"expected {expect.canonical().decode()}")
+        raise LayoutMismatch(
+            f"frame holds a block of layout {layout.canonical().decode()}, "
+            f"expected {expect.canonical().decode()}"
+        )
     return FrameHeader(codec_id, flags, layout, dict(params), HEADER_SIZE + plen, nlen, crc)
 
 

@@ -88,7 +88,12 @@ class Int4Params:
         return (1 if self.k_axis == "channel" else 3, self.k_group), (3, self.v_group)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"k_axis": self.k_axis, "k_group": self.k_group, "v_group": self.v_group, "rotate": self.rotate}
+        return {
+            "k_axis": self.k_axis,
+            "k_group": self.k_group,
+            "v_group": self.v_group,
+            "rotate": self.rotate,
+        }
 
 
 class Int4Codec(Codec):
@@ -100,8 +105,15 @@ class Int4Codec(Codec):
     # the result; groups lie inside one (layer, K/V, head) slice. Rotated frames: see error_bound.
     max_error = 1 / 14
 
-    def __init__(self, *, k_axis: str = "channel", k_group: int = 32, v_group: int = 32,
-                 rotate: bool = False, zstd: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        k_axis: str = "channel",
+        k_group: int = 32,
+        v_group: int = 32,
+        rotate: bool = False,
+        zstd: int = 0,
+    ) -> None:
         super().__init__(zstd=zstd)
         self.grouping = Int4Params(k_axis, k_group, v_group, rotate)
         problem = self.grouping.check()
@@ -186,8 +198,9 @@ class Int4Codec(Codec):
             if gshape[dim] * size == dims[dim]:  # groups tile the block: write in place
                 torch.addcmul(z, q, s, out=target.view(gshape))
             else:
-                target.copy_(torch.addcmul(z, q, s).view([*dims[:dim], -1, *dims[dim + 1 :]])
-                             .narrow(dim, 0, dims[dim]))
+                target.copy_(
+                    torch.addcmul(z, q, s).view([*dims[:dim], -1, *dims[dim + 1 :]]).narrow(dim, 0, dims[dim])
+                )
         if g.rotate:
             out = _rotate(out)
         if clamp:
@@ -208,7 +221,9 @@ def _params_of_frame(params: dict[str, Any]) -> tuple[Int4Params, bool]:
     if unknown:
         raise FrameError(f"int4 frame has unknown parameter(s) {sorted(unknown)}")
     g = Int4Params(**{**known, **params})
-    problem = g.check() or (None if isinstance(clamp, bool) else f"clamp must be true or false, got {clamp!r}")
+    problem = g.check() or (
+        None if isinstance(clamp, bool) else f"clamp must be true or false, got {clamp!r}"
+    )
     if problem:
         raise FrameError(f"int4 frame parameters: {problem}")
     return g, clamp

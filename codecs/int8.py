@@ -59,8 +59,9 @@ K_AXES = ("channel", "token")
 _REDUCE = {"channel": 1, "token": 3}  # dim of [L, T, H, D] a group runs along
 
 
-def quantize(t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def quantize(
+    t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, symmetric: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Quantize ``t`` (float32) by groups with minimums ``lo`` and maximums ``hi`` (broadcastable).
 
     Returns (float32 scales, minimums in ``dtype`` or None when symmetric, codes):
@@ -117,7 +118,9 @@ class Int8Codec(WideningCodec):
         x = block.to(torch.float32)
         halves = [x[:, i] for i in range(2)]
         dims = (_REDUCE[self.k_axis], _REDUCE["token"])
-        stats = [(t.amin(d, keepdim=True), t.amax(d, keepdim=True)) for t, d in zip(halves, dims, strict=True)]
+        stats = [
+            (t.amin(d, keepdim=True), t.amax(d, keepdim=True)) for t, d in zip(halves, dims, strict=True)
+        ]
         for lo, hi in stats:
             require_finite(lo, "int8")
             require_finite(hi, "int8")
@@ -137,8 +140,10 @@ class Int8Codec(WideningCodec):
         symmetric = params.get("symmetric", False)
         k_axis = params.get("k_axis", "channel")
         if not isinstance(symmetric, bool) or k_axis not in K_AXES:
-            raise FrameError(f"int8 frame has parameters symmetric={symmetric!r}, k_axis={k_axis!r}; "
-                             f"expected true/false and one of {K_AXES}")
+            raise FrameError(
+                f"int8 frame has parameters symmetric={symmetric!r}, k_axis={k_axis!r}; "
+                f"expected true/false and one of {K_AXES}"
+            )
         pieces = _pieces(layout, symmetric, k_axis)
         expect_bytes(payload, sum(n for _, _, n in pieces), "int8")
         views, at = [], 0

@@ -67,8 +67,11 @@ class KFix:
         lo, hi = (int(v) for v in index.aminmax())
         if lo < 0 or hi >= D:
             raise FrameError(f"fp8 frame corrects K channel {hi if hi >= D else lo}, outside 0..{D - 1}")
-        return cls(data[:a].view(torch.bfloat16).view(L, 1, H, r), index,
-                   data[a + b :].view(torch.int8).view(L, T, H, r))
+        return cls(
+            data[:a].view(torch.bfloat16).view(L, 1, H, r),
+            index,
+            data[a + b :].view(torch.int8).view(L, T, H, r),
+        )
 
     def apply(self, k: torch.Tensor) -> None:
         """Add the residuals into ``k`` [L, T, H, D] (float32, changed in place)."""

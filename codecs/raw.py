@@ -39,8 +39,9 @@ class RawCodec(Codec):
             b = b.reshape(-1, block.element_size()).t().contiguous().reshape(-1)
         return {"shuffle": self.shuffle}, [b]
 
-    def _decode_direct(self, data: Buffer, layout: KVLayout, params: dict[str, Any],
-                       out: torch.Tensor | None) -> torch.Tensor | None:
+    def _decode_direct(
+        self, data: Buffer, layout: KVLayout, params: dict[str, Any], out: torch.Tensor | None
+    ) -> torch.Tensor | None:
         if params.get("shuffle") or (out is not None and out.stride(-1) != 1):
             return None
         src = np.frombuffer(data, dtype=np.uint8)

@@ -37,5 +37,7 @@ def round_down(value: float, dtype: torch.dtype) -> float:
 def require_finite(stat: torch.Tensor, codec: str) -> None:
     """Raise CodecError unless every element of ``stat`` (a per-group max or min) is finite."""
     if not bool(torch.isfinite(stat).all()):
-        raise CodecError(f"{codec}: the block holds inf or NaN; a KV block must be finite "
-                         f"(check the model's output, or store it with codec raw)")
+        raise CodecError(
+            f"{codec}: the block holds inf or NaN; a KV block must be finite "
+            f"(check the model's output, or store it with codec raw)"
+        )

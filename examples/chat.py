@@ -24,14 +24,18 @@ def questions(given: list[str]) -> Iterator[str]:
     yield from given
     if given:
         return
-    while (line := input("you> ").strip()):
+    while line := input("you> ").strip():
         yield line
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("questions", nargs="*", help="the user's messages (default: read from stdin)")
-    parser.add_argument("--endpoint", help="daemon endpoint (default: $KVSTORE_ENDPOINT or the default socket)")
+    parser.add_argument(
+        "--endpoint", help="daemon endpoint (default: $KVSTORE_ENDPOINT or the default socket)"
+    )
     parser.add_argument("--session", default="example-chat")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
@@ -40,11 +44,14 @@ def main() -> int:
     chat = Conversation(llm.tokenizer)
     with KVStoreClient(args.endpoint, model=llm.model_id, layout=llm.layout(), timeout=30.0) as client:
         for text in questions(args.questions):
-            turn = run_turn(llm.model, client, chat.ask(text), max_new_tokens=args.max_new_tokens,
-                            session=args.session)
+            turn = run_turn(
+                llm.model, client, chat.ask(text), max_new_tokens=args.max_new_tokens, session=args.session
+            )
             print(f"bot> {chat.answer(turn.output_ids).strip()}")
-            print(f"     [{turn.reused_tokens}/{turn.prompt_tokens} prompt tokens from kvstore "
-                  f"({', '.join(sorted(set(turn.tiers))) or 'none'}), first token after {turn.ttft_s:.3f} s]")
+            print(
+                f"     [{turn.reused_tokens}/{turn.prompt_tokens} prompt tokens from kvstore "
+                f"({', '.join(sorted(set(turn.tiers))) or 'none'}), first token after {turn.ttft_s:.3f} s]"
+            )
     return 0
 
 

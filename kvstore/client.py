@@ -113,21 +113,42 @@ class KVStoreClient:
     without a secret key.
     """
 
-    def __init__(self, endpoint: str | None = None, model: str | None = None, layout: KVLayout | None = None,
-                 tenant: str = "default", timeout: float = 5.0, *, revision: str = "", retries: int = 2,
-                 chunk_blocks: int | None = None, window: int = WINDOW,
-                 context: zmq.Context | None = None, curve_server_key: str | bytes | None = None,
-                 curve_secret_key: str | bytes | None = None, curve_public_key: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        model: str | None = None,
+        layout: KVLayout | None = None,
+        tenant: str = "default",
+        timeout: float = 5.0,
+        *,
+        revision: str = "",
+        retries: int = 2,
+        chunk_blocks: int | None = None,
+        window: int = WINDOW,
+        context: zmq.Context | None = None,
+        curve_server_key: str | bytes | None = None,
+        curve_secret_key: str | bytes | None = None,
+        curve_public_key: str | bytes | None = None,
+    ) -> None:
         if (model is None) != (layout is None):
             raise InvalidNamespace("give both model and layout (or neither, for an operator's client)")
-        self.namespace = None if model is None or layout is None else \
-            Namespace(model=model, layout=layout, tenant=tenant, revision=revision)
+        self.namespace = (
+            None
+            if model is None or layout is None
+            else Namespace(model=model, layout=layout, tenant=tenant, revision=revision)
+        )
         self.endpoint = endpoint or _default_endpoint()
         self.chunk_blocks = chunk_blocks if chunk_blocks is None else max(1, chunk_blocks)
         self.window = max(1, window)
         curve = ClientKeys.resolve(self.endpoint, curve_server_key, curve_secret_key, curve_public_key)
-        self._conn = Connection(self.endpoint, timeout=timeout, retries=retries, namespace=self.namespace,
-                                context=context, curve=curve)
+        self._conn = Connection(
+            self.endpoint,
+            timeout=timeout,
+            retries=retries,
+            namespace=self.namespace,
+            context=context,
+            curve=curve,
+        )
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ plumbing
@@ -151,8 +172,10 @@ class KVStoreClient:
         tokens = as_tokens(token_ids)
         limits = self._conn.limits
         if limits is not None and len(tokens) > limits.max_tokens:
-            raise LocalProtocolError("too_many_tokens", f"{len(tokens)} token ids, over the daemon's "
-                                     f"max_tokens_per_request {limits.max_tokens}")
+            raise LocalProtocolError(
+                "too_many_tokens",
+                f"{len(tokens)} token ids, over the daemon's max_tokens_per_request {limits.max_tokens}",
+            )
         return tokens
 
     def _call(self, msg: Message, *, idempotent: bool = True) -> Message:
@@ -267,13 +290,24 @@ class KVStoreClient:
             def make(i: int) -> Message:
                 s, e = starts[i], min(starts[i] + chunk, total)
                 part = kv[:, :, s * T : e * T]
-                return Put(ns=ns.id, tokens=tokens[: e * T], start_block=s, shape=tuple(part.shape),
-                           dtype=layout.dtype, kv=tensor_payload(part), session=session)
+                return Put(
+                    ns=ns.id,
+                    tokens=tokens[: e * T],
+                    start_block=s,
+                    shape=tuple(part.shape),
+                    dtype=layout.dtype,
+                    kv=tensor_payload(part),
+                    session=session,
+                )
 
             def on_reply(i: int, reply: Message) -> None:
                 nonlocal stored, present, deferred
                 assert isinstance(reply, PutOk)
-                stored, present, deferred = stored + reply.stored, present + reply.present, deferred + reply.deferred
+                stored, present, deferred = (
+                    stored + reply.stored,
+                    present + reply.present,
+                    deferred + reply.deferred,
+                )
                 failed.extend((int(b), str(c), str(m)) for b, c, m in reply.failed)
 
             # one chunk at a time: the store refuses a chunk whose parent block is not stored yet
@@ -288,12 +322,29 @@ class KVStoreClient:
         assert isinstance(reply, DataOk)
         return dict(reply.data)
 
-    def evict(self, *, session: str | None = None, older_than: float | None = None, tier: str | None = None,
-              namespace: str | None = None, model: str | None = None, tenant: str | None = None,
-              all: bool = False, dry_run: bool = False) -> EvictResult:
+    def evict(
+        self,
+        *,
+        session: str | None = None,
+        older_than: float | None = None,
+        tier: str | None = None,
+        namespace: str | None = None,
+        model: str | None = None,
+        tenant: str | None = None,
+        all: bool = False,
+        dry_run: bool = False,
+    ) -> EvictResult:
         """Evict what matches every given filter (see results.EvictFilter). Not retried unless ``dry_run``."""
-        msg = Evict(session=session, older_than=older_than, tier=tier, namespace=namespace, model=model,
-                    tenant=tenant, all=all, dry_run=dry_run)
+        msg = Evict(
+            session=session,
+            older_than=older_than,
+            tier=tier,
+            namespace=namespace,
+            model=model,
+            tenant=tenant,
+            all=all,
+            dry_run=dry_run,
+        )
         reply = self._call(msg, idempotent=dry_run)
         assert isinstance(reply, EvictOk)
         return EvictResult(reply.blocks, dict(reply.bytes_freed), reply.moved, list(reply.keys), dry_run)
@@ -316,11 +367,14 @@ class KVStoreClient:
             return self.sessions()
         reply = self._call(Inspect(session=session))
         assert isinstance(reply, DataOk)
-        return SessionDetail(info=_build(SessionInfo, reply.data["info"]),
-                             blocks=[_build(BlockInfo, b) for b in reply.data["blocks"]])
+        return SessionDetail(
+            info=_build(SessionInfo, reply.data["info"]),
+            blocks=[_build(BlockInfo, b) for b in reply.data["blocks"]],
+        )
 
-    def prefetch(self, session: str, to: str = "ram", *, start_block: int = 0,
-                 max_blocks: int | None = None) -> PrefetchResult:
+    def prefetch(
+        self, session: str, to: str = "ram", *, start_block: int = 0, max_blocks: int | None = None
+    ) -> PrefetchResult:
         """Bring a session's blocks up into ``to`` ("ram" or "hbm") ahead of use: the whole chain, or
         blocks ``start_block .. start_block+max_blocks-1`` of it (go on from ``start_block + max_blocks``
         while the result's ``remaining`` is positive)."""
@@ -359,7 +413,9 @@ class KVStoreClient:
         ns = self._ns()
         with self._lock:
             self._conn.ensure_hello()
-            reply = self._conn.call(Pin(ns=ns.id, tokens=self._tokens(token_ids), lease=lease), idempotent=False)
+            reply = self._conn.call(
+                Pin(ns=ns.id, tokens=self._tokens(token_ids), lease=lease), idempotent=False
+            )
         assert isinstance(reply, PinOk)
         return reply.handle, reply.blocks
 

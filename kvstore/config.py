@@ -33,9 +33,21 @@ from kvstore.errors import ConfigError
 from kvstore.units import parse_duration, parse_size
 
 __all__ = [
-    "Config", "HbmConfig", "NvmeConfig", "PolicyConfig", "RamConfig", "ServerConfig", "check_endpoint",
-    "default_data_dir", "default_endpoint", "ipc_socket_path", "load_config", "parse_duration", "parse_size",
-    "runtime_dir", "with_overrides",
+    "Config",
+    "HbmConfig",
+    "NvmeConfig",
+    "PolicyConfig",
+    "RamConfig",
+    "ServerConfig",
+    "check_endpoint",
+    "default_data_dir",
+    "default_endpoint",
+    "ipc_socket_path",
+    "load_config",
+    "parse_duration",
+    "parse_size",
+    "runtime_dir",
+    "with_overrides",
 ]
 
 if TYPE_CHECKING:
@@ -75,7 +87,7 @@ def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
 
 def ipc_socket_path(endpoint: str) -> Path | None:
     """The filesystem path of an ``ipc://`` endpoint, or None for tcp/inproc."""
-    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+    return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,9 @@ class ServerConfig:
     allow_insecure_tcp: bool = False
     # tcp only (kvstore.daemon.auth): the daemon's Z85 secret key or the path of its key file (`kvstore keygen`)
     curve_secret_key: str | None = None
-    curve_allowed_keys: str | None = None  # a file path, lines "<Z85 client public key> <tenant>" (* = operator)
+    curve_allowed_keys: str | None = (
+        None  # a file path, lines "<Z85 client public key> <tenant>" (* = operator)
+    )
     metrics_port: int | None = None  # serves on 127.0.0.1 only; None = off
     log_level: str = "info"
 
@@ -136,9 +150,12 @@ class NvmeConfig:
         from kvstore.codecs import get_codec
 
         params: dict[str, Any] = {"rotate": self.rotate} if self.codec == "int4" else {}
-        better = self.head_codec is not None and _FIDELITY.index(self.head_codec) > _FIDELITY.index(self.codec)
+        better = self.head_codec is not None and _FIDELITY.index(self.head_codec) > _FIDELITY.index(
+            self.codec
+        )
         head = get_codec(self.head_codec, zstd=self.zstd) if better and self.head_blocks else None
         return get_codec(self.codec, zstd=self.zstd, **params), head
+
     write_through: bool = True
     admit: str = "always"  # or "second_use"
     ttl: float = 7 * 86400.0  # math.inf = never expire
@@ -173,6 +190,7 @@ class Config:
 
 # ---- value checkers: each returns the typed value or raises _Invalid(what is allowed) ----
 
+
 class _Invalid(Exception):
     pass
 
@@ -182,6 +200,7 @@ def _choice(*allowed: str) -> Callable[[Any], str]:
         if not isinstance(v, str) or v.lower() not in allowed:
             raise _Invalid(f"one of {', '.join(allowed)}")
         return v.lower()
+
     return check
 
 
@@ -200,6 +219,7 @@ def _int(lo: int, hi: int) -> Callable[[Any], int]:
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise _Invalid(f"an integer from {lo} to {hi}")
         return v
+
     return check
 
 
@@ -212,6 +232,7 @@ def _size(lo: int) -> Callable[[Any], int]:
         if n < lo:
             raise _Invalid(f"a size of at least {lo} bytes, like '512MiB' or '8GiB'")
         return n
+
     return check
 
 
@@ -228,6 +249,7 @@ def _duration(*, never: bool) -> Callable[[Any], float]:
         if s <= 0 or (math.isinf(s) and not never):
             raise _Invalid(allowed)
         return s
+
     return check
 
 
@@ -256,6 +278,7 @@ def _optional(check: Callable[[Any], Any], *off: Any) -> Callable[[Any], Any]:
         if v in off or (isinstance(v, str) and v.strip().lower() in ("", "none", "off")):
             return None
         return check(v)
+
     return opt
 
 
@@ -283,40 +306,49 @@ def _path(v: Any) -> Path:
 
 
 _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
-    "server": (ServerConfig, {
-        "endpoint": _endpoint,
-        "workers": _int(1, 256),
-        "max_message_bytes": _size(4096),
-        "max_tokens_per_request": _int(1, 2**31),
-        "max_inflight_per_client": _int(1, 65536),
-        "allow_insecure_tcp": _bool,
-        "curve_secret_key": _optional(_text),
-        "curve_allowed_keys": _optional(_text),
-        "metrics_port": _optional(_int(1, 65535), 0),
-        "log_level": _choice("debug", "info", "warning", "error", "critical"),
-    }),
+    "server": (
+        ServerConfig,
+        {
+            "endpoint": _endpoint,
+            "workers": _int(1, 256),
+            "max_message_bytes": _size(4096),
+            "max_tokens_per_request": _int(1, 2**31),
+            "max_inflight_per_client": _int(1, 65536),
+            "allow_insecure_tcp": _bool,
+            "curve_secret_key": _optional(_text),
+            "curve_allowed_keys": _optional(_text),
+            "metrics_port": _optional(_int(1, 65535), 0),
+            "log_level": _choice("debug", "info", "warning", "error", "critical"),
+        },
+    ),
     "hbm": (HbmConfig, {"device": _device, "capacity": _size(1)}),
     "ram": (RamConfig, {"capacity": _size(1), "codec": _choice("fp8", "int8", "raw"), "pin_memory": _pin}),
-    "nvme": (NvmeConfig, {
-        "path": _path,
-        "capacity": _size(1 << 20),
-        "codec": _choice("int4", "int8", "fp8", "raw"),
-        "zstd": _int(0, 22),
-        "rotate": _bool,
-        "head_codec": _optional(_choice("int8", "fp8", "raw", "int4", "none")),
-        "head_blocks": _int(0, 65536),
-        "write_through": _bool,
-        "admit": _choice("always", "second_use"),
-        "ttl": _duration(never=True),
-        "durability": _choice("fast", "balanced", "safe"),
-        "enabled": _bool,
-    }),
-    "policy": (PolicyConfig, {
-        "promote_on_hit": _bool,
-        "pin_lease": _duration(never=False),
-        "write_queue": _int(1, 2**24),
-        "page_bytes": _size(256),
-    }),
+    "nvme": (
+        NvmeConfig,
+        {
+            "path": _path,
+            "capacity": _size(1 << 20),
+            "codec": _choice("int4", "int8", "fp8", "raw"),
+            "zstd": _int(0, 22),
+            "rotate": _bool,
+            "head_codec": _optional(_choice("int8", "fp8", "raw", "int4", "none")),
+            "head_blocks": _int(0, 65536),
+            "write_through": _bool,
+            "admit": _choice("always", "second_use"),
+            "ttl": _duration(never=True),
+            "durability": _choice("fast", "balanced", "safe"),
+            "enabled": _bool,
+        },
+    ),
+    "policy": (
+        PolicyConfig,
+        {
+            "promote_on_hit": _bool,
+            "pin_lease": _duration(never=False),
+            "write_queue": _int(1, 2**24),
+            "page_bytes": _size(256),
+        },
+    ),
 }
 
 
@@ -352,8 +384,10 @@ def _read_file(path: Path, values: dict[str, dict[str, Any]]) -> None:
         for key, raw in table.items():
             if key not in _CHECKS[section][1]:
                 keys = list(_CHECKS[section][1])
-                raise ConfigError(f"{path}: unknown key {key!r} in [{section}]{_suggest(key, keys)}; "
-                                  f"allowed: {', '.join(keys)}")
+                raise ConfigError(
+                    f"{path}: unknown key {key!r} in [{section}]{_suggest(key, keys)}; "
+                    f"allowed: {', '.join(keys)}"
+                )
             _apply(values, section, key, raw, str(path))
 
 
@@ -367,11 +401,13 @@ def _read_env(env: Mapping[str, str], values: dict[str, dict[str, Any]]) -> None
             prefix = f"KVSTORE_{section.upper()}_"
             if not name.startswith(prefix):
                 continue
-            key = name[len(prefix):].lower()
+            key = name[len(prefix) :].lower()
             if key not in checks:
                 known = [f"{prefix}{k.upper()}" for k in checks]
-                raise ConfigError(f"environment variable {name} is not a setting{_suggest(name, known)}; "
-                                  f"[{section}] settings: {', '.join(known)}")
+                raise ConfigError(
+                    f"environment variable {name} is not a setting{_suggest(name, known)}; "
+                    f"[{section}] settings: {', '.join(known)}"
+                )
             overrides.append((name, section, key))
     for name, section, key in overrides:
         _apply(values, section, key, env[name], f"environment {name}")
@@ -381,8 +417,10 @@ def _check_nvme(nvme: dict[str, Any], where: str) -> None:
     """Checks across [nvme] keys: ``rotate`` is an int4 parameter."""
     codec = nvme.get("codec", NvmeConfig.codec)
     if nvme.get("rotate") is True and codec != "int4":
-        raise ConfigError(f"{where}: [nvme] rotate = true needs codec = \"int4\" (codec is {codec!r}); "
-                          "drop rotate or set it to false")
+        raise ConfigError(
+            f'{where}: [nvme] rotate = true needs codec = "int4" (codec is {codec!r}); '
+            "drop rotate or set it to false"
+        )
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
@@ -419,6 +457,8 @@ def with_overrides(config: Config, section: str, **changes: Any) -> Config:
         _apply(values, section, key, raw, "override")
     changed = replace(getattr(config, section), **values[section])
     if section == "nvme":
-        _check_nvme({"codec": changed.codec, **({"rotate": changed.rotate} if "rotate" in changes else {})},
-                    "override")
+        _check_nvme(
+            {"codec": changed.codec, **({"rotate": changed.rotate} if "rotate" in changes else {})},
+            "override",
+        )
     return replace(config, **{section: changed})

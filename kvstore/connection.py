@@ -38,8 +38,16 @@ BACKOFF = 0.05  # seconds before the first re-send after a transient error; doub
 class Connection:
     """A DEALER socket to ``endpoint`` speaking the kvstore protocol. Not thread-safe."""
 
-    def __init__(self, endpoint: str, *, timeout: float, retries: int, namespace: Namespace | None,
-                 context: zmq.Context | None = None, curve: ClientKeys | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float,
+        retries: int,
+        namespace: Namespace | None,
+        context: zmq.Context | None = None,
+        curve: ClientKeys | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.curve = curve
         self.timeout = timeout
@@ -128,8 +136,16 @@ class Connection:
         self.pipeline(1, lambda _: msg, lambda _, r: out.append(r), idempotent=idempotent, greet=greet)
         return out[0]
 
-    def pipeline(self, n: int, make: Callable[[int], Message], on_reply: Callable[[int, Message], Any], *,
-                 idempotent: bool, window: int = 1, greet: bool = True) -> None:
+    def pipeline(
+        self,
+        n: int,
+        make: Callable[[int], Message],
+        on_reply: Callable[[int, Message], Any],
+        *,
+        idempotent: bool,
+        window: int = 1,
+        greet: bool = True,
+    ) -> None:
         """Send requests ``make(0) .. make(n-1)``, at most ``window`` in flight; ``on_reply(i, reply)`` per answer.
 
         ``make`` may be called again for the same index after a reconnect.
@@ -141,16 +157,22 @@ class Connection:
         inflight: dict[int, int] = {}  # request id -> index
         attempts = 0
 
-        def again(reason: str, *, fresh_socket: bool, backoff: bool = False, cause: Exception | None = None) -> None:
+        def again(
+            reason: str, *, fresh_socket: bool, backoff: bool = False, cause: Exception | None = None
+        ) -> None:
             nonlocal attempts, inflight
             if not idempotent or attempts >= self.retries:
                 for rid in inflight:
                     self.proto.forget(rid)
                 if cause is not None:
                     raise cause
-                hint = " (and does its curve_allowed_keys list this client's public key?)" if self.curve else ""
-                raise RequestTimeout(f"no reply from {self.endpoint} within {self.timeout}s ({reason}) after "
-                                     f"{attempts + 1} attempt(s); is the daemon running{hint}?")
+                hint = (
+                    " (and does its curve_allowed_keys list this client's public key?)" if self.curve else ""
+                )
+                raise RequestTimeout(
+                    f"no reply from {self.endpoint} within {self.timeout}s ({reason}) after "
+                    f"{attempts + 1} attempt(s); is the daemon running{hint}?"
+                )
             attempts += 1
             todo.extendleft(sorted(inflight.values(), reverse=True))
             if fresh_socket:
@@ -194,8 +216,12 @@ class Connection:
                     continue
                 if reply.code in TRANSIENT:
                     inflight[rid] = i
-                    again(reply.code, fresh_socket=reply.code == "shutting_down", backoff=True,
-                          cause=error_for_reply(reply.code, reply.message))
+                    again(
+                        reply.code,
+                        fresh_socket=reply.code == "shutting_down",
+                        backoff=True,
+                        cause=error_for_reply(reply.code, reply.message),
+                    )
                     continue
                 for other in inflight:
                     self.proto.forget(other)

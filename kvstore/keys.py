@@ -79,7 +79,12 @@ class Namespace:
     def _root(self) -> bytes:
         # computed once per instance: every lookup starts its chain here (the instance is frozen)
         h = hashlib.sha256(b"kvstore/1")
-        for field in (self.model.encode(), self.revision.encode(), self.layout.canonical(), self.tenant.encode()):
+        for field in (
+            self.model.encode(),
+            self.revision.encode(),
+            self.layout.canonical(),
+            self.tenant.encode(),
+        ):
             h.update(_lp(field))
         return h.digest()
 
@@ -89,7 +94,12 @@ class Namespace:
         return self._root[:8].hex()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "revision": self.revision, "tenant": self.tenant, "layout": self.layout.to_dict()}
+        return {
+            "model": self.model,
+            "revision": self.revision,
+            "tenant": self.tenant,
+            "layout": self.layout.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, d: Any) -> Namespace:

@@ -53,9 +53,16 @@ class BlockRecord:
     def pack(self) -> bytes:
         return msgpack.packb(
             {
-                "v": RECORD_VERSION, "k": self.key, "p": self.parent, "ns": self.namespace,
-                "i": self.position, "t": self.tokens, "s": list(self.sessions),
-                "c": self.created, "a": self.last_access, "x": self.extra,
+                "v": RECORD_VERSION,
+                "k": self.key,
+                "p": self.parent,
+                "ns": self.namespace,
+                "i": self.position,
+                "t": self.tokens,
+                "s": list(self.sessions),
+                "c": self.created,
+                "a": self.last_access,
+                "x": self.extra,
             },
             use_bin_type=True,
         )
@@ -68,9 +75,15 @@ class BlockRecord:
             if not isinstance(d, dict) or d.get("v") != RECORD_VERSION:
                 raise ValueError(f"unknown record version {d.get('v') if isinstance(d, dict) else d!r}")
             rec = cls(
-                key=bytes(d["k"]), parent=bytes(d["p"]), namespace=str(d["ns"]), position=int(d["i"]),
-                tokens=bytes(d["t"]), sessions=tuple(str(s) for s in d["s"]), created=float(d["c"]),
-                last_access=float(d["a"]), extra=dict(d.get("x") or {}),
+                key=bytes(d["k"]),
+                parent=bytes(d["p"]),
+                namespace=str(d["ns"]),
+                position=int(d["i"]),
+                tokens=bytes(d["t"]),
+                sessions=tuple(str(s) for s in d["s"]),
+                created=float(d["c"]),
+                last_access=float(d["a"]),
+                extra=dict(d.get("x") or {}),
             )
         except Exception as e:  # msgpack raises many types on damaged input
             raise FrameError(f"block record does not decode: {e}") from e

@@ -17,7 +17,7 @@ from kvstore.errors import KVStoreError
 
 # Codes in PutResult.failed.
 MISSING_PARENT = "missing_parent"  # the block before start_block is not stored: storing would orphan these
-NO_ROOM = "no_room"                # every tier is full of pinned blocks
+NO_ROOM = "no_room"  # every tier is full of pinned blocks
 
 
 class InvalidRequest(KVStoreError, ValueError):
@@ -89,8 +89,10 @@ class EvictFilter:
     all: bool = False
 
     def selects_anything(self) -> bool:
-        return self.all or any(v is not None for v in (self.session, self.older_than, self.tier,
-                                                        self.namespace, self.model, self.tenant))
+        return self.all or any(
+            v is not None
+            for v in (self.session, self.older_than, self.tier, self.namespace, self.model, self.tenant)
+        )
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,20 @@ from decimal import Decimal, InvalidOperation
 from kvstore.errors import ConfigError
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
@@ -38,7 +48,9 @@ def parse_size(text: str | int) -> int:
     m = _SIZE_RE.fullmatch(text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _SIZE_UNITS:
-        raise ConfigError(f"size {text!r} is not a size; write e.g. 4096, '64KiB', '512MiB', '8GiB' or '1.5GB'")
+        raise ConfigError(
+            f"size {text!r} is not a size; write e.g. 4096, '64KiB', '512MiB', '8GiB' or '1.5GB'"
+        )
     try:
         value = Decimal(m.group(1)) * _SIZE_UNITS[unit]
     except InvalidOperation as e:  # pragma: no cover - the regex only admits decimals
@@ -58,7 +70,13 @@ def parse_duration(text: str | int | float) -> float:
         return float(text)
     s = text.strip().lower()
     parts = _DURATION_PART.findall(s)
-    if not s or "".join(n + u for n, u in parts) != s.replace(" ", "") or \
-            any(u and u not in _DURATION_UNITS for _, u in parts) or (len(parts) > 1 and not all(u for _, u in parts)):
-        raise ConfigError(f"duration {text!r} is not a duration; write e.g. '500ms', '30s', '15m', '2h', '7d' or '1h30m'")
+    if (
+        not s
+        or "".join(n + u for n, u in parts) != s.replace(" ", "")
+        or any(u and u not in _DURATION_UNITS for _, u in parts)
+        or (len(parts) > 1 and not all(u for _, u in parts))
+    ):
+        raise ConfigError(
+            f"duration {text!r} is not a duration; write e.g. '500ms', '30s', '15m', '2h', '7d' or '1h30m'"
+        )
     return sum(float(n) * _DURATION_UNITS[u or "s"] for n, u in parts)

@@ -29,6 +29,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 # ---- defaults ----
 
+
 def test_defaults_without_file_or_environment(tmp_path: Path) -> None:
     env = {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "XDG_DATA_HOME": str(tmp_path / "share")}
     c = load_config(env=env)
@@ -66,6 +67,7 @@ def test_hbm_auto_resolves_to_cpu_without_cuda() -> None:
 
 
 # ---- shipped files ----
+
 
 @pytest.mark.parametrize("name", ["default.toml", "gpu.toml", "laptop.toml"])
 def test_shipped_configs_load(name: str) -> None:
@@ -137,14 +139,28 @@ def test_every_key_is_read_from_a_file(tmp_path: Path, monkeypatch: pytest.Monke
     c = load_config(write(tmp_path, FULL), env={})
     s = c.server
     assert (s.endpoint, s.workers, s.max_message_bytes, s.max_tokens_per_request) == (
-        "tcp://0.0.0.0:5555", 8, 64 * 2**20, 4096)
+        "tcp://0.0.0.0:5555",
+        8,
+        64 * 2**20,
+        4096,
+    )
     assert (s.max_inflight_per_client, s.allow_insecure_tcp, s.curve_secret_key, s.curve_allowed_keys) == (
-        3, True, "secret", "/etc/kvstore/clients")
+        3,
+        True,
+        "secret",
+        "/etc/kvstore/clients",
+    )
     assert (s.metrics_port, s.log_level) == (9464, "debug")
     assert (c.hbm.device, c.hbm.capacity) == ("cuda:1", 2**30)
     assert (c.ram.capacity, c.ram.codec, c.ram.pin_memory) == (3_000_000, "int8", False)
     n = c.nvme
-    assert (n.path, n.capacity, n.codec, n.zstd, n.write_through) == (tmp_path / "store", 10**10, "raw", 0, False)
+    assert (n.path, n.capacity, n.codec, n.zstd, n.write_through) == (
+        tmp_path / "store",
+        10**10,
+        "raw",
+        0,
+        False,
+    )
     assert (n.admit, n.ttl, n.durability, n.enabled) == ("second_use", 7200.0, "safe", False)
     assert (n.rotate, n.head_codec, n.head_blocks) == (False, "fp8", 2)
     p = c.policy
@@ -175,6 +191,7 @@ def test_home_is_expanded_in_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 # ---- environment overrides ----
 
+
 def test_env_overrides_single_keys_over_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, '[ram]\ncapacity = "4GiB"\ncodec = "int8"\n')
     env = {
@@ -198,7 +215,10 @@ def test_env_overrides_single_keys_over_the_file(tmp_path: Path) -> None:
 
 
 def test_endpoint_shorthand_and_precedence() -> None:
-    assert load_config(env={"KVSTORE_ENDPOINT": "tcp://127.0.0.1:7000"}).server.endpoint == "tcp://127.0.0.1:7000"
+    assert (
+        load_config(env={"KVSTORE_ENDPOINT": "tcp://127.0.0.1:7000"}).server.endpoint
+        == "tcp://127.0.0.1:7000"
+    )
     # the full name is more specific and wins over the shorthand
     both = {"KVSTORE_ENDPOINT": "tcp://127.0.0.1:7000", "KVSTORE_SERVER_ENDPOINT": "tcp://127.0.0.1:7001"}
     assert load_config(env=both).server.endpoint == "tcp://127.0.0.1:7001"
@@ -220,44 +240,49 @@ def test_env_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None
 
 # ---- errors name the key, the value and what is allowed ----
 
-@pytest.mark.parametrize("section, key, value, allowed", [
-    ("server", "endpoint", '"http://x"', "ipc://"),
-    ("server", "workers", "0", "integer from 1"),
-    ("server", "workers", '"four"', "integer from 1"),
-    ("server", "max_message_bytes", '"lots"', "size"),
-    ("server", "max_tokens_per_request", "-1", "integer"),
-    ("server", "max_inflight_per_client", "1.5", "integer"),
-    ("server", "allow_insecure_tcp", '"maybe"', "true or false"),
-    ("server", "curve_secret_key", "5", "non-empty string"),
-    ("server", "curve_allowed_keys", "[1]", "non-empty string"),
-    ("server", "metrics_port", "70000", "65535"),
-    ("server", "log_level", '"loud"', "debug, info"),
-    ("hbm", "device", '"tpu"', "cuda:N"),
-    ("hbm", "capacity", '"8 GiBs"', "size"),
-    ("hbm", "capacity", "0", "at least 1"),
-    ("ram", "capacity", "-5", "size"),
-    ("ram", "codec", '"int4"', "fp8, int8, raw"),
-    ("ram", "pin_memory", "2", "'auto'"),
-    ("nvme", "path", '""', "directory path"),
-    ("nvme", "capacity", '"1KiB"', "at least"),
-    ("nvme", "codec", '"zip"', "int4"),
-    ("nvme", "zstd", "23", "0 to 22"),
-    ("nvme", "rotate", '"sideways"', "true or false"),
-    ("nvme", "head_codec", '"int3"', "int8, fp8, raw, int4, none"),
-    ("nvme", "head_blocks", "-1", "integer from 0"),
-    ("nvme", "write_through", '"sometimes"', "true or false"),
-    ("nvme", "admit", '"third_use"', "second_use"),
-    ("nvme", "ttl", '"7 days"', "duration"),
-    ("nvme", "ttl", "0", "positive duration"),
-    ("nvme", "durability", '"paranoid"', "fast, balanced, safe"),
-    ("nvme", "enabled", "1", "true or false"),
-    ("policy", "promote_on_hit", '"yes please"', "true or false"),
-    ("policy", "pin_lease", '"never"', "positive duration"),
-    ("policy", "write_queue", "0", "integer from 1"),
-    ("policy", "page_bytes", "16", "at least 256"),
-])
-def test_invalid_value_names_key_value_and_allowed(tmp_path: Path, section: str, key: str,
-                                                    value: str, allowed: str) -> None:
+
+@pytest.mark.parametrize(
+    "section, key, value, allowed",
+    [
+        ("server", "endpoint", '"http://x"', "ipc://"),
+        ("server", "workers", "0", "integer from 1"),
+        ("server", "workers", '"four"', "integer from 1"),
+        ("server", "max_message_bytes", '"lots"', "size"),
+        ("server", "max_tokens_per_request", "-1", "integer"),
+        ("server", "max_inflight_per_client", "1.5", "integer"),
+        ("server", "allow_insecure_tcp", '"maybe"', "true or false"),
+        ("server", "curve_secret_key", "5", "non-empty string"),
+        ("server", "curve_allowed_keys", "[1]", "non-empty string"),
+        ("server", "metrics_port", "70000", "65535"),
+        ("server", "log_level", '"loud"', "debug, info"),
+        ("hbm", "device", '"tpu"', "cuda:N"),
+        ("hbm", "capacity", '"8 GiBs"', "size"),
+        ("hbm", "capacity", "0", "at least 1"),
+        ("ram", "capacity", "-5", "size"),
+        ("ram", "codec", '"int4"', "fp8, int8, raw"),
+        ("ram", "pin_memory", "2", "'auto'"),
+        ("nvme", "path", '""', "directory path"),
+        ("nvme", "capacity", '"1KiB"', "at least"),
+        ("nvme", "codec", '"zip"', "int4"),
+        ("nvme", "zstd", "23", "0 to 22"),
+        ("nvme", "rotate", '"sideways"', "true or false"),
+        ("nvme", "head_codec", '"int3"', "int8, fp8, raw, int4, none"),
+        ("nvme", "head_blocks", "-1", "integer from 0"),
+        ("nvme", "write_through", '"sometimes"', "true or false"),
+        ("nvme", "admit", '"third_use"', "second_use"),
+        ("nvme", "ttl", '"7 days"', "duration"),
+        ("nvme", "ttl", "0", "positive duration"),
+        ("nvme", "durability", '"paranoid"', "fast, balanced, safe"),
+        ("nvme", "enabled", "1", "true or false"),
+        ("policy", "promote_on_hit", '"yes please"', "true or false"),
+        ("policy", "pin_lease", '"never"', "positive duration"),
+        ("policy", "write_queue", "0", "integer from 1"),
+        ("policy", "page_bytes", "16", "at least 256"),
+    ],
+)
+def test_invalid_value_names_key_value_and_allowed(
+    tmp_path: Path, section: str, key: str, value: str, allowed: str
+) -> None:
     path = write(tmp_path, f"[{section}]\n{key} = {value}\n")
     with pytest.raises(ConfigError) as e:
         load_config(path, env={})
@@ -314,7 +339,10 @@ def test_nvme_head_block_policy_keys(tmp_path: Path) -> None:
     assert load_config(env={"KVSTORE_NVME_HEAD_BLOCKS": "0"}).nvme.codecs()[1] is None
     # a head codec that keeps no more than the tier codec is not used: raw stays lossless throughout
     assert load_config(env={"KVSTORE_NVME_CODEC": "raw"}).nvme.codecs()[1] is None
-    assert load_config(env={"KVSTORE_NVME_CODEC": "int8", "KVSTORE_NVME_HEAD_CODEC": "fp8"}).nvme.codecs()[1] is None
+    assert (
+        load_config(env={"KVSTORE_NVME_CODEC": "int8", "KVSTORE_NVME_HEAD_CODEC": "fp8"}).nvme.codecs()[1]
+        is None
+    )
     assert load_config(env={"KVSTORE_NVME_CODEC": "fp8"}).nvme.codecs()[1].name == "int8"  # type: ignore[union-attr]
     # rotate is int4's: other codecs ignore the default, but an explicit rotate = true is a mistake
     n = load_config(write(tmp_path, '[nvme]\ncodec = "int8"\n'), env={}).nvme
@@ -345,11 +373,17 @@ def test_allowed_values_match_the_parts_that_use_them(tmp_path: Path) -> None:
     from kvstore.tiers.lmdb_env import DURABILITY
 
     for mode in DURABILITY:
-        assert load_config(write(tmp_path, f'[nvme]\ndurability = "{mode}"\n'), env={}).nvme.durability == mode
+        assert (
+            load_config(write(tmp_path, f'[nvme]\ndurability = "{mode}"\n'), env={}).nvme.durability == mode
+        )
     for section, codecs in (("ram", ("fp8", "int8", "raw")), ("nvme", ("int4", "int8", "fp8", "raw"))):
         for name in codecs:
             assert name in CODECS
-            assert getattr(load_config(write(tmp_path, f'[{section}]\ncodec = "{name}"\n'), env={}),
-                           section).codec == name
+            assert (
+                getattr(
+                    load_config(write(tmp_path, f'[{section}]\ncodec = "{name}"\n'), env={}), section
+                ).codec
+                == name
+            )
     with pytest.raises(ConfigError, match="durability"):
         load_config(write(tmp_path, '[nvme]\ndurability = "sync"\n'), env={})

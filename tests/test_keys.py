@@ -38,14 +38,16 @@ GOLDEN_KEYS = [  # tokens 0..9, block_tokens 4: two full blocks, the tail [8, 9]
 ]
 
 
-def reference_keys(model: str, revision: str, layout: KVLayout, tenant: str, tokens: list[int]) -> list[bytes]:
+def reference_keys(
+    model: str, revision: str, layout: KVLayout, tenant: str, tokens: list[int]
+) -> list[bytes]:
     """The scheme as DESIGN.md words it, written out independently of kvstore.keys."""
     h = hashlib.sha256(b"kvstore/1")
     for f in (model.encode(), revision.encode(), layout.canonical(), tenant.encode()):
         h.update(struct.pack("<I", len(f)) + f)
     key, keys, t = h.digest(), [], layout.block_tokens
     for i in range(len(tokens) // t):
-        key = hashlib.sha256(key + struct.pack(f"<{t}I", *tokens[i * t:(i + 1) * t])).digest()
+        key = hashlib.sha256(key + struct.pack(f"<{t}I", *tokens[i * t : (i + 1) * t])).digest()
         keys.append(key)
     return keys
 
@@ -75,12 +77,22 @@ def test_keys_identical_across_processes_with_different_hash_seeds() -> None:
     outputs = set()
     for seed in ("0", "1", "12345", "random"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", KEY_SCRIPT], env=env, capture_output=True, text=True,
-                             check=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", KEY_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
         outputs.add(out.stdout.strip())
     assert len(outputs) == 1
-    here = Namespace(model="m", layout=KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_tokens=4),
-                     tenant="t", revision="r")
+    here = Namespace(
+        model="m",
+        layout=KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_tokens=4),
+        tenant="t",
+        revision="r",
+    )
     assert outputs == {",".join(k.hex() for k in block_keys(here, list(range(100, 117))))}
 
 
@@ -89,15 +101,18 @@ def test_keys_identical_across_processes_with_different_hash_seeds() -> None:
 TOKENS = list(range(1000, 1012))  # three blocks of 4
 
 
-@pytest.mark.parametrize("changed", [
-    replace(NS, model="smollm2-360m-instruct"),
-    replace(NS, tenant="acme"),
-    replace(NS, revision="v2"),
-    replace(NS, layout=replace(LAYOUT, num_layers=31)),
-    replace(NS, layout=replace(LAYOUT, num_kv_heads=4)),
-    replace(NS, layout=replace(LAYOUT, head_dim=128)),
-    replace(NS, layout=replace(LAYOUT, dtype="float16")),
-])
+@pytest.mark.parametrize(
+    "changed",
+    [
+        replace(NS, model="smollm2-360m-instruct"),
+        replace(NS, tenant="acme"),
+        replace(NS, revision="v2"),
+        replace(NS, layout=replace(LAYOUT, num_layers=31)),
+        replace(NS, layout=replace(LAYOUT, num_kv_heads=4)),
+        replace(NS, layout=replace(LAYOUT, head_dim=128)),
+        replace(NS, layout=replace(LAYOUT, dtype="float16")),
+    ],
+)
 def test_every_namespace_field_changes_every_key(changed: Namespace) -> None:
     # same tokens, another model/tenant/revision/layout: no block may be shared
     assert changed.root() != NS.root() and changed.id != NS.id
@@ -164,48 +179,55 @@ def test_as_tokens_returns_little_endian_uint32() -> None:
 
 # ---- bad input ----
 
-@pytest.mark.parametrize("tokens, match", [
-    ([-1, 2], "out of range"),
-    ([0, 2**32], "out of range"),
-    ([2**70], "out of range"),
-    ([-(2**70)], "out of range"),
-    (np.array([-3], dtype=np.int64), "out of range"),
-    (np.array([2**40], dtype=np.uint64), "out of range"),
-    (torch.tensor([0, -1]), "out of range"),
-    ([1.0, 2.0], "must be ints"),
-    ([True, False], "must be ints"),
-    (["1"], "must be ints"),
-    ([[1, 2], [3, 4]], "must be ints"),
-    (np.array([1.0, 2.0]), "must be integers"),
-    (np.array([True]), "must be integers"),
-    (np.array(["a"]), "must be integers"),
-    (torch.tensor([1.0]), "must be integers"),
-    (torch.tensor([True]), "must be integers"),
-    (torch.tensor([[1, 2], [3, 4]]), "1-D"),
-    (np.zeros((2, 3), dtype=np.int64), "1-D"),
-    (torch.tensor(5), "1-D"),
-    ("1234", "sequence of ints"),
-    (b"\x01\x02", "sequence of ints"),
-    (5, "sequence of ints"),
-    (None, "sequence of ints"),
-    (iter([1, 2]), "sequence of ints"),
-])
+
+@pytest.mark.parametrize(
+    "tokens, match",
+    [
+        ([-1, 2], "out of range"),
+        ([0, 2**32], "out of range"),
+        ([2**70], "out of range"),
+        ([-(2**70)], "out of range"),
+        (np.array([-3], dtype=np.int64), "out of range"),
+        (np.array([2**40], dtype=np.uint64), "out of range"),
+        (torch.tensor([0, -1]), "out of range"),
+        ([1.0, 2.0], "must be ints"),
+        ([True, False], "must be ints"),
+        (["1"], "must be ints"),
+        ([[1, 2], [3, 4]], "must be ints"),
+        (np.array([1.0, 2.0]), "must be integers"),
+        (np.array([True]), "must be integers"),
+        (np.array(["a"]), "must be integers"),
+        (torch.tensor([1.0]), "must be integers"),
+        (torch.tensor([True]), "must be integers"),
+        (torch.tensor([[1, 2], [3, 4]]), "1-D"),
+        (np.zeros((2, 3), dtype=np.int64), "1-D"),
+        (torch.tensor(5), "1-D"),
+        ("1234", "sequence of ints"),
+        (b"\x01\x02", "sequence of ints"),
+        (5, "sequence of ints"),
+        (None, "sequence of ints"),
+        (iter([1, 2]), "sequence of ints"),
+    ],
+)
 def test_bad_tokens_raise_invalid_tokens(tokens: object, match: str) -> None:
     with pytest.raises(InvalidTokens, match=match):
         block_keys(NS, tokens)
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"model": ""}, "model must not be empty"),
-    ({"tenant": ""}, "tenant must not be empty"),
-    ({"model": None}, "model must be a string"),
-    ({"tenant": 3}, "tenant must be a string"),
-    ({"revision": None}, "revision must be a string"),
-    ({"model": "x" * 257}, "longer than 256"),
-    ({"model": "a\nb"}, "control characters"),
-    ({"tenant": "a\x00"}, "control characters"),
-    ({"layout": {"num_layers": 1}}, "layout must be a KVLayout"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"model": ""}, "model must not be empty"),
+        ({"tenant": ""}, "tenant must not be empty"),
+        ({"model": None}, "model must be a string"),
+        ({"tenant": 3}, "tenant must be a string"),
+        ({"revision": None}, "revision must be a string"),
+        ({"model": "x" * 257}, "longer than 256"),
+        ({"model": "a\nb"}, "control characters"),
+        ({"tenant": "a\x00"}, "control characters"),
+        ({"layout": {"num_layers": 1}}, "layout must be a KVLayout"),
+    ],
+)
 def test_bad_namespace_fields_raise(fields: dict[str, object], match: str) -> None:
     args: dict[str, object] = {"model": "m", "layout": LAYOUT, "tenant": "t", "revision": "", **fields}
     with pytest.raises(InvalidNamespace, match=match):
@@ -223,13 +245,20 @@ def test_namespace_round_trips_through_a_dict() -> None:
     assert Namespace.from_dict({"model": "m", "layout": LAYOUT.to_dict()}).tenant == "default"
 
 
-@pytest.mark.parametrize("d, error, match", [
-    ([], InvalidNamespace, "must be a mapping"),
-    ({"model": "m"}, InvalidNamespace, "needs 'model' and 'layout'"),
-    ({"model": "m", "layout": LAYOUT.to_dict(), "colour": "red"}, InvalidNamespace, "unknown namespace field"),
-    ({"model": "", "layout": LAYOUT.to_dict()}, InvalidNamespace, "must not be empty"),
-    ({"model": "m", "layout": {"num_layers": 1}}, LayoutError, "missing"),
-])
+@pytest.mark.parametrize(
+    "d, error, match",
+    [
+        ([], InvalidNamespace, "must be a mapping"),
+        ({"model": "m"}, InvalidNamespace, "needs 'model' and 'layout'"),
+        (
+            {"model": "m", "layout": LAYOUT.to_dict(), "colour": "red"},
+            InvalidNamespace,
+            "unknown namespace field",
+        ),
+        ({"model": "", "layout": LAYOUT.to_dict()}, InvalidNamespace, "must not be empty"),
+        ({"model": "m", "layout": {"num_layers": 1}}, LayoutError, "missing"),
+    ],
+)
 def test_namespace_from_bad_dict_raises(d: object, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         Namespace.from_dict(d)
@@ -244,7 +273,7 @@ token_lists = st.lists(st.integers(0, MAX_TOKEN_ID), max_size=40)
 @given(tokens=token_lists, extra=token_lists)
 def test_keys_of_a_prefix_are_a_prefix_of_the_keys(tokens: list[int], extra: list[int]) -> None:
     short, long = block_keys(NS, tokens), block_keys(NS, tokens + extra)
-    assert long[:len(short)] == short
+    assert long[: len(short)] == short
     assert len(long) == (len(tokens) + len(extra)) // LAYOUT.block_tokens
 
 
@@ -255,7 +284,7 @@ def test_keys_follow_the_reference_and_chain(tokens: list[int]) -> None:
     assert keys == reference_keys(NS.model, NS.revision, LAYOUT, NS.tenant, tokens)
     parent = NS.root()
     for i, k in enumerate(keys):
-        assert chain(parent, np.array(tokens[i * 4:(i + 1) * 4])) == k
+        assert chain(parent, np.array(tokens[i * 4 : (i + 1) * 4])) == k
         parent = k
 
 
@@ -265,15 +294,24 @@ def test_different_full_blocks_never_share_a_key(a: list[int], b: list[int]) -> 
     ka, kb = block_keys(NS, a), block_keys(NS, b)
     for i, (x, y) in enumerate(zip(ka, kb, strict=False)):
         # key i names the whole prefix [0, (i+1)*T): equal keys iff equal prefixes
-        assert (x == y) == (a[:(i + 1) * 4] == b[:(i + 1) * 4])
+        assert (x == y) == (a[: (i + 1) * 4] == b[: (i + 1) * 4])
 
 
 @settings(max_examples=100, deadline=None)
-@given(model=st.text(min_size=1, max_size=20).filter(lambda s: all(ord(c) >= 32 for c in s)),
-       tenant=st.text(min_size=1, max_size=20).filter(lambda s: all(ord(c) >= 32 for c in s)))
+@given(
+    model=st.text(min_size=1, max_size=20).filter(lambda s: all(ord(c) >= 32 for c in s)),
+    tenant=st.text(min_size=1, max_size=20).filter(lambda s: all(ord(c) >= 32 for c in s)),
+)
 def test_namespace_root_is_a_function_of_its_fields(model: str, tenant: str) -> None:
     a = Namespace(model=model, layout=LAYOUT, tenant=tenant)
     assert a.root() == Namespace(model=model, layout=LAYOUT, tenant=tenant).root()
-    assert a.root() == hashlib.sha256(b"kvstore/1" + b"".join(
-        struct.pack("<I", len(f)) + f for f in (model.encode(), b"", LAYOUT.canonical(), tenant.encode())
-    )).digest()
+    assert (
+        a.root()
+        == hashlib.sha256(
+            b"kvstore/1"
+            + b"".join(
+                struct.pack("<I", len(f)) + f
+                for f in (model.encode(), b"", LAYOUT.canonical(), tenant.encode())
+            )
+        ).digest()
+    )

@@ -36,7 +36,9 @@ def test_defaults_and_dtype_normalization() -> None:
     assert hash(KVLayout(2, 1, 8, dtype=torch.float16)) == hash(KVLayout(2, 1, 8, dtype="float16"))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.int8, torch.float8_e4m3fn, "float64", "fp16", "half", ""])
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.int8, torch.float8_e4m3fn, "float64", "fp16", "half", ""]
+)
 def test_unsupported_dtypes_raise(dtype: object) -> None:
     with pytest.raises(LayoutError, match="not supported"):
         KVLayout(2, 1, 8, dtype=dtype)  # type: ignore[arg-type]
@@ -44,28 +46,44 @@ def test_unsupported_dtypes_raise(dtype: object) -> None:
         dtype_name(dtype)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("num_layers", 0, "must be between 1 and 1024"),
-    ("num_layers", -1, "must be between 1 and 1024"),
-    ("num_layers", 1025, "must be between 1 and 1024"),
-    ("num_kv_heads", 0, "must be between 1 and 1024"),
-    ("head_dim", 4097, "must be between 1 and 4096"),
-    ("block_tokens", 0, "must be between 1 and 65536"),
-    ("block_tokens", 65537, "must be between 1 and 65536"),
-    ("num_layers", 2.0, "must be an integer"),
-    ("head_dim", "64", "must be an integer"),
-    ("num_kv_heads", True, "must be an integer"),
-    ("block_tokens", None, "must be an integer"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("num_layers", 0, "must be between 1 and 1024"),
+        ("num_layers", -1, "must be between 1 and 1024"),
+        ("num_layers", 1025, "must be between 1 and 1024"),
+        ("num_kv_heads", 0, "must be between 1 and 1024"),
+        ("head_dim", 4097, "must be between 1 and 4096"),
+        ("block_tokens", 0, "must be between 1 and 65536"),
+        ("block_tokens", 65537, "must be between 1 and 65536"),
+        ("num_layers", 2.0, "must be an integer"),
+        ("head_dim", "64", "must be an integer"),
+        ("num_kv_heads", True, "must be an integer"),
+        ("block_tokens", None, "must be an integer"),
+    ],
+)
 def test_bad_layout_fields_raise_naming_the_field(field: str, value: object, match: str) -> None:
-    args: dict[str, object] = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "block_tokens": 4, field: value}
+    args: dict[str, object] = {
+        "num_layers": 2,
+        "num_kv_heads": 1,
+        "head_dim": 8,
+        "block_tokens": 4,
+        field: value,
+    }
     with pytest.raises(LayoutError, match=f"{field} {match}"):
         KVLayout(**args)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("change", [
-    {"num_layers": 31}, {"num_kv_heads": 4}, {"head_dim": 128}, {"dtype": "float16"}, {"block_tokens": 32},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"num_layers": 31},
+        {"num_kv_heads": 4},
+        {"head_dim": 128},
+        {"dtype": "float16"},
+        {"block_tokens": 32},
+    ],
+)
 def test_fingerprint_and_canonical_differ_when_any_field_differs(change: dict[str, object]) -> None:
     other = replace(SMOL, **change)  # type: ignore[arg-type]
     assert other.canonical() != SMOL.canonical()
@@ -87,16 +105,23 @@ def test_check_tensor_accepts_the_canonical_shape() -> None:
     lay.check_tensor(torch.zeros(2, 2, 4, 1, 8, dtype=torch.float16), tokens=4)
 
 
-@pytest.mark.parametrize("kv, tokens, match", [
-    ([[0.0]], None, "must be a torch.Tensor"),
-    (torch.zeros(2, 2, 4, 8, dtype=torch.float16), None, "must have 5 dims"),
-    (torch.zeros(2, 3, 4, 1, 8, dtype=torch.float16), None, "layout expects"),
-    (torch.zeros(3, 2, 4, 1, 8, dtype=torch.float16), None, "layout expects"),
-    (torch.zeros(2, 2, 4, 2, 8, dtype=torch.float16), None, "layout expects"),
-    (torch.zeros(2, 2, 4, 1, 16, dtype=torch.float16), None, "layout expects"),
-    (torch.zeros(2, 2, 3, 1, 8, dtype=torch.float16), 4, "layout expects"),
-    (torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16), None, "dtype torch.bfloat16, layout expects float16"),
-])
+@pytest.mark.parametrize(
+    "kv, tokens, match",
+    [
+        ([[0.0]], None, "must be a torch.Tensor"),
+        (torch.zeros(2, 2, 4, 8, dtype=torch.float16), None, "must have 5 dims"),
+        (torch.zeros(2, 3, 4, 1, 8, dtype=torch.float16), None, "layout expects"),
+        (torch.zeros(3, 2, 4, 1, 8, dtype=torch.float16), None, "layout expects"),
+        (torch.zeros(2, 2, 4, 2, 8, dtype=torch.float16), None, "layout expects"),
+        (torch.zeros(2, 2, 4, 1, 16, dtype=torch.float16), None, "layout expects"),
+        (torch.zeros(2, 2, 3, 1, 8, dtype=torch.float16), 4, "layout expects"),
+        (
+            torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16),
+            None,
+            "dtype torch.bfloat16, layout expects float16",
+        ),
+    ],
+)
 def test_check_tensor_rejects(kv: object, tokens: int | None, match: str) -> None:
     lay = KVLayout(2, 1, 8, dtype="float16", block_tokens=4)
     with pytest.raises(LayoutError, match=match):
@@ -128,8 +153,13 @@ def test_dict_round_trip_and_bad_dicts() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(L=st.integers(1, 1024), H=st.integers(1, 1024), D=st.integers(1, 4096), T=st.integers(1, 65536),
-       dtype=st.sampled_from(sorted(DTYPES)))
+@given(
+    L=st.integers(1, 1024),
+    H=st.integers(1, 1024),
+    D=st.integers(1, 4096),
+    T=st.integers(1, 65536),
+    dtype=st.sampled_from(sorted(DTYPES)),
+)
 def test_layout_properties(L: int, H: int, D: int, T: int, dtype: str) -> None:
     lay = KVLayout(L, H, D, dtype=dtype, block_tokens=T)
     assert KVLayout.from_dict(lay.to_dict()) == lay

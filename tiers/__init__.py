@@ -18,4 +18,16 @@ from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.pool import PagePool, PageSpan
 from kvstore.tiers.ram import RamTier
 
-__all__ = ["DEFAULT_DURABILITY", "DURABILITY", "HbmTier", "NvmeTier", "PagePool", "PageSpan", "RamTier", "Tier", "TierFull", "TierIOError", "TierUsage"]
+__all__ = [
+    "DEFAULT_DURABILITY",
+    "DURABILITY",
+    "HbmTier",
+    "NvmeTier",
+    "PagePool",
+    "PageSpan",
+    "RamTier",
+    "Tier",
+    "TierFull",
+    "TierIOError",
+    "TierUsage",
+]

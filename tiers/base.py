@@ -67,8 +67,9 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def get(self, key: bytes, device: torch.device | str | None = None, *,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+    def get(
+        self, key: bytes, device: torch.device | str | None = None, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Decode the block under ``key`` onto ``device`` (default: the tier's own device).
 
         Raises KeyError when absent, FrameError when the stored frame fails its

@@ -31,8 +31,9 @@ class HbmTier(PagedTier):
 
     name = "hbm"
 
-    def __init__(self, capacity_bytes: int, device: torch.device | str = "cpu",
-                 page_bytes: int = DEFAULT_PAGE_BYTES) -> None:
+    def __init__(
+        self, capacity_bytes: int, device: torch.device | str = "cpu", page_bytes: int = DEFAULT_PAGE_BYTES
+    ) -> None:
         super().__init__(PagePool(capacity_bytes, page_bytes=page_bytes, device=device))
 
     @property
@@ -47,15 +48,18 @@ class HbmTier(PagedTier):
         data = block.detach().contiguous().view(-1).view(torch.uint8)
         return self._store(key, data, _BlockMeta(shape=tuple(block.shape), dtype=block.dtype))
 
-    def get(self, key: bytes, device: torch.device | str | None = None, *,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+    def get(
+        self, key: bytes, device: torch.device | str | None = None, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """A copy of the block on ``device`` (default: the pool's), or written into ``out``. KeyError when absent."""
         with self._reading(key) as entry:
             meta: _BlockMeta = entry.meta
             if out is not None:  # one copy, arena -> out (the entry stays allocated while it runs)
                 if tuple(out.shape) != meta.shape or out.dtype != meta.dtype:
-                    raise LayoutError(f"hbm get: out is {tuple(out.shape)} {out.dtype}, the block is "
-                                      f"{meta.shape} {meta.dtype}")
+                    raise LayoutError(
+                        f"hbm get: out is {tuple(out.shape)} {out.dtype}, the block is "
+                        f"{meta.shape} {meta.dtype}"
+                    )
                 src = self._pool.view(entry.span, entry.nbytes)
                 if src is None:
                     src = self._pool.read(entry.span, entry.nbytes)

@@ -129,8 +129,18 @@ class Environment:
     a map that cannot grow past ``ceiling`` becomes TierFull.
     """
 
-    def __init__(self, path: Path, env: lmdb.Environment, dbs: dict[str, Any], *, durability: str,
-                 created: float, reset_reason: str | None, lock_fd: int, ceiling: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        env: lmdb.Environment,
+        dbs: dict[str, Any],
+        *,
+        durability: str,
+        created: float,
+        reset_reason: str | None,
+        lock_fd: int,
+        ceiling: int,
+    ) -> None:
         self.path, self.env, self.dbs = path, env, dbs
         self.durability, self.created, self.reset_reason = durability, created, reset_reason
         self.ceiling = ceiling
@@ -183,7 +193,9 @@ class Environment:
             self._check_open()
             if self.durability == "fast" and not self._dirty:
                 # unsynced commits follow: say so on disk first (see the module docstring)
-                self._commit(lambda txn: txn.put(_DIRTY, (boot_id() or "unknown").encode(), db=self.dbs["meta"]))
+                self._commit(
+                    lambda txn: txn.put(_DIRTY, (boot_id() or "unknown").encode(), db=self.dbs["meta"])
+                )
                 self._sync()
                 self._dirty = True
             return self._commit(fn)
@@ -196,14 +208,19 @@ class Environment:
                     return fn(txn)
             except lmdb.MapFullError:
                 if not self._grow():
-                    raise TierFull(f"nvme store {self.path} has filled its {self.ceiling} bytes "
-                                   "(LMDB map full); evict or raise [nvme] capacity") from None
+                    raise TierFull(
+                        f"nvme store {self.path} has filled its {self.ceiling} bytes "
+                        "(LMDB map full); evict or raise [nvme] capacity"
+                    ) from None
             except lmdb.Error as e:
                 if "No space left" in str(e):  # the transaction was aborted: nothing changed
-                    raise TierFull(f"nvme store {self.path}: the filesystem is full ({e}); evict, free "
-                                   "disk space or lower [nvme] capacity") from None
-                raise TierIOError(f"nvme store {self.path}: write failed: {e}; "
-                                  "check the disk (space, permissions)") from e
+                    raise TierFull(
+                        f"nvme store {self.path}: the filesystem is full ({e}); evict, free "
+                        "disk space or lower [nvme] capacity"
+                    ) from None
+                raise TierIOError(
+                    f"nvme store {self.path}: write failed: {e}; check the disk (space, permissions)"
+                ) from e
 
     def _grow(self) -> bool:
         with self._gate.exclusive():
@@ -232,8 +249,9 @@ class Environment:
                     self._commit(lambda txn: txn.delete(_DIRTY, db=self.dbs["meta"]))
                 except TierFull:
                     # no room even to delete the marker: it stays, which errs on the safe side
-                    log.warning("nvme store %s: full; the unsynced-commits marker stays until room is made",
-                                self.path)
+                    log.warning(
+                        "nvme store %s: full; the unsynced-commits marker stays until room is made", self.path
+                    )
                     return
                 self._sync()
                 self._dirty = False
@@ -256,8 +274,10 @@ def _lock(path: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise StoreLocked(f"nvme store {path} is in use by another kvstore (pid {holder}); "
-                          "stop it, or point [nvme] path at another directory") from None
+        raise StoreLocked(
+            f"nvme store {path} is in use by another kvstore (pid {holder}); "
+            "stop it, or point [nvme] path at another directory"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -265,14 +285,27 @@ def _lock(path: Path) -> int:
 
 def _open_lmdb(path: Path, durability: str, map_size: int, max_dbs: int) -> lmdb.Environment:
     try:
-        return lmdb.open(str(path), map_size=map_size, max_dbs=max_dbs, max_readers=1024, subdir=True,
-                         writemap=False, map_async=False, readahead=True, **DURABILITY[durability])
+        return lmdb.open(
+            str(path),
+            map_size=map_size,
+            max_dbs=max_dbs,
+            max_readers=1024,
+            subdir=True,
+            writemap=False,
+            map_async=False,
+            readahead=True,
+            **DURABILITY[durability],
+        )
     except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as e:
-        raise StoreFormatError(f"{path} holds a data.mdb that is not a kvstore nvme store ({e}); point "
-                               "[nvme] path at another directory, or delete this one to start empty") from None
+        raise StoreFormatError(
+            f"{path} holds a data.mdb that is not a kvstore nvme store ({e}); point "
+            "[nvme] path at another directory, or delete this one to start empty"
+        ) from None
     except lmdb.Error as e:  # ENOSPC, EACCES, EROFS, ...
-        raise TierIOError(f"nvme store {path} cannot be opened: {e}; point [nvme] path at a writable "
-                          "directory with free space") from None
+        raise TierIOError(
+            f"nvme store {path} cannot be opened: {e}; point [nvme] path at a writable "
+            "directory with free space"
+        ) from None
 
 
 def open_environment(path: str | Path, *, durability: str, map_size: int, ceiling: int) -> Environment:
@@ -289,8 +322,10 @@ def open_environment(path: str | Path, *, durability: str, map_size: int, ceilin
         path.mkdir(parents=True, exist_ok=True)
         fd = _lock(path)
     except OSError as e:  # unwritable, not a directory, read-only or full filesystem
-        raise TierIOError(f"nvme store {path} cannot be opened: {e.strerror or e}; point [nvme] path at a "
-                          "writable directory with free space") from None
+        raise TierIOError(
+            f"nvme store {path} cannot be opened: {e.strerror or e}; point [nvme] path at a "
+            "writable directory with free space"
+        ) from None
     try:
         reset_reason = _check_clean(path, map_size)
         _check_disk(path)
@@ -303,8 +338,16 @@ def open_environment(path: str | Path, *, durability: str, map_size: int, ceilin
     except BaseException:
         os.close(fd)
         raise
-    return Environment(path, env, dbs, durability=durability, created=created, reset_reason=reset_reason,
-                       lock_fd=fd, ceiling=ceiling)
+    return Environment(
+        path,
+        env,
+        dbs,
+        durability=durability,
+        created=created,
+        reset_reason=reset_reason,
+        lock_fd=fd,
+        ceiling=ceiling,
+    )
 
 
 def _check_disk(path: Path) -> None:
@@ -313,14 +356,18 @@ def _check_disk(path: Path) -> None:
     st = os.statvfs(path)
     free = st.f_bavail * st.f_frsize
     if free < DISK_HEADROOM // 2:
-        raise TierIOError(f"nvme store {path}: the filesystem has only {free} bytes free (at least "
-                          f"{DISK_HEADROOM // 2} needed); free disk space or point [nvme] path elsewhere")
+        raise TierIOError(
+            f"nvme store {path}: the filesystem has only {free} bytes free (at least "
+            f"{DISK_HEADROOM // 2} needed); free disk space or point [nvme] path elsewhere"
+        )
     fd = os.open(path / "lock.mdb", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(LOCK_MDB_BYTES, os.fstat(fd).st_size))
     except OSError as e:
-        raise TierIOError(f"nvme store {path}: cannot allocate LMDB's lock file: {e.strerror}; free disk "
-                          "space or point [nvme] path elsewhere") from None
+        raise TierIOError(
+            f"nvme store {path}: cannot allocate LMDB's lock file: {e.strerror}; free disk "
+            "space or point [nvme] path elsewhere"
+        ) from None
     finally:
         os.close(fd)
 
@@ -331,8 +378,10 @@ def _open_dbs(env: lmdb.Environment, path: Path) -> tuple[dict[str, Any], float]
             names = {bytes(k) for k, _ in txn.cursor()}
             fresh = not names
             if not fresh and b"meta" not in names:
-                raise StoreFormatError(f"{path} holds an LMDB database that is not a kvstore nvme store; "
-                                       "point [nvme] path at an empty directory")
+                raise StoreFormatError(
+                    f"{path} holds an LMDB database that is not a kvstore nvme store; "
+                    "point [nvme] path at an empty directory"
+                )
             dbs = {n.decode(): env.open_db(n, txn=txn) for n in DB_NAMES}
             meta = dbs["meta"]
             if fresh:
@@ -341,15 +390,19 @@ def _open_dbs(env: lmdb.Environment, path: Path) -> tuple[dict[str, Any], float]
             found = txn.get(b"format_version", db=meta)
             if found != str(FORMAT_VERSION).encode():
                 shown = found.decode(errors="replace") if found is not None else "none"
-                raise StoreFormatError(f"{path} holds a kvstore nvme store of format version {shown}; "
-                                       f"this build reads version {FORMAT_VERSION}. Point [nvme] path at "
-                                       "another directory, or delete this one to start empty")
+                raise StoreFormatError(
+                    f"{path} holds a kvstore nvme store of format version {shown}; "
+                    f"this build reads version {FORMAT_VERSION}. Point [nvme] path at "
+                    "another directory, or delete this one to start empty"
+                )
             created = float(txn.get(b"created", default=b"0", db=meta))
     except lmdb.IncompatibleError as e:
         raise StoreFormatError(f"{path} holds an LMDB database that is not a kvstore nvme store: {e}") from e
     except lmdb.Error as e:  # e.g. no space left to write the first transaction
-        raise TierIOError(f"nvme store {path} cannot be opened: {e}; point [nvme] path at a writable "
-                          "directory with free space") from None
+        raise TierIOError(
+            f"nvme store {path} cannot be opened: {e}; point [nvme] path at a writable "
+            "directory with free space"
+        ) from None
     try:
         env.sync(True)
     except lmdb.Error as e:
@@ -377,8 +430,10 @@ def _check_clean(path: Path, map_size: int) -> str | None:
     now = boot_id()
     if marker is None or now is None or marker.decode(errors="replace") == now:
         return None
-    reason = (f"nvme store {path} had unsynced commits (durability 'fast') when the machine went down "
-              f"(boot {marker.decode(errors='replace')}); it may be damaged and was wiped")
+    reason = (
+        f"nvme store {path} had unsynced commits (durability 'fast') when the machine went down "
+        f"(boot {marker.decode(errors='replace')}); it may be damaged and was wiped"
+    )
     log.warning(reason)
     for name in ("data.mdb", "lock.mdb"):
         (path / name).unlink(missing_ok=True)

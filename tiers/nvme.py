@@ -86,14 +86,32 @@ class NvmeTier(Tier):
 
     name = "nvme"
 
-    def __init__(self, path: str | Path, capacity_bytes: int, codec: Codec, *,
-                 durability: str = DEFAULT_DURABILITY, map_size_initial: int = DEFAULT_MAP_SIZE,
-                 head_codec: Codec | None = None, head_blocks: int = 1) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        codec: Codec,
+        *,
+        durability: str = DEFAULT_DURABILITY,
+        map_size_initial: int = DEFAULT_MAP_SIZE,
+        head_codec: Codec | None = None,
+        head_blocks: int = 1,
+    ) -> None:
         """``head_codec``: the codec of a prefix's first ``head_blocks`` blocks (record.position <
         head_blocks; the attention sink's), None = every block with ``codec`` (see ``codec_for``)."""
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < MIN_CAPACITY:
-            raise ConfigError(f"nvme capacity must be an integer of at least {MIN_CAPACITY} bytes, got {capacity_bytes!r}")
-        if isinstance(map_size_initial, bool) or not isinstance(map_size_initial, int) or map_size_initial < 1:
+        if (
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
+            or capacity_bytes < MIN_CAPACITY
+        ):
+            raise ConfigError(
+                f"nvme capacity must be an integer of at least {MIN_CAPACITY} bytes, got {capacity_bytes!r}"
+            )
+        if (
+            isinstance(map_size_initial, bool)
+            or not isinstance(map_size_initial, int)
+            or map_size_initial < 1
+        ):
             raise ConfigError(f"nvme map_size_initial must be a positive integer, got {map_size_initial!r}")
         if isinstance(head_blocks, bool) or not isinstance(head_blocks, int) or head_blocks < 0:
             raise ConfigError(f"nvme head_blocks must be a non-negative integer, got {head_blocks!r}")
@@ -102,8 +120,9 @@ class NvmeTier(Tier):
         self.head_codec = head_codec if head_blocks else None
         self.head_blocks = head_blocks if head_codec is not None else 0
         ceiling = capacity_bytes - capacity_bytes % 4096
-        self._env = lmdb_env.open_environment(path, durability=durability, ceiling=ceiling,
-                                              map_size=min(map_size_initial, ceiling))
+        self._env = lmdb_env.open_environment(
+            path, durability=durability, ceiling=ceiling, map_size=min(map_size_initial, ceiling)
+        )
         self.path = self._env.path
         self.durability = durability
         self.created = self._env.created
@@ -141,11 +160,15 @@ class NvmeTier(Tier):
         """TierFull unless replacing ``old_cost`` bytes by ``new_cost`` keeps within the capacity."""
         used = self._env.used_bytes(txn)
         if used - old_cost + new_cost > self.capacity_bytes - self._reserve():
-            raise TierFull(f"nvme store {self.path}: an entry of ~{new_cost} bytes does not fit "
-                           f"({used} of {self.capacity_bytes} bytes used); evict first")
+            raise TierFull(
+                f"nvme store {self.path}: an entry of ~{new_cost} bytes does not fit "
+                f"({used} of {self.capacity_bytes} bytes used); evict first"
+            )
         if used - old_cost + new_cost > self._env.disk_room() - self._reserve():
-            raise TierFull(f"nvme store {self.path}: the filesystem is full (an entry of ~{new_cost} bytes "
-                           "does not fit); evict, or free disk space")
+            raise TierFull(
+                f"nvme store {self.path}: the filesystem is full (an entry of ~{new_cost} bytes "
+                "does not fit); evict, or free disk space"
+            )
 
     # -- blocks -----------------------------------------------------------------------
     def codec_for(self, position: int | None) -> Codec:
@@ -184,7 +207,9 @@ class NvmeTier(Tier):
         codec = self.codec_for(position)
         frame = codec.encode(block)
         hint = (KVLayout.of_block(block), codec is not self.codec)
-        self._frame_bytes[hint] = max(len(frame), self._frame_bytes.get(hint, 0))  # a hint; races are harmless
+        self._frame_bytes[hint] = max(
+            len(frame), self._frame_bytes.get(hint, 0)
+        )  # a hint; races are harmless
         return self._put_frame(key, frame, record)
 
     def _stored_position(self, key: bytes) -> int | None:
@@ -225,8 +250,9 @@ class NvmeTier(Tier):
 
         return self._write(txn_put)
 
-    def get(self, key: bytes, device: torch.device | str | None = None, *,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+    def get(
+        self, key: bytes, device: torch.device | str | None = None, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Check and decode the frame under ``key`` straight from the map onto ``device`` (default CPU),
         or into ``out`` (with the raw codec, one copy from the map into ``out``).
 
@@ -239,7 +265,9 @@ class NvmeTier(Tier):
             if frame is None:
                 raise KeyError(key)
             # frames are self-describing (parameters included): decode by the frame's codec id
-            if len(frame) > _CODEC_AT and frame[_CODEC_AT] == codec.codec_id:  # decode checks the whole header
+            if (
+                len(frame) > _CODEC_AT and frame[_CODEC_AT] == codec.codec_id
+            ):  # decode checks the whole header
                 return codec.decode(frame, device=device, out=out)
             if head is not None and len(frame) > _CODEC_AT and frame[_CODEC_AT] == head.codec_id:
                 return head.decode(frame, device=device, out=out)
@@ -253,6 +281,7 @@ class NvmeTier(Tier):
 
     def get_frame(self, key: bytes) -> bytes:
         """A copy of the stored frame, unchecked (the receiver checks it). KeyError when absent."""
+
         def copy(txn: lmdb.Transaction) -> bytes:
             frame = txn.get(key, db=self._blocks)
             if frame is None:
@@ -263,6 +292,7 @@ class NvmeTier(Tier):
 
     def _debug_corrupt(self, key: bytes, offset: int, mask: int = 0xFF) -> None:
         """Flip bits of byte ``offset`` of the stored frame (rewritten unchecked). For corruption tests only."""
+
         def flip(txn: lmdb.Transaction) -> None:
             frame = txn.get(key, db=self._blocks)
             if frame is None:
@@ -346,7 +376,9 @@ class NvmeTier(Tier):
 
         return self._write(txn_update) if recs else 0
 
-    def iter_records(self, on_damaged: Callable[[bytes, FrameError], None] | None = None) -> Iterator[BlockRecord]:
+    def iter_records(
+        self, on_damaged: Callable[[bytes, FrameError], None] | None = None
+    ) -> Iterator[BlockRecord]:
         """Every stored record, in key order, read in chunks (no transaction stays open between them).
 
         A record that does not decode (or fails its checksum) is skipped and
@@ -363,7 +395,9 @@ class NvmeTier(Tier):
             if rec is not None:
                 yield rec
 
-    def iter_index(self, on_damaged: Callable[[bytes, FrameError], None] | None = None) -> Iterator[IndexEntry]:
+    def iter_index(
+        self, on_damaged: Callable[[bytes, FrameError], None] | None = None
+    ) -> Iterator[IndexEntry]:
         """What the store's index needs of every record (all but the token ids), faster than iter_records.
 
         Same order and damage handling as ``iter_records``. ``nbytes`` is the
@@ -384,8 +418,9 @@ class NvmeTier(Tier):
             if entry is not None:
                 yield entry
 
-    def iter_index_columns(self, on_damaged: Callable[[bytes, FrameError], None] | None = None
-                           ) -> Iterator[IndexColumns]:
+    def iter_index_columns(
+        self, on_damaged: Callable[[bytes, FrameError], None] | None = None
+    ) -> Iterator[IndexColumns]:
         """What ``iter_index`` gives, as columns, a chunk of records at a time (same order, same
         checks, damaged records handed to ``on_damaged``): rebuilding the index of a million blocks
         makes no per-record tuple and decodes the fixed fields with numpy."""
@@ -414,7 +449,9 @@ class NvmeTier(Tier):
         pairs = cast(list[tuple[bytes, bytes]], list(islice(cur.iternext(), _INDEX_CHUNK)))
         return [k for k, _ in pairs], [v for _, v in pairs]
 
-    def _damaged(self, key: bytes, err: FrameError, on_damaged: Callable[[bytes, FrameError], None] | None) -> None:
+    def _damaged(
+        self, key: bytes, err: FrameError, on_damaged: Callable[[bytes, FrameError], None] | None
+    ) -> None:
         if on_damaged is None:
             log.warning("nvme store %s: record of %s is damaged: %s", self.path, key.hex(), err)
         else:

@@ -51,9 +51,23 @@ _ALL = struct.Struct(HEAD.format + FIXED.format.lstrip("<"))
 _EMPTY_CRC = crc32(b"")
 _META_AT = _ALL.size - 8  # the lengths N, S, E: with the namespace and sessions, what entries share
 # HEAD + FIXED as one numpy record, to read the fixed part of many entries at once
-_ALL_DTYPE = np.dtype([("fmt", "u1"), ("flags", "u1"), ("_r", "V2"), ("flen", "<u4"), ("crc", "<u4"),
-                       ("parent", "V32"), ("position", "<u4"), ("created", "<f8"), ("accessed", "<f8"),
-                       ("n", "<u2"), ("s", "<u2"), ("e", "<u2"), ("_r2", "V2")])
+_ALL_DTYPE = np.dtype(
+    [
+        ("fmt", "u1"),
+        ("flags", "u1"),
+        ("_r", "V2"),
+        ("flen", "<u4"),
+        ("crc", "<u4"),
+        ("parent", "V32"),
+        ("position", "<u4"),
+        ("created", "<f8"),
+        ("accessed", "<f8"),
+        ("n", "<u2"),
+        ("s", "<u2"),
+        ("e", "<u2"),
+        ("_r2", "V2"),
+    ]
+)
 assert _ALL_DTYPE.itemsize == _ALL.size
 
 
@@ -91,8 +105,23 @@ def pack_entry(frame_len: int, record: BlockRecord | None) -> bytes:
     ns = record.namespace.encode()
     sessions = msgpack.packb(list(record.sessions), use_bin_type=True)
     extra = msgpack.packb(record.extra, use_bin_type=True) if record.extra else b""
-    body = b"".join((FIXED.pack(record.parent, record.position, record.created, record.last_access,
-                                len(ns), len(sessions), len(extra)), ns, sessions, extra, record.tokens))
+    body = b"".join(
+        (
+            FIXED.pack(
+                record.parent,
+                record.position,
+                record.created,
+                record.last_access,
+                len(ns),
+                len(sessions),
+                len(extra),
+            ),
+            ns,
+            sessions,
+            extra,
+            record.tokens,
+        )
+    )
     return HEAD.pack(ENTRY_FORMAT, _HAS_RECORD, frame_len, crc32(body)) + body
 
 
@@ -174,8 +203,12 @@ class EntryDecoder:
         fixed = np.frombuffer(b"".join([v[: _ALL.size] for v in values]), dtype=_ALL_DTYPE)
         crcs = np.fromiter([crc32(v[HEAD.size :]) for v in values], dtype=np.uint32, count=len(values))
         meta_end = _ALL.size + fixed["n"].astype(np.int64) + fixed["s"]
-        bad = ((fixed["fmt"] != ENTRY_FORMAT) | (crcs != fixed["crc"]) | ((fixed["flags"] & _HAS_RECORD) == 0)
-               | (lens < meta_end + fixed["e"]))
+        bad = (
+            (fixed["fmt"] != ENTRY_FORMAT)
+            | (crcs != fixed["crc"])
+            | ((fixed["flags"] & _HAS_RECORD) == 0)
+            | (lens < meta_end + fixed["e"])
+        )
         metas = [v[_META_AT:end] for v, end in zip(values, meta_end.tolist(), strict=True)]
         shared = self._shared
         for m in set(metas).difference(shared):
@@ -192,13 +225,22 @@ class EntryDecoder:
                     damaged.append((keys[i], _damaged(keys[i], "holds lengths that overrun the entry")))
             good = np.flatnonzero(~bad)
             rows = good.tolist()
-            keys, values, pairs, fixed = [keys[i] for i in rows], [values[i] for i in rows], \
-                [pairs[i] for i in rows], fixed[good]
+            keys, values, pairs, fixed = (
+                [keys[i] for i in rows],
+                [values[i] for i in rows],
+                [pairs[i] for i in rows],
+                fixed[good],
+            )
         return IndexColumns(
-            keys=list(keys), parents=fixed["parent"].copy(), positions=fixed["position"].copy(),
+            keys=list(keys),
+            parents=fixed["parent"].copy(),
+            positions=fixed["position"].copy(),
             namespaces=[p[0] for p in pairs],  # type: ignore[index]
             sessions=[p[1] for p in pairs],  # type: ignore[index]
-            created=fixed["created"].copy(), last_access=fixed["accessed"].copy(), damaged=damaged)
+            created=fixed["created"].copy(),
+            last_access=fixed["accessed"].copy(),
+            damaged=damaged,
+        )
 
     def _meta(self, meta: bytes) -> tuple[str, tuple[str, ...]] | None:
         """(namespace, sessions) from an entry's bytes [_META_AT, end of sessions); None if they do not decode."""
@@ -239,5 +281,14 @@ class EntryDecoder:
         tokens = bytes(value[at + e :])
         if len(tokens) % 4:
             raise _damaged(key, f"holds {len(tokens)} token bytes, not a multiple of 4")
-        return BlockRecord(key=key, parent=parent, namespace=ns, position=position, tokens=tokens,
-                           sessions=sessions, created=created, last_access=accessed, extra=extra)
+        return BlockRecord(
+            key=key,
+            parent=parent,
+            namespace=ns,
+            position=position,
+            tokens=tokens,
+            sessions=sessions,
+            created=created,
+            last_access=accessed,
+            extra=extra,
+        )

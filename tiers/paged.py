@@ -66,8 +66,10 @@ class PagedTier(Tier):
             old = self._entries.get(key)
             room = self._pool.free_pages + (old.span.count if old is not None else 0)
             if need > room:
-                raise TierFull(f"{self.name} tier: an entry of {n} bytes needs {need} pages of "
-                               f"{self.page_bytes}, {room} can be had (capacity {self._pool.capacity_bytes} bytes)")
+                raise TierFull(
+                    f"{self.name} tier: an entry of {n} bytes needs {need} pages of "
+                    f"{self.page_bytes}, {room} can be had (capacity {self._pool.capacity_bytes} bytes)"
+                )
             if need > self._pool.free_pages and old is not None:
                 self._unpublish(key)
             span = self._pool.alloc(n)
@@ -135,7 +137,9 @@ class PagedTier(Tier):
         with self._lock:
             blocks = len(self._entries)
             used = self._pool.used_pages * self.page_bytes
-        return TierUsage(name=self.name, blocks=blocks, used_bytes=used, capacity_bytes=self._pool.capacity_bytes)
+        return TierUsage(
+            name=self.name, blocks=blocks, used_bytes=used, capacity_bytes=self._pool.capacity_bytes
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -61,8 +61,9 @@ def resolve_device(device: torch.device | str) -> torch.device:
         raise ConfigError(f"device {device!r} is not a torch device; use 'cpu', 'cuda:N' or 'auto'") from e
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r} needs CUDA, but this torch build sees no GPU; "
-                              "use device 'cpu' or 'auto'")
+            raise ConfigError(
+                f"device {device!r} needs CUDA, but this torch build sees no GPU; use device 'cpu' or 'auto'"
+            )
         index = 0 if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
             raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) present")
@@ -81,8 +82,13 @@ class PagePool:
     it passes it to ``free``, and must not free a span that is being read.
     """
 
-    def __init__(self, capacity_bytes: int, page_bytes: int = DEFAULT_PAGE_BYTES,
-                 device: torch.device | str = "cpu", pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        device: torch.device | str = "cpu",
+        pin_memory: bool = False,
+    ) -> None:
         for name, value, low in (("capacity_bytes", capacity_bytes, 0), ("page_bytes", page_bytes, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"page pool {name} must be an integer >= {low}, got {value!r}")
@@ -97,8 +103,10 @@ class PagePool:
         try:
             self._arena = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
         except (RuntimeError, MemoryError) as e:  # out of host or device memory: a capacity too large
-            raise ConfigError(f"a {capacity_bytes}-byte pool cannot be allocated on {self.device} "
-                              f"({str(e).splitlines()[0][:200]}); lower the tier's capacity") from None
+            raise ConfigError(
+                f"a {capacity_bytes}-byte pool cannot be allocated on {self.device} "
+                f"({str(e).splitlines()[0][:200]}); lower the tier's capacity"
+            ) from None
         self._pages = self._arena[: self.num_pages * page_bytes].view(self.num_pages, page_bytes)
         self._flat = self._arena[: self.num_pages * page_bytes]
         # Stack of free page numbers; the top is at _top - 1. Highest pages at the bottom.
@@ -131,8 +139,10 @@ class PagePool:
         need = self.pages_for(nbytes)
         with self._lock:
             if need > self._top:
-                raise TierFull(f"page pool on {self.device}: {nbytes} bytes need {need} pages of "
-                               f"{self.page_bytes}, {self._top} of {self.num_pages} free")
+                raise TierFull(
+                    f"page pool on {self.device}: {nbytes} bytes need {need} pages of "
+                    f"{self.page_bytes}, {self._top} of {self.num_pages} free"
+                )
             taken = self._free[self._top - need : self._top][::-1].copy()
             self._top -= need
         pages = tuple(int(p) for p in taken)
@@ -161,7 +171,9 @@ class PagePool:
             return
         full = n // self.page_bytes
         if full:
-            self._pages.index_copy_(0, span.index[:full], data[: full * self.page_bytes].view(full, self.page_bytes))
+            self._pages.index_copy_(
+                0, span.index[:full], data[: full * self.page_bytes].view(full, self.page_bytes)
+            )
         rest = n - full * self.page_bytes
         if rest:
             self._pages[span.pages[full], :rest].copy_(data[full * self.page_bytes :])

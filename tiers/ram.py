@@ -38,8 +38,13 @@ class RamTier(PagedTier):
 
     name = "ram"
 
-    def __init__(self, capacity_bytes: int, codec: Codec, page_bytes: int = DEFAULT_PAGE_BYTES,
-                 pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        codec: Codec,
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        pin_memory: bool | None = None,
+    ) -> None:
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         super().__init__(PagePool(capacity_bytes, page_bytes=page_bytes, device="cpu", pin_memory=pin))
         self.codec = codec
@@ -71,10 +76,13 @@ class RamTier(PagedTier):
         header = read_header(frame)
         if memoryview(frame).nbytes != header.frame_len:
             raise FrameError(f"frame is {memoryview(frame).nbytes} bytes, its header says {header.frame_len}")
-        return self._store(key, bytes_tensor(frame), _FrameMeta(layout=header.layout, codec_id=header.codec_id))
+        return self._store(
+            key, bytes_tensor(frame), _FrameMeta(layout=header.layout, codec_id=header.codec_id)
+        )
 
-    def get(self, key: bytes, device: torch.device | str | None = None, *,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+    def get(
+        self, key: bytes, device: torch.device | str | None = None, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Check and decode the frame under ``key`` onto ``device`` (default CPU), or into ``out``.
 
         KeyError when absent; FrameError (ChecksumMismatch, LayoutMismatch, ...) when damaged.

@@ -63,6 +63,7 @@ class Unreachable(UsageError):
 
 # ---------------------------------------------------------------- argument types
 
+
 def _duration_arg(text: str) -> float:
     try:
         seconds = parse_duration(text)
@@ -101,8 +102,9 @@ def parse_layout(text: str) -> Any:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         if not sep:
-            raise argparse.ArgumentTypeError(f"layout part {part!r} is not key=value; write e.g. "
-                                             "L=30,H=3,D=64,dtype=bfloat16,T=64")
+            raise argparse.ArgumentTypeError(
+                f"layout part {part!r} is not key=value; write e.g. L=30,H=3,D=64,dtype=bfloat16,T=64"
+            )
         name = _LAYOUT_ALIASES.get(name.strip(), name.strip())
         fields[name] = value.strip() if name == "dtype" else _int_field(name, value)
     try:
@@ -125,10 +127,15 @@ def read_tokens(path: str, stdin: IO[str] | None = None) -> list[int]:
     except OSError as e:
         raise UsageError(f"cannot read tokens from {path}: {e.strerror}") from None
     try:
-        data = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.replace(",", " ").split()]
+        data = (
+            json.loads(text)
+            if text.lstrip().startswith("[")
+            else [int(t) for t in text.replace(",", " ").split()]
+        )
     except ValueError as e:
-        raise UsageError(f"{path} must hold token ids: a JSON list or integers separated by spaces "
-                           f"({e})") from None
+        raise UsageError(
+            f"{path} must hold token ids: a JSON list or integers separated by spaces ({e})"
+        ) from None
     if not isinstance(data, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in data):
         raise UsageError(f"{path} must hold a flat list of integer token ids")
     return data
@@ -136,43 +143,80 @@ def read_tokens(path: str, stdin: IO[str] | None = None) -> list[int]:
 
 # ---------------------------------------------------------------- parser
 
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    common.add_argument("--endpoint", type=_endpoint_arg, help="daemon endpoint (default: the config's "
-                        "[server] endpoint, or $KVSTORE_ENDPOINT)")
-    common.add_argument("--config", metavar="FILE", help="TOML config (default: $KVSTORE_CONFIG, else built-in)")
+    common.add_argument(
+        "--endpoint",
+        type=_endpoint_arg,
+        help="daemon endpoint (default: the config's [server] endpoint, or $KVSTORE_ENDPOINT)",
+    )
+    common.add_argument(
+        "--config", metavar="FILE", help="TOML config (default: $KVSTORE_CONFIG, else built-in)"
+    )
     ops = argparse.ArgumentParser(add_help=False, allow_abbrev=False, parents=[common])
     ops.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
-    ops.add_argument("--timeout", type=_duration_arg, default=5.0, metavar="DURATION",
-                     help="how long to wait for the daemon (default 5s)")
+    ops.add_argument(
+        "--timeout",
+        type=_duration_arg,
+        default=5.0,
+        metavar="DURATION",
+        help="how long to wait for the daemon (default 5s)",
+    )
 
-    parser = argparse.ArgumentParser(prog="kvstore", allow_abbrev=False,
-                                     description="Tiered KV-cache store for LLM inference: run and operate the daemon.")
+    parser = argparse.ArgumentParser(
+        prog="kvstore",
+        allow_abbrev=False,
+        description="Tiered KV-cache store for LLM inference: run and operate the daemon.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("serve", parents=[common], allow_abbrev=False, help="run the daemon until SIGTERM/SIGINT",
-                       description="Run the daemon in the foreground; SIGTERM or Ctrl-C flushes to disk and stops it.")
+    p = sub.add_parser(
+        "serve",
+        parents=[common],
+        allow_abbrev=False,
+        help="run the daemon until SIGTERM/SIGINT",
+        description="Run the daemon in the foreground; SIGTERM or Ctrl-C flushes to disk and stops it.",
+    )
     p.set_defaults(parser=p)
     p = sub.add_parser("stats", parents=[ops], allow_abbrev=False, help="per-tier usage, hits and counters")
     p.set_defaults(parser=p)
 
-    p = sub.add_parser("inspect", parents=[ops], allow_abbrev=False, help="list sessions, one session, or a prefix",
-                       description="Without options: every session. --session: where that session's blocks live. "
-                                   "--tokens: how much of a token sequence is stored (needs --model and --layout).")
+    p = sub.add_parser(
+        "inspect",
+        parents=[ops],
+        allow_abbrev=False,
+        help="list sessions, one session, or a prefix",
+        description="Without options: every session. --session: where that session's blocks live. "
+        "--tokens: how much of a token sequence is stored (needs --model and --layout).",
+    )
     p.add_argument("--session", help="show this session's blocks")
-    p.add_argument("--tokens", metavar="FILE", help="token ids (JSON list or whitespace separated; - = stdin)")
+    p.add_argument(
+        "--tokens", metavar="FILE", help="token ids (JSON list or whitespace separated; - = stdin)"
+    )
     p.add_argument("--model", help="model id of --tokens")
-    p.add_argument("--layout", type=parse_layout, metavar="SPEC", help="layout of --tokens, e.g. "
-                   "L=30,H=3,D=64,dtype=bfloat16,T=64")
+    p.add_argument(
+        "--layout",
+        type=parse_layout,
+        metavar="SPEC",
+        help="layout of --tokens, e.g. L=30,H=3,D=64,dtype=bfloat16,T=64",
+    )
     p.add_argument("--tenant", default="default", help="tenant of --tokens (default: default)")
     p.add_argument("--revision", default="", help="model revision of --tokens")
     p.set_defaults(parser=p)
 
-    p = sub.add_parser("evict", parents=[ops], allow_abbrev=False, help="drop (or move down) blocks",
-                       description="Evict the blocks every given filter selects (filters combine with AND). "
-                                   "With --tier the blocks in that tier move down one tier instead of going away.")
+    p = sub.add_parser(
+        "evict",
+        parents=[ops],
+        allow_abbrev=False,
+        help="drop (or move down) blocks",
+        description="Evict the blocks every given filter selects (filters combine with AND). "
+        "With --tier the blocks in that tier move down one tier instead of going away.",
+    )
     p.add_argument("--session", help="blocks of this session (and no other)")
-    p.add_argument("--older-than", type=_duration_arg, metavar="DURATION", help="blocks unused this long, e.g. 2d")
+    p.add_argument(
+        "--older-than", type=_duration_arg, metavar="DURATION", help="blocks unused this long, e.g. 2d"
+    )
     p.add_argument("--tier", choices=TIERS, help="blocks held in this tier move down one tier")
     p.add_argument("--model", help="blocks of this model id")
     p.add_argument("--tenant", help="blocks of this tenant")
@@ -182,39 +226,74 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     p.set_defaults(parser=p)
 
-    p = sub.add_parser("prefetch", parents=[ops], allow_abbrev=False, help="bring a session's blocks up a tier",
-                       description="Warm a session up (e.g. from nvme after a restart) before its user comes "
-                                   "back: its blocks are copied up into --to, a chunk at a time, with a progress "
-                                   "bar on a terminal; then the time taken, what moved and the rate.")
+    p = sub.add_parser(
+        "prefetch",
+        parents=[ops],
+        allow_abbrev=False,
+        help="bring a session's blocks up a tier",
+        description="Warm a session up (e.g. from nvme after a restart) before its user comes "
+        "back: its blocks are copied up into --to, a chunk at a time, with a progress "
+        "bar on a terminal; then the time taken, what moved and the rate.",
+    )
     p.add_argument("--session", required=True, help="the session to warm up")
     p.add_argument("--to", choices=("ram", "hbm"), default="ram", help="target tier (default ram)")
-    p.add_argument("--chunk", type=_positive_int, default=PREFETCH_CHUNK, metavar="N",
-                   help=f"blocks per request (default {PREFETCH_CHUNK})")
+    p.add_argument(
+        "--chunk",
+        type=_positive_int,
+        default=PREFETCH_CHUNK,
+        metavar="N",
+        help=f"blocks per request (default {PREFETCH_CHUNK})",
+    )
     p.set_defaults(parser=p)
 
-    p = sub.add_parser("keygen", allow_abbrev=False, help="make a CURVE key pair for tcp daemons and clients",
-                       description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) into DIR and "
-                                   "print the public key. A daemon uses its secret file as [server] "
-                                   "curve_secret_key; a client's public key goes into the daemon's "
-                                   "curve_allowed_keys as '<public key> <tenant>'.")
-    p.add_argument("--out", metavar="DIR", default=".", help="directory for the pair (created 0700 if missing; "
-                   "default: the current directory)")
+    p = sub.add_parser(
+        "keygen",
+        allow_abbrev=False,
+        help="make a CURVE key pair for tcp daemons and clients",
+        description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) into DIR and "
+        "print the public key. A daemon uses its secret file as [server] "
+        "curve_secret_key; a client's public key goes into the daemon's "
+        "curve_allowed_keys as '<public key> <tenant>'.",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=".",
+        help="directory for the pair (created 0700 if missing; default: the current directory)",
+    )
     p.add_argument("--name", default="kvstore", help="file name of the pair (default kvstore)")
     p.add_argument("--force", action="store_true", help="replace an existing pair of that name")
     p.add_argument("--json", action="store_true", help="print the key and both paths as JSON")
     p.set_defaults(parser=p)
 
-    p = sub.add_parser("demo", parents=[common], allow_abbrev=False, help="chat with SmolLM2 through the daemon",
-                       description="A multi-turn conversation with SmolLM2-135M-Instruct through a running daemon, "
-                                   "printing per turn the tokens reused, the time to first token with and without "
-                                   "kvstore, and the tier each reused block came from.")
+    p = sub.add_parser(
+        "demo",
+        parents=[common],
+        allow_abbrev=False,
+        help="chat with SmolLM2 through the daemon",
+        description="A multi-turn conversation with SmolLM2-135M-Instruct through a running daemon, "
+        "printing per turn the tokens reused, the time to first token with and without "
+        "kvstore, and the tier each reused block came from.",
+    )
     p.add_argument("--session", default="demo", help="session tag of the conversation (default: demo)")
     p.add_argument("--tenant", default="default", help="tenant of the conversation (default: default)")
-    p.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="answer length cap (default 48)")
-    p.add_argument("--document-tokens", type=int, default=1024, metavar="N",
-                   help="tokens of the document handed over in turn 1 (default 1024)")
-    p.add_argument("--timeout", type=_duration_arg, default=30.0, metavar="DURATION",
-                   help="how long to wait for the daemon per call (default 30s)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=48, metavar="N", help="answer length cap (default 48)"
+    )
+    p.add_argument(
+        "--document-tokens",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="tokens of the document handed over in turn 1 (default 1024)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_duration_arg,
+        default=30.0,
+        metavar="DURATION",
+        help="how long to wait for the daemon per call (default 30s)",
+    )
     p.set_defaults(parser=p)
     return parser
 
@@ -230,23 +309,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if args.command == "inspect":
         if args.tokens is not None and (args.model is None or args.layout is None):
-            parser.error("inspect --tokens needs --model and --layout (the namespace the tokens were stored under)")
+            parser.error(
+                "inspect --tokens needs --model and --layout (the namespace the tokens were stored under)"
+            )
         if args.tokens is None and (args.model or args.layout):
             parser.error("inspect: --model and --layout only go with --tokens")
         if args.tokens is not None and args.session is not None:
             parser.error("inspect: give --session or --tokens, not both")
     if args.command == "evict":
-        given = [f for f in ("session", "older_than", "tier", "model", "tenant", "namespace") if
-                 getattr(args, f) is not None]
+        given = [
+            f
+            for f in ("session", "older_than", "tier", "model", "tenant", "namespace")
+            if getattr(args, f) is not None
+        ]
         if not given and not args.all:
-            parser.error("evict needs a filter: --session, --older-than, --tier, --model, --tenant, "
-                         "--namespace or --all")
+            parser.error(
+                "evict needs a filter: --session, --older-than, --tier, --model, --tenant, "
+                "--namespace or --all"
+            )
         if given and args.all:
             parser.error(f"evict --all selects everything; drop --{given[0].replace('_', '-')} or --all")
     return args
 
 
 # ---------------------------------------------------------------- commands
+
 
 def resolve_endpoint(args: argparse.Namespace) -> str:
     """--endpoint, else the config's endpoint (--config or $KVSTORE_CONFIG, with $KVSTORE_* overrides)."""
@@ -261,8 +348,10 @@ def check_reachable(endpoint: str) -> None:
     if path is None:
         return
     if path.parent.is_dir() and not os.access(path.parent, os.X_OK):
-        raise Unreachable(f"cannot reach the daemon at {endpoint}: {path.parent} belongs to another user; "
-                          "run this command as the daemon's user")
+        raise Unreachable(
+            f"cannot reach the daemon at {endpoint}: {path.parent} belongs to another user; "
+            "run this command as the daemon's user"
+        )
     if not path.exists():
         raise Unreachable(f"no kvstore daemon is running at {endpoint}; {START_HINT}")
 
@@ -312,11 +401,18 @@ def cmd_inspect(args: argparse.Namespace, out: IO[str]) -> int:
     now = time.time()
     if args.tokens is not None:
         tokens = read_tokens(args.tokens)
-        with connect(args, model=args.model, layout=args.layout, tenant=args.tenant, revision=args.revision) as c:
+        with connect(
+            args, model=args.model, layout=args.layout, tenant=args.tenant, revision=args.revision
+        ) as c:
             _emit(args, plain(c.inspect(token_ids=tokens)), display.render_prefix, out)
     elif args.session is not None:
         with connect(args) as client:
-            _emit(args, plain(client.inspect(session=args.session)), lambda d: display.render_session(d, now), out)
+            _emit(
+                args,
+                plain(client.inspect(session=args.session)),
+                lambda d: display.render_session(d, now),
+                out,
+            )
     else:
         with connect(args) as client:
             _emit(args, plain(client.sessions()), lambda d: display.render_sessions(d, now), out)
@@ -330,11 +426,20 @@ def _ask(prompt: str) -> bool:
 
 
 def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
-    flt = {"session": args.session, "older_than": args.older_than, "tier": args.tier, "model": args.model,
-           "tenant": args.tenant, "namespace": args.namespace, "all": args.all}
+    flt = {
+        "session": args.session,
+        "older_than": args.older_than,
+        "tier": args.tier,
+        "model": args.model,
+        "tenant": args.tenant,
+        "namespace": args.namespace,
+        "all": args.all,
+    }
     interactive = sys.stdin.isatty()
     if args.all and not (args.yes or args.dry_run or interactive):
-        raise UsageError("evict --all drops every block and stdin is not a terminal to ask; add --yes to confirm")
+        raise UsageError(
+            "evict --all drops every block and stdin is not a terminal to ask; add --yes to confirm"
+        )
     with connect(args) as client:
         if not (args.yes or args.dry_run) and interactive:
             preview = plain(client.evict(**flt, dry_run=True))
@@ -365,7 +470,9 @@ def cmd_prefetch(args: argparse.Namespace, out: IO[str], err: IO[str] | None = N
                 for k in total:
                     total[k] += getattr(r, k)
                 if bar:
-                    err.write("\r" + display.render_progress(r.blocks - r.remaining, r.blocks, total["bytes_moved"]))
+                    err.write(
+                        "\r" + display.render_progress(r.blocks - r.remaining, r.blocks, total["bytes_moved"])
+                    )
                     err.flush()
                 if r.remaining <= 0:
                     break
@@ -375,8 +482,19 @@ def cmd_prefetch(args: argparse.Namespace, out: IO[str], err: IO[str] | None = N
                 err.write("\r\x1b[K")  # the summary replaces the bar
                 err.flush()
     seconds = time.monotonic() - started
-    _emit(args, {"session": args.session, "to": args.to, **total, "blocks": blocks, "requests": requests,
-                 "seconds": round(seconds, 6)}, display.render_prefetch, out)
+    _emit(
+        args,
+        {
+            "session": args.session,
+            "to": args.to,
+            **total,
+            "blocks": blocks,
+            "requests": requests,
+            "seconds": round(seconds, 6),
+        },
+        display.render_prefetch,
+        out,
+    )
     return EXIT_OK
 
 
@@ -388,8 +506,17 @@ def cmd_keygen(args: argparse.Namespace, out: IO[str]) -> int:
     except OSError as e:
         raise UsageError(f"cannot write a key pair into {args.out}: {e.strerror}") from None
     if args.json:
-        out.write(json.dumps({"public_key": files.public_key, "public_file": str(files.public_file),
-                              "secret_file": str(files.secret_file)}, indent=2) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "public_key": files.public_key,
+                    "public_file": str(files.public_file),
+                    "secret_file": str(files.secret_file),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     else:
         out.write(files.public_key + "\n")  # stdout is the key alone: PUB=$(kvstore keygen ...)
         sys.stderr.write(f"wrote {files.public_file} (public) and {files.secret_file} (secret, mode 0600)\n")
@@ -401,14 +528,26 @@ def cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
     check_reachable(endpoint)
     from kvstore.cli.demo import run_demo
 
-    run_demo(endpoint, out, session=args.session, tenant=args.tenant, max_new_tokens=args.max_new_tokens,
-             document_tokens=args.document_tokens, timeout=args.timeout)
+    run_demo(
+        endpoint,
+        out,
+        session=args.session,
+        tenant=args.tenant,
+        max_new_tokens=args.max_new_tokens,
+        document_tokens=args.document_tokens,
+        timeout=args.timeout,
+    )
     return EXIT_OK
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, IO[str]], int]] = {
-    "serve": cmd_serve, "stats": cmd_stats, "inspect": cmd_inspect, "evict": cmd_evict, "prefetch": cmd_prefetch,
-    "keygen": cmd_keygen, "demo": cmd_demo,
+    "serve": cmd_serve,
+    "stats": cmd_stats,
+    "inspect": cmd_inspect,
+    "evict": cmd_evict,
+    "prefetch": cmd_prefetch,
+    "keygen": cmd_keygen,
+    "demo": cmd_demo,
 }
 
 

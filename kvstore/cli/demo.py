@@ -61,7 +61,9 @@ def document(max_tokens: int, tokenizer: Any) -> str:
     texts = dict(reference_texts())
     text = texts.get("Apache-2.0") or next(iter(texts.values()), "")
     if not text:
-        raise DemoUnavailable("no reference text found on this host (see kvstore.integrations.quality.reference_texts)")
+        raise DemoUnavailable(
+            "no reference text found on this host (see kvstore.integrations.quality.reference_texts)"
+        )
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
     out: str = tokenizer.decode(ids)
     return out
@@ -73,9 +75,19 @@ def tier_summary(tiers: Sequence[str]) -> str:
     return ", ".join(f"{t} x{counts[t]}" for t in ("hbm", "ram", "nvme") if counts[t]) or "-"
 
 
-def run_demo(endpoint: str, out: IO[str], *, session: str = "demo", tenant: str = "default",
-             questions: Sequence[str] = QUESTIONS, document_tokens: int = 1024, max_new_tokens: int = 48,
-             dtype: str = "bfloat16", timeout: float = 30.0, loaded: LoadedModel | None = None) -> list[DemoTurn]:
+def run_demo(
+    endpoint: str,
+    out: IO[str],
+    *,
+    session: str = "demo",
+    tenant: str = "default",
+    questions: Sequence[str] = QUESTIONS,
+    document_tokens: int = 1024,
+    max_new_tokens: int = 48,
+    dtype: str = "bfloat16",
+    timeout: float = 30.0,
+    loaded: LoadedModel | None = None,
+) -> list[DemoTurn]:
     """Hold the conversation against the daemon at ``endpoint``, printing each turn to ``out``.
 
     Stores every turn's prompt and answer under ``session`` (namespace: SmolLM2,
@@ -96,19 +108,27 @@ def run_demo(endpoint: str, out: IO[str], *, session: str = "demo", tenant: str 
     chat = Conversation(loaded.tokenizer)
     doc = document(document_tokens, loaded.tokenizer)
     turns: list[DemoTurn] = []
-    with KVStoreClient(endpoint, model=loaded.model_id, layout=layout, tenant=tenant, timeout=timeout) as client:
+    with KVStoreClient(
+        endpoint, model=loaded.model_id, layout=layout, tenant=tenant, timeout=timeout
+    ) as client:
         client.ping()
         for i, question in enumerate(questions, 1):
             ids = chat.ask(f"{doc}\n\n{question}" if i == 1 else question)
             scratch = time_to_first_token(loaded.model, ids)  # the same prompt, recomputed from nothing
             turn = run_turn(loaded.model, client, ids, max_new_tokens=max_new_tokens, session=session)
             answer = chat.answer(turn.output_ids)
-            result = DemoTurn(turn.prompt_tokens, turn.reused_tokens, turn.tiers, turn.ttft_s, scratch, answer)
+            result = DemoTurn(
+                turn.prompt_tokens, turn.reused_tokens, turn.tiers, turn.ttft_s, scratch, answer
+            )
             turns.append(result)
             out.write(f"\nturn {i}: {question}\n  {answer.strip()}\n")
-            out.write(f"  {result.prompt_tokens:,} prompt tokens, {result.reused_tokens:,} reused "
-                      f"({tier_summary(result.tiers)}); stored {turn.stored_blocks} new blocks\n")
-            out.write(f"  time to first token: {result.ttft_cached_s:.3f} s with kvstore, "
-                      f"{result.ttft_scratch_s:.3f} s recomputing ({result.speedup:.1f}x)\n")
+            out.write(
+                f"  {result.prompt_tokens:,} prompt tokens, {result.reused_tokens:,} reused "
+                f"({tier_summary(result.tiers)}); stored {turn.stored_blocks} new blocks\n"
+            )
+            out.write(
+                f"  time to first token: {result.ttft_cached_s:.3f} s with kvstore, "
+                f"{result.ttft_scratch_s:.3f} s recomputing ({result.speedup:.1f}x)\n"
+            )
             out.flush()
     return turns

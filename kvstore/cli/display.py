@@ -84,9 +84,11 @@ def _g(d: Mapping[str, Any], key: str) -> Any:
 def render_stats(data: Mapping[str, Any]) -> str:
     """``kvstore stats``: the daemon line, one row per tier, then store-wide counters."""
     store, server = data.get("store") or {}, data.get("server") or {}
-    head = (f"kvstore daemon at {server.get('endpoint', '?')}  pid {server.get('pid', '?')}  "
-            f"up {format_duration(server.get('uptime'))}  requests {format_count(server.get('requests'))}  "
-            f"errors {format_count(server.get('errors'))}")
+    head = (
+        f"kvstore daemon at {server.get('endpoint', '?')}  pid {server.get('pid', '?')}  "
+        f"up {format_duration(server.get('uptime'))}  requests {format_count(server.get('requests'))}  "
+        f"errors {format_count(server.get('errors'))}"
+    )
     tiers = store.get("tiers") or {}
     rows = []
     for name in [*TIERS, *sorted(set(tiers) - set(TIERS))]:
@@ -94,16 +96,49 @@ def render_stats(data: Mapping[str, Any]) -> str:
         if t is None:
             continue
         lookups = (_g(t, "hits") or 0) + (_g(t, "misses") or 0)
-        rows.append([name, format_count(_g(t, "blocks")), format_bytes(_g(t, "used")),
-                     format_bytes(_g(t, "capacity")), format_ratio(_g(t, "used"), _g(t, "capacity")),
-                     format_count(_g(t, "hits")), format_count(_g(t, "misses")), format_ratio(_g(t, "hits"), lookups),
-                     format_count(_g(t, "evictions")), format_count(_g(t, "demotions")),
-                     format_count(_g(t, "promotions")), format_count(_g(t, "corrupt"))])
-    tier_table = table(["tier", "blocks", "used", "capacity", "full", "hits", "misses", "hit rate",
-                        "evicted", "demoted", "promoted", "corrupt"], rows) if rows else "(no tiers reported)"
+        rows.append(
+            [
+                name,
+                format_count(_g(t, "blocks")),
+                format_bytes(_g(t, "used")),
+                format_bytes(_g(t, "capacity")),
+                format_ratio(_g(t, "used"), _g(t, "capacity")),
+                format_count(_g(t, "hits")),
+                format_count(_g(t, "misses")),
+                format_ratio(_g(t, "hits"), lookups),
+                format_count(_g(t, "evictions")),
+                format_count(_g(t, "demotions")),
+                format_count(_g(t, "promotions")),
+                format_count(_g(t, "corrupt")),
+            ]
+        )
+    tier_table = (
+        table(
+            [
+                "tier",
+                "blocks",
+                "used",
+                "capacity",
+                "full",
+                "hits",
+                "misses",
+                "hit rate",
+                "evicted",
+                "demoted",
+                "promoted",
+                "corrupt",
+            ],
+            rows,
+        )
+        if rows
+        else "(no tiers reported)"
+    )
     c = store.get
     lines = [
-        head, "", tier_table, "",
+        head,
+        "",
+        tier_table,
+        "",
         f"blocks {format_count(c('blocks'))}  sessions {format_count(c('sessions'))}  "
         f"namespaces {format_count(c('namespaces'))}  pinned {format_count(c('pinned'))}",
         f"write-through: queued {format_count(c('write_queue'))}  written {format_count(c('written'))}  "
@@ -125,11 +160,24 @@ def render_sessions(sessions: Sequence[Mapping[str, Any]], now: float) -> str:
     if not sessions:
         return "no sessions (blocks put with session=... show up here)"
     ordered = sorted(sessions, key=lambda s: s.get("last_access") or 0, reverse=True)
-    rows = [[s.get("name", "?"), s.get("model", "-"), s.get("tenant", "-"), format_count(s.get("tokens")),
-             format_count(s.get("blocks")), *_tier_counts(s.get("tiers")),
-             format_age(s.get("last_access"), now), format_age(s.get("created"), now)] for s in ordered]
-    return table(["session", "model", "tenant", "tokens", "blocks", *TIERS, "last used", "created"], rows,
-                 align="lll" + "r" * 5 + "ll")
+    rows = [
+        [
+            s.get("name", "?"),
+            s.get("model", "-"),
+            s.get("tenant", "-"),
+            format_count(s.get("tokens")),
+            format_count(s.get("blocks")),
+            *_tier_counts(s.get("tiers")),
+            format_age(s.get("last_access"), now),
+            format_age(s.get("created"), now),
+        ]
+        for s in ordered
+    ]
+    return table(
+        ["session", "model", "tenant", "tokens", "blocks", *TIERS, "last used", "created"],
+        rows,
+        align="lll" + "r" * 5 + "ll",
+    )
 
 
 def render_session(detail: Mapping[str, Any], now: float) -> str:
@@ -146,16 +194,25 @@ def render_session(detail: Mapping[str, Any], now: float) -> str:
     blocks = detail.get("blocks") or []
     if not blocks:
         return "\n".join([*head, "", "no blocks cached"])
-    rows = [[format_count(b.get("position")), str(b.get("key", ""))[:16], ",".join(b.get("tiers") or []) or "-",
-             format_age(b.get("last_access"), now)] for b in blocks]
+    rows = [
+        [
+            format_count(b.get("position")),
+            str(b.get("key", ""))[:16],
+            ",".join(b.get("tiers") or []) or "-",
+            format_age(b.get("last_access"), now),
+        ]
+        for b in blocks
+    ]
     return "\n".join([*head, "", table(["block", "key", "tiers", "last used"], rows, align="rlll")])
 
 
 def render_prefix(data: Mapping[str, Any]) -> str:
     """``kvstore inspect --tokens FILE``: how much of a token sequence is stored, and where."""
     blocks = data.get("blocks") or []
-    head = (f"namespace {data.get('namespace', '-')}: {format_count(data.get('matched_tokens'))} of "
-            f"{format_count(data.get('tokens'))} tokens stored in {len(blocks)} blocks")
+    head = (
+        f"namespace {data.get('namespace', '-')}: {format_count(data.get('matched_tokens'))} of "
+        f"{format_count(data.get('tokens'))} tokens stored in {len(blocks)} blocks"
+    )
     if not blocks:
         return head
     rows = [[format_count(b.get("position")), str(b.get("key", ""))[:16], b.get("tier", "-")] for b in blocks]
@@ -169,8 +226,12 @@ def render_evict(result: Mapping[str, Any]) -> str:
     if blocks == 0:
         return "no blocks matched" + (" (dry run)" if dry else "")
     freed = result.get("bytes_freed") or {}
-    freed_text = ", ".join(f"{t} {format_bytes(freed[t])}" for t in [*TIERS, *sorted(set(freed) - set(TIERS))]
-                           if t in freed) or "nothing"
+    freed_text = (
+        ", ".join(
+            f"{t} {format_bytes(freed[t])}" for t in [*TIERS, *sorted(set(freed) - set(TIERS))] if t in freed
+        )
+        or "nothing"
+    )
     moved_text = f" ({format_count(moved)} of them moved down a tier)" if moved else ""
     if dry:
         return f"would evict {format_count(blocks)} blocks{moved_text}; would free {freed_text}"
@@ -196,17 +257,22 @@ def format_rate(nbytes: int | float | None, seconds: float | None) -> str:
 def render_progress(done: int, total: int, nbytes: int, width: int = 30) -> str:
     """One progress line (no newline): ``[######........]  12/40 blocks  3.0 MiB``; a bar of ``width``."""
     fill = width if total <= 0 else min(width, width * max(0, done) // total)
-    return f"[{'#' * fill}{'.' * (width - fill)}] {format_count(done)}/{format_count(total)} blocks  " \
-           f"{format_bytes(nbytes)}"
+    return (
+        f"[{'#' * fill}{'.' * (width - fill)}] {format_count(done)}/{format_count(total)} blocks  "
+        f"{format_bytes(nbytes)}"
+    )
 
 
 def render_prefetch(result: Mapping[str, Any]) -> str:
     """``kvstore prefetch``: what moved; with ``seconds`` (the CLI's timing) also the bytes, time and rate."""
-    text = (f"session {result.get('session', '?')}: {format_count(result.get('moved'))} blocks brought up to "
-            f"{result.get('to', '?')}, {format_count(result.get('present'))} already there, "
-            f"{format_count(result.get('failed'))} failed")
+    text = (
+        f"session {result.get('session', '?')}: {format_count(result.get('moved'))} blocks brought up to "
+        f"{result.get('to', '?')}, {format_count(result.get('present'))} already there, "
+        f"{format_count(result.get('failed'))} failed"
+    )
     if "seconds" in result:
         nbytes, seconds = result.get("bytes_moved"), result.get("seconds")
-        text += (f"; {format_bytes(nbytes)} moved in {format_seconds(seconds)} "
-                 f"({format_rate(nbytes, seconds)})")
+        text += (
+            f"; {format_bytes(nbytes)} moved in {format_seconds(seconds)} ({format_rate(nbytes, seconds)})"
+        )
     return text

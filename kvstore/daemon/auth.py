@@ -50,11 +50,15 @@ ZAP_DOMAIN = b"kvstore"
 OPERATOR = "*"  # allow-list tenant of keys whose connections span every tenant
 KEY_CHARS = 40  # a 32-byte curve25519 key in Z85
 TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
-ENV_SERVER_KEY, ENV_SECRET_KEY, ENV_PUBLIC_KEY = "KVSTORE_CURVE_SERVER_KEY", "KVSTORE_CURVE_SECRET_KEY", \
-    "KVSTORE_CURVE_PUBLIC_KEY"
+ENV_SERVER_KEY, ENV_SECRET_KEY, ENV_PUBLIC_KEY = (
+    "KVSTORE_CURVE_SERVER_KEY",
+    "KVSTORE_CURVE_SECRET_KEY",
+    "KVSTORE_CURVE_PUBLIC_KEY",
+)
 
 
 # ---------------------------------------------------------------- keys and key files
+
 
 def parse_key(text: str | bytes, what: str) -> bytes:
     """``text`` as a Z85 key (bytes); ConfigError naming ``what`` unless it is 40 Z85 characters of 32 bytes."""
@@ -65,8 +69,10 @@ def parse_key(text: str | bytes, what: str) -> bytes:
     except Exception:  # z85 raises ValueError, KeyError or struct.error on garbage
         ok = False
     if not ok:
-        raise ConfigError(f"{what} is not a CURVE key: expected {KEY_CHARS} Z85 characters (as written by "
-                          "`kvstore keygen`) or the path of a key file")
+        raise ConfigError(
+            f"{what} is not a CURVE key: expected {KEY_CHARS} Z85 characters (as written by "
+            "`kvstore keygen`) or the path of a key file"
+        )
     return raw
 
 
@@ -82,8 +88,10 @@ def check_private(path: Path, what: str) -> None:
     """Raise ConfigError when the secret file ``path`` can be read by group or others (as ssh does)."""
     mode = os.stat(path).st_mode
     if mode & 0o077:
-        raise ConfigError(f"{what} {path} has mode {oct(stat.S_IMODE(mode))}; others could read the secret key. "
-                          f"Run: chmod 600 {path}")
+        raise ConfigError(
+            f"{what} {path} has mode {oct(stat.S_IMODE(mode))}; others could read the secret key. "
+            f"Run: chmod 600 {path}"
+        )
 
 
 def load_key(value: str | bytes, what: str, *, secret: bool) -> bytes:
@@ -129,7 +137,9 @@ def write_keypair(directory: Path, name: str, *, force: bool = False) -> KeyFile
             raise ConfigError(f"{f} exists; choose another --name or pass --force to replace the pair")
     public, secret = zmq.curve_keypair()
     secret_file.unlink(missing_ok=True)
-    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, not even briefly
+    fd = os.open(
+        secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+    )  # never readable by others, not even briefly
     with os.fdopen(fd, "w") as out:
         out.write(f"# kvstore CURVE secret key (the last line); never share it\n{secret.decode()}\n")
     public_file.write_text(f"{public.decode()}\n")
@@ -137,6 +147,7 @@ def write_keypair(directory: Path, name: str, *, force: bool = False) -> KeyFile
 
 
 # ---------------------------------------------------------------- the allow-list
+
 
 def parse_allow_list(text: str, source: str) -> dict[bytes, str]:
     """Lines ``<Z85 public key> <tenant>`` (``#`` comments, blank lines) -> {public key: tenant}.
@@ -159,8 +170,9 @@ def parse_allow_list(text: str, source: str) -> dict[bytes, str]:
         key = parse_key(words[0], f"{where}: the key")
         tenant = words[1]
         if tenant != OPERATOR and not TENANT_RE.fullmatch(tenant):
-            raise ConfigError(f"{where}: tenant {tenant!r} must be 1-64 letters, digits or ._@- (or * for an "
-                              "operator key)")
+            raise ConfigError(
+                f"{where}: tenant {tenant!r} must be 1-64 letters, digits or ._@- (or * for an operator key)"
+            )
         if allowed.get(key, tenant) != tenant:
             raise ConfigError(f"{where}: key {key.decode()} is already listed for tenant {allowed[key]!r}")
         allowed[key] = tenant
@@ -175,12 +187,15 @@ def read_allow_list(path: Path) -> dict[bytes, str]:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"curve_allowed_keys file {path} cannot be read: {e}") from None
     if st.st_mode & 0o022:
-        raise ConfigError(f"curve_allowed_keys file {path} has mode {oct(stat.S_IMODE(st.st_mode))}; others could "
-                          f"grant themselves access. Run: chmod go-w {path}")
+        raise ConfigError(
+            f"curve_allowed_keys file {path} has mode {oct(stat.S_IMODE(st.st_mode))}; others could "
+            f"grant themselves access. Run: chmod go-w {path}"
+        )
     return parse_allow_list(text, str(path))
 
 
 # ---------------------------------------------------------------- the daemon side
+
 
 @dataclass(frozen=True)
 class ServerAuth:
@@ -191,20 +206,28 @@ class ServerAuth:
     allowed: Mapping[bytes, str]
 
     @classmethod
-    def from_config(cls, endpoint: str, secret_key: str | None, allowed_keys: str | None) -> ServerAuth | None:
+    def from_config(
+        cls, endpoint: str, secret_key: str | None, allowed_keys: str | None
+    ) -> ServerAuth | None:
         """None when ``secret_key`` is unset; else the loaded keys. Raises ConfigError (fail closed) for a
         CURVE setting on a non-tcp endpoint, a missing allow-list, or any unreadable or malformed key."""
         if secret_key is None:
             if allowed_keys is not None:
-                raise ConfigError("[server] curve_allowed_keys is set but curve_secret_key is not; set both "
-                                  "(see `kvstore keygen`) or neither")
+                raise ConfigError(
+                    "[server] curve_allowed_keys is set but curve_secret_key is not; set both "
+                    "(see `kvstore keygen`) or neither"
+                )
             return None
         if not endpoint.startswith("tcp://"):
-            raise ConfigError(f"[server] curve_secret_key applies to tcp:// endpoints; {endpoint} is protected by "
-                              "its private directory instead. Remove the curve keys or serve tcp://")
+            raise ConfigError(
+                f"[server] curve_secret_key applies to tcp:// endpoints; {endpoint} is protected by "
+                "its private directory instead. Remove the curve keys or serve tcp://"
+            )
         if allowed_keys is None:
-            raise ConfigError("[server] curve_secret_key is set but curve_allowed_keys is not: no client could "
-                              "connect. Point it at a file of '<Z85 public key> <tenant>' lines")
+            raise ConfigError(
+                "[server] curve_secret_key is set but curve_allowed_keys is not: no client could "
+                "connect. Point it at a file of '<Z85 public key> <tenant>' lines"
+            )
         secret = load_key(secret_key, "[server] curve_secret_key", secret=True)
         allowed = read_allow_list(Path(allowed_keys).expanduser())
         if not allowed:
@@ -228,6 +251,7 @@ class ServerAuth:
 
 # ---------------------------------------------------------------- the client side
 
+
 @dataclass(frozen=True)
 class ClientKeys:
     """A client's CURVE settings: the daemon's public key and the client's own pair (all Z85)."""
@@ -237,8 +261,14 @@ class ClientKeys:
     secret_key: bytes
 
     @classmethod
-    def resolve(cls, endpoint: str, server_key: str | bytes | None = None, secret_key: str | bytes | None = None,
-                public_key: str | bytes | None = None, env: Mapping[str, str] | None = None) -> ClientKeys | None:
+    def resolve(
+        cls,
+        endpoint: str,
+        server_key: str | bytes | None = None,
+        secret_key: str | bytes | None = None,
+        public_key: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> ClientKeys | None:
         """Keys from the arguments, else (tcp:// endpoints only) from ``KVSTORE_CURVE_SERVER_KEY``,
         ``KVSTORE_CURVE_SECRET_KEY`` and ``KVSTORE_CURVE_PUBLIC_KEY``; None when neither gives a server key.
 
@@ -258,13 +288,17 @@ class ClientKeys:
                 raise ConfigError(f"{where[1]} is set without {where[0]}: give the daemon's public key too")
             return None
         if secret_key is None:
-            raise ConfigError(f"{where[0]} is set without {where[1]}: give this client's secret key "
-                              "(make a pair with `kvstore keygen`)")
+            raise ConfigError(
+                f"{where[0]} is set without {where[1]}: give this client's secret key "
+                "(make a pair with `kvstore keygen`)"
+            )
         server = load_key(server_key, where[0], secret=False)
         secret = load_key(secret_key, where[1], secret=True)
         public = zmq.curve_public(secret)
         if public_key is not None and load_key(public_key, where[2], secret=False) != public:
-            raise ConfigError(f"{where[2]} does not belong to {where[1]}; pass the pair `kvstore keygen` made")
+            raise ConfigError(
+                f"{where[2]} does not belong to {where[1]}; pass the pair `kvstore keygen` made"
+            )
         return cls(server, public, secret)
 
     def apply(self, sock: zmq.Socket) -> None:

@@ -35,7 +35,7 @@ class UnsafeEndpoint(KVStoreError):
 
 
 def ipc_path(endpoint: str) -> Path | None:
-    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+    return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
 
 
 def secure_dir(directory: Path) -> None:
@@ -45,13 +45,19 @@ def secure_dir(directory: Path) -> None:
         os.chmod(directory, 0o700)  # mkdir's mode is filtered through the umask
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeEndpoint(f"{directory} is not a directory (a symlink or file?); point the endpoint elsewhere")
+        raise UnsafeEndpoint(
+            f"{directory} is not a directory (a symlink or file?); point the endpoint elsewhere"
+        )
     if st.st_uid != os.getuid():
-        raise UnsafeEndpoint(f"socket directory {directory} belongs to uid {st.st_uid}, not to this user "
-                             f"({os.getuid()}); use a directory of your own")
+        raise UnsafeEndpoint(
+            f"socket directory {directory} belongs to uid {st.st_uid}, not to this user "
+            f"({os.getuid()}); use a directory of your own"
+        )
     if st.st_mode & 0o077:
-        raise UnsafeEndpoint(f"socket directory {directory} has mode {oct(st.st_mode & 0o777)}; others could reach "
-                             f"the socket. Run: chmod 700 {directory}")
+        raise UnsafeEndpoint(
+            f"socket directory {directory} has mode {oct(st.st_mode & 0o777)}; others could reach "
+            f"the socket. Run: chmod 700 {directory}"
+        )
 
 
 def probe(ctx: zmq.Context, endpoint: str, timeout_ms: int = PROBE_TIMEOUT_MS) -> dict | None:
@@ -78,17 +84,21 @@ def claim(ctx: zmq.Context, endpoint: str, *, insecure_tcp_ok: bool, curve: bool
     path = ipc_path(endpoint)
     if path is None:
         if endpoint.startswith("tcp://") and not (curve or insecure_tcp_ok):
-            raise UnsafeEndpoint(f"{endpoint} would accept anyone who can reach the port; set [server] "
-                                 "curve_secret_key (see `kvstore keygen`) or allow_insecure_tcp = true "
-                                 "on a trusted network")
+            raise UnsafeEndpoint(
+                f"{endpoint} would accept anyone who can reach the port; set [server] "
+                "curve_secret_key (see `kvstore keygen`) or allow_insecure_tcp = true "
+                "on a trusted network"
+            )
         return
     secure_dir(path.parent)
     if not (path.exists() or path.is_symlink()):
         return
     pong = probe(ctx, endpoint)
     if pong is not None:
-        raise EndpointInUse(f"another kvstore daemon (pid {pong.get('pid', '?')}) already serves {endpoint}; "
-                            "stop it first or configure another [server] endpoint")
+        raise EndpointInUse(
+            f"another kvstore daemon (pid {pong.get('pid', '?')}) already serves {endpoint}; "
+            "stop it first or configure another [server] endpoint"
+        )
     if not stat.S_ISSOCK(os.lstat(path).st_mode):
         raise UnsafeEndpoint(f"{path} exists and is not a socket; remove it or choose another endpoint")
     path.unlink()  # a stale socket: nothing answers on it

@@ -61,7 +61,9 @@ MAX_FLUSH_WAIT = 60.0  # seconds one flush request may hold a worker; the client
 class Handlers:
     """Maps each request op to its store call. Thread-safe as far as the store is."""
 
-    def __init__(self, store: Store, server_info: Callable[[], dict[str, Any]], *, max_lease: float = 30.0) -> None:
+    def __init__(
+        self, store: Store, server_info: Callable[[], dict[str, Any]], *, max_lease: float = 30.0
+    ) -> None:
         self.store = store
         self.server_info = server_info
         self.max_lease = max_lease  # a client's pin never outlives this (the store's pin lease)
@@ -70,9 +72,16 @@ class Handlers:
         self._pins: dict[int, tuple[Any, float]] = {}
         self._pins_lock = threading.Lock()
         self._ops: dict[type[Message], Callable[[Any, Namespace | None], Message]] = {
-            Lookup: self._lookup, Get: self._get, Put: self._put, Evict: self._evict,
-            Stats: self._stats, Inspect: self._inspect, Prefetch: self._prefetch,
-            Flush: self._flush, Pin: self._pin, Release: self._release,
+            Lookup: self._lookup,
+            Get: self._get,
+            Put: self._put,
+            Evict: self._evict,
+            Stats: self._stats,
+            Inspect: self._inspect,
+            Prefetch: self._prefetch,
+            Flush: self._flush,
+            Pin: self._pin,
+            Release: self._release,
         }
         self.tenant_ops = TenantOps(store, server_info)  # requests of CURVE clients confined to a tenant
 
@@ -90,8 +99,11 @@ class Handlers:
             return ErrorReply(code=getattr(e, "code", "internal") or "internal", message=str(e))
         except Exception as e:  # the daemon must survive anything a request triggers
             log.exception("request %s (%s) failed", request.id, request.msg.op)
-            return ErrorReply(code="internal", message=f"{request.msg.op} failed inside the daemon: "
-                              f"{type(e).__name__}: {e} (see the daemon log)")
+            return ErrorReply(
+                code="internal",
+                message=f"{request.msg.op} failed inside the daemon: "
+                f"{type(e).__name__}: {e} (see the daemon log)",
+            )
 
     def _run(self, msg: Message, ns: Namespace | None) -> Message:
         return self._ops[type(msg)](msg, ns)
@@ -123,12 +135,17 @@ class Handlers:
 
     def _get(self, msg: Get, ns: Namespace | None) -> Message:
         assert ns is not None
-        r = self.store.get(ns, msg.tokens, start_block=msg.start_block, max_blocks=msg.max_blocks, device="cpu")
+        r = self.store.get(
+            ns, msg.tokens, start_block=msg.start_block, max_blocks=msg.max_blocks, device="cpu"
+        )
         if r.kv is None or r.matched_blocks == 0:
             return GetOk(start_block=msg.start_block, blocks=0, tiers=[])
-        ns.layout.check_tensor(r.kv, tokens=r.matched_blocks * ns.layout.block_tokens, what="store get result")
-        return GetOk(start_block=msg.start_block, blocks=r.matched_blocks, tiers=list(r.tiers),
-                     kv=tensor_payload(r.kv))
+        ns.layout.check_tensor(
+            r.kv, tokens=r.matched_blocks * ns.layout.block_tokens, what="store get result"
+        )
+        return GetOk(
+            start_block=msg.start_block, blocks=r.matched_blocks, tiers=list(r.tiers), kv=tensor_payload(r.kv)
+        )
 
     def _put(self, msg: Put, ns: Namespace | None) -> Message:
         assert ns is not None
@@ -141,15 +158,29 @@ class Handlers:
             held = max(msg.start_block, self.store.lookup(ns, tokens).matched_blocks)
             log.warning("put of blocks %d..%d failed from block %d: %s", msg.start_block, end - 1, held, e)
             self.failed_blocks += end - held
-            return PutOk(stored=0, present=held - msg.start_block,
-                         failed=[[i, e.code, str(e)] for i in range(held, end)])
+            return PutOk(
+                stored=0,
+                present=held - msg.start_block,
+                failed=[[i, e.code, str(e)] for i in range(held, end)],
+            )
         self.failed_blocks += len(r.failed)
-        return PutOk(stored=r.stored, present=r.present, failed=[list(f) for f in r.failed],
-                     deferred=getattr(r, "deferred", 0))
+        return PutOk(
+            stored=r.stored,
+            present=r.present,
+            failed=[list(f) for f in r.failed],
+            deferred=getattr(r, "deferred", 0),
+        )
 
     def _evict(self, msg: Evict, ns: Namespace | None) -> Message:
-        flt = EvictFilter(session=msg.session, older_than=msg.older_than, tier=msg.tier,
-                          namespace=msg.namespace, model=msg.model, tenant=msg.tenant, all=msg.all)
+        flt = EvictFilter(
+            session=msg.session,
+            older_than=msg.older_than,
+            tier=msg.tier,
+            namespace=msg.namespace,
+            model=msg.model,
+            tenant=msg.tenant,
+            all=msg.all,
+        )
         r = self.store.evict(flt, dry_run=msg.dry_run)
         return EvictOk(blocks=r.blocks, bytes_freed=dict(r.bytes_freed), moved=r.moved, keys=list(r.keys))
 
@@ -164,22 +195,38 @@ class Handlers:
             assert ns is not None
             r = self.store.lookup(ns, msg.tokens)
             keys = block_keys(ns, msg.tokens)[: r.matched_blocks]
-            blocks = [{"position": i, "key": k.hex(), "tier": t} for i, (k, t) in enumerate(zip(keys, r.tiers, strict=False))]
-            return DataOk(data={"namespace": ns.id, "tokens": len(msg.tokens), "matched_tokens": r.matched_tokens,
-                                "blocks": blocks})
+            blocks = [
+                {"position": i, "key": k.hex(), "tier": t}
+                for i, (k, t) in enumerate(zip(keys, r.tiers, strict=False))
+            ]
+            return DataOk(
+                data={
+                    "namespace": ns.id,
+                    "tokens": len(msg.tokens),
+                    "matched_tokens": r.matched_tokens,
+                    "blocks": blocks,
+                }
+            )
         if msg.session is not None:
             try:
                 return DataOk(data=asdict(self.store.session(msg.session)))
             except KeyError:
-                raise ProtocolError("not_found", f"no session {msg.session!r}; list them with inspect") from None
+                raise ProtocolError(
+                    "not_found", f"no session {msg.session!r}; list them with inspect"
+                ) from None
         return DataOk(data=[asdict(s) for s in self.store.sessions()])
 
     def _prefetch(self, msg: Prefetch, ns: Namespace | None) -> Message:
         if msg.to not in PREFETCH_TARGETS:
             raise ProtocolError("invalid_argument", f"prefetch to {msg.to!r}: use one of {PREFETCH_TARGETS}")
         try:
-            return DataOk(data=asdict(self.store.prefetch(msg.session, to=msg.to, start_block=msg.start_block,
-                                                          max_blocks=msg.max_blocks)))
+            return DataOk(
+                data=asdict(
+                    self.store.prefetch(
+                        msg.session, to=msg.to, start_block=msg.start_block, max_blocks=msg.max_blocks
+                    )
+                )
+            )
         except KeyError:
             raise ProtocolError("not_found", f"no session {msg.session!r} to prefetch") from None
 
@@ -199,8 +246,11 @@ class Handlers:
                 del self._pins[hid]  # lapsed: the store has let go of them already
             held = sum(len(h.keys) for h, _ in self._pins.values())
             if len(self._pins) >= MAX_PINS or held + matched > MAX_PINNED_KEYS:
-                raise ProtocolError("busy", f"{len(self._pins)} pins hold {held} blocks (at most {MAX_PINS} pins, "
-                                    f"{MAX_PINNED_KEYS} blocks); release some or wait for leases to end")
+                raise ProtocolError(
+                    "busy",
+                    f"{len(self._pins)} pins hold {held} blocks (at most {MAX_PINS} pins, "
+                    f"{MAX_PINNED_KEYS} blocks); release some or wait for leases to end",
+                )
             handle = self.store.pin(block_keys(ns, msg.tokens)[:matched], lease)
             hid = secrets.randbits(63)
             self._pins[hid] = (handle, now + lease)

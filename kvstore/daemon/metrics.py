@@ -36,44 +36,79 @@ from kvstore.wire.errors import ERROR_CODES
 from kvstore.wire.messages import REQUESTS, ErrorReply, PutOk
 
 # 50 µs (a lookup answered from the index) .. 10 s (a long prefix read back from nvme)
-LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 # Label values are bounded so that a misbehaving client cannot blow up the series count.
 OPS = frozenset(REQUESTS)
 PUT_FAILURES = frozenset({MISSING_PARENT, NO_ROOM}) | frozenset(ERROR_CODES)
 OTHER = "other"
 
 # (stats field, metric name, help) per tier
-_TIER_GAUGES = (("blocks", "kvstore_tier_blocks", "Blocks held in the tier"),
-                ("used", "kvstore_tier_used_bytes", "Bytes of the tier's capacity in use"),
-                ("capacity", "kvstore_tier_capacity_bytes", "Configured capacity of the tier (a hard limit)"))
-_TIER_COUNTERS = (("hits", "kvstore_tier_hits", "Blocks read from this tier (the highest tier holding them)"),
-                  ("misses", "kvstore_tier_misses", "Reads that found the block only below this tier, or nowhere"),
-                  ("evictions", "kvstore_tier_evictions", "Blocks dropped from this tier"),
-                  ("demotions", "kvstore_tier_demotions", "Blocks moved down from this tier to make room"),
-                  ("promotions", "kvstore_tier_promotions", "Blocks copied up into this tier on a hit or prefetch"),
-                  ("corrupt", "kvstore_tier_corrupt_blocks",
-                   "Frames of this tier that failed their checks, deleted and served as misses"))
-_STORE_GAUGES = (("blocks", "kvstore_blocks", "Distinct blocks indexed (a block may be held in several tiers)"),
-                 ("sessions", "kvstore_sessions", "Sessions known to the store"),
-                 ("namespaces", "kvstore_namespaces", "Namespaces (model, layout, tenant) known to the store"),
-                 ("pinned", "kvstore_pinned_blocks", "Blocks pinned by a read or prefetch in flight"),
-                 ("write_queue", "kvstore_write_queue_blocks", "Blocks waiting in the write-through queue to nvme"),
-                 ("write_deferred", "kvstore_write_deferred_blocks",
-                  "Blocks whose write-through waits for room in the queue"))
-_STORE_COUNTERS = (("written", "kvstore_written_blocks", "Blocks written through to nvme"),
-                   ("expired", "kvstore_expired_blocks", "Blocks dropped after the nvme TTL"),
-                   ("lookups", "kvstore_lookups", "Lookups and gets served by the store"),
-                   ("tokens_asked", "kvstore_tokens_asked", "Tokens (full blocks) asked for by lookups and gets"),
-                   ("tokens_matched", "kvstore_tokens_matched", "Tokens a lookup found cached"),
-                   ("tokens_served", "kvstore_tokens_served", "Tokens a get returned"))
+_TIER_GAUGES = (
+    ("blocks", "kvstore_tier_blocks", "Blocks held in the tier"),
+    ("used", "kvstore_tier_used_bytes", "Bytes of the tier's capacity in use"),
+    ("capacity", "kvstore_tier_capacity_bytes", "Configured capacity of the tier (a hard limit)"),
+)
+_TIER_COUNTERS = (
+    ("hits", "kvstore_tier_hits", "Blocks read from this tier (the highest tier holding them)"),
+    ("misses", "kvstore_tier_misses", "Reads that found the block only below this tier, or nowhere"),
+    ("evictions", "kvstore_tier_evictions", "Blocks dropped from this tier"),
+    ("demotions", "kvstore_tier_demotions", "Blocks moved down from this tier to make room"),
+    ("promotions", "kvstore_tier_promotions", "Blocks copied up into this tier on a hit or prefetch"),
+    (
+        "corrupt",
+        "kvstore_tier_corrupt_blocks",
+        "Frames of this tier that failed their checks, deleted and served as misses",
+    ),
+)
+_STORE_GAUGES = (
+    ("blocks", "kvstore_blocks", "Distinct blocks indexed (a block may be held in several tiers)"),
+    ("sessions", "kvstore_sessions", "Sessions known to the store"),
+    ("namespaces", "kvstore_namespaces", "Namespaces (model, layout, tenant) known to the store"),
+    ("pinned", "kvstore_pinned_blocks", "Blocks pinned by a read or prefetch in flight"),
+    ("write_queue", "kvstore_write_queue_blocks", "Blocks waiting in the write-through queue to nvme"),
+    (
+        "write_deferred",
+        "kvstore_write_deferred_blocks",
+        "Blocks whose write-through waits for room in the queue",
+    ),
+)
+_STORE_COUNTERS = (
+    ("written", "kvstore_written_blocks", "Blocks written through to nvme"),
+    ("expired", "kvstore_expired_blocks", "Blocks dropped after the nvme TTL"),
+    ("lookups", "kvstore_lookups", "Lookups and gets served by the store"),
+    ("tokens_asked", "kvstore_tokens_asked", "Tokens (full blocks) asked for by lookups and gets"),
+    ("tokens_matched", "kvstore_tokens_matched", "Tokens a lookup found cached"),
+    ("tokens_served", "kvstore_tokens_served", "Tokens a get returned"),
+)
 # per-namespace figures, when the store reports them under stats["by_namespace"][ns_id]
-_NS_GAUGES = (("blocks", "kvstore_namespace_blocks", "Blocks of the namespace held"),
-              ("used", "kvstore_namespace_used_bytes", "Bytes the namespace's blocks use, all tiers"))
-_NS_COUNTERS = (("lookups", "kvstore_namespace_lookups", "Lookups and gets in the namespace"),
-                ("tokens_asked", "kvstore_namespace_tokens_asked", "Tokens asked for in the namespace"),
-                ("tokens_matched", "kvstore_namespace_tokens_matched", "Tokens a lookup found in the namespace"),
-                ("tokens_served", "kvstore_namespace_tokens_served", "Tokens a get returned in the namespace"))
+_NS_GAUGES = (
+    ("blocks", "kvstore_namespace_blocks", "Blocks of the namespace held"),
+    ("used", "kvstore_namespace_used_bytes", "Bytes the namespace's blocks use, all tiers"),
+)
+_NS_COUNTERS = (
+    ("lookups", "kvstore_namespace_lookups", "Lookups and gets in the namespace"),
+    ("tokens_asked", "kvstore_namespace_tokens_asked", "Tokens asked for in the namespace"),
+    ("tokens_matched", "kvstore_namespace_tokens_matched", "Tokens a lookup found in the namespace"),
+    ("tokens_served", "kvstore_namespace_tokens_served", "Tokens a get returned in the namespace"),
+)
 _NS_LABELS = ["namespace", "model", "tenant"]
 
 
@@ -91,7 +126,9 @@ class StoreCollector(Collector):
     ``kvstore_up 0`` is exported: a scrape never fails because of the store.
     """
 
-    def __init__(self, store: StatsSource, started: float, clock: Callable[[], float], sessions: bool) -> None:
+    def __init__(
+        self, store: StatsSource, started: float, clock: Callable[[], float], sessions: bool
+    ) -> None:
         self._store = store
         self._started = started
         self._clock = clock
@@ -121,10 +158,12 @@ class StoreCollector(Collector):
             if field in stats:
                 yield CounterMetricFamily(name, doc, value=stats[field])
         if "tokens_asked" in stats:
-            yield GaugeMetricFamily("kvstore_token_hit_ratio",
-                                    "Lifetime (tokens matched + tokens served) / tokens asked; "
-                                    "prefer rate() of the counters for a recent ratio",
-                                    value=_hit_ratio(stats))
+            yield GaugeMetricFamily(
+                "kvstore_token_hit_ratio",
+                "Lifetime (tokens matched + tokens served) / tokens asked; "
+                "prefer rate() of the counters for a recent ratio",
+                value=_hit_ratio(stats),
+            )
         if "write_failures" in stats:
             yield _write_failures(stats["write_failures"])
         if "by_namespace" in stats:
@@ -146,17 +185,38 @@ class Metrics:
     millions of blocks).
     """
 
-    def __init__(self, store: StatsSource, *, started: float | None = None,
-                 clock: Callable[[], float] = time.time, sessions: bool = True) -> None:
+    def __init__(
+        self,
+        store: StatsSource,
+        *,
+        started: float | None = None,
+        clock: Callable[[], float] = time.time,
+        sessions: bool = True,
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(StoreCollector(store, clock() if started is None else started, clock, sessions))
+        self.registry.register(
+            StoreCollector(store, clock() if started is None else started, clock, sessions)
+        )
         ProcessCollector(registry=self.registry)
-        self._requests = Counter("kvstore_requests", "Requests answered, by op and result code (ok or an "
-                                 "error code)", ["op", "code"], registry=self.registry)
-        self._latency = Histogram("kvstore_request_duration_seconds", "Time from a request's arrival to its "
-                                  "reply, by op", ["op"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._put_failed = Counter("kvstore_put_failed_blocks", "Blocks a put refused, by reason "
-                                   "(missing_parent, no_room)", ["reason"], registry=self.registry)
+        self._requests = Counter(
+            "kvstore_requests",
+            "Requests answered, by op and result code (ok or an error code)",
+            ["op", "code"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "kvstore_request_duration_seconds",
+            "Time from a request's arrival to its reply, by op",
+            ["op"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._put_failed = Counter(
+            "kvstore_put_failed_blocks",
+            "Blocks a put refused, by reason (missing_parent, no_room)",
+            ["reason"],
+            registry=self.registry,
+        )
         self._lock = threading.Lock()
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
@@ -195,9 +255,11 @@ class Metrics:
             try:
                 self._http = start_http_server(port, addr=host, registry=self.registry)
             except OSError as e:
-                raise ConfigError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}; pick another "
-                                  f"[server] metrics_port (KVSTORE_SERVER_METRICS_PORT), or 0 to turn "
-                                  f"metrics off") from None
+                raise ConfigError(
+                    f"cannot serve metrics on {host}:{port}: {e.strerror or e}; pick another "
+                    f"[server] metrics_port (KVSTORE_SERVER_METRICS_PORT), or 0 to turn "
+                    f"metrics off"
+                ) from None
             return self._url()
 
     def stop(self) -> None:
@@ -231,9 +293,11 @@ def _check_loopback(host: str) -> None:
     except ValueError:
         ok = False
     if not ok:
-        raise ConfigError(f"metrics host {host!r} is not a loopback address: metrics name tenants and models, "
-                          f"so they are served on 127.0.0.1, ::1 or localhost only; to scrape from another "
-                          f"host, run an exporter or reverse proxy with authentication beside the daemon")
+        raise ConfigError(
+            f"metrics host {host!r} is not a loopback address: metrics name tenants and models, "
+            f"so they are served on 127.0.0.1, ::1 or localhost only; to scrape from another "
+            f"host, run an exporter or reverse proxy with authentication beside the daemon"
+        )
 
 
 def _plain(stats: Any) -> dict[str, Any]:
@@ -271,16 +335,22 @@ def _tier_families(tiers: Mapping[str, Any]) -> Iterator[Metric]:
 
 
 def _write_failures(value: int | Mapping[str, int]) -> Metric:
-    c = CounterMetricFamily("kvstore_write_failures", "Blocks whose write-through to nvme failed (nvme full, "
-                            "disk full, I/O error); they stay in the upper tiers only", labels=["reason"])
-    for reason, n in (value.items() if isinstance(value, Mapping) else [("any", value)]):
+    c = CounterMetricFamily(
+        "kvstore_write_failures",
+        "Blocks whose write-through to nvme failed (nvme full, "
+        "disk full, I/O error); they stay in the upper tiers only",
+        labels=["reason"],
+    )
+    for reason, n in value.items() if isinstance(value, Mapping) else [("any", value)]:
         c.add_metric([str(reason)], n)
     return c
 
 
 def _namespace_families(by_ns: Mapping[str, Any]) -> Iterator[Metric]:
-    rows = [([ns, str(d.get("model", "")), str(d.get("tenant", ""))], d) for ns, d in
-            ((ns, _plain(v)) for ns, v in by_ns.items())]
+    rows = [
+        ([ns, str(d.get("model", "")), str(d.get("tenant", ""))], d)
+        for ns, d in ((ns, _plain(v)) for ns, v in by_ns.items())
+    ]
     for fields, family in ((_NS_GAUGES, GaugeMetricFamily), (_NS_COUNTERS, CounterMetricFamily)):
         for field, metric, doc in fields:
             m = family(metric, doc, labels=_NS_LABELS)
@@ -302,9 +372,12 @@ def _session_families(sessions: Iterable[Any]) -> Iterator[Metric]:
     for ns, n in count.items():
         g.add_metric(list(ns), n)
     yield g
-    b = GaugeMetricFamily("kvstore_namespace_session_blocks", "Cached blocks of the namespace's sessions, "
-                          "per tier (a prefix shared by several sessions counts once per session)",
-                          labels=[*_NS_LABELS, "tier"])
+    b = GaugeMetricFamily(
+        "kvstore_namespace_session_blocks",
+        "Cached blocks of the namespace's sessions, "
+        "per tier (a prefix shared by several sessions counts once per session)",
+        labels=[*_NS_LABELS, "tier"],
+    )
     for key, n in blocks.items():
         b.add_metric(list(key), n)
     yield b

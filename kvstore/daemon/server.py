@@ -9,9 +9,10 @@
 The loop thread owns both sockets and never waits on LMDB or codec work: it
 validates frames (ServerProtocol), answers hello and ping itself, answers a
 lookup itself when the store's lock is free that instant (``try_lookup``;
-a lookup reads only the in-memory index), hands every other request to a worker, and forwards replies as workers finish them, out
-of order, each carrying its request id. zmq sockets are not thread-safe, so
-each worker thread sends its replies through its own inproc PUSH socket.
+a lookup reads only the in-memory index), hands every other request to a
+worker, and forwards replies as workers finish them, out of order, each
+carrying its request id. zmq sockets are not thread-safe, so each worker
+thread sends its replies through its own inproc PUSH socket.
 
 Authentication: with ``[server] curve_secret_key`` the tcp ROUTER is a CURVE
 server; a ZAP handler thread (kvstore.daemon.auth) admits only the keys of
@@ -64,8 +65,9 @@ BATCH = 64  # messages taken from a socket per wake-up, so neither side starves 
 class Server:
     """One daemon instance serving ``store`` on ``config.server.endpoint``. ``run`` blocks until stopped."""
 
-    def __init__(self, config: Config, store: Store, ctx: zmq.Context | None = None, *,
-                 auth: ServerAuth | None = None) -> None:
+    def __init__(
+        self, config: Config, store: Store, ctx: zmq.Context | None = None, *, auth: ServerAuth | None = None
+    ) -> None:
         """``auth``: the CURVE keys, loaded from ``config`` when not given (ConfigError if they are bad)."""
         self.config = config
         self.store = store
@@ -73,8 +75,11 @@ class Server:
         cfg = config.server
         # loaded here too, so that a Server built without serve() never listens unauthenticated by mistake
         self.auth = auth or ServerAuth.from_config(cfg.endpoint, cfg.curve_secret_key, cfg.curve_allowed_keys)
-        self.limits = Limits(max_message_bytes=cfg.max_message_bytes, max_tokens=cfg.max_tokens_per_request,
-                             max_inflight=cfg.max_inflight_per_client)
+        self.limits = Limits(
+            max_message_bytes=cfg.max_message_bytes,
+            max_tokens=cfg.max_tokens_per_request,
+            max_inflight=cfg.max_inflight_per_client,
+        )
         self.proto = ServerProtocol(self.limits, server=f"kvstore/{PROTOCOL_VERSION}")
         self.handlers = Handlers(store, self.info, max_lease=config.policy.pin_lease)
         self.metrics = Metrics(store)
@@ -92,11 +97,20 @@ class Server:
 
     def info(self) -> dict[str, Any]:
         """Counters for ``stats`` (read from worker threads; plain ints, so a snapshot is consistent enough)."""
-        return {"endpoint": self.config.server.endpoint, "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
-                "uptime": time.time() - self._started, "requests": self.requests, "errors": self.errors,
-                "inflight": self.outstanding, "clients": len(self.proto.inflight),
-                "namespaces": len(self.proto.namespaces), "workers": self.config.server.workers,
-                "limits": self.limits.to_dict(), "put_failed_blocks": self.handlers.failed_blocks}
+        return {
+            "endpoint": self.config.server.endpoint,
+            "pid": os.getpid(),
+            "protocol": PROTOCOL_VERSION,
+            "uptime": time.time() - self._started,
+            "requests": self.requests,
+            "errors": self.errors,
+            "inflight": self.outstanding,
+            "clients": len(self.proto.inflight),
+            "namespaces": len(self.proto.namespaces),
+            "workers": self.config.server.workers,
+            "limits": self.limits.to_dict(),
+            "put_failed_blocks": self.handlers.failed_blocks,
+        }
 
     def run(self) -> int:
         """Bind, serve until ``stop``, then drain and close everything. Returns the exit code."""
@@ -124,8 +138,9 @@ class Server:
         path = ipc_path(self.config.server.endpoint)
         if path is not None:
             os.chmod(path, 0o600)
-        workers = ThreadPoolExecutor(self.config.server.workers, thread_name_prefix="kvstore-worker",
-                                     initializer=self._init_worker)
+        workers = ThreadPoolExecutor(
+            self.config.server.workers, thread_name_prefix="kvstore-worker", initializer=self._init_worker
+        )
         self._log_start(metrics_url)
         try:
             self._loop(router, pull, workers)
@@ -153,13 +168,20 @@ class Server:
         while True:
             if self._stop_reason is not None:
                 if deadline is None:
-                    log.info("stopping (%s): finishing %d request(s) in flight", self._stop_reason, self.outstanding)
+                    log.info(
+                        "stopping (%s): finishing %d request(s) in flight",
+                        self._stop_reason,
+                        self.outstanding,
+                    )
                     deadline = time.monotonic() + DRAIN_TIMEOUT
                 if self.outstanding == 0:
                     return
                 if time.monotonic() > deadline:
-                    log.warning("%d request(s) still running after %.0fs; waiting for them to end",
-                                self.outstanding, DRAIN_TIMEOUT)
+                    log.warning(
+                        "%d request(s) still running after %.0fs; waiting for them to end",
+                        self.outstanding,
+                        DRAIN_TIMEOUT,
+                    )
                     return
             events = dict(poller.poll(POLL_MS))
             if pull in events:
@@ -179,10 +201,18 @@ class Server:
                         self._on_request(router, workers, peer, frames, tenant)
                     except Exception as e:  # a bug in our checks must not end the daemon
                         log.exception("a request from %s broke the loop; answering internal", peer.hex())
-                        router.send_multipart([peer, *encode(None, ErrorReply(code="internal", message=str(e)))])
+                        router.send_multipart(
+                            [peer, *encode(None, ErrorReply(code="internal", message=str(e)))]
+                        )
 
-    def _on_request(self, router: zmq.Socket, workers: ThreadPoolExecutor, peer: bytes, frames: list,
-                    tenant: str | None = None) -> None:
+    def _on_request(
+        self,
+        router: zmq.Socket,
+        workers: ThreadPoolExecutor,
+        peer: bytes,
+        frames: list,
+        tenant: str | None = None,
+    ) -> None:
         """Answer or dispatch one request; ``tenant``: the CURVE identity its connection authenticated as."""
         self.requests += 1
         arrived = time.perf_counter()
@@ -192,13 +222,19 @@ class Server:
             self.errors += 1
             self.metrics.observe("invalid", time.perf_counter() - arrived, e.code)
             log.debug("rejected a request from %s: %s [%s]", peer.hex(), e.message, e.code)
-            router.send_multipart([peer, *self.proto.error(peer, e.request_id, e.code, e.message, done=False)])
+            router.send_multipart(
+                [peer, *self.proto.error(peer, e.request_id, e.code, e.message, done=False)]
+            )
             return
         if self.auth is not None:
             request = replace(request, tenant=None if tenant == OPERATOR else tenant)
             denied = None
-            if tenant is None:  # never expected (the ZAP handler names every tenant); refuse rather than trust
-                denied = ErrorReply(code="forbidden", message="the connection carries no authenticated tenant")
+            if (
+                tenant is None
+            ):  # never expected (the ZAP handler names every tenant); refuse rather than trust
+                denied = ErrorReply(
+                    code="forbidden", message="the connection carries no authenticated tenant"
+                )
             elif request.tenant is not None:
                 denied = admit(request.msg, request.namespace, request.tenant)
             if denied is not None:
@@ -258,20 +294,37 @@ class Server:
     def _log_start(self, metrics_url: str | None) -> None:
         cfg = self.config
         try:
-            tiers = {name: f"{t.used}/{t.capacity} bytes, {t.blocks} blocks"
-                     for name, t in self.store.stats().tiers.items()}
+            tiers = {
+                name: f"{t.used}/{t.capacity} bytes, {t.blocks} blocks"
+                for name, t in self.store.stats().tiers.items()
+            }
         except Exception as e:  # logging must not stop the start
             tiers = {"?": str(e)}
-        log.info("kvstore %s serving %s (pid %d, %d workers)", PROTOCOL_VERSION, cfg.server.endpoint, os.getpid(),
-                 cfg.server.workers)
-        log.info("tiers: %s; hbm device %s, ram codec %s, nvme %s", tiers, cfg.hbm.resolved_device(), cfg.ram.codec,
-                 f"{cfg.nvme.path} ({cfg.nvme.codec}, write_through={cfg.nvme.write_through})"
-                 if cfg.nvme.enabled else "off")
+        log.info(
+            "kvstore %s serving %s (pid %d, %d workers)",
+            PROTOCOL_VERSION,
+            cfg.server.endpoint,
+            os.getpid(),
+            cfg.server.workers,
+        )
+        log.info(
+            "tiers: %s; hbm device %s, ram codec %s, nvme %s",
+            tiers,
+            cfg.hbm.resolved_device(),
+            cfg.ram.codec,
+            f"{cfg.nvme.path} ({cfg.nvme.codec}, write_through={cfg.nvme.write_through})"
+            if cfg.nvme.enabled
+            else "off",
+        )
         log.info("limits: %s; metrics: %s", self.limits.to_dict(), metrics_url or "off")
         if self.auth is not None:
             tenants = sorted(set(self.auth.allowed.values()))
-            log.info("CURVE on: server public key %s; %d client key(s) allowed, tenants %s",
-                     self.auth.public_key.decode(), len(self.auth.allowed), ", ".join(tenants) or "none")
+            log.info(
+                "CURVE on: server public key %s; %d client key(s) allowed, tenants %s",
+                self.auth.public_key.decode(),
+                len(self.auth.allowed),
+                ", ".join(tenants) or "none",
+            )
 
 
 def _setup_logging(level: str) -> None:
@@ -296,8 +349,11 @@ def serve(config: Config) -> int:
         ctx.destroy(linger=0)
         return EXIT_REFUSED
     except OSError as e:  # e.g. the socket's directory cannot be made: one line, no traceback
-        log.error("refusing to start: %s: %s; check [server] endpoint and [nvme] path", e.strerror or e,
-                  e.filename or cfg.endpoint)
+        log.error(
+            "refusing to start: %s: %s; check [server] endpoint and [nvme] path",
+            e.strerror or e,
+            e.filename or cfg.endpoint,
+        )
         ctx.destroy(linger=0)
         return EXIT_REFUSED
     server = Server(config, store, ctx, auth=auth)
@@ -314,8 +370,11 @@ def serve(config: Config) -> int:
     finally:
         store.close()  # flushes the write-through queue and closes LMDB
         ctx.destroy(linger=1000)
-    log.info("stopped (%s); %d requests served, store flushed and closed",
-             server._stop_reason or "loop ended", server.requests)
+    log.info(
+        "stopped (%s); %d requests served, store flushed and closed",
+        server._stop_reason or "loop ended",
+        server.requests,
+    )
     return code
 
 

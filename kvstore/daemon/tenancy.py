@@ -56,7 +56,8 @@ if TYPE_CHECKING:
 
 # ops a confined client may send; Evict, Inspect, Stats, Prefetch and Put are rewritten or answered below
 CONFINED_OPS: frozenset[type[Message]] = frozenset(
-    {Hello, Ping, Lookup, Get, Put, Pin, Release, Flush, Evict, Inspect, Stats, Prefetch})
+    {Hello, Ping, Lookup, Get, Put, Pin, Release, Flush, Evict, Inspect, Stats, Prefetch}
+)
 SERVER_FIELDS = ("endpoint", "pid", "protocol", "uptime", "limits")  # server info a tenant may see
 
 
@@ -68,22 +69,30 @@ def qualify(tenant: str, session: str) -> str:
 def unqualify(tenant: str, name: str) -> str | None:
     """``tenant``'s own name for the store's session ``name``; None when it is not one of ``tenant``'s."""
     prefix = f"{tenant}/"
-    return name[len(prefix):] if name.startswith(prefix) else None
+    return name[len(prefix) :] if name.startswith(prefix) else None
 
 
 def admit(msg: Message, namespace: Namespace | None, tenant: str) -> ErrorReply | None:
     """Why a request of a client confined to ``tenant`` must not run (an error reply), or None. No I/O."""
     if type(msg) not in CONFINED_OPS:
-        return ErrorReply(code="forbidden", message=f"{msg.op} is for operators; connect over the daemon's ipc "
-                          "socket or with an operator key (tenant * in curve_allowed_keys)")
+        return ErrorReply(
+            code="forbidden",
+            message=f"{msg.op} is for operators; connect over the daemon's ipc "
+            "socket or with an operator key (tenant * in curve_allowed_keys)",
+        )
     if isinstance(msg, Hello) and msg.namespace.tenant != tenant:
-        return ErrorReply(code="forbidden", message=f"this connection's CURVE key belongs to tenant {tenant!r} "
-                          f"(curve_allowed_keys); a hello for tenant {msg.namespace.tenant!r} is refused. Pass "
-                          f"tenant={tenant!r} to KVStoreClient")
+        return ErrorReply(
+            code="forbidden",
+            message=f"this connection's CURVE key belongs to tenant {tenant!r} "
+            f"(curve_allowed_keys); a hello for tenant {msg.namespace.tenant!r} is refused. Pass "
+            f"tenant={tenant!r} to KVStoreClient",
+        )
     if namespace is not None and namespace.tenant != tenant:
         # word for word what an unregistered namespace gets: whether another tenant uses it stays unknown
-        return ErrorReply(code="unknown_namespace",
-                          message=f"namespace {namespace.id!r} is not registered; send hello first")
+        return ErrorReply(
+            code="unknown_namespace",
+            message=f"namespace {namespace.id!r} is not registered; send hello first",
+        )
     return None
 
 
@@ -94,8 +103,13 @@ class TenantOps:
         self.store = store
         self.server_info = server_info
 
-    def handle(self, msg: Message, ns: Namespace | None, tenant: str,
-               run: Callable[[Message, Namespace | None], Message]) -> Message:
+    def handle(
+        self,
+        msg: Message,
+        ns: Namespace | None,
+        tenant: str,
+        run: Callable[[Message, Namespace | None], Message],
+    ) -> Message:
         """The reply to ``msg`` from a client confined to ``tenant``; ``run`` is the unconfined handler.
 
         Raises Forbidden for an evict that names another tenant, ProtocolError
@@ -142,18 +156,26 @@ class TenantOps:
         store lock): blocks pinned for a transfer at that instant are left out.
         """
         mine = self.store.evict(EvictFilter(tenant=tenant), dry_run=True)
-        tiers = {name: {"name": name, "used": mine.bytes_freed.get(name, 0), "capacity": t.capacity}
-                 for name, t in self.store.stats().tiers.items()}
+        tiers = {
+            name: {"name": name, "used": mine.bytes_freed.get(name, 0), "capacity": t.capacity}
+            for name, t in self.store.stats().tiers.items()
+        }
         info = self.server_info()
-        return {"tenant": tenant, "store": {"tiers": tiers, "blocks": mine.blocks, "sessions": len(self.sessions(tenant))},
-                "server": {k: info[k] for k in SERVER_FIELDS if k in info}}
+        return {
+            "tenant": tenant,
+            "store": {"tiers": tiers, "blocks": mine.blocks, "sessions": len(self.sessions(tenant))},
+            "server": {k: info[k] for k in SERVER_FIELDS if k in info},
+        }
 
 
 def confine_evict(msg: Evict, tenant: str) -> Evict:
     """``msg`` limited to ``tenant``'s blocks and sessions; Forbidden when it names another tenant."""
     if msg.tenant is not None and msg.tenant != tenant:
-        raise Forbidden(f"this connection belongs to tenant {tenant!r}; it cannot evict tenant {msg.tenant!r}'s "
-                        "blocks (an operator can, over the ipc socket)")
+        raise Forbidden(
+            f"this connection belongs to tenant {tenant!r}; it cannot evict tenant {msg.tenant!r}'s "
+            "blocks (an operator can, over the ipc socket)"
+        )
     # all=True becomes "every block of tenant": the tenant criterion alone selects exactly those
-    return replace(msg, tenant=tenant, all=False,
-                   session=None if msg.session is None else qualify(tenant, msg.session))
+    return replace(
+        msg, tenant=tenant, all=False, session=None if msg.session is None else qualify(tenant, msg.session)
+    )

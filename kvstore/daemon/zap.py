@@ -87,13 +87,17 @@ class ZapHandler:
                 return
 
     def _report(self, mechanism: bytes, credentials: list[bytes], address: bytes) -> None:
-        key = z85.encode(credentials[0]) if len(credentials) == 1 and len(credentials[0]) == 32 else \
-            mechanism
+        key = z85.encode(credentials[0]) if len(credentials) == 1 and len(credentials[0]) == 32 else mechanism
         level = logging.DEBUG if key in self._reported else logging.WARNING
         if len(self._reported) < _DENIALS_LOGGED:
             self._reported.add(key)
-        log.log(level, "refused a %s client from %s: key %s is not in curve_allowed_keys", mechanism.decode(
-            errors="replace"), address.decode(errors="replace") or "?", key.decode(errors="replace"))
+        log.log(
+            level,
+            "refused a %s client from %s: key %s is not in curve_allowed_keys",
+            mechanism.decode(errors="replace"),
+            address.decode(errors="replace") or "?",
+            key.decode(errors="replace"),
+        )
 
 
 def peer_tenant(frame: zmq.Frame) -> str | None:

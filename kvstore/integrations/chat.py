@@ -46,9 +46,16 @@ class TurnResult:
 
 
 @torch.inference_mode()
-def run_turn(model: Any, client: CacheClient, input_ids: Any, *, max_new_tokens: int = 64,
-             session: str | None = None, eos_token_id: int | list[int] | None = None,
-             store: bool = True) -> TurnResult:
+def run_turn(
+    model: Any,
+    client: CacheClient,
+    input_ids: Any,
+    *,
+    max_new_tokens: int = 64,
+    session: str | None = None,
+    eos_token_id: int | list[int] | None = None,
+    store: bool = True,
+) -> TurnResult:
     """Answer ``input_ids`` greedily, reusing every cached block and storing the new ones.
 
     The time to first token covers the fetch from the daemon, building the
@@ -64,7 +71,7 @@ def run_turn(model: Any, client: CacheClient, input_ids: Any, *, max_new_tokens:
     t0 = time.perf_counter()
     hit = fetch_cache(client, ids, config=model.config, device=model.device)
     cache = hit.cache
-    out = model(ids[hit.tokens:].unsqueeze(0).to(model.device), **cache_kwargs(model, cache))
+    out = model(ids[hit.tokens :].unsqueeze(0).to(model.device), **cache_kwargs(model, cache))
     nxt = int(out.logits[0, -1].argmax())
     ttft = time.perf_counter() - t0
     generated = [nxt]
@@ -101,13 +108,16 @@ class Conversation:
 
     def __init__(self, tokenizer: Any, *, system: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self.messages: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system}]
+        self.messages: list[dict[str, str]] = (
+            [] if system is None else [{"role": "system", "content": system}]
+        )
         self.ids: list[int] = []
         self._end = tokenizer.eos_token  # the template's end-of-turn string, e.g. <|im_end|>
 
     def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
-        text: str = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                       add_generation_prompt=generation_prompt)
+        text: str = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
         return text
 
     def _encode(self, text: str) -> list[int]:
@@ -119,7 +129,9 @@ class Conversation:
         Raises ValueError when the previous question has no answer yet (call ``answer`` first).
         """
         if self.messages and self.messages[-1]["role"] == "user":
-            raise ValueError("the last question has no answer yet; call Conversation.answer(output_ids) first")
+            raise ValueError(
+                "the last question has no answer yet; call Conversation.answer(output_ids) first"
+            )
         new = [*self.messages, {"role": "user", "content": text}]
         rendered = self._render(new, generation_prompt=True)
         if not self.ids:

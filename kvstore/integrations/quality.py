@@ -154,8 +154,9 @@ AIMS: dict[str, Target] = {
 class QualityHarness:
     """Measure codecs on a loaded model; prepare the texts once, then ``measure`` each codec."""
 
-    def __init__(self, loaded: LoadedModel, *, block_dtype: torch.dtype = torch.bfloat16,
-                 block_tokens: int = 64) -> None:
+    def __init__(
+        self, loaded: LoadedModel, *, block_dtype: torch.dtype = torch.bfloat16, block_tokens: int = 64
+    ) -> None:
         self.loaded = loaded
         self.block_dtype = block_dtype
         self.block_tokens = block_tokens
@@ -165,8 +166,14 @@ class QualityHarness:
     def positions(self) -> int:
         return sum(t.targets.numel() for t in self.texts)
 
-    def prepare(self, texts: Sequence[tuple[str, str]], *, prefix_blocks: int = 16,
-                continuation: int = 256, min_positions: int = 1000) -> None:
+    def prepare(
+        self,
+        texts: Sequence[tuple[str, str]],
+        *,
+        prefix_blocks: int = 16,
+        continuation: int = 256,
+        min_positions: int = 1000,
+    ) -> None:
         """Tokenize, prefill and score the reference for each text long enough (P + N + 1 tokens).
 
         Replaces any earlier preparation. Raises NotEnoughText when fewer than
@@ -182,12 +189,16 @@ class QualityHarness:
             targets = ids[prefix + 1 : prefix + continuation + 1]
             with torch.no_grad():
                 out = self.loaded.model(p.unsqueeze(0), use_cache=True)
-            kv = cache_to_kv(out.cache if hasattr(out, "cache") else out.past_key_values, dtype=self.block_dtype)
+            kv = cache_to_kv(
+                out.cache if hasattr(out, "cache") else out.past_key_values, dtype=self.block_dtype
+            )
             prepared.append(PreparedText(name, p, c, targets, kv, self._logprobs(c, kv)))
         self.texts = prepared
         if self.positions < min_positions:
-            raise NotEnoughText(f"only {self.positions} scored positions from {len(prepared)} texts, "
-                                f"need {min_positions}; give more or longer texts")
+            raise NotEnoughText(
+                f"only {self.positions} scored positions from {len(prepared)} texts, "
+                f"need {min_positions}; give more or longer texts"
+            )
 
     def _logprobs(self, continuation: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """Next-token log-probabilities of the continuation through a cache holding ``kv``."""
@@ -197,8 +208,9 @@ class QualityHarness:
             logits = model(continuation.unsqueeze(0), cache=cache, use_cache=True).logits[0]
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def roundtrip(self, codec: Codec, kv: torch.Tensor, *, head_blocks: int = 0,
-                  head_codec: Codec | None = None) -> tuple[torch.Tensor, int]:
+    def roundtrip(
+        self, codec: Codec, kv: torch.Tensor, *, head_blocks: int = 0, head_codec: Codec | None = None
+    ) -> tuple[torch.Tensor, int]:
         """``kv`` [L, 2, P, H, D] with every block encoded and decoded; returns (decoded kv, frame bytes).
 
         The first ``head_blocks`` blocks go through ``head_codec`` instead (raw when None:
@@ -214,7 +226,9 @@ class QualityHarness:
             out[:, :, start : start + T] = c.decode(frame)
         return out, nbytes
 
-    def measure(self, codec: Codec, *, head_blocks: int = 0, head_codec: Codec | None = None) -> QualityResult:
+    def measure(
+        self, codec: Codec, *, head_blocks: int = 0, head_codec: Codec | None = None
+    ) -> QualityResult:
         """Run every prepared text through ``codec`` and compare with the reference.
 
         ``head_blocks``/``head_codec``: see ``roundtrip`` (a store may keep the first
@@ -244,10 +258,17 @@ class QualityHarness:
             max_diff = max(max_diff, float((lp - ref).abs().max()))
             n += text.targets.numel()
         return QualityResult(
-            codec=codec.name, params=codec.params(), kl=kl_sum / n, top1=top1 / n,
-            ppl_ref=math.exp(nll_ref / n), ppl=math.exp(nll / n),
-            rel_l2_k=math.sqrt(err["k"] / ref_norm["k"]), rel_l2_v=math.sqrt(err["v"] / ref_norm["v"]),
+            codec=codec.name,
+            params=codec.params(),
+            kl=kl_sum / n,
+            top1=top1 / n,
+            ppl_ref=math.exp(nll_ref / n),
+            ppl=math.exp(nll / n),
+            rel_l2_k=math.sqrt(err["k"] / ref_norm["k"]),
+            rel_l2_v=math.sqrt(err["v"] / ref_norm["v"]),
             bits_per_value=nbytes * 8 / values if values else float("nan"),
-            max_abs_logprob_diff=max_diff, positions=int(n), head_blocks=head_blocks,
+            max_abs_logprob_diff=max_diff,
+            positions=int(n),
+            head_blocks=head_blocks,
             head_codec=(head_codec or RawCodec()).name if head_blocks else "",
         )

@@ -62,8 +62,10 @@ def single_sequence(input_ids: Any) -> torch.Tensor:
     ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.as_tensor(input_ids)
     if ids.dim() == 2:
         if ids.shape[0] != 1:
-            raise BatchNotSupported(f"kvstore caches one sequence at a time; got a batch of {ids.shape[0]} "
-                                    "(call once per sequence, with input_ids[i:i+1])")
+            raise BatchNotSupported(
+                f"kvstore caches one sequence at a time; got a batch of {ids.shape[0]} "
+                "(call once per sequence, with input_ids[i:i+1])"
+            )
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"input_ids must be [T] or [1, T], got shape {tuple(ids.shape)}")
@@ -85,14 +87,18 @@ def check_model(layout: KVLayout, config: Any) -> None:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     types = getattr(text, "layer_types", None)
     if types and any(t != "full_attention" for t in types):
-        raise LayoutError(f"kvstore keeps full-attention caches only; this model has layer types {sorted(set(types))}")
+        raise LayoutError(
+            f"kvstore keeps full-attention caches only; this model has layer types {sorted(set(types))}"
+        )
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     model_shape = (text.num_hidden_layers, heads, head_dim)
     store_shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
     if model_shape != store_shape:
-        raise LayoutError(f"the model's cache is (layers, kv heads, head dim) = {model_shape} but the client's "
-                          f"layout is {store_shape}; build the layout from the model (models.layout_of)")
+        raise LayoutError(
+            f"the model's cache is (layers, kv heads, head dim) = {model_shape} but the client's "
+            f"layout is {store_shape}; build the layout from the model (models.layout_of)"
+        )
 
 
 def config_dtype(config: Any) -> torch.dtype | None:
@@ -121,7 +127,9 @@ def cache_to_kv(cache: Any, *, tokens: int | None = None, dtype: torch.dtype | N
         raise ValueError("the cache is empty (no layer holds [batch, heads, tokens, head_dim] keys)")
     k0 = layers[0].keys
     if k0.shape[0] != 1:
-        raise BatchNotSupported(f"kvstore caches one sequence at a time; the cache holds a batch of {k0.shape[0]}")
+        raise BatchNotSupported(
+            f"kvstore caches one sequence at a time; the cache holds a batch of {k0.shape[0]}"
+        )
     held = int(k0.shape[2])
     t = held if tokens is None else tokens
     if t > held:
@@ -134,16 +142,24 @@ def cache_to_kv(cache: Any, *, tokens: int | None = None, dtype: torch.dtype | N
     return out
 
 
-def kv_to_cache(kv: torch.Tensor, config: Any, *, dtype: torch.dtype | None = None,
-                device: torch.device | str | None = None) -> Any:
+def kv_to_cache(
+    kv: torch.Tensor,
+    config: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Any:
     """A fresh batch-1 ``DynamicCache`` holding ``kv`` ``[L, 2, T, H, D]``, cast to ``dtype`` on ``device``."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
     # one pass does the permute to [L, 2, H, T, D], the cast and the move; each layer's K/V is then a
     # contiguous view of it
-    buf = torch.empty((kv.shape[0], 2, kv.shape[3], kv.shape[2], kv.shape[4]), dtype=dtype or kv.dtype,
-                      device=device if device is not None else kv.device)
+    buf = torch.empty(
+        (kv.shape[0], 2, kv.shape[3], kv.shape[2], kv.shape[4]),
+        dtype=dtype or kv.dtype,
+        device=device if device is not None else kv.device,
+    )
     buf.copy_(kv.permute(0, 1, 3, 2, 4))
     cache = DynamicCache(config=config)
     for i in range(buf.shape[0]):
@@ -159,8 +175,14 @@ def kv_to_cache(kv: torch.Tensor, config: Any, *, dtype: torch.dtype | None = No
     return cache
 
 
-def fetch_cache(client: CacheClient, input_ids: Any, *, config: Any, dtype: torch.dtype | None = None,
-                device: torch.device | str | None = None) -> CacheHit:
+def fetch_cache(
+    client: CacheClient,
+    input_ids: Any,
+    *,
+    config: Any,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> CacheHit:
     """Like ``load_cache``, also saying which tier each reused block came from (``CacheHit.tiers``)."""
     from transformers import DynamicCache
 
@@ -178,8 +200,14 @@ def fetch_cache(client: CacheClient, input_ids: Any, *, config: Any, dtype: torc
     return CacheHit(cache, int(r.matched_tokens), list(r.tiers))
 
 
-def load_cache(client: CacheClient, input_ids: Any, *, config: Any, dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None) -> tuple[Any, int]:
+def load_cache(
+    client: CacheClient,
+    input_ids: Any,
+    *,
+    config: Any,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Any, int]:
     """A fresh ``DynamicCache`` holding the longest cached prefix of ``input_ids``, and its length.
 
     The length is block-aligned and at most ``len(input_ids) - 1``: the last

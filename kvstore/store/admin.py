@@ -63,8 +63,10 @@ class AdminOps(Background):
         without criteria or with an unknown tier.
         """
         if not flt.selects_anything():
-            raise InvalidFilter("the filter selects nothing; give session, older_than, tier, namespace, "
-                                "model or tenant, or all=True to evict everything")
+            raise InvalidFilter(
+                "the filter selects nothing; give session, older_than, tier, namespace, "
+                "model or tenant, or all=True to evict everything"
+            )
         if flt.tier is not None and flt.tier not in self._names:
             raise InvalidFilter(f"unknown tier {flt.tier!r}; tiers are {', '.join(self._names)}")
         t = None if flt.tier is None else self._names.index(flt.tier)
@@ -109,11 +111,17 @@ class AdminOps(Background):
                         self._mover.evict_from(t, e)
                 if flt.session is not None and t is None and self._sessions.remove(flt.session):
                     self._forget_session(flt.session)
-        return EvictResult(blocks=len(keys), bytes_freed={k: v for k, v in freed.items() if v},
-                           moved=moved, keys=keys, dry_run=dry_run)
+        return EvictResult(
+            blocks=len(keys),
+            bytes_freed={k: v for k, v in freed.items() if v},
+            moved=moved,
+            keys=keys,
+            dry_run=dry_run,
+        )
 
-    def prefetch(self, session: str, to: str = "ram", *, start_block: int = 0,
-                 max_blocks: int | None = None) -> PrefetchResult:
+    def prefetch(
+        self, session: str, to: str = "ram", *, start_block: int = 0, max_blocks: int | None = None
+    ) -> PrefetchResult:
         """Copy the blocks of ``session`` held below tier ``to`` up into it (making room there).
 
         Only blocks ``start_block .. start_block+max_blocks-1`` of the session's
@@ -175,10 +183,17 @@ class AdminOps(Background):
         finally:
             with self._lock:
                 self._pins.release(handle)
-        return PrefetchResult(session=session, to=to, moved=moved, present=present, failed=failed,
-                              start_block=start_block, blocks=len(whole),
-                              remaining=0 if broken else max(0, len(whole) - max(end, start_block)),
-                              bytes_moved=moved_bytes)
+        return PrefetchResult(
+            session=session,
+            to=to,
+            moved=moved,
+            present=present,
+            failed=failed,
+            start_block=start_block,
+            blocks=len(whole),
+            remaining=0 if broken else max(0, len(whole) - max(end, start_block)),
+            bytes_moved=moved_bytes,
+        )
 
     def sessions(self) -> list[SessionInfo]:
         """Every session, by name."""
@@ -192,8 +207,15 @@ class AdminOps(Background):
             if s is None:
                 raise KeyError(f"unknown session {name!r}")
             info, chain = self._session_info(s)
-            blocks = [BlockInfo(position=i, key=e.key.hex(), tiers=[self._names[t] for t in e.tier_list()],
-                                last_access=e.last_access) for i, e in enumerate(chain)]
+            blocks = [
+                BlockInfo(
+                    position=i,
+                    key=e.key.hex(),
+                    tiers=[self._names[t] for t in e.tier_list()],
+                    last_access=e.last_access,
+                )
+                for i, e in enumerate(chain)
+            ]
             return SessionDetail(info=info, blocks=blocks)
 
     def stats(self) -> StoreStats:
@@ -201,18 +223,34 @@ class AdminOps(Background):
             tiers = {}
             for t, tier in enumerate(self._tiers):
                 u, c = tier.usage(), self._mover.counters[t]
-                tiers[tier.name] = TierStats(tier.name, u.blocks, u.used_bytes, u.capacity_bytes, c.hits,
-                                             c.misses, c.evictions, c.demotions, c.promotions, c.corrupt)
-            return StoreStats(tiers=tiers, blocks=len(self._index), sessions=len(self._sessions),
-                              namespaces=len(self._namespaces), pinned=self._pins.pinned_keys(),
-                              write_queue=self._writer.depth() if self._writer else 0,
-                              write_deferred=len(self._deferred), written=self._counts["written"],
-                              expired=self._counts["expired"], lookups=self._counts["lookups"],
-                              tokens_asked=self._counts["tokens_asked"],
-                              tokens_matched=self._counts["tokens_matched"],
-                              tokens_served=self._counts["tokens_served"],
-                              write_failures=self._counts["write_failures"])
-
+                tiers[tier.name] = TierStats(
+                    tier.name,
+                    u.blocks,
+                    u.used_bytes,
+                    u.capacity_bytes,
+                    c.hits,
+                    c.misses,
+                    c.evictions,
+                    c.demotions,
+                    c.promotions,
+                    c.corrupt,
+                )
+            return StoreStats(
+                tiers=tiers,
+                blocks=len(self._index),
+                sessions=len(self._sessions),
+                namespaces=len(self._namespaces),
+                pinned=self._pins.pinned_keys(),
+                write_queue=self._writer.depth() if self._writer else 0,
+                write_deferred=len(self._deferred),
+                written=self._counts["written"],
+                expired=self._counts["expired"],
+                lookups=self._counts["lookups"],
+                tokens_asked=self._counts["tokens_asked"],
+                tokens_matched=self._counts["tokens_matched"],
+                tokens_served=self._counts["tokens_served"],
+                write_failures=self._counts["write_failures"],
+            )
 
     def check_integrity(self) -> list[str]:
         """Every broken invariant (orphans, index/tier disagreement, capacity overrun); empty when sound."""
@@ -229,7 +267,9 @@ class AdminOps(Background):
             for tier in self._tiers:
                 u = tier.usage()
                 if u.used_bytes > u.capacity_bytes:
-                    problems.append(f"{tier.name} uses {u.used_bytes} bytes, over its capacity {u.capacity_bytes}")
+                    problems.append(
+                        f"{tier.name} uses {u.used_bytes} bytes, over its capacity {u.capacity_bytes}"
+                    )
             return problems
 
     # -- internals (lock held) ----------------------------------------------------------
@@ -256,7 +296,15 @@ class AdminOps(Background):
             for t in e.tier_list():
                 per_tier[self._names[t]] += 1
         ns = self._namespaces.get(s.namespace)
-        info = SessionInfo(name=s.name, namespace=s.namespace, model=ns.model if ns else "",
-                           tenant=ns.tenant if ns else "", tokens=s.tokens, blocks=len(chain),
-                           tiers=per_tier, created=s.created, last_access=s.last_access)
+        info = SessionInfo(
+            name=s.name,
+            namespace=s.namespace,
+            model=ns.model if ns else "",
+            tenant=ns.tenant if ns else "",
+            tokens=s.tokens,
+            blocks=len(chain),
+            tiers=per_tier,
+            created=s.created,
+            last_access=s.last_access,
+        )
         return info, chain

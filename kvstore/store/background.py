@@ -69,7 +69,6 @@ class Background:
         self._nvme.sync()
         return True
 
-
     def close(self) -> None:
         """Flush, stop the writer thread and close the tiers. Further calls raise StoreClosed."""
         with self._lock:
@@ -83,18 +82,15 @@ class Background:
         for tier in self._tiers:
             tier.close()
 
-
     def _persist_session(self, s: SessionState) -> None:
         if self._writer is not None:
             nvme, d = self._nvme, s.to_dict()
             self._writer.run_soon(lambda: nvme.put_session(s.name, d))
 
-
     def _forget_session(self, name: str) -> None:
         if self._writer is not None:
             nvme = self._nvme
             self._writer.run_soon(lambda: nvme.drop_session(name))
-
 
     def _submit(self, keys: list[bytes], wait: float | None = None) -> list[bytes]:
         """Queue keys for write-through (no lock held); those refused go to the deferred set."""

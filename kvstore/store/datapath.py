@@ -41,8 +41,9 @@ class DataPath:
     _touch: Any
     _needs_record: Any
 
-    def _prepare_promotions(self, read: list[tuple[Entry, torch.Tensor, int]]
-                            ) -> dict[bytes, tuple[int, bytes | bytearray]]:
+    def _prepare_promotions(
+        self, read: list[tuple[Entry, torch.Tensor, int]]
+    ) -> dict[bytes, tuple[int, bytes | bytearray]]:
         """Encode, before the lock is taken, the frames of blocks a get will promote into a frame tier."""
         frames: dict[bytes, tuple[int, bytes | bytearray]] = {}
         if not self._promote:
@@ -55,7 +56,9 @@ class DataPath:
                     continue
         return frames
 
-    def _prepare_demotions(self, ns: Namespace, keys: list[bytes]) -> dict[bytes, tuple[int, bytes | bytearray]]:
+    def _prepare_demotions(
+        self, ns: Namespace, keys: list[bytes]
+    ) -> dict[bytes, tuple[int, bytes | bytearray]]:
         """Encode, before the lock is taken, the ram frames of the hbm blocks that storing the new
         blocks among ``keys`` will most likely push down (a guess: a wrong one costs only time)."""
         if len(self._tiers) < 2 or not self._mover.frame_tier(1):
@@ -102,8 +105,9 @@ class DataPath:
             if p is not None:
                 self._mover.busy.discard(p.key)
 
-    def _read(self, e: Entry, device: torch.device, out: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, int] | None:
+    def _read(
+        self, e: Entry, device: torch.device, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int] | None:
         """Decode ``e`` from its uppermost good copy (no lock held), into ``out`` if given (then the
         tensor returned is ``out``). None: it is gone or every copy was bad."""
         while True:
@@ -143,5 +147,6 @@ class DataPath:
                 if t > 0 and e.tiers & TIER_MASK and e.highest() == t:
                     self._mover.promote(e, block, t - 1, t)
         if admit and self._writer is not None:
-            self._deferred.update(dict.fromkeys(admit))  # queued from the writer's next tick: never block a get
-
+            self._deferred.update(
+                dict.fromkeys(admit)
+            )  # queued from the writer's next tick: never block a get

@@ -64,9 +64,20 @@ class Store(AdminOps, DataPath):
     """Blocks of K/V cache in hbm, ram and nvme tiers. Thread-safe: every public method may be
     called from several threads at once."""
 
-    def __init__(self, hbm: Tier, ram: Tier | None, nvme: Any = None, policy: PolicyConfig | None = None, *,
-                 write_through: bool = True, admit: str = "always", ttl: float = 7 * 86400.0,
-                 clock: Any = time.time, tick: float = 1.0, backpressure: float = 2.0) -> None:
+    def __init__(
+        self,
+        hbm: Tier,
+        ram: Tier | None,
+        nvme: Any = None,
+        policy: PolicyConfig | None = None,
+        *,
+        write_through: bool = True,
+        admit: str = "always",
+        ttl: float = 7 * 86400.0,
+        clock: Any = time.time,
+        tick: float = 1.0,
+        backpressure: float = 2.0,
+    ) -> None:
         """``nvme``: an NvmeTier or None. On an nvme path that already holds blocks, the index,
         namespaces and sessions are rebuilt from it. ``admit``: "always" or "second_use" (written
         to nvme on a block's second hit, or when demoted). ``backpressure``: the longest a put
@@ -87,8 +98,16 @@ class Store(AdminOps, DataPath):
         self._namespaces: dict[str, Namespace] = {}
         self._roots: dict[str, bytes] = {}
         self._tags: dict[tuple[str, ...], tuple[str, ...]] = {(): ()}
-        self._mover = Mover(self._tiers, self._nvme_t, self._index, self._pins, self._sessions,
-                            self._namespaces, self._roots, self._persist_session)
+        self._mover = Mover(
+            self._tiers,
+            self._nvme_t,
+            self._index,
+            self._pins,
+            self._sessions,
+            self._namespaces,
+            self._roots,
+            self._persist_session,
+        )
         self._write_through = write_through and nvme is not None
         self._admit = admit
         self._ttl = ttl
@@ -96,8 +115,15 @@ class Store(AdminOps, DataPath):
         self._deferred: dict[bytes, None] = {}
         self._dirty: set[bytes] = set()
         self._writing: set[bytes] = set()
-        self._counts = {"lookups": 0, "tokens_asked": 0, "tokens_matched": 0, "tokens_served": 0,
-                        "written": 0, "expired": 0, "write_failures": 0}
+        self._counts = {
+            "lookups": 0,
+            "tokens_asked": 0,
+            "tokens_matched": 0,
+            "tokens_served": 0,
+            "written": 0,
+            "expired": 0,
+            "write_failures": 0,
+        }
         self._closed = False
         self._writer: WriteThrough | None = None
         if nvme is not None:
@@ -105,8 +131,9 @@ class Store(AdminOps, DataPath):
             self._mover.counters[self._nvme_t or 0].corrupt += report.damaged
             for name, d in nvme.iter_sessions():
                 self._sessions.set(self._restored_session(SessionState.from_dict(name, d)))
-            self._writer = WriteThrough(self._write_one, self._idle,
-                                        maxsize=1024 if policy is None else policy.write_queue, tick=tick)
+            self._writer = WriteThrough(
+                self._write_one, self._idle, maxsize=1024 if policy is None else policy.write_queue, tick=tick
+            )
 
     @classmethod
     def from_config(cls, config: Config) -> Store:
@@ -117,22 +144,41 @@ class Store(AdminOps, DataPath):
 
         p = config.policy
         hbm = HbmTier(config.hbm.capacity, device=config.hbm.resolved_device(), page_bytes=p.page_bytes)
-        ram = RamTier(config.ram.capacity, get_codec(config.ram.codec), page_bytes=p.page_bytes,
-                      pin_memory=config.ram.pin_memory)
+        ram = RamTier(
+            config.ram.capacity,
+            get_codec(config.ram.codec),
+            page_bytes=p.page_bytes,
+            pin_memory=config.ram.pin_memory,
+        )
         nvme = None
         if config.nvme.enabled:
             from kvstore.tiers.nvme import NvmeTier
 
             n = config.nvme
             codec, head = n.codecs()
-            nvme = NvmeTier(n.path, n.capacity, codec, durability=n.durability, head_codec=head,
-                            head_blocks=n.head_blocks)
-        return cls(hbm, ram, nvme, p, write_through=config.nvme.write_through, admit=config.nvme.admit,
-                   ttl=config.nvme.ttl)
+            nvme = NvmeTier(
+                n.path, n.capacity, codec, durability=n.durability, head_codec=head, head_blocks=n.head_blocks
+            )
+        return cls(
+            hbm,
+            ram,
+            nvme,
+            p,
+            write_through=config.nvme.write_through,
+            admit=config.nvme.admit,
+            ttl=config.nvme.ttl,
+        )
 
     # -- data path --------------------------------------------------------------------
-    def put(self, ns: Namespace, tokens: Any, kv: torch.Tensor, *, session: str | None = None,
-            start_block: int = 0) -> PutResult:
+    def put(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        kv: torch.Tensor,
+        *,
+        session: str | None = None,
+        start_block: int = 0,
+    ) -> PutResult:
         """Store the full blocks of ``kv`` (``[L, 2, n*T(+tail), H, D]``) as blocks ``start_block ..``.
 
         ``tokens`` is the whole prefix (at least up to the last full block of
@@ -149,8 +195,10 @@ class Store(AdminOps, DataPath):
         ns.layout.check_tensor(kv)
         n = kv.shape[2] // T
         if start + n > len(arr) // T:
-            raise LayoutError(f"kv holds {kv.shape[2]} tokens for blocks from {start}, but tokens has only "
-                              f"{len(arr) // T} full blocks ({len(arr)} ids): pass the whole prefix as tokens")
+            raise LayoutError(
+                f"kv holds {kv.shape[2]} tokens for blocks from {start}, but tokens has only "
+                f"{len(arr) // T} full blocks ({len(arr)} ids): pass the whole prefix as tokens"
+            )
         keys = block_keys(ns, arr[: (start + n) * T])
         raw = arr.tobytes()
         stored = present = deferred = 0
@@ -169,8 +217,15 @@ class Store(AdminOps, DataPath):
                     self._register(ns)
                     parent = self._index.get(tail) if tail is not None else None
                     if tail is not None and parent is None:
-                        failed = [(i, MISSING_PARENT, f"block {c0 - 1} before block {c0} is not stored; put from "
-                                   f"block 0 (or the first missing block) instead") for i in range(c0, start + n)]
+                        failed = [
+                            (
+                                i,
+                                MISSING_PARENT,
+                                f"block {c0 - 1} before block {c0} is not stored; put from "
+                                f"block 0 (or the first missing block) instead",
+                            )
+                            for i in range(c0, start + n)
+                        ]
                         break
                     self._mover.prepared = frames
                     try:
@@ -180,11 +235,24 @@ class Store(AdminOps, DataPath):
                                 self._touch(e, now, session)
                                 present += 1
                             else:
-                                e = Entry(keys[i], parent, ns.id, self._tag((), session), now, now,
-                                          (i, raw[i * T * 4:(i + 1) * T * 4]) if self._nvme is not None else None)
-                                if not self._store_new(e, kv[:, :, (i - start) * T:(i - start + 1) * T]):
-                                    failed = [(k, NO_ROOM, "every tier is full of pinned blocks; retry when "
-                                               "reads finish") for k in range(i, start + n)]
+                                e = Entry(
+                                    keys[i],
+                                    parent,
+                                    ns.id,
+                                    self._tag((), session),
+                                    now,
+                                    now,
+                                    (i, raw[i * T * 4 : (i + 1) * T * 4]) if self._nvme is not None else None,
+                                )
+                                if not self._store_new(e, kv[:, :, (i - start) * T : (i - start + 1) * T]):
+                                    failed = [
+                                        (
+                                            k,
+                                            NO_ROOM,
+                                            "every tier is full of pinned blocks; retry when reads finish",
+                                        )
+                                        for k in range(i, start + n)
+                                    ]
                                     break
                                 stored += 1
                                 new.append(e.key)
@@ -193,10 +261,14 @@ class Store(AdminOps, DataPath):
                         self._mover.prepared = {}
                     if hold is not None:
                         self._pins.release(hold)
-                    hold = self._pins.pin([tail], self._lease) if tail is not None and c1 < start + n else None
+                    hold = (
+                        self._pins.pin([tail], self._lease) if tail is not None and c1 < start + n else None
+                    )
                     if session is not None and last >= start and (failed or c1 == start + n):
                         assert tail is not None
-                        self._persist_session(self._sessions.record_put(session, ns.id, tail, (last + 1) * T, now))
+                        self._persist_session(
+                            self._sessions.record_put(session, ns.id, tail, (last + 1) * T, now)
+                        )
                 if self._write_through and self._admit == "always":
                     deferred += len(self._submit(new))
                 if failed:
@@ -235,8 +307,15 @@ class Store(AdminOps, DataPath):
         finally:
             self._lock.release()
 
-    def get(self, ns: Namespace, tokens: Any, *, start_block: int = 0, max_blocks: int | None = None,
-            device: torch.device | str | None = None) -> GetResult:
+    def get(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        *,
+        start_block: int = 0,
+        max_blocks: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> GetResult:
         """Read the held blocks ``start_block ..`` of ``tokens`` (at most ``max_blocks``) onto ``device``
         (default CPU) as one ``[L, 2, n*T, H, D]`` tensor.
 
@@ -272,7 +351,7 @@ class Store(AdminOps, DataPath):
         try:
             for j, e in enumerate(chain):
                 assert out is not None
-                got = self._read(e, dev, out[:, :, j * T:(j + 1) * T])
+                got = self._read(e, dev, out[:, :, j * T : (j + 1) * T])
                 if got is None:
                     break
                 block, t = got  # block: a view of out (what promotion copies up)
@@ -289,14 +368,18 @@ class Store(AdminOps, DataPath):
                 self._counts["tokens_served"] += len(read) * T
         if out is not None and len(read) < len(chain):
             out = out[:, :, : len(read) * T].contiguous()
-        return GetResult(len(read), len(read) * T, out if read else None, [self._names[t] for _, _, t in read])
+        return GetResult(
+            len(read), len(read) * T, out if read else None, [self._names[t] for _, _, t in read]
+        )
 
     def pin(self, keys: list[bytes], lease: float | None = None) -> PinHandle:
         """Pin the held blocks among ``keys`` for ``lease`` seconds (default: the policy's pin lease):
         they are neither evicted nor demoted until ``release`` or the lease ends."""
         with self._lock:
             self._check_open()
-            return self._pins.pin([k for k in keys if k in self._index], self._lease if lease is None else lease)
+            return self._pins.pin(
+                [k for k in keys if k in self._index], self._lease if lease is None else lease
+            )
 
     def release(self, handle: PinHandle) -> bool:
         """End a pin early; False when it had already ended."""
@@ -307,10 +390,8 @@ class Store(AdminOps, DataPath):
     def __enter__(self) -> Store:
         return self
 
-
     def __exit__(self, *exc: object) -> None:
         self.close()
-
 
     # -- internals (lock held unless said otherwise) -------------------------------------
     def _check_open(self) -> None:

@@ -32,9 +32,17 @@ class Entry:
 
     __slots__ = ("key", "parent", "children", "tiers", "ns", "sessions", "created", "last_access", "pending")
 
-    def __init__(self, key: bytes, parent: Entry | None, ns: str, sessions: tuple[str, ...],
-                 created: float, last_access: float, pending: tuple[int, bytes] | None = None,
-                 tiers: int = 0) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        parent: Entry | None,
+        ns: str,
+        sessions: tuple[str, ...],
+        created: float,
+        last_access: float,
+        pending: tuple[int, bytes] | None = None,
+        tiers: int = 0,
+    ) -> None:
         self.key = key
         self.parent = parent
         self.children: Entry | list[Entry] | None = None
@@ -162,7 +170,9 @@ class BlockIndex:
     def insert_restored(self, entries: list[Entry], tier: int, *, keys: list[bytes] | None = None) -> None:
         """Bulk-load entries (already linked to each other, their tier bits set) held in ``tier``,
         in the given access order. ``keys``: their keys, when the caller has them as a list."""
-        self._entries.update(zip(map(attrgetter("key"), entries) if keys is None else keys, entries, strict=True))
+        self._entries.update(
+            zip(map(attrgetter("key"), entries) if keys is None else keys, entries, strict=True)
+        )
         if tier < self.ntiers - 1:
             self._lru[tier].update(dict.fromkeys(e.key for e in entries))
 
@@ -197,8 +207,9 @@ class BlockIndex:
         entry.tiers &= ~TIER_MASK
 
     # -- invariants -------------------------------------------------------------------
-    def check(self, tier_keys: list[set[bytes]], tier_names: list[str],
-              pending_needed: Callable[[Entry], bool]) -> list[str]:
+    def check(
+        self, tier_keys: list[set[bytes]], tier_names: list[str], pending_needed: Callable[[Entry], bool]
+    ) -> list[str]:
         """Every broken invariant, as readable lines (empty when all hold)."""
         problems: list[str] = []
         bits = [1 << t for t in range(self.ntiers)]
@@ -216,8 +227,10 @@ class BlockIndex:
             for t, bit in enumerate(bits):
                 held = key in tier_keys[t]
                 if bool(e.tiers & bit) != held:
-                    problems.append(f"block {name}: index says {'' if e.tiers & bit else 'not '}in "
-                                    f"{tier_names[t]}, the tier {'has' if held else 'lacks'} it")
+                    problems.append(
+                        f"block {name}: index says {'' if e.tiers & bit else 'not '}in "
+                        f"{tier_names[t]}, the tier {'has' if held else 'lacks'} it"
+                    )
                 if t < self.ntiers - 1 and bool(e.tiers & bit) != (key in self._lru[t]):
                     problems.append(f"block {name}: LRU list of {tier_names[t]} disagrees with its tier bits")
             if pending_needed(e) and e.pending is None:
@@ -225,8 +238,10 @@ class BlockIndex:
         for t, keys in enumerate(tier_keys):
             stray = [k for k in keys if k not in self._entries]
             if stray:
-                problems.append(f"{tier_names[t]} holds {len(stray)} block(s) the index does not know, "
-                                f"e.g. {stray[0].hex()[:16]}")
+                problems.append(
+                    f"{tier_names[t]} holds {len(stray)} block(s) the index does not know, "
+                    f"e.g. {stray[0].hex()[:16]}"
+                )
         for t in range(self.ntiers - 1):
             if len(self._lru[t]) != sum(1 for e in self._entries.values() if e.tiers & bits[t]):
                 problems.append(f"LRU list of {tier_names[t]} has stray keys")

@@ -46,9 +46,17 @@ class TierCounters:
 class Mover:
     """Tier movements over one index. ``nvme_tier``: the index of the LMDB tier, or None."""
 
-    def __init__(self, tiers: list[Tier], nvme_tier: int | None, index: BlockIndex, pins: PinTable,
-                 sessions: SessionTable, namespaces: dict[str, Namespace], roots: dict[str, bytes],
-                 persist_session: Callable[[SessionState], None]) -> None:
+    def __init__(
+        self,
+        tiers: list[Tier],
+        nvme_tier: int | None,
+        index: BlockIndex,
+        pins: PinTable,
+        sessions: SessionTable,
+        namespaces: dict[str, Namespace],
+        roots: dict[str, bytes],
+        persist_session: Callable[[SessionState], None],
+    ) -> None:
         self.tiers = tiers
         self.names = [t.name for t in tiers]
         self.last = len(tiers) - 1
@@ -102,8 +110,9 @@ class Mover:
         return fallback
 
     # -- making room ------------------------------------------------------------------
-    def make_room(self, t: int, block: torch.Tensor | None, frame_bytes: int = 0, *,
-                  position: int | None = None) -> bool:
+    def make_room(
+        self, t: int, block: torch.Tensor | None, frame_bytes: int = 0, *, position: int | None = None
+    ) -> bool:
         """Push blocks out of tier ``t`` until ``block`` (or a frame of ``frame_bytes``) fits.
         ``position``: the block's index in its prefix, which picks the nvme tier's codec (a head
         block's frame is larger). False when only pinned blocks are left."""
@@ -192,8 +201,11 @@ class Mover:
             # encoded first, so that room is made for its exact size (under the lock: no frame was prepared)
             frame = self.tiers[t].codec.encode(block)  # type: ignore[attr-defined]
         for _ in range(3):
-            room = (self.make_room(t, None, len(frame)) if frame is not None
-                    else self.make_room(t, block, position=self.position(e)))
+            room = (
+                self.make_room(t, None, len(frame))
+                if frame is not None
+                else self.make_room(t, block, position=self.position(e))
+            )
             if not room or self.index.get(e.key) is not e:
                 return False
             try:
@@ -219,8 +231,16 @@ class Mover:
             raise KVStoreError(f"block {e.key.hex()[:16]} has no record in memory to write to nvme")
         position, tokens = e.pending
         parent = e.parent.key if e.parent is not None else self.roots[e.ns]
-        return BlockRecord(key=e.key, parent=parent, namespace=e.ns, position=position, tokens=tokens,
-                           sessions=e.sessions, created=e.created, last_access=e.last_access)
+        return BlockRecord(
+            key=e.key,
+            parent=parent,
+            namespace=e.ns,
+            position=position,
+            tokens=tokens,
+            sessions=e.sessions,
+            created=e.created,
+            last_access=e.last_access,
+        )
 
     @staticmethod
     def position(e: Entry) -> int | None:
@@ -323,7 +343,9 @@ class Mover:
             if not placed and move and self.index.get(e.key) is e:
                 self.place(e, block, source)
                 if not e.tiers & TIER_MASK:
-                    self.drop_block(e)  # neither tier could take it back: it is gone, and so are its descendants
+                    self.drop_block(
+                        e
+                    )  # neither tier could take it back: it is gone, and so are its descendants
         finally:
             self.busy.discard(e.key)
         if placed:

@@ -38,8 +38,9 @@ class RestoreReport:
     damaged: int = 0  # blocks whose record failed its checks (dropped, like their descendants)
 
 
-def restore(index: BlockIndex, nvme: Any, tier: int, namespaces: dict[str, Namespace],
-            roots: dict[str, bytes]) -> RestoreReport:
+def restore(
+    index: BlockIndex, nvme: Any, tier: int, namespaces: dict[str, Namespace], roots: dict[str, bytes]
+) -> RestoreReport:
     """Fill an empty ``index`` from ``nvme`` (held in ``tier``); fills ``namespaces`` and ``roots`` too."""
     # A million new objects would start the cyclic GC hundreds of times, each pass longer than the
     # last; nothing made here is garbage, so it stays off until the index is built.
@@ -52,8 +53,9 @@ def restore(index: BlockIndex, nvme: Any, tier: int, namespaces: dict[str, Names
             gc.enable()
 
 
-def _restore(index: BlockIndex, nvme: Any, tier: int, namespaces: dict[str, Namespace],
-             roots: dict[str, bytes]) -> RestoreReport:
+def _restore(
+    index: BlockIndex, nvme: Any, tier: int, namespaces: dict[str, Namespace], roots: dict[str, bytes]
+) -> RestoreReport:
     for ns_id, d in nvme.iter_namespaces():
         try:
             ns = Namespace.from_dict(d)
@@ -84,8 +86,14 @@ def _drop(nvme: Any, keys: list[bytes]) -> None:
             nvme.drop(k)
 
 
-def _restore_records(index: BlockIndex, nvme: Any, tier: int, namespaces: dict[str, Namespace],
-                     roots: dict[str, bytes], on_damaged: Callable[[bytes, FrameError], None]) -> RestoreReport:
+def _restore_records(
+    index: BlockIndex,
+    nvme: Any,
+    tier: int,
+    namespaces: dict[str, Namespace],
+    roots: dict[str, bytes],
+    on_damaged: Callable[[bytes, FrameError], None],
+) -> RestoreReport:
     """The per-record path, for an nvme without ``iter_index_columns``."""
     records = nvme.iter_records(on_damaged=on_damaged)
     bit = 1 << tier
@@ -93,8 +101,16 @@ def _restore_records(index: BlockIndex, nvme: Any, tier: int, namespaces: dict[s
     share_time = times.setdefault
     entries: dict[bytes, Entry] = {}
     for rec in records:
-        e = Entry(rec.key, None, rec.namespace, rec.sessions, share_time(rec.created, rec.created),
-                  share_time(rec.last_access, rec.last_access), None, bit)
+        e = Entry(
+            rec.key,
+            None,
+            rec.namespace,
+            rec.sessions,
+            share_time(rec.created, rec.created),
+            share_time(rec.last_access, rec.last_access),
+            None,
+            bit,
+        )
         entries[rec.key] = e
         if rec.position:
             e.parent = rec.parent  # type: ignore[assignment]  # the parent's key until linked below
@@ -129,8 +145,14 @@ def _restore_records(index: BlockIndex, nvme: Any, tier: int, namespaces: dict[s
     return RestoreReport(blocks=len(order), orphans=dropped, namespaces=len(namespaces))
 
 
-def _restore_columns(index: BlockIndex, nvme: Any, tier: int, namespaces: dict[str, Namespace],
-                     roots: dict[str, bytes], on_damaged: Callable[[bytes, FrameError], None]) -> RestoreReport:
+def _restore_columns(
+    index: BlockIndex,
+    nvme: Any,
+    tier: int,
+    namespaces: dict[str, Namespace],
+    roots: dict[str, bytes],
+    on_damaged: Callable[[bytes, FrameError], None],
+) -> RestoreReport:
     """``_restore`` from NvmeTier's columns, with numpy doing per column what the loop above does per
     record: parents found by a sorted search over the keys, orphans' subtrees marked by pointer
     doubling, the access order by argsort. Python is left to make one Entry per block and link it."""
@@ -160,8 +182,19 @@ def _restore_columns(index: BlockIndex, nvme: Any, tier: int, namespaces: dict[s
         _drop(nvme, [keys[i] for i in np.flatnonzero(dropped).tolist()])
     # one Entry per block, in key order (sequential reads of the columns), then linked
     times: dict[float, float] = {}
-    made = list(map(Entry, keys, repeat(None, n), nss, sessions, _shared(created, times),
-                    _shared(accessed, times), repeat(None, n), repeat(1 << tier, n)))
+    made = list(
+        map(
+            Entry,
+            keys,
+            repeat(None, n),
+            nss,
+            sessions,
+            _shared(created, times),
+            _shared(accessed, times),
+            repeat(None, n),
+            repeat(1 << tier, n),
+        )
+    )
     del times
     del nss, sessions
     lookup = made + [None]  # row -1: no parent

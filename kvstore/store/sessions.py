@@ -26,14 +26,25 @@ class SessionState:
     last_access: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ns": self.namespace, "tail": self.tail, "tokens": self.tokens,
-                "created": self.created, "last_access": self.last_access}
+        return {
+            "ns": self.namespace,
+            "tail": self.tail,
+            "tokens": self.tokens,
+            "created": self.created,
+            "last_access": self.last_access,
+        }
 
     @classmethod
     def from_dict(cls, name: str, d: dict[str, Any]) -> SessionState:
         tail = d.get("tail")
-        return cls(name=name, namespace=str(d["ns"]), tail=None if tail is None else bytes(tail),
-                   tokens=int(d["tokens"]), created=float(d["created"]), last_access=float(d["last_access"]))
+        return cls(
+            name=name,
+            namespace=str(d["ns"]),
+            tail=None if tail is None else bytes(tail),
+            tokens=int(d["tokens"]),
+            created=float(d["created"]),
+            last_access=float(d["last_access"]),
+        )
 
 
 class SessionTable:

@@ -29,8 +29,15 @@ log = logging.getLogger("kvstore.store.writer")
 class WriteThrough:
     """One background thread running ``write(key)`` for queued keys and ``idle()`` every ``tick`` seconds."""
 
-    def __init__(self, write: Callable[[bytes], None], idle: Callable[[], None], *,
-                 maxsize: int = 1024, tick: float = 1.0, name: str = "kvstore-writer") -> None:
+    def __init__(
+        self,
+        write: Callable[[bytes], None],
+        idle: Callable[[], None],
+        *,
+        maxsize: int = 1024,
+        tick: float = 1.0,
+        name: str = "kvstore-writer",
+    ) -> None:
         if maxsize < 1:
             raise ValueError(f"write queue size must be at least 1, got {maxsize}")
         self._write = write

@@ -85,7 +85,9 @@ def tokens(name: str, v: Any) -> np.ndarray:
     """Token ids from a ``bin`` of little-endian uint32 or a list of ints (range-checked)."""
     if isinstance(v, (bytes, bytearray, memoryview)):
         if len(v) % 4:
-            raise RemoteProtocolError("invalid_tokens", f"field {name!r} holds {len(v)} bytes, not a multiple of 4")
+            raise RemoteProtocolError(
+                "invalid_tokens", f"field {name!r} holds {len(v)} bytes, not a multiple of 4"
+            )
         return np.frombuffer(v, dtype="<u4")
     if isinstance(v, list):
         try:

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvstore.wire import fields as F
 from kvstore.keys import Namespace
+from kvstore.wire import fields as F
 from kvstore.wire.errors import RemoteProtocolError
 
 Buffer = Any  # a bytes-like object: bytes, memoryview, numpy array, zmq.Frame
@@ -113,8 +113,14 @@ class Put(Message):
     """Blocks ``start_block ..`` of the prefix ``tokens``; ``kv`` is ``shape`` in ``dtype``."""
 
     op = "put"
-    schema = {"ns": F.text, "tokens": F.tokens, "start_block": F.nonneg_int, "shape": F.shape,
-              "dtype": F.text, "session": F.opt_text}
+    schema = {
+        "ns": F.text,
+        "tokens": F.tokens,
+        "start_block": F.nonneg_int,
+        "shape": F.shape,
+        "dtype": F.text,
+        "session": F.opt_text,
+    }
     payload = "kv"
     ns: str
     tokens: np.ndarray
@@ -130,8 +136,16 @@ class Evict(Message):
     """Evict what matches every given filter (``all`` alone matches everything)."""
 
     op = "evict"
-    schema = {"session": F.opt_text, "older_than": F.opt_number, "tier": F.opt_text, "namespace": F.opt_text,
-              "model": F.opt_text, "tenant": F.opt_text, "all": F.boolean, "dry_run": F.boolean}
+    schema = {
+        "session": F.opt_text,
+        "older_than": F.opt_number,
+        "tier": F.opt_text,
+        "namespace": F.opt_text,
+        "model": F.opt_text,
+        "tenant": F.opt_text,
+        "all": F.boolean,
+        "dry_run": F.boolean,
+    }
     session: str | None = None
     older_than: float | None = None
     tier: str | None = None
@@ -206,8 +220,9 @@ REQUESTS: dict[str, type[Message]] = {
     c.op: c for c in (Hello, Ping, Lookup, Get, Put, Evict, Stats, Inspect, Prefetch, Flush, Pin, Release)
 }
 # Safe to send again after a timeout: a repeat changes nothing a first try would not.
-IDEMPOTENT = frozenset({"hello", "ping", "lookup", "get", "put", "stats", "inspect", "prefetch", "flush",
-                        "release"})
+IDEMPOTENT = frozenset(
+    {"hello", "ping", "lookup", "get", "put", "stats", "inspect", "prefetch", "flush", "release"}
+)
 
 
 # ---------------------------------------------------------------- replies
@@ -329,7 +344,16 @@ class ReleaseOk(Message):
 
 
 REPLIES: dict[str, type[Message]] = {
-    "hello": HelloOk, "ping": Pong, "lookup": LookupOk, "get": GetOk, "put": PutOk, "evict": EvictOk,
-    "stats": DataOk, "inspect": DataOk, "prefetch": DataOk, "flush": FlushOk, "pin": PinOk,
+    "hello": HelloOk,
+    "ping": Pong,
+    "lookup": LookupOk,
+    "get": GetOk,
+    "put": PutOk,
+    "evict": EvictOk,
+    "stats": DataOk,
+    "inspect": DataOk,
+    "prefetch": DataOk,
+    "flush": FlushOk,
+    "pin": PinOk,
     "release": ReleaseOk,
 }

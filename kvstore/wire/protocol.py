@@ -62,8 +62,11 @@ class Limits:
         return 65536 + 5 * self.max_tokens
 
     def to_dict(self) -> dict[str, int]:
-        return {"max_message_bytes": self.max_message_bytes, "max_tokens": self.max_tokens,
-                "max_inflight": self.max_inflight}
+        return {
+            "max_message_bytes": self.max_message_bytes,
+            "max_tokens": self.max_tokens,
+            "max_inflight": self.max_inflight,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Limits:
@@ -97,15 +100,20 @@ def read_header(frame: Buffer, limit: int) -> tuple[dict[str, Any], int | None]:
     except Exception as e:  # msgpack raises many types on garbage
         raise RemoteProtocolError("bad_message", f"frame 0 is not valid msgpack: {e}") from None
     if not isinstance(header, dict):
-        raise RemoteProtocolError("bad_message", f"frame 0 must be a msgpack map, got {type(header).__name__}")
+        raise RemoteProtocolError(
+            "bad_message", f"frame 0 must be a msgpack map, got {type(header).__name__}"
+        )
     rid = header.pop("id", None)
     if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 2**64):
         raise RemoteProtocolError("bad_header", f"header id must be an unsigned integer, got {rid!r}")
     version = header.pop("v", None)
     if version != PROTOCOL_VERSION:
         raise RemoteProtocolError(
-            "version", f"protocol version {version!r} is not spoken here (this side speaks {PROTOCOL_VERSION}); "
-            "upgrade the older of client and daemon", rid)
+            "version",
+            f"protocol version {version!r} is not spoken here (this side speaks {PROTOCOL_VERSION}); "
+            "upgrade the older of client and daemon",
+            rid,
+        )
     return header, rid
 
 
@@ -118,7 +126,9 @@ def _check_put_payload(msg: Put, exc: type[LocalProtocolError] | type[RemoteProt
     expect = math.prod(msg.shape) * itemsize
     got = nbytes(msg.kv) if msg.kv is not None else 0
     if got != expect:
-        raise exc("bad_payload", f"put payload is {got} bytes; shape {list(msg.shape)} in {msg.dtype} is {expect}")
+        raise exc(
+            "bad_payload", f"put payload is {got} bytes; shape {list(msg.shape)} in {msg.dtype} is {expect}"
+        )
 
 
 def reply_frames(request: Request, msg: Message) -> list[Buffer]:
@@ -169,8 +179,11 @@ class ServerProtocol:
         try:
             total = sum(nbytes(f) for f in frames)
             if total > self.limits.max_message_bytes:
-                raise RemoteProtocolError("too_large", f"message is {total} bytes, over max_message_bytes "
-                                          f"{self.limits.max_message_bytes}; send smaller chunks")
+                raise RemoteProtocolError(
+                    "too_large",
+                    f"message is {total} bytes, over max_message_bytes "
+                    f"{self.limits.max_message_bytes}; send smaller chunks",
+                )
             op = header.pop("op", None)
             cls = REQUESTS.get(op) if isinstance(op, str) else None
             if cls is None:
@@ -178,8 +191,11 @@ class ServerProtocol:
             msg = cls.from_fields(header, list(frames[1:]))
             namespace = self._check(msg)
             if self.inflight.get(peer, 0) >= self.limits.max_inflight:
-                raise RemoteProtocolError("busy", f"{self.limits.max_inflight} requests already in flight "
-                                          "from this client; wait for replies")
+                raise RemoteProtocolError(
+                    "busy",
+                    f"{self.limits.max_inflight} requests already in flight "
+                    "from this client; wait for replies",
+                )
         except RemoteProtocolError as e:
             e.request_id = rid
             raise
@@ -189,25 +205,39 @@ class ServerProtocol:
     def _check(self, msg: Message) -> Namespace | None:
         tokens = getattr(msg, "tokens", None)
         if tokens is not None and len(tokens) > self.limits.max_tokens:
-            raise RemoteProtocolError("too_many_tokens", f"{len(tokens)} token ids, over max_tokens_per_request "
-                                      f"{self.limits.max_tokens}")
+            raise RemoteProtocolError(
+                "too_many_tokens",
+                f"{len(tokens)} token ids, over max_tokens_per_request {self.limits.max_tokens}",
+            )
         ns_id = getattr(msg, "ns", None)
         if ns_id is None:
             return None
         namespace = self.namespaces.get(ns_id)
         if namespace is None:
-            raise RemoteProtocolError("unknown_namespace", f"namespace {ns_id!r} is not registered; send hello first")
+            raise RemoteProtocolError(
+                "unknown_namespace", f"namespace {ns_id!r} is not registered; send hello first"
+            )
         layout = namespace.layout
         if isinstance(msg, Put):
-            if msg.dtype != layout.dtype or len(msg.shape) != 5 or msg.shape[2] % layout.block_tokens or \
-                    msg.shape != layout.shape(msg.shape[2]):
-                raise RemoteProtocolError("layout", f"put of shape {list(msg.shape)} {msg.dtype} contradicts the "
-                                          f"namespace layout {layout.to_dict()}")
+            if (
+                msg.dtype != layout.dtype
+                or len(msg.shape) != 5
+                or msg.shape[2] % layout.block_tokens
+                or msg.shape != layout.shape(msg.shape[2])
+            ):
+                raise RemoteProtocolError(
+                    "layout",
+                    f"put of shape {list(msg.shape)} {msg.dtype} contradicts the "
+                    f"namespace layout {layout.to_dict()}",
+                )
             _check_put_payload(msg, RemoteProtocolError)
             blocks = msg.shape[2] // layout.block_tokens
             if blocks == 0 or msg.start_block + blocks > len(msg.tokens) // layout.block_tokens:
-                raise RemoteProtocolError("invalid_argument", f"put of {blocks} block(s) from block "
-                                          f"{msg.start_block} needs that many full blocks of tokens")
+                raise RemoteProtocolError(
+                    "invalid_argument",
+                    f"put of {blocks} block(s) from block "
+                    f"{msg.start_block} needs that many full blocks of tokens",
+                )
         if isinstance(msg, Get) and msg.max_blocks == 0:
             raise RemoteProtocolError("invalid_argument", "get max_blocks must be at least 1 (or absent)")
         return namespace
@@ -217,8 +247,13 @@ class ServerProtocol:
         assert isinstance(request.msg, Hello)
         ns = request.msg.namespace
         if ns.id not in self.namespaces and len(self.namespaces) >= MAX_NAMESPACES:
-            return self.error(request.peer, request.id, "invalid_namespace",
-                              f"this daemon already serves {MAX_NAMESPACES} namespaces", done=True)
+            return self.error(
+                request.peer,
+                request.id,
+                "invalid_namespace",
+                f"this daemon already serves {MAX_NAMESPACES} namespaces",
+                done=True,
+            )
         self.namespaces[ns.id] = ns
         return self.reply(request, HelloOk(ns=ns.id, limits=self.limits.to_dict(), server=self.server))
 

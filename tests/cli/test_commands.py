@@ -42,24 +42,35 @@ def test_evict_all_does_not_combine(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_evict_filters_combine() -> None:
     args = parse_args(["evict", "--model", "m", "--older-than", "2d", "--tier", "ram", "--dry-run"])
-    assert (args.model, args.older_than, args.tier, args.dry_run, args.all) == ("m", 172800.0, "ram", True, False)
+    assert (args.model, args.older_than, args.tier, args.dry_run, args.all) == (
+        "m",
+        172800.0,
+        "ram",
+        True,
+        False,
+    )
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["evict", "--older-than", "2x"], "--older-than"),
-    (["evict", "--older-than", "0s"], "must be positive"),
-    (["evict", "--tier", "disk"], "--tier: invalid choice: 'disk'"),
-    (["prefetch", "--session", "s", "--to", "nvme"], "--to: invalid choice"),
-    (["prefetch"], "--session"),
-    (["prefetch", "--session", "s", "--chunk", "0"], "--chunk: 0 must be at least 1"),
-    (["prefetch", "--session", "s", "--chunk", "x"], "--chunk: 'x' is not a whole number"),
-    (["stats", "--endpoint", "http://x"], "--endpoint"),
-    (["stats", "--timeout", "soon"], "--timeout"),
-    (["inspect", "--layout", "L=2,H=x"], "--layout"),
-    (["stat"], "invalid choice: 'stat'"),
-    ([], "COMMAND"),
-])
-def test_bad_flags_and_values_are_named(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["evict", "--older-than", "2x"], "--older-than"),
+        (["evict", "--older-than", "0s"], "must be positive"),
+        (["evict", "--tier", "disk"], "--tier: invalid choice: 'disk'"),
+        (["prefetch", "--session", "s", "--to", "nvme"], "--to: invalid choice"),
+        (["prefetch"], "--session"),
+        (["prefetch", "--session", "s", "--chunk", "0"], "--chunk: 0 must be at least 1"),
+        (["prefetch", "--session", "s", "--chunk", "x"], "--chunk: 'x' is not a whole number"),
+        (["stats", "--endpoint", "http://x"], "--endpoint"),
+        (["stats", "--timeout", "soon"], "--timeout"),
+        (["inspect", "--layout", "L=2,H=x"], "--layout"),
+        (["stat"], "invalid choice: 'stat'"),
+        ([], "COMMAND"),
+    ],
+)
+def test_bad_flags_and_values_are_named(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert named in usage_error(argv, capsys)
 
 
@@ -73,8 +84,9 @@ def test_mistyped_flag_gets_a_suggestion(capsys: pytest.CaptureFixture[str]) -> 
 def test_inspect_tokens_needs_the_namespace(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs --model and --layout" in usage_error(["inspect", "--tokens", "f"], capsys)
     assert "only go with --tokens" in usage_error(["inspect", "--model", "m"], capsys)
-    assert "not both" in usage_error(["inspect", "--session", "s", "--tokens", "f", "--model", "m",
-                                      "--layout", "L=2,H=1,D=8"], capsys)
+    assert "not both" in usage_error(
+        ["inspect", "--session", "s", "--tokens", "f", "--model", "m", "--layout", "L=2,H=1,D=8"], capsys
+    )
 
 
 def test_defaults() -> None:
@@ -86,7 +98,13 @@ def test_defaults() -> None:
 
 def test_parse_layout_short_and_long_names() -> None:
     lay = parse_layout("L=30,H=3,D=64,dtype=bfloat16,T=64")
-    assert (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, lay.block_tokens) == (30, 3, 64, "bfloat16", 64)
+    assert (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, lay.block_tokens) == (
+        30,
+        3,
+        64,
+        "bfloat16",
+        64,
+    )
     assert parse_layout("num_layers=2, num_kv_heads=1, head_dim=8") == parse_layout("L=2,H=1,D=8")
 
 
@@ -99,7 +117,10 @@ def test_endpoint_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert resolve_endpoint(parse_args(["stats", "--config", str(cfg)])) == "ipc:///tmp/from-file.sock"
     monkeypatch.setenv("KVSTORE_ENDPOINT", "tcp://127.0.0.1:7000")
     assert resolve_endpoint(parse_args(["stats", "--config", str(cfg)])) == "tcp://127.0.0.1:7000"
-    assert resolve_endpoint(parse_args(["stats", "--endpoint", "ipc:///tmp/flag.sock"])) == "ipc:///tmp/flag.sock"
+    assert (
+        resolve_endpoint(parse_args(["stats", "--endpoint", "ipc:///tmp/flag.sock"]))
+        == "ipc:///tmp/flag.sock"
+    )
 
 
 def test_read_tokens(tmp_path: Path) -> None:
@@ -126,14 +147,36 @@ def test_plain_makes_results_json_ready() -> None:
 # ---------------------------------------------------------------- renderings
 
 
-@pytest.mark.parametrize("n, text", [(None, "-"), (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"),
-                                     (1536, "1.5 KiB"), (100 * 2**20, "100 MiB"), (int(1.5 * 2**30), "1.5 GiB")])
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (None, "-"),
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (100 * 2**20, "100 MiB"),
+        (int(1.5 * 2**30), "1.5 GiB"),
+    ],
+)
 def test_format_bytes(n: int | None, text: str) -> None:
     assert display.format_bytes(n) == text
 
 
-@pytest.mark.parametrize("s, text", [(0, "0s"), (42.9, "42s"), (60, "1m"), (61, "1m 1s"), (3600, "1h"),
-                                     (3725, "1h 2m"), (90061, "1d 1h"), (7 * 86400, "7d"), (None, "-")])
+@pytest.mark.parametrize(
+    "s, text",
+    [
+        (0, "0s"),
+        (42.9, "42s"),
+        (60, "1m"),
+        (61, "1m 1s"),
+        (3600, "1h"),
+        (3725, "1h 2m"),
+        (90061, "1d 1h"),
+        (7 * 86400, "7d"),
+        (None, "-"),
+    ],
+)
 def test_format_duration(s: float | None, text: str) -> None:
     assert display.format_duration(s) == text
 
@@ -155,13 +198,41 @@ STATS = {
     "server": {"endpoint": "ipc:///x.sock", "pid": 42, "uptime": 3725.0, "requests": 1200, "errors": 1},
     "store": {
         "tiers": {
-            "hbm": {"blocks": 3, "used": 3 * 2**20, "capacity": 2**30, "hits": 9, "misses": 1, "evictions": 0,
-                    "demotions": 2, "promotions": 0, "corrupt": 0},
-            "nvme": {"blocks": 5, "used": 2**20, "capacity": 2**36, "hits": 0, "misses": 0, "evictions": 4,
-                     "demotions": 0, "promotions": 1, "corrupt": 2},
+            "hbm": {
+                "blocks": 3,
+                "used": 3 * 2**20,
+                "capacity": 2**30,
+                "hits": 9,
+                "misses": 1,
+                "evictions": 0,
+                "demotions": 2,
+                "promotions": 0,
+                "corrupt": 0,
+            },
+            "nvme": {
+                "blocks": 5,
+                "used": 2**20,
+                "capacity": 2**36,
+                "hits": 0,
+                "misses": 0,
+                "evictions": 4,
+                "demotions": 0,
+                "promotions": 1,
+                "corrupt": 2,
+            },
         },
-        "blocks": 5, "sessions": 2, "namespaces": 1, "pinned": 0, "write_queue": 0, "write_deferred": 0,
-        "written": 5, "expired": 0, "lookups": 4, "tokens_asked": 100, "tokens_matched": 64, "tokens_served": 64,
+        "blocks": 5,
+        "sessions": 2,
+        "namespaces": 1,
+        "pinned": 0,
+        "write_queue": 0,
+        "write_deferred": 0,
+        "written": 5,
+        "expired": 0,
+        "lookups": 4,
+        "tokens_asked": 100,
+        "tokens_matched": 64,
+        "tokens_served": 64,
     },
 }
 
@@ -180,49 +251,115 @@ def test_render_stats() -> None:
 
 def test_render_sessions_most_recent_first() -> None:
     sessions = [
-        {"name": "old", "model": "m", "tenant": "t", "tokens": 128, "blocks": 2, "tiers": {"nvme": 2},
-         "created": 100.0, "last_access": 100.0},
-        {"name": "new", "model": "m", "tenant": "t", "tokens": 64, "blocks": 1, "tiers": {"hbm": 1, "nvme": 1},
-         "created": 100.0, "last_access": 990.0},
+        {
+            "name": "old",
+            "model": "m",
+            "tenant": "t",
+            "tokens": 128,
+            "blocks": 2,
+            "tiers": {"nvme": 2},
+            "created": 100.0,
+            "last_access": 100.0,
+        },
+        {
+            "name": "new",
+            "model": "m",
+            "tenant": "t",
+            "tokens": 64,
+            "blocks": 1,
+            "tiers": {"hbm": 1, "nvme": 1},
+            "created": 100.0,
+            "last_access": 990.0,
+        },
     ]
     out = display.render_sessions(sessions, now=1000.0).splitlines()
-    assert out[0].split() == ["session", "model", "tenant", "tokens", "blocks", "hbm", "ram", "nvme", "last",
-                              "used", "created"]
+    assert out[0].split() == [
+        "session",
+        "model",
+        "tenant",
+        "tokens",
+        "blocks",
+        "hbm",
+        "ram",
+        "nvme",
+        "last",
+        "used",
+        "created",
+    ]
     assert out[1].split()[:8] == ["new", "m", "t", "64", "1", "1", "0", "1"] and "10s ago" in out[1]
     assert out[2].startswith("old") and "15m ago" in out[2]
     assert "no sessions" in display.render_sessions([], now=0.0)
 
 
 def test_render_session_prefix_evict_prefetch() -> None:
-    detail = {"info": {"name": "s", "model": "m", "tenant": "t", "namespace": "ab", "tokens": 8, "blocks": 2,
-                       "tiers": {"hbm": 2}, "created": 1.0, "last_access": 2.0},
-              "blocks": [{"position": 0, "key": "00" * 32, "tiers": ["hbm", "nvme"], "last_access": 2.0},
-                         {"position": 1, "key": "11" * 32, "tiers": [], "last_access": 0}]}
+    detail = {
+        "info": {
+            "name": "s",
+            "model": "m",
+            "tenant": "t",
+            "namespace": "ab",
+            "tokens": 8,
+            "blocks": 2,
+            "tiers": {"hbm": 2},
+            "created": 1.0,
+            "last_access": 2.0,
+        },
+        "blocks": [
+            {"position": 0, "key": "00" * 32, "tiers": ["hbm", "nvme"], "last_access": 2.0},
+            {"position": 1, "key": "11" * 32, "tiers": [], "last_access": 0},
+        ],
+    }
     out = display.render_session(detail, now=62.0).splitlines()
     assert out[0] == "session s: model m, tenant t, namespace ab"
     assert "2 blocks cached (hbm 2, ram 0, nvme 0)" in out[1]
     assert out[-2].split() == ["0", "0" * 16, "hbm,nvme", "1m", "ago"]
     assert out[-1].split() == ["1", "1" * 16, "-", "-"]
-    prefix = display.render_prefix({"namespace": "ab", "tokens": 10, "matched_tokens": 8,
-                                    "blocks": [{"position": 0, "key": "aa" * 32, "tier": "ram"}]})
+    prefix = display.render_prefix(
+        {
+            "namespace": "ab",
+            "tokens": 10,
+            "matched_tokens": 8,
+            "blocks": [{"position": 0, "key": "aa" * 32, "tier": "ram"}],
+        }
+    )
     assert prefix.splitlines()[0] == "namespace ab: 8 of 10 tokens stored in 1 blocks"
     assert display.render_evict({"blocks": 0, "dry_run": True}) == "no blocks matched (dry run)"
-    assert display.render_evict({"blocks": 3, "moved": 1, "bytes_freed": {"ram": 2048}, "dry_run": False}) == \
-        "evicted 3 blocks (1 of them moved down a tier); freed ram 2.0 KiB"
-    assert display.render_evict({"blocks": 3, "moved": 0, "bytes_freed": {"hbm": 1024, "nvme": 10},
-                                 "dry_run": True}) == "would evict 3 blocks; would free hbm 1.0 KiB, nvme 10 B"
-    assert display.render_prefetch({"session": "s", "to": "hbm", "moved": 2, "present": 1, "failed": 0}) == \
-        "session s: 2 blocks brought up to hbm, 1 already there, 0 failed"
+    assert (
+        display.render_evict({"blocks": 3, "moved": 1, "bytes_freed": {"ram": 2048}, "dry_run": False})
+        == "evicted 3 blocks (1 of them moved down a tier); freed ram 2.0 KiB"
+    )
+    assert (
+        display.render_evict(
+            {"blocks": 3, "moved": 0, "bytes_freed": {"hbm": 1024, "nvme": 10}, "dry_run": True}
+        )
+        == "would evict 3 blocks; would free hbm 1.0 KiB, nvme 10 B"
+    )
+    assert (
+        display.render_prefetch({"session": "s", "to": "hbm", "moved": 2, "present": 1, "failed": 0})
+        == "session s: 2 blocks brought up to hbm, 1 already there, 0 failed"
+    )
 
 
 def test_render_prefetch_timing_and_progress() -> None:
     # the CLI's summary adds bytes, wall time and rate
-    done = {"session": "s", "to": "ram", "moved": 40, "present": 0, "failed": 0, "bytes_moved": 3 * 2**20,
-            "seconds": 0.5, "blocks": 40, "requests": 3}
-    assert display.render_prefetch(done) == \
-        "session s: 40 blocks brought up to ram, 0 already there, 0 failed; 3.0 MiB moved in 0.50s (6.0 MiB/s)"
+    done = {
+        "session": "s",
+        "to": "ram",
+        "moved": 40,
+        "present": 0,
+        "failed": 0,
+        "bytes_moved": 3 * 2**20,
+        "seconds": 0.5,
+        "blocks": 40,
+        "requests": 3,
+    }
+    assert (
+        display.render_prefetch(done)
+        == "session s: 40 blocks brought up to ram, 0 already there, 0 failed; 3.0 MiB moved in 0.50s (6.0 MiB/s)"
+    )
     assert display.render_prefetch({**done, "moved": 0, "bytes_moved": 0, "seconds": 0.0}).endswith(
-        "; 0 B moved in 0.00s (-)")
+        "; 0 B moved in 0.00s (-)"
+    )
     assert [display.format_seconds(x) for x in (0.0421, 12.34, 75, None)] == ["0.04s", "12.3s", "1m 15s", "-"]
     assert display.format_rate(2048, 2.0) == "1.0 KiB/s" and display.format_rate(10, 0) == "-"
     assert display.render_progress(12, 40, 2048, width=10) == "[###.......] 12/40 blocks  2.0 KiB"
@@ -242,8 +379,9 @@ def clean_env() -> dict[str, str]:
 
 
 def run_cli(*argv: str, stdin: str = "", timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*kvstore_cmd(), *argv], input=stdin, capture_output=True, text=True,
-                          env=clean_env(), timeout=timeout)
+    return subprocess.run(
+        [*kvstore_cmd(), *argv], input=stdin, capture_output=True, text=True, env=clean_env(), timeout=timeout
+    )
 
 
 def test_no_daemon_is_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -251,7 +389,8 @@ def test_no_daemon_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"kvstore: no kvstore daemon is running at ipc://{tmp_path}/kv.sock; "
-        "start it with `kvstore serve` (or `./dev serve` in a checkout)"]
+        "start it with `kvstore serve` (or `./dev serve` in a checkout)"
+    ]
     assert r.stdout == ""
 
 
@@ -272,8 +411,9 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
     cfg.write_text("[ram]\ncodec = 'zip'\n")
     r = run_cli("serve", "--config", str(cfg))
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [f"kvstore: {cfg}: [ram] codec = 'zip' is not allowed; "
-                                             "expected one of fp8, int8, raw"]
+    assert r.stderr.strip().splitlines() == [
+        f"kvstore: {cfg}: [ram] codec = 'zip' is not allowed; expected one of fp8, int8, raw"
+    ]
 
 
 LAYOUT_SPEC = "L=2,H=1,D=8,dtype=float16,T=4"
@@ -284,11 +424,18 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A real daemon on an ipc socket with small tiers; yields its config file. Stopped with SIGTERM."""
     root = tmp_path_factory.mktemp("cli")
     cfg = root / "kvstore.toml"
-    cfg.write_text(f'[server]\nendpoint = "ipc://{root}/run/kv.sock"\nworkers = 2\n'
-                   '[hbm]\ndevice = "cpu"\ncapacity = "8MiB"\n[ram]\ncapacity = "8MiB"\n'
-                   f'[nvme]\npath = "{root}/nvme"\ncapacity = "64MiB"\n[policy]\npage_bytes = "4KiB"\n')
-    proc = subprocess.Popen([*kvstore_cmd(), "serve", "--config", str(cfg)], env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cfg.write_text(
+        f'[server]\nendpoint = "ipc://{root}/run/kv.sock"\nworkers = 2\n'
+        '[hbm]\ndevice = "cpu"\ncapacity = "8MiB"\n[ram]\ncapacity = "8MiB"\n'
+        f'[nvme]\npath = "{root}/nvme"\ncapacity = "64MiB"\n[policy]\npage_bytes = "4KiB"\n'
+    )
+    proc = subprocess.Popen(
+        [*kvstore_cmd(), "serve", "--config", str(cfg)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     sock = root / "run" / "kv.sock"
     deadline = time.monotonic() + 120
     while not sock.exists():
@@ -362,7 +509,9 @@ def test_operator_commands_against_a_real_daemon(daemon: Path, tmp_path: Path) -
 
     missing = run_cli("inspect", "--session", "nope", "--config", str(daemon))
     assert missing.returncode == 1
-    assert missing.stderr.strip().splitlines() == ["kvstore: no session 'nope'; list them with inspect [not_found]"]
+    assert missing.stderr.strip().splitlines() == [
+        "kvstore: no session 'nope'; list them with inspect [not_found]"
+    ]
 
 
 def run_on_terminal(argv: list[str], answer: str) -> tuple[int, str, str]:
@@ -371,8 +520,14 @@ def run_on_terminal(argv: list[str], answer: str) -> tuple[int, str, str]:
 
     master, slave = pty.openpty()
     try:
-        proc = subprocess.Popen([*kvstore_cmd(), *argv], stdin=slave, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=clean_env())
+        proc = subprocess.Popen(
+            [*kvstore_cmd(), *argv],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+        )
         os.write(master, answer.encode() + b"\n")
         out, err = proc.communicate(timeout=120)
     finally:
@@ -412,9 +567,11 @@ def write_daemon_config(root: Path, **server: object) -> Path:
     """Small tiers like the module's daemon, its own socket and LMDB under ``root``."""
     extra = "".join(f"{k} = {v}\n" for k, v in server.items())
     cfg = root / "kvstore.toml"
-    cfg.write_text(f'[server]\nendpoint = "ipc://{root}/run/kv.sock"\nworkers = 2\n{extra}'
-                   '[hbm]\ndevice = "cpu"\ncapacity = "8MiB"\n[ram]\ncapacity = "8MiB"\n'
-                   f'[nvme]\npath = "{root}/nvme"\ncapacity = "64MiB"\n[policy]\npage_bytes = "4KiB"\n')
+    cfg.write_text(
+        f'[server]\nendpoint = "ipc://{root}/run/kv.sock"\nworkers = 2\n{extra}'
+        '[hbm]\ndevice = "cpu"\ncapacity = "8MiB"\n[ram]\ncapacity = "8MiB"\n'
+        f'[nvme]\npath = "{root}/nvme"\ncapacity = "64MiB"\n[policy]\npage_bytes = "4KiB"\n'
+    )
     return cfg
 
 
@@ -426,8 +583,13 @@ def serve(cfg: Path) -> subprocess.Popen[str]:
     from kvstore.daemon.endpoint import probe
 
     endpoint = load_config(cfg, env={}).server.endpoint
-    proc = subprocess.Popen([*kvstore_cmd(), "serve", "--config", str(cfg)], env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*kvstore_cmd(), "serve", "--config", str(cfg)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ctx = zmq.Context()
     try:
         deadline = time.monotonic() + 120
@@ -465,8 +627,13 @@ def run_with_terminal_stderr(argv: list[str]) -> tuple[int, str, str]:
 
     master, slave = pty.openpty()
     try:
-        proc = subprocess.Popen([*kvstore_cmd(), *argv], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=slave, env=clean_env())
+        proc = subprocess.Popen(
+            [*kvstore_cmd(), *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=clean_env(),
+        )
         os.close(slave)
         chunks = []
         while True:
@@ -494,7 +661,9 @@ def test_prefetch_warms_a_session_up_from_nvme_after_a_restart(tmp_path: Path) -
     layout = parse_layout(LAYOUT_SPEC)
     proc = serve(cfg)
     try:
-        with KVStoreClient(load_config(cfg, env={}).server.endpoint, model="m", layout=layout, timeout=30) as c:
+        with KVStoreClient(
+            load_config(cfg, env={}).server.endpoint, model="m", layout=layout, timeout=30
+        ) as c:
             # conv-9: 5 blocks of 4 tokens
             assert c.put(list(range(20)), torch.randn(layout.shape(20)).half(), session="conv-9").stored == 5
         assert all("hbm" in t for t in block_tiers(cfg, "conv-9"))
@@ -519,20 +688,28 @@ def test_prefetch_warms_a_session_up_from_nvme_after_a_restart(tmp_path: Path) -
         # --json: the sums, the request count and the seconds, for scripts
         again = cli_json(cfg, "prefetch", "--session", "conv-9", "--to", "ram", "--chunk", "2")
         assert isinstance(again, dict)
-        assert (again["moved"], again["present"], again["failed"], again["blocks"], again["requests"],
-                again["bytes_moved"]) == (0, 5, 0, 5, 3, 0)
+        assert (
+            again["moved"],
+            again["present"],
+            again["failed"],
+            again["blocks"],
+            again["requests"],
+            again["bytes_moved"],
+        ) == (0, 5, 0, 5, 3, 0)
         assert again["seconds"] >= 0
 
         # on a terminal the bar is drawn on stderr, and stdout still gets the summary alone
-        rc, out, err = run_with_terminal_stderr(["prefetch", "--session", "conv-9", "--to", "hbm", "--chunk", "2",
-                                                 "--config", str(cfg)])
+        rc, out, err = run_with_terminal_stderr(
+            ["prefetch", "--session", "conv-9", "--to", "hbm", "--chunk", "2", "--config", str(cfg)]
+        )
         assert rc == 0, err
         assert out.startswith("session conv-9: 5 blocks brought up to hbm") and "moved in" in out
         assert "[" in err and "5/5 blocks" in err and "2/5 blocks" in err  # every chunk redrew it
         assert all("hbm" in t for t in block_tiers(cfg, "conv-9"))
         # --json on a terminal: no bar
-        rc, out, err = run_with_terminal_stderr(["prefetch", "--session", "conv-9", "--to", "hbm", "--json",
-                                                 "--config", str(cfg)])
+        rc, out, err = run_with_terminal_stderr(
+            ["prefetch", "--session", "conv-9", "--to", "hbm", "--json", "--config", str(cfg)]
+        )
         assert rc == 0 and "blocks" not in err and json.loads(out)["present"] == 5
 
         missing = run_cli("prefetch", "--session", "nope", "--config", str(cfg))
@@ -563,7 +740,9 @@ def test_metrics_endpoint_agrees_with_kvstore_stats(tmp_path: Path) -> None:
     layout = parse_layout(LAYOUT_SPEC)
     proc = serve(cfg)
     try:
-        with KVStoreClient(load_config(cfg, env={}).server.endpoint, model="m", layout=layout, timeout=30) as c:
+        with KVStoreClient(
+            load_config(cfg, env={}).server.endpoint, model="m", layout=layout, timeout=30
+        ) as c:
             a, b = list(range(12)), list(range(100, 108))
             assert c.put(a, torch.randn(layout.shape(12)).half(), session="a").stored == 3
             assert c.put(b, torch.randn(layout.shape(8)).half(), session="b").stored == 2
@@ -581,7 +760,9 @@ def test_metrics_endpoint_agrees_with_kvstore_stats(tmp_path: Path) -> None:
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     tiers = stats["store"]["tiers"]
-    assert set(tiers) == {"hbm", "ram", "nvme"} and tiers["hbm"]["blocks"] == 5 and tiers["nvme"]["blocks"] == 5
+    assert (
+        set(tiers) == {"hbm", "ram", "nvme"} and tiers["hbm"]["blocks"] == 5 and tiers["nvme"]["blocks"] == 5
+    )
     for tier, t in tiers.items():
         label = (("tier", tier),)
         assert samples[("kvstore_tier_blocks", label)] == t["blocks"], tier
@@ -595,8 +776,11 @@ def test_metrics_endpoint_agrees_with_kvstore_stats(tmp_path: Path) -> None:
     assert samples[("kvstore_lookups_total", ())] == store["lookups"]
     assert samples[("kvstore_tokens_served_total", ())] == store["tokens_served"] == 20
     # every request the daemon counted (this stats call and its hello included) is in kvstore_requests_total
-    requests = {dict(labels)["op"] + "/" + dict(labels)["code"]: v for (name, labels), v in samples.items()
-                if name == "kvstore_requests_total"}
+    requests = {
+        dict(labels)["op"] + "/" + dict(labels)["code"]: v
+        for (name, labels), v in samples.items()
+        if name == "kvstore_requests_total"
+    }
     assert sum(requests.values()) == stats["server"]["requests"]
     assert sum(v for k, v in requests.items() if not k.endswith("/ok")) == stats["server"]["errors"] == 0
     assert requests["put/ok"] >= 2 and requests["get/ok"] >= 3 and requests["stats/ok"] == 1

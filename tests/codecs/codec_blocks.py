@@ -17,8 +17,11 @@ def codec_variants() -> list[tuple[str, dict]]:
     variants: list[tuple[str, dict]] = []
     for name in CODECS:
         variants += [(name, {}), (name, {"zstd": 1})]
-    extra = {"raw": [{"shuffle": True, "zstd": 3}, {"shuffle": True}], "int8": [{"symmetric": True}],
-             "int4": [{"rotate": True, "zstd": 3}]}  # the nvme tier's default
+    extra = {
+        "raw": [{"shuffle": True, "zstd": 3}, {"shuffle": True}],
+        "int8": [{"symmetric": True}],
+        "int4": [{"rotate": True, "zstd": 3}],
+    }  # the nvme tier's default
     for name, options in extra.items():
         if name in CODECS:
             variants += [(name, p) for p in options]
@@ -34,8 +37,9 @@ def make_codec(v: tuple[str, dict]) -> Codec:
     return get_codec(v[0], **v[1])
 
 
-def structured_block(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int,
-                     log2_scale: int = 0) -> torch.Tensor:
+def structured_block(
+    kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, log2_scale: int = 0
+) -> torch.Tensor:
     """A block of ``kind``: values built in float64, scaled by 2**log2_scale, then cast (finite)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g, dtype=torch.float64)
@@ -66,8 +70,13 @@ def structured_block(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed
 def blocks(draw: st.DrawFn) -> torch.Tensor:
     """A small block [L, 2, T, H, D] of any supported dtype and any KIND of content."""
     dtype = draw(st.sampled_from(DTYPES))
-    shape = (draw(st.integers(1, 3)), 2, draw(st.integers(1, 6)), draw(st.integers(1, 3)),
-             draw(st.sampled_from([1, 2, 3, 8, 16, 64])))
+    shape = (
+        draw(st.integers(1, 3)),
+        2,
+        draw(st.integers(1, 6)),
+        draw(st.integers(1, 3)),
+        draw(st.sampled_from([1, 2, 3, 8, 16, 64])),
+    )
     kind = draw(st.sampled_from(KINDS))
     log2_scale = draw(st.integers(-14, 14))
     block = structured_block(kind, shape, dtype, draw(st.integers(0, 2**31)), log2_scale)

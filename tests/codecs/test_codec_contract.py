@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_blocks import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore.codecs import CODECS, decode_frame, read_header
+from kvstore.errors import FrameError, TruncatedFrame
+from kvstore.layout import KVLayout
+from tests.codecs.codec_blocks import (
     blocks,
     codec_variants,
     make_codec,
@@ -19,12 +25,6 @@ from codec_blocks import (
     subnormal_unit,
     variant_id,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from kvstore.codecs import CODECS, decode_frame, read_header
-from kvstore.errors import FrameError, TruncatedFrame
-from kvstore.layout import KVLayout
 
 VARIANTS = codec_variants()
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -37,7 +37,8 @@ def test_every_codec_is_registered_once_with_a_promise() -> None:
     for name, cls in CODECS.items():
         assert cls.name == name
         assert cls.lossless or (cls.max_error is not None and 0 < cls.max_error < 0.5), (
-            f"codec {name} is lossy but declares no max_error (see Codec.max_error)")
+            f"codec {name} is lossy but declares no max_error (see Codec.max_error)"
+        )
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_blocks import DTYPES, codec_variants, make_codec, slice_absmax, structured_block, variant_id
 
 from kvstore.codecs import decode_frame
 from kvstore.layout import KVLayout
+from tests.codecs.codec_blocks import (
+    DTYPES,
+    codec_variants,
+    make_codec,
+    slice_absmax,
+    structured_block,
+    variant_id,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,7 +25,9 @@ pytestmark = [
 @pytest.mark.parametrize("variant", codec_variants(), ids=variant_id)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["normal", "heavy", "wide", "huge", "constant"])
-def test_gpu_encode_and_decode_match_the_cpu(variant: tuple[str, dict], dtype: torch.dtype, kind: str) -> None:
+def test_gpu_encode_and_decode_match_the_cpu(
+    variant: tuple[str, dict], dtype: torch.dtype, kind: str
+) -> None:
     codec = make_codec(variant)
     block = structured_block(kind, (3, 2, 64, 3, 64), dtype, seed=21)
     cpu_frame = codec.encode(block)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_blocks import DTYPES, group_absmax, rel_l2, structured_block, subnormal_unit
 
 from kvstore.codecs import decode_frame, get_codec
 from kvstore.codecs.fp8 import Fp8Codec, fp8_decode_groups
 from kvstore.codecs.frame import read_header
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
+from tests.codecs.codec_blocks import DTYPES, group_absmax, rel_l2, structured_block, subnormal_unit
 
 SHAPE = (4, 2, 16, 3, 64)
 ALL_CODES = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # no NaN codes
@@ -101,7 +101,9 @@ def test_k_fix_corrects_the_largest_k_channels(dtype: torch.dtype) -> None:
     top = K.square().mean(1).topk(4, dim=-1).indices[:, None].expand(-1, SHAPE[2], -1, -1)
     err_top = (fixed[:, 0] - K).abs().gather(-1, top)
     chan_absmax = K.abs().amax(1, keepdim=True).expand_as(K).gather(-1, top)
-    assert bool((err_top <= chan_absmax / 2000 + K.abs().gather(-1, top) * float(torch.finfo(dtype).eps)).all())
+    assert bool(
+        (err_top <= chan_absmax / 2000 + K.abs().gather(-1, top) * float(torch.finfo(dtype).eps)).all()
+    )
     assert torch.equal(fixed[:, 1], plain[:, 1])
     assert rel_l2(fixed[:, 0], K) < 0.7 * rel_l2(plain[:, 0], K)
 

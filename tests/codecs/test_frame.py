@@ -57,7 +57,7 @@ def test_header_reads_from_any_buffer_and_ignores_trailing_bytes() -> None:
 def test_short_frames_are_truncated() -> None:
     frame = pack(1, LAYOUT, {"a": 1}, [b"x" * 100])
     with pytest.raises(TruncatedFrame, match="shorter than its 64-byte header"):
-        read_header(frame[:HEADER_SIZE - 1])
+        read_header(frame[: HEADER_SIZE - 1])
     with pytest.raises(TruncatedFrame, match="header says"):
         read_header(frame[:-1])
     with pytest.raises(TruncatedFrame):

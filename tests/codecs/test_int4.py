@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_blocks import DTYPES, rel_l2, structured_block, subnormal_unit
 
 from kvstore.codecs import decode_frame, get_codec
 from kvstore.codecs import frame as framing
@@ -12,6 +11,7 @@ from kvstore.codecs.frame import read_header
 from kvstore.codecs.int4 import Int4Codec, _hadamard, _rotate
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
+from tests.codecs.codec_blocks import DTYPES, rel_l2, structured_block, subnormal_unit
 
 SHAPE = (2, 2, 64, 2, 64)
 SMOLLM2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=64)
@@ -42,7 +42,10 @@ def test_each_value_within_a_step_of_its_group(dtype: torch.dtype, kind: str) ->
     absmax = block.double().abs().amax()
     for i, (dim, g) in enumerate([(1, 32), (3, 32)]):
         bound = group_range(block[:, i], dim, g) * (1 / 30) * (1 + 2 * eps) + 2 * eps * absmax
-        assert bool((err[:, i] <= bound + subnormal_unit(dtype)).all()), ("KV"[i], float((err[:, i] - bound).max()))
+        assert bool((err[:, i] <= bound + subnormal_unit(dtype)).all()), (
+            "KV"[i],
+            float((err[:, i] - bound).max()),
+        )
 
 
 def test_default_costs_five_bits_per_value_and_zstd_shaves_more() -> None:
@@ -57,12 +60,15 @@ def test_default_costs_five_bits_per_value_and_zstd_shaves_more() -> None:
     assert len(get_codec("int4", zstd=3).encode(block)) <= codec.max_frame_bytes(SMOLLM2)
 
 
-@pytest.mark.parametrize("params", [
-    {"k_group": 16, "v_group": 64},
-    {"k_axis": "token", "k_group": 8},
-    {"rotate": True},
-    {"k_group": 48, "v_group": 24, "zstd": 5},  # groups that do not divide the block
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"k_group": 16, "v_group": 64},
+        {"k_axis": "token", "k_group": 8},
+        {"rotate": True},
+        {"k_group": 48, "v_group": 24, "zstd": 5},  # groups that do not divide the block
+    ],
+)
 def test_parameters_travel_in_the_frame(params: dict) -> None:
     # whoever encoded it, a default-built int4 (and decode_frame) decodes the frame the same way
     block = structured_block("heavy", SHAPE, torch.bfloat16, seed=2)
@@ -137,13 +143,16 @@ def test_hadamard_rotation_is_orthonormal_and_its_own_inverse() -> None:
     assert torch.allclose(_rotate(x).norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
 
 
-@pytest.mark.parametrize("params,match", [
-    ({"k_group": 0}, "k_group"),
-    ({"v_group": 1.5}, "v_group"),
-    ({"k_axis": "head"}, "k_axis"),
-    ({"rotate": "yes"}, "rotate"),
-    ({"zstd": 99}, "zstd"),
-])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"k_group": 0}, "k_group"),
+        ({"v_group": 1.5}, "v_group"),
+        ({"k_axis": "head"}, "k_axis"),
+        ({"rotate": "yes"}, "rotate"),
+        ({"zstd": 99}, "zstd"),
+    ],
+)
 def test_bad_parameters_are_refused_by_name(params: dict, match: str) -> None:
     with pytest.raises(CodecError, match=match):
         get_codec("int4", **params)
@@ -179,5 +188,7 @@ def test_rotation_near_the_dtype_limit_falls_back_to_an_unrotated_frame(dtype: t
     assert read_header(frame).params["rotate"] is True
     promise = codec.error_bound(KVLayout.of_block(normal))
     assert promise == 64 / 14
-    assert float((decode_frame(frame).double() - normal.double()).abs().max()) <= float(
-        normal.double().abs().max()) * promise
+    assert (
+        float((decode_frame(frame).double() - normal.double()).abs().max())
+        <= float(normal.double().abs().max()) * promise
+    )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_blocks import DTYPES, group_absmax, rel_l2, structured_block, subnormal_unit
 
 from kvstore.codecs import decode_frame, get_codec
 from kvstore.codecs.frame import read_header
 from kvstore.codecs.int8 import Int8Codec
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
+from tests.codecs.codec_blocks import DTYPES, group_absmax, rel_l2, structured_block, subnormal_unit
 
 SHAPE = (4, 2, 16, 3, 64)
 
@@ -31,8 +31,9 @@ def int8_group_absmax(block: torch.Tensor, k_axis: str) -> torch.Tensor:
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["normal", "heavy", "onesided", "wide", "constant", "huge", "tiny"])
-def test_error_within_a_hundredth_of_the_group_absmax(k_axis: str, symmetric: bool, dtype: torch.dtype,
-                                                      kind: str) -> None:
+def test_error_within_a_hundredth_of_the_group_absmax(
+    k_axis: str, symmetric: bool, dtype: torch.dtype, kind: str
+) -> None:
     block = structured_block(kind, SHAPE, dtype, seed=3, log2_scale=-3)
     out = roundtrip(block, symmetric=symmetric, k_axis=k_axis)
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
@@ -50,11 +51,14 @@ def test_per_channel_k_keeps_small_channels_precise() -> None:
     assert by_channel < by_token / 2  # measured 0.0032 vs 0.0089
 
 
-@pytest.mark.parametrize("kind,asym_bound,sym_bound", [
-    ("normal", 0.007, 0.0075),   # measured 0.0054 / 0.0058 in bfloat16
-    ("heavy", 0.0095, 0.013),    # measured 0.0076 / 0.0104
-    ("onesided", 0.002, 0.005),
-])
+@pytest.mark.parametrize(
+    "kind,asym_bound,sym_bound",
+    [
+        ("normal", 0.007, 0.0075),  # measured 0.0054 / 0.0058 in bfloat16
+        ("heavy", 0.0095, 0.013),  # measured 0.0076 / 0.0104
+        ("onesided", 0.002, 0.005),
+    ],
+)
 def test_relative_l2_error(kind: str, asym_bound: float, sym_bound: float) -> None:
     block = structured_block(kind, SHAPE, torch.bfloat16, seed=5)
     assert rel_l2(roundtrip(block), block) < asym_bound
@@ -112,8 +116,10 @@ def test_non_finite_values_are_refused_at_encode(bad: float) -> None:
         get_codec("int8").encode(block)
 
 
-@pytest.mark.parametrize("dtype,symmetric,bits", [
-    (torch.bfloat16, False, 8.75), (torch.bfloat16, True, 8.5), (torch.float32, False, 9.0)])
+@pytest.mark.parametrize(
+    "dtype,symmetric,bits",
+    [(torch.bfloat16, False, 8.75), (torch.bfloat16, True, 8.5), (torch.float32, False, 9.0)],
+)
 def test_frame_layout_and_size(dtype: torch.dtype, symmetric: bool, bits: float) -> None:
     # float32 scales (and minimums in the block's dtype), then one code per value; at T = D
     # per-channel K has as many groups as per-token K
@@ -135,7 +141,9 @@ def test_parameters_are_validated() -> None:
     # minimums, 4 codes
     layout = KVLayout(1, 1, 2, "float16", 1)
     payload = torch.zeros(3 * 4 + 3 * 2 + 4, dtype=torch.uint8)
-    assert torch.equal(Int8Codec()._decode(payload, layout, {}), torch.zeros(layout.shape(), dtype=torch.float16))
+    assert torch.equal(
+        Int8Codec()._decode(payload, layout, {}), torch.zeros(layout.shape(), dtype=torch.float16)
+    )
     with pytest.raises(FrameError, match="symmetric=1"):
         Int8Codec()._decode(payload, layout, {"symmetric": 1})
     with pytest.raises(FrameError, match="k_axis='layer'"):

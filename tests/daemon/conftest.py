@@ -21,13 +21,25 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", bl
 MODEL = "test-model"
 
 
-def write_config(root: Path, *, endpoint: str | None = None, nvme: Path | None = None, **server: object) -> Path:
+def write_config(
+    root: Path, *, endpoint: str | None = None, nvme: Path | None = None, **server: object
+) -> Path:
     """A TOML config under ``root``: ipc socket in root/run, LMDB in root/nvme, roomy hbm (exact copies)."""
     endpoint = endpoint or f"ipc://{root / 'run' / 'kv.sock'}"
     lines = ["[server]", f'endpoint = "{endpoint}"', "workers = 2", 'log_level = "debug"']
     lines += [f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {str(v).lower()}" for k, v in server.items()]
-    lines += ["[hbm]", 'device = "cpu"', 'capacity = "16MiB"', "[ram]", 'capacity = "16MiB"',
-              "[nvme]", f'path = "{nvme or root / "nvme"}"', 'capacity = "64MiB"', "[policy]", 'page_bytes = "4KiB"']
+    lines += [
+        "[hbm]",
+        'device = "cpu"',
+        'capacity = "16MiB"',
+        "[ram]",
+        'capacity = "16MiB"',
+        "[nvme]",
+        f'path = "{nvme or root / "nvme"}"',
+        'capacity = "64MiB"',
+        "[policy]",
+        'page_bytes = "4KiB"',
+    ]
     path = root / "kvstore.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -43,8 +55,12 @@ class Daemon:
         self._log_file = self.log.open("wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KVSTORE_CONFIG", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
-                                     stdout=self._log_file, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     def wait_ready(self, timeout: float = 90.0) -> Daemon:
         ctx = zmq.Context()
@@ -82,8 +98,9 @@ def start_daemon(tmp_path: Path) -> Iterator:
     """Start daemons on demand; any still running at the end are killed."""
     started: list[Daemon] = []
 
-    def start(config: Path | None = None, *, endpoint: str | None = None, ready: bool = True,
-              **server: object) -> Daemon:
+    def start(
+        config: Path | None = None, *, endpoint: str | None = None, ready: bool = True, **server: object
+    ) -> Daemon:
         if config is None:
             config = write_config(tmp_path, endpoint=endpoint, **server)
         endpoint = endpoint or f"ipc://{tmp_path / 'run' / 'kv.sock'}"
@@ -102,8 +119,10 @@ def start_daemon(tmp_path: Path) -> Iterator:
 def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One daemon for the tests that do not restart it (max_message_bytes 64KiB to test limits)."""
     root = tmp_path_factory.mktemp("daemon")
-    d = Daemon(write_config(root, max_message_bytes="64KiB", max_tokens_per_request=4096),
-               f"ipc://{root / 'run' / 'kv.sock'}")
+    d = Daemon(
+        write_config(root, max_message_bytes="64KiB", max_tokens_per_request=4096),
+        f"ipc://{root / 'run' / 'kv.sock'}",
+    )
     try:
         yield d.wait_ready()
     finally:

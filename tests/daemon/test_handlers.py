@@ -42,8 +42,18 @@ def test_put_then_get_and_lookup_through_the_handlers(store: Store) -> None:
     h = Handlers(store, dict)
     tokens = np.arange(3 * T, dtype="<u4")
     kv = torch.randn(LAYOUT.shape(3 * T)).to(torch.float16)
-    put = h.handle(req(Put(ns=NS.id, tokens=tokens, shape=LAYOUT.shape(3 * T), dtype="float16",
-                           kv=tensor_payload(kv).tobytes(), session="s")))
+    put = h.handle(
+        req(
+            Put(
+                ns=NS.id,
+                tokens=tokens,
+                shape=LAYOUT.shape(3 * T),
+                dtype="float16",
+                kv=tensor_payload(kv).tobytes(),
+                session="s",
+            )
+        )
+    )
     assert put == PutOk(stored=3, present=0, failed=[], deferred=0)
     got = h.handle(req(Get(ns=NS.id, tokens=tokens, start_block=1, max_blocks=5)))
     assert isinstance(got, GetOk) and (got.start_block, got.blocks) == (1, 2)
@@ -86,9 +96,21 @@ def test_errors_become_error_replies(store: Store) -> None:
     # a put whose parent block is absent is answered with per-block failures, never "stored"
     tokens = np.arange(3 * T, dtype="<u4")
     kv = torch.zeros(LAYOUT.shape(T), dtype=torch.float16)
-    put = h.handle(req(Put(ns=NS.id, tokens=tokens, shape=LAYOUT.shape(T), dtype="float16",
-                           kv=tensor_payload(kv).tobytes(), start_block=2)))
-    assert isinstance(put, PutOk) and put.stored == 0 and [f[:2] for f in put.failed] == [[2, "missing_parent"]]
+    put = h.handle(
+        req(
+            Put(
+                ns=NS.id,
+                tokens=tokens,
+                shape=LAYOUT.shape(T),
+                dtype="float16",
+                kv=tensor_payload(kv).tobytes(),
+                start_block=2,
+            )
+        )
+    )
+    assert (
+        isinstance(put, PutOk) and put.stored == 0 and [f[:2] for f in put.failed] == [[2, "missing_parent"]]
+    )
     # a closed store: every request still gets a reply
     store.close()
     closed = h.handle(req(Lookup(ns=NS.id, tokens=tokens)))

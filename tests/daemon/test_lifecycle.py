@@ -43,7 +43,9 @@ def test_sigterm_flushes_and_a_restart_finds_every_acknowledged_block(start_daem
         assert c.lookup(tokens).matched_tokens == 12 * T
         got = c.get(tokens)  # read back from nvme (int4): lossy, but all there and close
         assert got.matched_tokens == 12 * T and got.kv is not None
-        assert torch.nn.functional.cosine_similarity(got.kv.float().flatten(), kv.float().flatten(), dim=0) > 0.9
+        assert (
+            torch.nn.functional.cosine_similarity(got.kv.float().flatten(), kv.float().flatten(), dim=0) > 0.9
+        )
         assert "conv-9" in {s.name for s in c.sessions()}
 
 
@@ -68,7 +70,9 @@ def test_client_reconnects_across_a_restart_without_help(start_daemon) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_daemon_leaves_a_stale_socket_that_the_next_one_replaces(start_daemon, tmp_path: Path) -> None:
+def test_a_killed_daemon_leaves_a_stale_socket_that_the_next_one_replaces(
+    start_daemon, tmp_path: Path
+) -> None:
     d = start_daemon()
     assert d.stop(signal.SIGKILL) == -signal.SIGKILL
     assert (tmp_path / "run" / "kv.sock").exists()  # nobody answers on it now
@@ -148,7 +152,9 @@ def test_serves_tcp_on_loopback_when_allowed_and_exports_metrics(start_daemon) -
     import urllib.request
 
     metrics_port = free_port()
-    d = start_daemon(endpoint=f"tcp://127.0.0.1:{free_port()}", allow_insecure_tcp=True, metrics_port=metrics_port)
+    d = start_daemon(
+        endpoint=f"tcp://127.0.0.1:{free_port()}", allow_insecure_tcp=True, metrics_port=metrics_port
+    )
     tokens = list(range(40, 40 + 3 * T))
     kv = kv_for(len(tokens), seed=7)
     with client(d) as c:

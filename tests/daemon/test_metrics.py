@@ -39,7 +39,9 @@ def tokens(n_blocks: int, seed: int = 0) -> list[int]:
 
 
 def kv(n_tokens: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(LAYOUT.shape(n_tokens), generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    return torch.randn(LAYOUT.shape(n_tokens), generator=torch.Generator().manual_seed(seed)).to(
+        torch.bfloat16
+    )
 
 
 def free_port() -> int:
@@ -53,8 +55,11 @@ def scrape(url: str) -> Samples:
     with urllib.request.urlopen(url, timeout=10) as r:
         assert r.status == 200
         text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -122,8 +127,11 @@ def test_a_scrape_shows_the_store_s_own_figures(store: Store, metrics: Metrics) 
         labels = {"namespace": ns.id, "model": ns.model, "tenant": ns.tenant}
         assert value(got, "kvstore_namespace_sessions", **labels) == 1
         assert value(got, "kvstore_namespace_session_blocks", **labels, tier="nvme") == n
-        per_tier = sum(v for (name, lbl), v in got.items()
-                       if name == "kvstore_namespace_session_blocks" and ("namespace", ns.id) in lbl)
+        per_tier = sum(
+            v
+            for (name, lbl), v in got.items()
+            if name == "kvstore_namespace_session_blocks" and ("namespace", ns.id) in lbl
+        )
         assert per_tier == sum(next(s for s in store.sessions() if s.namespace == ns.id).tiers.values())
 
 
@@ -148,8 +156,13 @@ def test_histograms_count_every_observe_call(metrics: Metrics) -> None:
     for s in (0.00004, 0.0003, 0.002, 0.4, 12.0):
         metrics.observe("get", s)
     metrics.observe_reply("put", 0.01, PutOk(stored=2, present=0, failed=[]))
-    metrics.observe_reply("put", 0.02, PutOk(stored=0, present=0, failed=[[3, MISSING_PARENT, "no parent"],
-                                                                            [4, MISSING_PARENT, "no parent"]]))
+    metrics.observe_reply(
+        "put",
+        0.02,
+        PutOk(
+            stored=0, present=0, failed=[[3, MISSING_PARENT, "no parent"], [4, MISSING_PARENT, "no parent"]]
+        ),
+    )
     metrics.observe_reply("put", 0.03, ErrorReply(code="tier_io", message="disk full"))
     metrics.observe("lookup", 0.0001)
     metrics.observe("lookup", 0.0001, "busy")
@@ -165,8 +178,16 @@ def test_histograms_count_every_observe_call(metrics: Metrics) -> None:
     # the buckets cut at 50 us .. 10 s: 40 us falls in the first, 12 s only in +Inf
     assert value(got, "kvstore_request_duration_seconds_bucket", op="get", le="5e-05") == 1
     assert value(got, "kvstore_request_duration_seconds_bucket", op="get", le="10.0") == 4
-    assert len({lbl for name, lbl in got if name == "kvstore_request_duration_seconds_bucket"
-                and ("op", "get") in lbl}) == len(LATENCY_BUCKETS) + 1
+    assert (
+        len(
+            {
+                lbl
+                for name, lbl in got
+                if name == "kvstore_request_duration_seconds_bucket" and ("op", "get") in lbl
+            }
+        )
+        == len(LATENCY_BUCKETS) + 1
+    )
     assert value(got, "kvstore_requests_total", op="get", code="ok") == 5
     assert value(got, "kvstore_requests_total", op="put", code="ok") == 2
     assert value(got, "kvstore_requests_total", op="put", code="tier_io") == 1
@@ -275,10 +296,26 @@ class DictStats:
 
 
 def test_per_namespace_and_write_failure_figures_when_the_store_reports_them() -> None:
-    src = DictStats({"tiers": {}, "lookups": 7, "tokens_asked": 40, "tokens_matched": 8, "tokens_served": 12,
-                     "write_failures": {"tier_full": 3, "tier_io": 1},
-                     "by_namespace": {"ab12": {"model": "m", "tenant": "t", "blocks": 5, "used": 5120,
-                                               "lookups": 7, "tokens_asked": 40}}})
+    src = DictStats(
+        {
+            "tiers": {},
+            "lookups": 7,
+            "tokens_asked": 40,
+            "tokens_matched": 8,
+            "tokens_served": 12,
+            "write_failures": {"tier_full": 3, "tier_io": 1},
+            "by_namespace": {
+                "ab12": {
+                    "model": "m",
+                    "tenant": "t",
+                    "blocks": 5,
+                    "used": 5120,
+                    "lookups": 7,
+                    "tokens_asked": 40,
+                }
+            },
+        }
+    )
     m = Metrics(src)
     url = m.start(free_port())
     assert url is not None
@@ -291,7 +328,10 @@ def test_per_namespace_and_write_failure_figures_when_the_store_reports_them() -
     assert value(got, "kvstore_namespace_used_bytes", **ns) == 5120
     assert value(got, "kvstore_namespace_lookups_total", **ns) == 7
     assert value(got, "kvstore_namespace_tokens_asked_total", **ns) == 40
-    assert ("kvstore_namespace_tokens_served_total", frozenset(ns.items())) not in got  # not reported: left out
+    assert (
+        "kvstore_namespace_tokens_served_total",
+        frozenset(ns.items()),
+    ) not in got  # not reported: left out
     assert value(got, "kvstore_write_failures_total", reason="tier_full") == 3
     assert value(got, "kvstore_write_failures_total", reason="tier_io") == 1
     assert value(got, "kvstore_token_hit_ratio") == pytest.approx(20 / 40)

@@ -133,8 +133,9 @@ def test_client_side_checks_raise_before_sending(shared_daemon: Daemon) -> None:
         ([header("ping"), b"x" * 70000], "too_large"),
     ],
 )
-def test_bad_requests_get_error_replies_and_the_daemon_serves_on(shared_daemon: Daemon, frames: list[bytes],
-                                                                 code: str) -> None:
+def test_bad_requests_get_error_replies_and_the_daemon_serves_on(
+    shared_daemon: Daemon, frames: list[bytes], code: str
+) -> None:
     raw = Raw(shared_daemon.endpoint)
     try:
         raw.ask(header("hello", namespace=NS.to_dict()))  # so that NS.id is known
@@ -182,8 +183,19 @@ def test_client_vanishing_mid_request_leaves_the_daemon_serving(shared_daemon: D
     for _ in range(5):  # send a put and a get, close at once, never read the replies
         raw = Raw(shared_daemon.endpoint)
         raw.sock.send_multipart([header("hello", namespace=NS.to_dict())])
-        raw.sock.send_multipart([header("put", rid=2, ns=NS.id, tokens=tokens.tobytes(),
-                                        shape=list(LAYOUT.shape(8 * T)), dtype="float16"), payload])
+        raw.sock.send_multipart(
+            [
+                header(
+                    "put",
+                    rid=2,
+                    ns=NS.id,
+                    tokens=tokens.tobytes(),
+                    shape=list(LAYOUT.shape(8 * T)),
+                    dtype="float16",
+                ),
+                payload,
+            ]
+        )
         raw.sock.send_multipart([header("get", rid=3, ns=NS.id, tokens=tokens.tobytes())])
         raw.close()
     with client(shared_daemon) as c:
@@ -191,8 +203,12 @@ def test_client_vanishing_mid_request_leaves_the_daemon_serving(shared_daemon: D
         # the put either completed whole or not at all: a prefix of whole blocks, exact
         got = c.get(tokens)
         if got.kv is not None:
-            assert torch.equal(got.kv, torch.frombuffer(bytearray(payload), dtype=torch.float16)
-                               .view(LAYOUT.shape(8 * T))[:, :, : got.matched_tokens])
+            assert torch.equal(
+                got.kv,
+                torch.frombuffer(bytearray(payload), dtype=torch.float16).view(LAYOUT.shape(8 * T))[
+                    :, :, : got.matched_tokens
+                ],
+            )
 
 
 def test_several_clients_at_once(shared_daemon: Daemon) -> None:

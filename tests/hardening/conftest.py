@@ -127,7 +127,9 @@ def assert_exact(tokens: np.ndarray, kv: torch.Tensor | None, matched_tokens: in
         return
     assert kv is not None and kv.shape[2] == matched_tokens
     want = prefix_kv(tokens, matched_tokens // T)
-    assert torch.equal(kv.view(torch.int16), want.view(torch.int16)), "a served block differs from what was put"
+    assert torch.equal(kv.view(torch.int16), want.view(torch.int16)), (
+        "a served block differs from what was put"
+    )
 
 
 # ---------------------------------------------------------------- processes and sockets
@@ -217,8 +219,12 @@ def mounted(where: Path, *options: str) -> Iterator[bool]:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         yield False
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(where)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(where)], capture_output=True
+        ).returncode
+        != 0
+    ):
         yield False
         return
     try:

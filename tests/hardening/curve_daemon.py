@@ -32,14 +32,27 @@ class CurveDaemon:
     endpoint: str
     keys: dict[str, KeyFiles]
 
-    def client(self, who: str, tenant: str | None = None, *, timeout: float = 10.0, retries: int = 2,
-               namespace: bool = True) -> KVStoreClient:
+    def client(
+        self,
+        who: str,
+        tenant: str | None = None,
+        *,
+        timeout: float = 10.0,
+        retries: int = 2,
+        namespace: bool = True,
+    ) -> KVStoreClient:
         """A client with ``who``'s key pair (files), in ``tenant`` (default: ``who``'s listed tenant)."""
-        ns: dict[str, Any] = {"model": MODEL, "layout": LAYOUT, "tenant": tenant or LISTED.get(who, who)} \
-            if namespace else {}
-        return KVStoreClient(self.endpoint, timeout=timeout, retries=retries,
-                             curve_server_key=str(self.keys["server"].public_file),
-                             curve_secret_key=str(self.keys[who].secret_file), **ns)
+        ns: dict[str, Any] = (
+            {"model": MODEL, "layout": LAYOUT, "tenant": tenant or LISTED.get(who, who)} if namespace else {}
+        )
+        return KVStoreClient(
+            self.endpoint,
+            timeout=timeout,
+            retries=retries,
+            curve_server_key=str(self.keys["server"].public_file),
+            curve_secret_key=str(self.keys[who].secret_file),
+            **ns,
+        )
 
 
 def make_keys(root: Path) -> dict[str, KeyFiles]:
@@ -50,10 +63,19 @@ def start_curve_daemon(root: Path, keys: dict[str, KeyFiles] | None = None) -> C
     """Start a daemon serving tcp://127.0.0.1:<free port> with CURVE and wait until the operator key gets a pong."""
     keys = keys or make_keys(root)
     allowed = root / "clients.allow"
-    allowed.write_text("# public key, tenant\n" + "".join(f"{keys[k].public_key} {t}\n" for k, t in LISTED.items()))
+    allowed.write_text(
+        "# public key, tenant\n" + "".join(f"{keys[k].public_key} {t}\n" for k, t in LISTED.items())
+    )
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    config = write_config(root, server={"endpoint": endpoint, "curve_secret_key": str(keys["server"].secret_file),
-                                        "curve_allowed_keys": str(allowed), "log_level": "debug"})
+    config = write_config(
+        root,
+        server={
+            "endpoint": endpoint,
+            "curve_secret_key": str(keys["server"].secret_file),
+            "curve_allowed_keys": str(allowed),
+            "log_level": "debug",
+        },
+    )
     cd = CurveDaemon(Daemon(config, endpoint), endpoint, keys)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:

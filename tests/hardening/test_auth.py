@@ -36,7 +36,9 @@ from tests.hardening.curve_daemon import CurveDaemon, start_curve_daemon
 # ---------------------------------------------------------------- keys and key files (no daemon)
 
 
-def test_keygen_writes_a_private_pair_and_prints_the_public_key(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_keygen_writes_a_private_pair_and_prints_the_public_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "keys"
     assert cli.main(["keygen", "--out", str(out), "--name", "server"]) == 0
     printed = capsys.readouterr().out.strip()
@@ -58,16 +60,23 @@ def test_keygen_writes_a_private_pair_and_prints_the_public_key(tmp_path: Path, 
 def test_allow_list_maps_each_key_to_its_tenant(tmp_path: Path) -> None:
     a, b, op = (zmq.curve_keypair()[0].decode() for _ in range(3))
     text = f"# clients of the daemon\n{a} alice\n\n{b}   team-b.prod   # a comment\n{op} *\n"
-    assert parse_allow_list(text, "clients") == {a.encode(): "alice", b.encode(): "team-b.prod", op.encode(): "*"}
+    assert parse_allow_list(text, "clients") == {
+        a.encode(): "alice",
+        b.encode(): "team-b.prod",
+        op.encode(): "*",
+    }
 
 
-@pytest.mark.parametrize("line, complaint", [
-    ("{key}", "expected '<Z85 public key> <tenant>'"),          # no tenant
-    ("{key} alice extra", "expected '<Z85 public key> <tenant>'"),
-    ("not-a-key alice", "is not a CURVE key"),
-    ("{key} al/ice", "tenant 'al/ice'"),                      # would break session qualification
-    ("{key} alice\n{key} bob", "already listed for tenant 'alice'"),
-])
+@pytest.mark.parametrize(
+    "line, complaint",
+    [
+        ("{key}", "expected '<Z85 public key> <tenant>'"),  # no tenant
+        ("{key} alice extra", "expected '<Z85 public key> <tenant>'"),
+        ("not-a-key alice", "is not a CURVE key"),
+        ("{key} al/ice", "tenant 'al/ice'"),  # would break session qualification
+        ("{key} alice\n{key} bob", "already listed for tenant 'alice'"),
+    ],
+)
 def test_allow_list_refuses_malformed_lines(line: str, complaint: str) -> None:
     key = zmq.curve_keypair()[0].decode()
     with pytest.raises(ConfigError, match="clients line") as e:
@@ -100,13 +109,16 @@ def test_server_keys_load_from_a_file_or_inline(tmp_path: Path) -> None:
     assert ServerAuth.from_config("tcp://127.0.0.1:1", None, None) is None  # CURVE off
 
 
-@pytest.mark.parametrize("case, complaint", [
-    ("no allow-list", "curve_allowed_keys is not"),
-    ("allow-list only", "curve_secret_key is not"),
-    ("ipc endpoint", "applies to tcp:// endpoints"),
-    ("secret readable by others", "chmod 600"),
-    ("garbage key", "is not a CURVE key"),
-])
+@pytest.mark.parametrize(
+    "case, complaint",
+    [
+        ("no allow-list", "curve_allowed_keys is not"),
+        ("allow-list only", "curve_secret_key is not"),
+        ("ipc endpoint", "applies to tcp:// endpoints"),
+        ("secret readable by others", "chmod 600"),
+        ("garbage key", "is not a CURVE key"),
+    ],
+)
 def test_server_curve_settings_fail_closed(tmp_path: Path, case: str, complaint: str) -> None:
     secret, allowed = _server_files(tmp_path)
     endpoint, key, allow = "tcp://0.0.0.0:5555", str(secret), str(allowed)
@@ -125,11 +137,13 @@ def test_server_curve_settings_fail_closed(tmp_path: Path, case: str, complaint:
     assert complaint in str(e.value)
 
 
-def test_serve_refuses_to_start_rather_than_serve_without_its_allow_list(tmp_path: Path,
-                                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_serve_refuses_to_start_rather_than_serve_without_its_allow_list(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     secret, _ = _server_files(tmp_path)
-    config = with_overrides(loaded(write_config(tmp_path)), "server", endpoint="tcp://127.0.0.1:1",
-                            curve_secret_key=str(secret))
+    config = with_overrides(
+        loaded(write_config(tmp_path)), "server", endpoint="tcp://127.0.0.1:1", curve_secret_key=str(secret)
+    )
     with caplog.at_level(logging.ERROR, logger="kvstore"):
         assert serve(config) == 1
     assert "refusing to start" in caplog.text and "curve_allowed_keys" in caplog.text
@@ -141,19 +155,25 @@ def test_client_keys_from_arguments_files_or_environment(tmp_path: Path) -> None
     by_file = ClientKeys.resolve("tcp://h:1", str(server.public_file), str(me.secret_file), env={})
     by_text = ClientKeys.resolve("tcp://h:1", server.public_key, my_secret, me.public_key, env={})
     assert by_file == by_text and by_file is not None and by_file.public_key == me.public_key.encode()
-    env = {"KVSTORE_CURVE_SERVER_KEY": str(server.public_file), "KVSTORE_CURVE_SECRET_KEY": str(me.secret_file)}
+    env = {
+        "KVSTORE_CURVE_SERVER_KEY": str(server.public_file),
+        "KVSTORE_CURVE_SECRET_KEY": str(me.secret_file),
+    }
     assert ClientKeys.resolve("tcp://h:1", env=env) == by_file
     # the environment is for tcp daemons only: an ipc client on the same host never picks it up
     assert ClientKeys.resolve("ipc:///run/kv.sock", env=env) is None
     assert ClientKeys.resolve("tcp://h:1", env={}) is None
 
 
-@pytest.mark.parametrize("case, complaint", [
-    ("server key alone", "without curve_secret_key"),
-    ("secret alone", "without curve_server_key"),
-    ("public key of another pair", "does not belong to"),
-    ("secret readable by others", "chmod 600"),
-])
+@pytest.mark.parametrize(
+    "case, complaint",
+    [
+        ("server key alone", "without curve_secret_key"),
+        ("secret alone", "without curve_server_key"),
+        ("public key of another pair", "does not belong to"),
+        ("secret readable by others", "chmod 600"),
+    ],
+)
 def test_client_keys_refuse_incomplete_or_exposed_pairs(tmp_path: Path, case: str, complaint: str) -> None:
     server, me, other = (write_keypair(tmp_path, n) for n in ("server", "me", "other"))
     args: dict[str, str | None] = {"server_key": server.public_key, "secret_key": str(me.secret_file)}
@@ -234,8 +254,9 @@ def test_an_unknown_key_gets_nothing_and_nothing_reaches_the_store(curve: CurveD
     assert f"key {stranger} is not in curve_allowed_keys" in curve.daemon.output()
 
 
-def test_a_client_without_curve_or_with_a_wrong_server_key_gets_nothing(curve: CurveDaemon,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_client_without_curve_or_with_a_wrong_server_key_gets_nothing(
+    curve: CurveDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in ("KVSTORE_CURVE_SERVER_KEY", "KVSTORE_CURVE_SECRET_KEY", "KVSTORE_CURVE_PUBLIC_KEY"):
         monkeypatch.delenv(name, raising=False)
     requests, _ = _counters(curve)
@@ -243,14 +264,21 @@ def test_a_client_without_curve_or_with_a_wrong_server_key_gets_nothing(curve: C
         with pytest.raises(RequestTimeout):
             plain.ping()
     # a listed client key but the wrong daemon key: the client cannot prove the daemon, nor the daemon it
-    with KVStoreClient(curve.endpoint, timeout=0.5, retries=0, curve_server_key=curve.keys["bob"].public_key,
-                       curve_secret_key=str(curve.keys["alice"].secret_file)) as wrong:
+    with KVStoreClient(
+        curve.endpoint,
+        timeout=0.5,
+        retries=0,
+        curve_server_key=curve.keys["bob"].public_key,
+        curve_secret_key=str(curve.keys["alice"].secret_file),
+    ) as wrong:
         with pytest.raises(RequestTimeout):
             wrong.ping()
     assert _counters(curve)[0] == requests + 1
 
 
-def test_the_environment_gives_a_tcp_client_its_keys(curve: CurveDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_gives_a_tcp_client_its_keys(
+    curve: CurveDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KVSTORE_CURVE_SERVER_KEY", str(curve.keys["server"].public_file))
     monkeypatch.setenv("KVSTORE_CURVE_SECRET_KEY", str(curve.keys["operator"].secret_file))
     with KVStoreClient(curve.endpoint, timeout=5.0, retries=0) as c:
@@ -262,7 +290,9 @@ def test_a_hello_for_another_tenant_than_the_key_is_forbidden(curve: CurveDaemon
     with curve.client("alice", tenant="bob", retries=0) as c:
         with pytest.raises(Forbidden) as e:
             c.lookup(tokens)
-    assert e.value.code == "forbidden" and "tenant 'alice'" in str(e.value) and "tenant='alice'" in str(e.value)
+    assert (
+        e.value.code == "forbidden" and "tenant 'alice'" in str(e.value) and "tenant='alice'" in str(e.value)
+    )
     # the operator key (tenant *) may speak for any tenant
     with curve.client("operator", tenant="bob") as op:
         assert op.lookup(tokens).matched_tokens == 0
@@ -281,8 +311,14 @@ def test_model_and_layout_stay_part_of_a_tenant_namespace(curve: CurveDaemon) ->
     tokens = random_tokens(np.random.default_rng(4), 2)
     with curve.client("alice") as c:
         assert c.put(tokens, prefix_kv(tokens)).stored == 2
-    other = KVStoreClient(curve.endpoint, model=MODEL + "-other", layout=LAYOUT, tenant="alice", timeout=5.0,
-                          curve_server_key=curve.keys["server"].public_key,
-                          curve_secret_key=str(curve.keys["alice"].secret_file))
+    other = KVStoreClient(
+        curve.endpoint,
+        model=MODEL + "-other",
+        layout=LAYOUT,
+        tenant="alice",
+        timeout=5.0,
+        curve_server_key=curve.keys["server"].public_key,
+        curve_secret_key=str(curve.keys["alice"].secret_file),
+    )
     with other:
         assert other.lookup(tokens).matched_tokens == 0

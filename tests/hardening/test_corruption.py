@@ -172,7 +172,9 @@ def in_process(tmp_path: Path) -> Iterator[Any]:
         p.close()
 
 
-@pytest.mark.parametrize("offset", [0, 5, 20, 40, 50, 60, 70, 300, -1])  # header fields, crc, reserved, payload
+@pytest.mark.parametrize(
+    "offset", [0, 5, 20, 40, 50, 60, 70, 300, -1]
+)  # header fields, crc, reserved, payload
 def test_a_damaged_ram_frame_is_a_miss(in_process, offset: int) -> None:
     daemon = in_process(nvme=False)
     tokens = random_tokens(np.random.default_rng(offset + 100), 12)

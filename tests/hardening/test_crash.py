@@ -49,6 +49,7 @@ class Put:
 
 def load(endpoint: str, seed: int, puts: list[Put], errors: list[tuple[float, BaseException]]) -> object:
     """Put prefixes (new ones, and extensions of earlier ones) as fast as possible, flushing every few."""
+
     def run(stop: object) -> None:
         rng = np.random.default_rng(seed)
         mine: list[Put] = []
@@ -72,6 +73,7 @@ def load(endpoint: str, seed: int, puts: list[Put], errors: list[tuple[float, Ba
                                 q.durable = True
             except (KVStoreError, OSError) as e:  # the daemon was killed under us
                 errors.append((time.monotonic(), e))
+
     return run
 
 
@@ -110,6 +112,8 @@ def test_sigkill_during_writes_never_breaks_the_store(daemons, tmp_path: Path) -
                     checked_durable += 1
             assert store.check_integrity() == []
     durable = sum(p.durable for p in puts)
-    print(f"\n{CYCLES} kills, {len(puts)} puts ({sum(p.acked for p in puts)} acked, {durable} durable); "
-          f"{checked_durable} durable prefixes checked")
+    print(
+        f"\n{CYCLES} kills, {len(puts)} puts ({sum(p.acked for p in puts)} acked, {durable} durable); "
+        f"{checked_durable} durable prefixes checked"
+    )
     assert durable > 0 and checked_durable >= durable  # the last cycle checked every one

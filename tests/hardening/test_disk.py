@@ -72,8 +72,9 @@ def check_served(c, prefixes: list[np.ndarray]) -> int:
 
 
 @pytest.mark.slow
-def test_a_filesystem_smaller_than_the_capacity_acts_as_the_capacity(daemons, tmp_path: Path,
-                                                                     small_fs: Path | None) -> None:
+def test_a_filesystem_smaller_than_the_capacity_acts_as_the_capacity(
+    daemons, tmp_path: Path, small_fs: Path | None
+) -> None:
     # [nvme] capacity 64 MiB on a 4 MiB filesystem (without a mount: a 4 MiB capacity on the big disk)
     nvme = {"path": str(small_fs / "nvme"), "capacity": "64MiB"} if small_fs else {"capacity": "4MiB"}
     cfg = write_config(tmp_path, nvme=nvme)
@@ -125,8 +126,10 @@ def test_a_disk_filled_by_someone_else(daemons, tmp_path: Path, small_fs: Path |
             late.append(tokens)
         stats = c.stats()
         assert stats["server"]["put_failed_blocks"] == len(failed)  # the metric
-        print(f"\ndisk full: {len(failed)} of {30 * 32} blocks refused; {stats['store']['tiers']['nvme']['blocks']} "
-              "on nvme")
+        print(
+            f"\ndisk full: {len(failed)} of {30 * 32} blocks refused; {stats['store']['tiers']['nvme']['blocks']} "
+            "on nvme"
+        )
         # lookups and gets go on, and never serve a wrong byte
         check_served(c, early + late)
         for tokens in early + late:
@@ -150,8 +153,9 @@ def test_a_disk_filled_by_someone_else(daemons, tmp_path: Path, small_fs: Path |
             assert_exact(tokens, got.kv, got.matched_tokens)
 
 
-def test_flush_is_not_durable_when_nothing_can_reach_the_disk(daemons, tmp_path: Path,
-                                                           small_fs: Path | None) -> None:
+def test_flush_is_not_durable_when_nothing_can_reach_the_disk(
+    daemons, tmp_path: Path, small_fs: Path | None
+) -> None:
     if small_fs is None:
         pytest.skip("needs root to mount a small tmpfs")
     cfg = write_config(tmp_path, nvme={"path": str(small_fs / "nvme"), "capacity": "64MiB"})

@@ -64,16 +64,30 @@ def check_reply(reply: dict[str, Any], rid: Any) -> None:
     if reply["op"] == "error":
         assert reply.get("code") in ERROR_CODES and reply["code"] != "internal", reply
         assert isinstance(reply.get("message"), str) and reply["message"]
-    if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**64 and reply.get("id") is not None:
+    if (
+        isinstance(rid, int)
+        and not isinstance(rid, bool)
+        and 0 <= rid < 2**64
+        and reply.get("id") is not None
+    ):
         assert reply["id"] == rid
 
 
 # ---------------------------------------------------------------- hypothesis
 
-scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True)
-           | st.text(max_size=16) | st.binary(max_size=64))
-values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
-                      max_leaves=12)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=16)
+    | st.binary(max_size=64)
+)
+values = st.recursive(
+    scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
+)
 plausible = {  # values of the right type for the fields that matter, so validation goes deep
     "v": st.just(1) | values,
     "op": st.sampled_from(sorted(REQUESTS)) | values,
@@ -86,13 +100,20 @@ plausible = {  # values of the right type for the fields that matter, so validat
 }
 headers = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6).flatmap(
     lambda extra: st.fixed_dictionaries({k: plausible.get(k, values) for k in ("v", "op", "id")}).map(
-        lambda base: {**base, **extra}))
+        lambda base: {**base, **extra}
+    )
+)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(h=headers, frames=st.lists(st.binary(max_size=256), max_size=2))
-def test_any_header_gets_one_well_formed_reply(daemon: Daemon, h: dict[str, Any], frames: list[bytes]) -> None:
+def test_any_header_gets_one_well_formed_reply(
+    daemon: Daemon, h: dict[str, Any], frames: list[bytes]
+) -> None:
     r = Raw(daemon.endpoint)
     try:
         r.sock.send_multipart([msgpack.packb(h, use_bin_type=True), *frames])
@@ -139,12 +160,17 @@ def templates(rng: np.random.Generator) -> list[list[bytes]]:
         [header("pin", 1, ns=NS.id, tokens=tok, lease=0.5)],
         [header("release", 1, handle=12345)],
         [header("flush", 1, timeout=0.01)],
-        [header("put", 1, ns=NS.id, tokens=tok[: 8 * T], shape=list(kv.shape), dtype="float16"),
-         kv.numpy().tobytes()],
+        [
+            header("put", 1, ns=NS.id, tokens=tok[: 8 * T], shape=list(kv.shape), dtype="float16"),
+            kv.numpy().tobytes(),
+        ],
     ]
     garbage = [[rng.bytes(int(n))] for n in rng.integers(0, 200, 20)] + [[b""], [b"\x80"], [b"\xc1"]]
     bombs = [  # msgpack that claims more than it holds
-        [b"\xdd\xff\xff\xff\xff"], [b"\xdf\xff\xff\xff\xff"], [b"\xc6\xff\xff\xff\xff"], [b"\x91" * 5000],
+        [b"\xdd\xff\xff\xff\xff"],
+        [b"\xdf\xff\xff\xff\xff"],
+        [b"\xc6\xff\xff\xff\xff"],
+        [b"\x91" * 5000],
     ]
     return valid * 4 + garbage + bombs
 
@@ -174,6 +200,7 @@ def mutate(msg: list[bytes], rng: np.random.Generator, rid: int) -> list[bytes]:
 
 def normal_client(endpoint: str) -> Any:
     """A well-behaved client: put a prefix, read it back exact, until stopped. Returns rounds done."""
+
     def run(stop: Any) -> int:
         rng = np.random.default_rng(7)
         rounds = 0
@@ -187,6 +214,7 @@ def normal_client(endpoint: str) -> Any:
                 rounds += 1
                 time.sleep(0.02)
         return rounds
+
     return run
 
 
@@ -210,7 +238,9 @@ def test_a_flood_of_fuzzed_messages(daemon: Daemon) -> None:
                 sent += 1
             # every message gets exactly one reply; wait for at least half the window back
             while sent - received > (WINDOW // 2 if sent < STRESS_MESSAGES else 0):
-                assert raw.sock.poll(60000), f"no reply for 60s after {received} of {sent}:\n{daemon.output()[-3000:]}"
+                assert raw.sock.poll(60000), (
+                    f"no reply for 60s after {received} of {sent}:\n{daemon.output()[-3000:]}"
+                )
                 reply = msgpack.unpackb(raw.sock.recv_multipart()[0], raw=False)
                 assert isinstance(reply, dict) and reply.get("op") in REPLY_OPS, reply
                 if reply["op"] == "error":
@@ -227,10 +257,14 @@ def test_a_flood_of_fuzzed_messages(daemon: Daemon) -> None:
     assert daemon.proc.poll() is None
     assert warm_rss is not None
     end_rss = rss_bytes(daemon.proc.pid)
-    print(f"\n{received} fuzzed messages in {time.monotonic() - start:.1f}s; errors by code {errors}; "
-          f"{rounds} normal rounds; RSS {warm_rss / 2**20:.1f} -> {end_rss / 2**20:.1f} MiB")
+    print(
+        f"\n{received} fuzzed messages in {time.monotonic() - start:.1f}s; errors by code {errors}; "
+        f"{rounds} normal rounds; RSS {warm_rss / 2**20:.1f} -> {end_rss / 2**20:.1f} MiB"
+    )
     assert end_rss - warm_rss < RSS_GROWTH
     assert rounds >= 3 and len(errors) >= 5  # the flood reached deep into validation
-    assert "internal" not in errors, f"{errors['internal']} request(s) broke inside the daemon:\n{daemon.output()[-5000:]}"
+    assert "internal" not in errors, (
+        f"{errors['internal']} request(s) broke inside the daemon:\n{daemon.output()[-5000:]}"
+    )
     with client(daemon.endpoint) as c:  # and a fresh client is served as before
         assert c.ping()["pid"] == daemon.proc.pid

@@ -35,8 +35,15 @@ LIMITS = Limits(max_message_bytes=MAX_MESSAGE, max_tokens=MAX_TOKENS, max_inflig
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root: Path = tmp_path_factory.mktemp("limits")
-    cfg = write_config(root, server={"max_tokens_per_request": MAX_TOKENS, "max_message_bytes": "64KiB",
-                                     "max_inflight_per_client": MAX_INFLIGHT, "workers": 1})
+    cfg = write_config(
+        root,
+        server={
+            "max_tokens_per_request": MAX_TOKENS,
+            "max_message_bytes": "64KiB",
+            "max_inflight_per_client": MAX_INFLIGHT,
+            "workers": 1,
+        },
+    )
     d = Daemon(cfg, endpoint_of(cfg)).wait_ready()
     try:
         yield d
@@ -93,8 +100,10 @@ def test_a_payload_over_max_message_bytes_is_too_large(daemon: Daemon, raw: Raw)
     blocks = MAX_MESSAGE // LAYOUT.block_nbytes + 1  # one block more than fits
     tokens = np.arange(blocks * T, dtype="<u4")
     kv = prefix_kv(tokens)
-    r = raw.ask(header("put", 5, ns=NS.id, tokens=tokens.tobytes(), shape=list(kv.shape), dtype="float16"),
-                kv.numpy().tobytes())
+    r = raw.ask(
+        header("put", 5, ns=NS.id, tokens=tokens.tobytes(), shape=list(kv.shape), dtype="float16"),
+        kv.numpy().tobytes(),
+    )
     assert (r["op"], r["code"], r["id"]) == ("error", "too_large", 5) and "max_message_bytes" in r["message"]
     # far over the cap, ZeroMQ cuts the connection before anything is read: no reply, daemon unharmed
     cut = Raw(daemon.endpoint)

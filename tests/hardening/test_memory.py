@@ -44,11 +44,23 @@ def status(pid: int) -> dict[str, int]:
 @pytest.mark.stress
 @pytest.mark.slow
 def test_rss_stays_within_the_capacities_plus_overhead(daemons, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, hbm={"capacity": f"{HBM // MiB}MiB"}, ram={"capacity": f"{RAM // MiB}MiB"},
-                       nvme={"capacity": f"{NVME // MiB}MiB"}, policy={"page_bytes": "64KiB"})
+    cfg = write_config(
+        tmp_path,
+        hbm={"capacity": f"{HBM // MiB}MiB"},
+        ram={"capacity": f"{RAM // MiB}MiB"},
+        nvme={"capacity": f"{NVME // MiB}MiB"},
+        policy={"page_bytes": "64KiB"},
+    )
     (tmp_path / "base").mkdir()
-    small = daemons(write_config(tmp_path / "base", hbm={"capacity": "1MiB"}, ram={"capacity": "1MiB"},
-                                 nvme={"capacity": "1MiB"}, policy={"page_bytes": "64KiB"}))
+    small = daemons(
+        write_config(
+            tmp_path / "base",
+            hbm={"capacity": "1MiB"},
+            ram={"capacity": "1MiB"},
+            nvme={"capacity": "1MiB"},
+            policy={"page_bytes": "64KiB"},
+        )
+    )
     base = rss_bytes(small.proc.pid)
     assert small.stop() == 0
     d = daemons(cfg)
@@ -82,8 +94,10 @@ def test_rss_stays_within_the_capacities_plus_overhead(daemons, tmp_path: Path) 
         assert tiers[name]["used"] <= cap  # the tiers keep their own promise
     assert tiers["nvme"]["evictions"] > 0  # the load really overflowed every tier
     growth = peak - base
-    print(f"\n{puts} puts ({puts * per_put * BIG.block_nbytes / MiB:.0f} MiB) in {time.monotonic() - start:.1f}s; "
-          f"RSS base {base / MiB:.1f} MiB, idle {idle / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB: growth "
-          f"{growth / MiB:.1f} MiB = capacities {(HBM + RAM + NVME) / MiB:.0f} MiB + overhead "
-          f"{(growth - HBM - RAM - NVME) / MiB:.1f} MiB; end {({k: round(v / MiB, 1) for k, v in end.items()})}")
+    print(
+        f"\n{puts} puts ({puts * per_put * BIG.block_nbytes / MiB:.0f} MiB) in {time.monotonic() - start:.1f}s; "
+        f"RSS base {base / MiB:.1f} MiB, idle {idle / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB: growth "
+        f"{growth / MiB:.1f} MiB = capacities {(HBM + RAM + NVME) / MiB:.0f} MiB + overhead "
+        f"{(growth - HBM - RAM - NVME) / MiB:.1f} MiB; end { ({k: round(v / MiB, 1) for k, v in end.items()}) }"
+    )
     assert growth <= HBM + RAM + NVME + OVERHEAD

@@ -21,8 +21,12 @@ from tests.hardening.conftest import client, fill, mounted, prefix_kv, random_to
 def refused(config: Path, *names: str) -> str:
     """Run a daemon on ``config``; it must refuse with one ERROR line containing every one of ``names``."""
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_CONFIG"}
-    p = subprocess.run([sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
-                       capture_output=True, timeout=120, env=env)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
+        capture_output=True,
+        timeout=120,
+        env=env,
+    )
     err = p.stderr.decode(errors="replace")
     assert p.returncode == 1, f"exit {p.returncode}:\n{err}"
     assert "Traceback" not in err, err
@@ -37,7 +41,9 @@ def refused(config: Path, *names: str) -> str:
 def test_two_daemons_on_one_lmdb_path(daemons, tmp_path: Path) -> None:
     first = daemons(write_config(tmp_path))
     # the second has its own socket but the same [nvme] path
-    second = write_config(tmp_path, "second.toml", server={"endpoint": f"ipc://{tmp_path / 'run2' / 's.sock'}"})
+    second = write_config(
+        tmp_path, "second.toml", server={"endpoint": f"ipc://{tmp_path / 'run2' / 's.sock'}"}
+    )
     line = refused(second, str(tmp_path / "nvme"), f"pid {first.proc.pid}")
     assert "in use" in line
     with client(first.endpoint) as c:  # the first one never noticed

@@ -44,8 +44,12 @@ HOLDER = textwrap.dedent("""
 
 def holder(endpoint: str, mode: str, tokens: np.ndarray) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return subprocess.Popen([sys.executable, "-c", HOLDER, endpoint, mode, ",".join(map(str, tokens))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", HOLDER, endpoint, mode, ",".join(map(str, tokens))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
 
 
 @pytest.fixture

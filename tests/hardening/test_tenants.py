@@ -78,8 +78,9 @@ def test_a_forged_namespace_id_is_unknown_to_another_tenant(curve: CurveDaemon) 
         alice_ns = alice.namespace
     assert alice_ns is not None
     # bob skips the client library and names alice's (registered) namespace id in a lookup
-    keys = ClientKeys.resolve(curve.endpoint, str(curve.keys["server"].public_file),
-                              str(curve.keys["bob"].secret_file))
+    keys = ClientKeys.resolve(
+        curve.endpoint, str(curve.keys["server"].public_file), str(curve.keys["bob"].secret_file)
+    )
     bob_ns = Namespace(model=MODEL, layout=LAYOUT, tenant="bob")
     conn = Connection(curve.endpoint, timeout=10.0, retries=0, namespace=bob_ns, curve=keys)
     try:
@@ -157,7 +158,9 @@ def test_stats_of_a_tenant_count_only_its_own_blocks(curve: CurveDaemon) -> None
         put(bob, tokens_of(51, 2), session="small")
         s = bob.stats()
         a = alice.stats()
-        bob_sessions = len(bob.sessions())  # "small", and those of earlier tests (sessions outlive their blocks)
+        bob_sessions = len(
+            bob.sessions()
+        )  # "small", and those of earlier tests (sessions outlive their blocks)
     assert s["tenant"] == "bob" and s["store"]["blocks"] == 2 and s["store"]["sessions"] == bob_sessions
     assert s["store"]["tiers"]["hbm"]["used"] == 2 * LAYOUT.block_nbytes
     assert a["tenant"] == "alice" and a["store"]["blocks"] >= 5
@@ -168,7 +171,9 @@ def test_stats_of_a_tenant_count_only_its_own_blocks(curve: CurveDaemon) -> None
         assert op.stats()["store"]["blocks"] >= 7
 
 
-def test_over_ipc_the_hello_tenant_is_trusted_and_operators_span_tenants(daemons: Any, tmp_path: Path) -> None:
+def test_over_ipc_the_hello_tenant_is_trusted_and_operators_span_tenants(
+    daemons: Any, tmp_path: Path
+) -> None:
     config = write_config(tmp_path)
     d = daemons(config)
     run = tmp_path / "run"

@@ -23,7 +23,7 @@ from kvstore.daemon.endpoint import probe
 
 
 def kvstore_command() -> list[str]:
-    """The ``kvstore`` console script of this interpreter's environment (``python -m kvstore.cli.commands`` without it)."""
+    """The ``kvstore`` console script of this interpreter's environment (``python -m kvstore.cli`` without it)."""
     script = Path(sys.executable).parent / "kvstore"
     return [str(script)] if script.is_file() else [sys.executable, "-m", "kvstore.cli"]
 
@@ -40,8 +40,12 @@ class Served:
     def start(self, timeout: float = 120.0) -> Served:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen([*kvstore_command(), "serve", "--config", str(self.config)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                [*kvstore_command(), "serve", "--config", str(self.config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         ctx = zmq.Context()
         try:
             deadline = time.monotonic() + timeout
@@ -73,18 +77,40 @@ class Served:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
-def write_config(root: Path, *, hbm: str = "4MiB", ram: str = "4MiB", ram_codec: str = "fp8",
-                 nvme_codec: str = "int4", nvme: str = "1GiB") -> tuple[Path, str]:
+def write_config(
+    root: Path,
+    *,
+    hbm: str = "4MiB",
+    ram: str = "4MiB",
+    ram_codec: str = "fp8",
+    nvme_codec: str = "int4",
+    nvme: str = "1GiB",
+) -> tuple[Path, str]:
     """A TOML config under ``root`` (socket in root/run, LMDB in root/nvme); returns (path, endpoint)."""
     endpoint = f"ipc://{root / 'run' / 'kv.sock'}"
     path = root / "kvstore.toml"
-    path.write_text("\n".join([
-        "[server]", f'endpoint = "{endpoint}"', "workers = 2",
-        "[hbm]", 'device = "cpu"', f'capacity = "{hbm}"',
-        "[ram]", f'capacity = "{ram}"', f'codec = "{ram_codec}"',
-        "[nvme]", f'path = "{root / "nvme"}"', f'capacity = "{nvme}"', f'codec = "{nvme_codec}"',
-        "[policy]", 'page_bytes = "16KiB"',
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                "[server]",
+                f'endpoint = "{endpoint}"',
+                "workers = 2",
+                "[hbm]",
+                'device = "cpu"',
+                f'capacity = "{hbm}"',
+                "[ram]",
+                f'capacity = "{ram}"',
+                f'codec = "{ram_codec}"',
+                "[nvme]",
+                f'path = "{root / "nvme"}"',
+                f'capacity = "{nvme}"',
+                f'codec = "{nvme_codec}"',
+                "[policy]",
+                'page_bytes = "16KiB"',
+            ]
+        )
+        + "\n"
+    )
     return path, endpoint
 
 

@@ -15,8 +15,9 @@ def test_each_prompt_extends_the_last_turn_token_for_token(smollm2: LoadedModel)
     chat = Conversation(tok)
     first = chat.ask("What is a prime number?")
     # turn 1 is the template's rendering, assistant header included
-    rendered = tok.apply_chat_template([{"role": "user", "content": "What is a prime number?"}], tokenize=False,
-                                       add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "What is a prime number?"}], tokenize=False, add_generation_prompt=True
+    )
     assert first == tok(rendered, add_special_tokens=False)["input_ids"]
     answer = tok("A number with exactly two divisors.", add_special_tokens=False)["input_ids"]
     end = tok.convert_tokens_to_ids(tok.eos_token)
@@ -36,7 +37,7 @@ def test_an_answer_cut_short_gets_its_end_token(smollm2: LoadedModel) -> None:
     cut = tok("1, 2, 3", add_special_tokens=False)["input_ids"]  # max_new_tokens ran out
     chat.answer(cut)
     second = chat.ask("Go on.")
-    assert second[len(first): len(first) + len(cut) + 1] == [*cut, tok.convert_tokens_to_ids(tok.eos_token)]
+    assert second[len(first) : len(first) + len(cut) + 1] == [*cut, tok.convert_tokens_to_ids(tok.eos_token)]
     assert chat.messages[0] == {"role": "system", "content": "Be brief."}
 
 

@@ -19,15 +19,17 @@ from kvstore.integrations.models import LoadedModel
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-PROMPT = ("The committee met on Tuesday to review the budget for the new library wing. After a long "
-          "discussion of the heating costs, the roof repairs and the price of shelving, the members agreed "
-          "to postpone the decision on the reading room until the architect sends revised drawings. "
-          "The treasurer then presented the figures for the autumn book fair, which raised more than "
-          "expected thanks to a donation of rare maps. The secretary reminded everyone that the minutes of the "
-          "previous meeting still had to be approved, and that two members had asked for the agenda to be "
-          "sent a week in advance. A volunteer offered to catalogue the donated maps over the winter, and "
-          "the chair thanked the staff for keeping the old wing open during the repairs to the boiler. "
-          "Please summarise the meeting in one sentence.")
+PROMPT = (
+    "The committee met on Tuesday to review the budget for the new library wing. After a long "
+    "discussion of the heating costs, the roof repairs and the price of shelving, the members agreed "
+    "to postpone the decision on the reading room until the architect sends revised drawings. "
+    "The treasurer then presented the figures for the autumn book fair, which raised more than "
+    "expected thanks to a donation of rare maps. The secretary reminded everyone that the minutes of the "
+    "previous meeting still had to be approved, and that two members had asked for the agenda to be "
+    "sent a week in advance. A volunteer offered to catalogue the donated maps over the winter, and "
+    "the chair thanked the staff for keeping the old wing open during the repairs to the boiler. "
+    "Please summarise the meeting in one sentence."
+)
 
 
 def test_tenants_and_models_never_share_blocks(serve: Callable[..., Any], smollm2: LoadedModel) -> None:

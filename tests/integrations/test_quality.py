@@ -6,8 +6,19 @@ from kvstore.integrations.quality import AIMS, GATES, QualityResult, Target, ref
 
 
 def result(kl: float, top1: float = 1.0, bits: float = 4.0) -> QualityResult:
-    return QualityResult(codec="int4", params={}, kl=kl, top1=top1, ppl_ref=10.0, ppl=10.1, rel_l2_k=0.04,
-                         rel_l2_v=0.08, bits_per_value=bits, max_abs_logprob_diff=1.0, positions=1024)
+    return QualityResult(
+        codec="int4",
+        params={},
+        kl=kl,
+        top1=top1,
+        ppl_ref=10.0,
+        ppl=10.1,
+        rel_l2_k=0.04,
+        rel_l2_v=0.08,
+        bits_per_value=bits,
+        max_abs_logprob_diff=1.0,
+        positions=1024,
+    )
 
 
 def test_a_target_names_every_bar_a_result_misses() -> None:

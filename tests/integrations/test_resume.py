@@ -39,7 +39,8 @@ QUESTION_1 = (
     "squash waited until the start of June, after the last frost, in the corner where the compost heap "
     "used to be. The lettuce was sown in March under a cold frame and has been picked every week since. "
     "In May a late hailstorm broke two tomato stems, so I replaced them with seedlings from a neighbour. "
-    "Which crop went into the ground first, and which bed did it go into?")
+    "Which crop went into the ground first, and which bed did it go into?"
+)
 QUESTION_2 = "And which one was planted last?"
 ANSWER_TOKENS = 24
 
@@ -72,17 +73,25 @@ def next_token_kl(model: Any, client: KVStoreClient, ids: list[int]) -> tuple[fl
     reused prefix (so every one of them attends to the reused K/V); also the reused tokens and tiers."""
     t = torch.tensor(ids)
     hit = fetch_cache(client, t, config=model.config)
-    cached = model(t[hit.tokens:].unsqueeze(0), **cache_kwargs(model, hit.cache)).logits[0].log_softmax(-1)
-    scratch = model(t.unsqueeze(0), use_cache=True).logits[0, hit.tokens:].log_softmax(-1)
+    cached = model(t[hit.tokens :].unsqueeze(0), **cache_kwargs(model, hit.cache)).logits[0].log_softmax(-1)
+    scratch = model(t.unsqueeze(0), use_cache=True).logits[0, hit.tokens :].log_softmax(-1)
     kl = (scratch.exp() * (scratch - cached)).sum(-1)
     return float(kl.mean()), hit.tokens, hit.tiers
 
 
-@pytest.mark.parametrize(("stop", "codec"), [
-    (signal.SIGTERM, "raw"), (signal.SIGTERM, "int4"), (signal.SIGKILL, "raw"), (signal.SIGKILL, "int4"),
-], ids=["sigterm-raw", "sigterm-int4", "sigkill-raw", "sigkill-int4"])
-def test_a_conversation_resumes_from_nvme_after_a_restart(serve: Callable[..., Any], smollm2: LoadedModel,
-                                                          stop: signal.Signals, codec: str) -> None:
+@pytest.mark.parametrize(
+    ("stop", "codec"),
+    [
+        (signal.SIGTERM, "raw"),
+        (signal.SIGTERM, "int4"),
+        (signal.SIGKILL, "raw"),
+        (signal.SIGKILL, "int4"),
+    ],
+    ids=["sigterm-raw", "sigterm-int4", "sigkill-raw", "sigkill-int4"],
+)
+def test_a_conversation_resumes_from_nvme_after_a_restart(
+    serve: Callable[..., Any], smollm2: LoadedModel, stop: signal.Signals, codec: str
+) -> None:
     model, layout = smollm2.model, smollm2.layout(dtype="float32")
     daemon = serve(hbm="4MiB", ram="4MiB", nvme_codec=codec)  # a block is 2.9 MB: hbm and ram hold one
     chat = Conversation(smollm2.tokenizer)

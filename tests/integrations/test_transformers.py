@@ -33,8 +33,15 @@ def tiny() -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -108,10 +115,17 @@ def test_a_batch_is_refused(client: KVStoreClient, tiny: Any) -> None:
 def test_a_model_of_another_shape_is_refused(serve: Callable[..., Any], tiny: Any) -> None:
     d = serve()
     wrong = layout_of(tiny.config, dtype="float32", block_tokens=T)
-    wrong = type(wrong)(num_layers=3, num_kv_heads=wrong.num_kv_heads, head_dim=wrong.head_dim,
-                        dtype="float32", block_tokens=T)
-    with KVStoreClient(d.endpoint, model="tiny-llama", layout=wrong) as c, \
-            pytest.raises(LayoutError, match="layers, kv heads, head dim"):
+    wrong = type(wrong)(
+        num_layers=3,
+        num_kv_heads=wrong.num_kv_heads,
+        head_dim=wrong.head_dim,
+        dtype="float32",
+        block_tokens=T,
+    )
+    with (
+        KVStoreClient(d.endpoint, model="tiny-llama", layout=wrong) as c,
+        pytest.raises(LayoutError, match="layers, kv heads, head dim"),
+    ):
         load_cache(c, torch.arange(12), config=tiny.config)
 
 
@@ -140,6 +154,7 @@ def test_run_turn_reuses_the_last_turn_and_answers_as_without_cache(client: KVSt
     assert second.reused_tokens == 16 and second.tiers == ["hbm"] * 4
     # the same answer without kvstore at all
     with torch.inference_mode():
-        out = tiny.generate(follow.unsqueeze(0), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                            pad_token_id=0)
-    assert out[0, len(follow):].tolist() == second.output_ids
+        out = tiny.generate(
+            follow.unsqueeze(0), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    assert out[0, len(follow) :].tolist() == second.output_ids

@@ -13,8 +13,8 @@ from kvstore.store.index import LOSSY
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_tokens=4)
 NS = Namespace("tiny-model", LAYOUT)
 T = LAYOUT.block_tokens
-HBM_PAGE = 1024   # one block a page
-RAM_PAGE = 2048   # one raw frame (1 KiB + header) a page
+HBM_PAGE = 1024  # one block a page
+RAM_PAGE = 2048  # one raw frame (1 KiB + header) a page
 
 
 class Clock:

@@ -45,25 +45,40 @@ def k(name: str) -> bytes:
 def build(path: Path) -> NvmeTier:
     """A forest on disk (names are keys; access times make the LRU order):
 
-        a0 - a1 - a2 - a3            prompt a
-               \\- b2 - b3           prompt b shares a0, a1: a1 has two children
-        c0 - c1 - c2 - c3            c1's record is damaged: c2, c3 are orphans' kin
-        d1 - d2                      d0 never reached disk: d1 is an orphan, d2 with it
-        e0                           no record at all (a bare frame): not indexed
+    a0 - a1 - a2 - a3            prompt a
+           \\- b2 - b3           prompt b shares a0, a1: a1 has two children
+    c0 - c1 - c2 - c3            c1's record is damaged: c2, c3 are orphans' kin
+    d1 - d2                      d0 never reached disk: d1 is an orphan, d2 with it
+    e0                           no record at all (a bare frame): not indexed
     """
     tier = NvmeTier(path, 8 << 20, get_codec("raw"))
     root = b"R" * 32
-    chains = {"a": ["a0", "a1", "a2", "a3"], "b": ["a0", "a1", "b2", "b3"], "c": ["c0", "c1", "c2", "c3"],
-              "d": ["d0", "d1", "d2"]}
+    chains = {
+        "a": ["a0", "a1", "a2", "a3"],
+        "b": ["a0", "a1", "b2", "b3"],
+        "c": ["c0", "c1", "c2", "c3"],
+        "d": ["d0", "d1", "d2"],
+    }
     t = 100.0
-    for sessions, names in (((), chains["a"]), (("s1",), chains["b"]), (("s1", "s2"), chains["c"]),
-                            ((), chains["d"])):
+    for sessions, names in (
+        ((), chains["a"]),
+        (("s1",), chains["b"]),
+        (("s1", "s2"), chains["c"]),
+        ((), chains["d"]),
+    ):
         parent = root
         for pos, name in enumerate(names):
             t += 1.0
-            rec = BlockRecord(key=k(name), parent=parent, namespace="ns" + name[0], position=pos,
-                              tokens=bytes(16), sessions=sessions, created=float(pos),
-                              last_access=t - 50.0 if name == "b2" else t)  # b2: the least recently used
+            rec = BlockRecord(
+                key=k(name),
+                parent=parent,
+                namespace="ns" + name[0],
+                position=pos,
+                tokens=bytes(16),
+                sessions=sessions,
+                created=float(pos),
+                last_access=t - 50.0 if name == "b2" else t,
+            )  # b2: the least recently used
             tier.put_frame(k(name), FRAME, rec)
             parent = k(name)
     tier.put_frame(k("e0"), FRAME, None)
@@ -78,8 +93,19 @@ def snapshot(index: BlockIndex) -> list[tuple[Any, ...]]:
     def name(e: Entry | None) -> str | None:
         return None if e is None else e.key.rstrip(b".").decode()
 
-    return [(name(e), name(e.parent), sorted(str(name(c)) for c in e.child_list()), e.ns, e.sessions,
-             e.created, e.last_access, e.tiers) for e in index.entries()]
+    return [
+        (
+            name(e),
+            name(e.parent),
+            sorted(str(name(c)) for c in e.child_list()),
+            e.ns,
+            e.sessions,
+            e.created,
+            e.last_access,
+            e.tiers,
+        )
+        for e in index.entries()
+    ]
 
 
 def test_columns_rebuild_the_same_index_as_records(tmp_path: Path) -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from storekit import NS, Clock, T, kv, tokens
 
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter, InvalidFilter, InvalidRequest
+from tests.store.storekit import NS, Clock, T, kv, tokens
 
 
 def test_evict_by_session_drops_its_blocks_and_keeps_shared_ones(make_store) -> None:
@@ -32,10 +32,10 @@ def test_evicting_a_block_drops_its_descendants(make_store) -> None:
     clock = Clock()
     s = make_store(clock=clock, hbm_blocks=8, ram_blocks=8)
     toks, data = tokens(4), kv(4 * T)
-    s.put(NS, toks, data[:, :, : 2 * T])                     # [0, 1] now
+    s.put(NS, toks, data[:, :, : 2 * T])  # [0, 1] now
     clock.advance(3600)
-    s.put(NS, toks, data[:, :, 2 * T :], start_block=2)      # [2, 3] an hour later
-    s.lookup(NS, toks)                                        # a lookup is not an access
+    s.put(NS, toks, data[:, :, 2 * T :], start_block=2)  # [2, 3] an hour later
+    s.lookup(NS, toks)  # a lookup is not an access
     # older than 30 min selects [0, 1]; their descendants [2, 3] go with them
     dry = s.evict(EvictFilter(older_than=1800), dry_run=True)
     assert set(dry.keys) == set(block_keys(NS, toks))
@@ -124,7 +124,13 @@ def test_sessions_report_their_prefix_and_tiers(make_store) -> None:
     s.put(NS, toks[: 2 * T], kv(2 * T), session="conv")
     s.put(NS, toks, kv(3 * T + 1), session="conv")  # the conversation grew by a block
     (info,) = s.sessions()
-    assert (info.name, info.tokens, info.blocks, info.model, info.tenant) == ("conv", 3 * T, 3, NS.model, "default")
+    assert (info.name, info.tokens, info.blocks, info.model, info.tenant) == (
+        "conv",
+        3 * T,
+        3,
+        NS.model,
+        "default",
+    )
     assert info.tiers["hbm"] == 3
     detail = s.session("conv")
     assert [b.position for b in detail.blocks] == [0, 1, 2]
@@ -135,7 +141,7 @@ def test_stats_count_hits_misses_and_tokens(make_store) -> None:
     s = make_store(nvme=False)
     toks = tokens(5)
     s.put(NS, toks, kv(5 * T))  # [0] in ram, [1..4] in hbm
-    s.get(NS, tokens(6))        # asks 6 blocks, 5 served
+    s.get(NS, tokens(6))  # asks 6 blocks, 5 served
     st = s.stats()
     assert st.tiers["ram"].hits == 1 and st.tiers["hbm"].hits == 4
     assert st.tiers["hbm"].misses == 1 + 1  # block 0 was not in hbm; block 5 was nowhere
@@ -155,7 +161,10 @@ def test_prefetch_in_chunks_reports_the_chain_and_what_remains(make_store, tmp_p
     # 2 blocks a call: [0, 1], [2, 3], [4]; each call names the chain's length and what is left after it
     steps = [s.prefetch("conv-7", to="ram", start_block=b, max_blocks=2) for b in (0, 2, 4)]
     assert [(r.start_block, r.moved, r.present, r.failed, r.blocks, r.remaining) for r in steps] == [
-        (0, 2, 0, 0, 5, 3), (2, 2, 0, 0, 5, 1), (4, 1, 0, 0, 5, 0)]
+        (0, 2, 0, 0, 5, 3),
+        (2, 2, 0, 0, 5, 1),
+        (4, 1, 0, 0, 5, 0),
+    ]
     assert s.lookup(NS, toks).tiers == ["ram"] * 5
     # bytes_moved: what the moved blocks now take in ram
     assert sum(r.bytes_moved for r in steps) == s.stats().tiers["ram"].used > 0

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from storekit import NS, T, kv, same, tokens
 
 from kvstore.errors import InvalidTokens, LayoutError
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import MISSING_PARENT, InvalidRequest
+from tests.store.storekit import NS, T, kv, same, tokens
 
 
 def test_put_then_lookup_and_get_return_the_same_blocks(make_store) -> None:
@@ -56,7 +56,10 @@ def test_put_without_its_parent_is_refused_not_orphaned(make_store) -> None:
     toks = tokens(4)
     # put blocks [2, 3] while [1] is absent -> both refused with missing_parent, nothing stored
     r = s.put(NS, toks, kv(2 * T), start_block=2)
-    assert r.stored == 0 and [(i, code) for i, code, _ in r.failed] == [(2, MISSING_PARENT), (3, MISSING_PARENT)]
+    assert r.stored == 0 and [(i, code) for i, code, _ in r.failed] == [
+        (2, MISSING_PARENT),
+        (3, MISSING_PARENT),
+    ]
     assert s.lookup(NS, toks).matched_blocks == 0
     assert s.stats().blocks == 0
     assert s.check_integrity() == []
@@ -65,7 +68,7 @@ def test_put_without_its_parent_is_refused_not_orphaned(make_store) -> None:
 def test_a_long_prefix_streams_in_chunks(make_store) -> None:
     s = make_store(nvme=False)
     toks, data = tokens(4), kv(4 * T)
-    assert s.put(NS, toks, data[:, :, : 2 * T]).stored == 2           # blocks [0, 1]
+    assert s.put(NS, toks, data[:, :, : 2 * T]).stored == 2  # blocks [0, 1]
     assert s.put(NS, toks, data[:, :, 2 * T :], start_block=2).stored == 2  # blocks [2, 3]
     assert s.lookup(NS, toks).matched_blocks == 4
     assert same(s.get(NS, toks).kv, data)

@@ -5,17 +5,18 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from storekit import NS, T, kv, same, tokens
-
 from kvstore.config import Config, HbmConfig, NvmeConfig, PolicyConfig, RamConfig
 from kvstore.store.engine import Store
+from tests.store.storekit import NS, T, kv, same, tokens
 
 
 def small_config(path: Path, **nvme: object) -> Config:
-    return Config(hbm=HbmConfig(device="cpu", capacity=8 * 1024),
-                  ram=RamConfig(capacity=16 * 1024, codec="raw", pin_memory=False),
-                  nvme=replace(NvmeConfig(path=path, capacity=1 << 22), **nvme),  # type: ignore[arg-type]
-                  policy=PolicyConfig(page_bytes=1024))
+    return Config(
+        hbm=HbmConfig(device="cpu", capacity=8 * 1024),
+        ram=RamConfig(capacity=16 * 1024, codec="raw", pin_memory=False),
+        nvme=replace(NvmeConfig(path=path, capacity=1 << 22), **nvme),  # type: ignore[arg-type]
+        policy=PolicyConfig(page_bytes=1024),
+    )
 
 
 def test_from_config_builds_all_three_tiers(tmp_path: Path) -> None:
@@ -62,8 +63,13 @@ def test_default_nvme_keeps_block_0_at_int8_and_the_rest_at_int4(tmp_path: Path)
         assert s.lookup(NS, toks).tiers == ["nvme"] * 3
         got = s.get(NS, toks).kv
         assert got is not None and got.shape == data.shape
-        err = [float((got[:, :, i * T:(i + 1) * T].float() - data[:, :, i * T:(i + 1) * T].float()).norm()
-                     / data[:, :, i * T:(i + 1) * T].float().norm()) for i in range(3)]
+        err = [
+            float(
+                (got[:, :, i * T : (i + 1) * T].float() - data[:, :, i * T : (i + 1) * T].float()).norm()
+                / data[:, :, i * T : (i + 1) * T].float().norm()
+            )
+            for i in range(3)
+        ]
         assert err[0] < 0.01 < min(err[1:]) < 0.25
 
 

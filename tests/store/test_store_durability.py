@@ -7,10 +7,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from storekit import NS, T, close_to, kv, tokens
-
 from kvstore.keys import block_keys
 from kvstore.results import EvictFilter
+from tests.store.storekit import NS, T, close_to, kv, tokens
 
 
 def nvme_keys(s) -> set[bytes]:
@@ -58,7 +57,7 @@ def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> N
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from storekit import NS, T, kv, tokens
+        from tests.store.storekit import NS, T, kv, tokens
         from kvstore.codecs import get_codec
         from kvstore.store.engine import Store
         from kvstore.tiers.hbm import HbmTier
@@ -71,16 +70,18 @@ def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> N
         os._exit(0)
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
-    from storekit import HBM_PAGE, RAM_PAGE  # noqa: F401 - same tiers as the fixture
-
     from kvstore.codecs import get_codec
     from kvstore.store.engine import Store
     from kvstore.tiers.hbm import HbmTier
     from kvstore.tiers.nvme import NvmeTier
     from kvstore.tiers.ram import RamTier
+    from tests.store.storekit import HBM_PAGE, RAM_PAGE  # noqa: F401 - same tiers as the fixture
 
-    s = Store(HbmTier(4096, page_bytes=1024), RamTier(8192, get_codec("raw"), page_bytes=2048, pin_memory=False),
-              NvmeTier(path, 1 << 22, get_codec("int4")))
+    s = Store(
+        HbmTier(4096, page_bytes=1024),
+        RamTier(8192, get_codec("raw"), page_bytes=2048, pin_memory=False),
+        NvmeTier(path, 1 << 22, get_codec("int4")),
+    )
     try:
         assert s.lookup(NS, tokens(5)).matched_blocks == 5
         assert s.session("killed").info.tokens == 5 * T

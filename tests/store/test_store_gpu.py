@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from storekit import HBM_PAGE, NS, RAM_PAGE, T, kv, same, tokens
 
 from kvstore.codecs import get_codec
 from kvstore.store.engine import Store
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.ram import RamTier
+from tests.store.storekit import HBM_PAGE, NS, RAM_PAGE, T, kv, same, tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_blocks_in_gpu_hbm_demote_to_ram_and_come_back() -> None:
-    s = Store(HbmTier(4 * HBM_PAGE, device="cuda", page_bytes=HBM_PAGE),
-              RamTier(4 * RAM_PAGE, get_codec("raw"), page_bytes=RAM_PAGE, pin_memory=True), None)
+    s = Store(
+        HbmTier(4 * HBM_PAGE, device="cuda", page_bytes=HBM_PAGE),
+        RamTier(4 * RAM_PAGE, get_codec("raw"), page_bytes=RAM_PAGE, pin_memory=True),
+        None,
+    )
     try:
         toks, data = tokens(6), kv(6 * T)
         assert s.put(NS, toks, data.cuda()).stored == 6

@@ -6,9 +6,9 @@ import threading
 from pathlib import Path
 
 import lmdb
-from storekit import NS, T, close_to, kv, same, served_right, tokens
 
 from kvstore.keys import block_keys
+from tests.store.storekit import NS, T, close_to, kv, same, served_right, tokens
 
 
 def test_a_damaged_ram_frame_is_a_miss_and_takes_its_descendants(make_store) -> None:

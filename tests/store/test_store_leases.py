@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
-from storekit import NS, Clock, T, kv, tokens
-
 from kvstore.keys import block_keys
+from tests.store.storekit import NS, Clock, T, kv, tokens
 
 
 def test_pinned_blocks_are_never_demoted_until_released(make_store) -> None:
@@ -80,5 +79,5 @@ def test_an_access_renews_the_ttl(make_store) -> None:
     clock.advance(90)
     s.get(NS, toks)
     clock.advance(90)  # 180 s after the put, 90 s after the get
-    time.sleep(0.2)    # several ticks
+    time.sleep(0.2)  # several ticks
     assert s.lookup(NS, toks).matched_blocks == 2

@@ -6,12 +6,12 @@ import threading
 import time
 
 import pytest
-from storekit import Clock
 
 from kvstore.store.index import BlockIndex, Entry
 from kvstore.store.pins import PinTable
 from kvstore.store.sessions import SessionTable
 from kvstore.store.writer import WriteThrough
+from tests.store.storekit import Clock
 
 
 def entry(key: int, parent: Entry | None) -> Entry:

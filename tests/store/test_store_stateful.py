@@ -18,7 +18,6 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from storekit import HBM_PAGE, NS, RAM_PAGE, T, served_right
 
 from kvstore.codecs import get_codec
 from kvstore.keys import block_keys
@@ -27,6 +26,7 @@ from kvstore.store.engine import Store
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.ram import RamTier
+from tests.store.storekit import HBM_PAGE, NS, RAM_PAGE, T, served_right
 
 MAX_BLOCKS = 6
 
@@ -51,16 +51,23 @@ class StoreMachine(RuleBasedStateMachine):
         self.put_keys: set[bytes] = set()
 
     def open(self) -> Store:
-        return Store(HbmTier(3 * HBM_PAGE, page_bytes=HBM_PAGE),
-                     RamTier(4 * RAM_PAGE, get_codec("raw"), page_bytes=RAM_PAGE, pin_memory=False),
-                     NvmeTier(self.dir / "nvme", 1 << 21, get_codec("int4")), tick=0.05)
+        return Store(
+            HbmTier(3 * HBM_PAGE, page_bytes=HBM_PAGE),
+            RamTier(4 * RAM_PAGE, get_codec("raw"), page_bytes=RAM_PAGE, pin_memory=False),
+            NvmeTier(self.dir / "nvme", 1 << 21, get_codec("int4")),
+            tick=0.05,
+        )
 
     def teardown(self) -> None:
         self.store.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    @rule(p=st.integers(0, 5), n=st.integers(1, MAX_BLOCKS), chunk=st.integers(0, 3),
-          session=st.sampled_from([None, "s1", "s2"]))
+    @rule(
+        p=st.integers(0, 5),
+        n=st.integers(1, MAX_BLOCKS),
+        chunk=st.integers(0, 3),
+        session=st.sampled_from([None, "s1", "s2"]),
+    )
     def put(self, p: int, n: int, chunk: int, session: str | None) -> None:
         toks = prompt(p)[: n * T]
         keys = block_keys(NS, toks)
@@ -93,9 +100,18 @@ class StoreMachine(RuleBasedStateMachine):
         look = self.store.lookup(NS, toks)
         assert set(block_keys(NS, toks)[: look.matched_blocks]) <= self.put_keys
 
-    @rule(flt=st.sampled_from([EvictFilter(session="s1"), EvictFilter(tier="hbm"), EvictFilter(tier="ram"),
-                               EvictFilter(tier="nvme"), EvictFilter(older_than=0.0)]),
-          dry=st.booleans())
+    @rule(
+        flt=st.sampled_from(
+            [
+                EvictFilter(session="s1"),
+                EvictFilter(tier="hbm"),
+                EvictFilter(tier="ram"),
+                EvictFilter(tier="nvme"),
+                EvictFilter(older_than=0.0),
+            ]
+        ),
+        dry=st.booleans(),
+    )
     def evict(self, flt: EvictFilter, dry: bool) -> None:
         before = self.store.stats().blocks
         r = self.store.evict(flt, dry_run=dry)
@@ -117,8 +133,7 @@ class StoreMachine(RuleBasedStateMachine):
         nvme = s._tiers[-1]
         on_disk = set(nvme.keys())
         # what must come back: blocks on nvme whose whole chain is on nvme too
-        expect = {e.key for e in s._index.entries()
-                  if all(a.key in on_disk for a in s._index.chain(e))}
+        expect = {e.key for e in s._index.entries() if all(a.key in on_disk for a in s._index.chain(e))}
         s.close()
         self.store = self.open()
         found = {e.key for e in self.store._index.entries()}
@@ -131,6 +146,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert ts.used <= ts.capacity
 
 
-StoreMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=25, deadline=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+StoreMachine.TestCase.settings = settings(
+    max_examples=20, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 test_store_against_the_model = StoreMachine.TestCase

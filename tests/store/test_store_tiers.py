@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from storekit import NS, T, close_to, kv, same, tokens
-
 from kvstore.keys import block_keys
 from kvstore.results import NO_ROOM
+from tests.store.storekit import NS, T, close_to, kv, same, tokens
 
 
 def tiers_of(s, toks) -> list[str]:
@@ -141,12 +140,11 @@ def test_get_pins_nothing_after_it_returns(make_store) -> None:
 
 
 def test_demotion_frames_are_encoded_outside_the_lock(tmp_path) -> None:
-    from storekit import HBM_PAGE, RAM_PAGE
-
     from kvstore.codecs.raw import RawCodec
     from kvstore.store.engine import Store
     from kvstore.tiers.hbm import HbmTier
     from kvstore.tiers.ram import RamTier
+    from tests.store.storekit import HBM_PAGE, RAM_PAGE
 
     class Watching(RawCodec):
         """A raw codec that notes, at each encode, whether the store's lock was held."""
@@ -157,8 +155,11 @@ def test_demotion_frames_are_encoded_outside_the_lock(tmp_path) -> None:
             self.locked.append(store._lock._is_owned())
             return super().encode(block)
 
-    store = Store(HbmTier(4 * HBM_PAGE, page_bytes=HBM_PAGE),
-                  RamTier(8 * RAM_PAGE, Watching(), page_bytes=RAM_PAGE, pin_memory=False), None)
+    store = Store(
+        HbmTier(4 * HBM_PAGE, page_bytes=HBM_PAGE),
+        RamTier(8 * RAM_PAGE, Watching(), page_bytes=RAM_PAGE, pin_memory=False),
+        None,
+    )
     try:
         store.put(NS, tokens(4, seed=1), kv(4 * T, 1))
         # hbm full: put 4 more -> the first prompt's 4 blocks are encoded for ram before the lock

@@ -35,8 +35,16 @@ def key(i: int) -> bytes:
 
 
 def record(i: int, sessions: tuple[str, ...] = ()) -> BlockRecord:
-    return BlockRecord(key=key(i), parent=key(i - 1) if i else bytes(32), namespace="ns0", position=i,
-                       tokens=bytes(range(64)), sessions=sessions, created=1000.0 + i, last_access=2000.0 + i)
+    return BlockRecord(
+        key=key(i),
+        parent=key(i - 1) if i else bytes(32),
+        namespace="ns0",
+        position=i,
+        tokens=bytes(range(64)),
+        sessions=sessions,
+        created=1000.0 + i,
+        last_access=2000.0 + i,
+    )
 
 
 def open_tier(path: Path, capacity: int = 8 << 20, **kw: object) -> NvmeTier:
@@ -372,7 +380,13 @@ def test_iter_index_matches_iter_records(tier: NvmeTier) -> None:
     assert [e.key for e in index] == [r.key for r in records] == [key(i) for i in range(6)]
     for e, r in zip(index, records, strict=True):
         assert (e.parent, e.namespace, e.position, e.sessions, e.created, e.last_access) == (
-            r.parent, r.namespace, r.position, r.sessions, r.created, r.last_access)
+            r.parent,
+            r.namespace,
+            r.position,
+            r.sessions,
+            r.created,
+            r.last_access,
+        )
         assert e.nbytes == tier.nbytes(e.key)
 
 
@@ -386,11 +400,23 @@ def test_index_columns_match_iter_index(tier: NvmeTier, monkeypatch: pytest.Monk
     cols = list(tier.iter_index_columns(on_damaged=lambda k, e: seen.append(k)))
     index = list(tier.iter_index(on_damaged=lambda k, e: None))
     assert seen == [key(3)] and len(cols) == 3
-    rows = [(k, bytes(p), int(pos), ns, s, float(c), float(a)) for c_ in cols for k, p, pos, ns, s, c, a in
-            zip(c_.keys, c_.parents, c_.positions, c_.namespaces, c_.sessions, c_.created, c_.last_access,
-                strict=True)]
-    assert rows == [(e.key, e.parent, e.position, e.namespace, e.sessions, e.created, e.last_access)
-                    for e in index]
+    rows = [
+        (k, bytes(p), int(pos), ns, s, float(c), float(a))
+        for c_ in cols
+        for k, p, pos, ns, s, c, a in zip(
+            c_.keys,
+            c_.parents,
+            c_.positions,
+            c_.namespaces,
+            c_.sessions,
+            c_.created,
+            c_.last_access,
+            strict=True,
+        )
+    ]
+    assert rows == [
+        (e.key, e.parent, e.position, e.namespace, e.sessions, e.created, e.last_access) for e in index
+    ]
     assert [r[0] for r in rows] == [key(i) for i in (0, 1, 2, 4, 5)]
 
 

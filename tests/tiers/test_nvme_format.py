@@ -19,18 +19,28 @@ KEY = bytes(range(32))
 
 
 def record(**kw: object) -> BlockRecord:
-    base: dict[str, object] = dict(key=KEY, parent=bytes(32), namespace="ab12cd34ab12cd34", position=7,
-                                   tokens=bytes(range(64)), sessions=("conv-1", "conv-2"),
-                                   created=1.25, last_access=9.5)
+    base: dict[str, object] = dict(
+        key=KEY,
+        parent=bytes(32),
+        namespace="ab12cd34ab12cd34",
+        position=7,
+        tokens=bytes(range(64)),
+        sessions=("conv-1", "conv-2"),
+        created=1.25,
+        last_access=9.5,
+    )
     base.update(kw)
     return BlockRecord(**base)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("rec", [
-    record(),
-    record(sessions=(), extra={"origin": "put", "n": 3}),
-    record(tokens=b"", namespace="é-ns", sessions=("ünïcode",)),
-])
+@pytest.mark.parametrize(
+    "rec",
+    [
+        record(),
+        record(sessions=(), extra={"origin": "put", "n": 3}),
+        record(tokens=b"", namespace="é-ns", sessions=("ünïcode",)),
+    ],
+)
 def test_record_round_trips(rec: BlockRecord) -> None:
     value = pack_entry(123456, rec)
     assert frame_len(value) == 123456 and has_record(value)

@@ -26,13 +26,27 @@ def key(i: int) -> bytes:
 
 
 def record(i: int) -> BlockRecord:
-    return BlockRecord(key=key(i), parent=key(i - 1) if i else bytes(32), namespace="ns0", position=i,
-                       tokens=bytes(64), created=1.0, last_access=2.0)
+    return BlockRecord(
+        key=key(i),
+        parent=key(i - 1) if i else bytes(32),
+        namespace="ns0",
+        position=i,
+        tokens=bytes(64),
+        created=1.0,
+        last_access=2.0,
+    )
 
 
-def open_tier(path: Path, head: str | None = "int8", head_blocks: int = 1, capacity: int = 8 << 20) -> NvmeTier:
-    return NvmeTier(path, capacity, get_codec("int4", rotate=True, zstd=3),
-                    head_codec=get_codec(head, zstd=3) if head else None, head_blocks=head_blocks)
+def open_tier(
+    path: Path, head: str | None = "int8", head_blocks: int = 1, capacity: int = 8 << 20
+) -> NvmeTier:
+    return NvmeTier(
+        path,
+        capacity,
+        get_codec("int4", rotate=True, zstd=3),
+        head_codec=get_codec(head, zstd=3) if head else None,
+        head_blocks=head_blocks,
+    )
 
 
 def codec_id(tier: NvmeTier, i: int) -> int:

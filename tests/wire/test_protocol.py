@@ -42,12 +42,23 @@ PEER = b"peer-1"
 
 
 def kv_bytes(blocks: int) -> bytes:
-    return torch.zeros(LAYOUT.shape(blocks * LAYOUT.block_tokens), dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    return (
+        torch.zeros(LAYOUT.shape(blocks * LAYOUT.block_tokens), dtype=torch.float16)
+        .view(torch.uint8)
+        .numpy()
+        .tobytes()
+    )
 
 
 def put_msg(ns: str, tokens: np.ndarray, blocks: int, start: int = 0) -> Put:
-    return Put(ns=ns, tokens=tokens, shape=LAYOUT.shape(blocks * 4), dtype="float16", kv=kv_bytes(blocks),
-               start_block=start)
+    return Put(
+        ns=ns,
+        tokens=tokens,
+        shape=LAYOUT.shape(blocks * 4),
+        dtype="float16",
+        kv=kv_bytes(blocks),
+        start_block=start,
+    )
 
 
 def joined(limits: Limits | None = None) -> tuple[ClientProtocol, ServerProtocol, str]:
@@ -79,7 +90,9 @@ def test_lookup_round_trip_keeps_tokens_and_matches_reply_by_id() -> None:
     assert isinstance(req.msg, Lookup) and req.namespace == NS
     assert np.array_equal(req.msg.tokens, tokens)
     assert server.inflight == {PEER: 1}
-    rid, reply = client.receive(server.reply(req, LookupOk(matched_blocks=2, matched_tokens=8, tiers=["hbm"] * 2)))
+    rid, reply = client.receive(
+        server.reply(req, LookupOk(matched_blocks=2, matched_tokens=8, tiers=["hbm"] * 2))
+    )
     assert rid == req.id and reply == LookupOk(2, 8, ["hbm", "hbm"])
     assert server.inflight == {} and client.pending == {}
 
@@ -101,8 +114,12 @@ def test_put_payload_travels_as_a_separate_frame_and_get_reply_carries_blocks() 
     _, frames = client.send(put_msg(ns, tokens, blocks=2, start=1))
     assert len(frames) == 2 and len(frames[1]) == 2 * LAYOUT.block_nbytes
     req = server.receive(PEER, frames)
-    assert isinstance(req.msg, Put) and req.msg.start_block == 1 and len(req.msg.kv) == 2 * LAYOUT.block_nbytes
-    rid, reply = client.receive(server.reply(req, PutOk(stored=1, present=0, failed=[[2, "tier_full", "pinned"]])))
+    assert (
+        isinstance(req.msg, Put) and req.msg.start_block == 1 and len(req.msg.kv) == 2 * LAYOUT.block_nbytes
+    )
+    rid, reply = client.receive(
+        server.reply(req, PutOk(stored=1, present=0, failed=[[2, "tier_full", "pinned"]]))
+    )
     assert reply == PutOk(1, 0, [[2, "tier_full", "pinned"]])
 
     req = roundtrip(client, server, Get(ns=ns, tokens=tokens, max_blocks=16))
@@ -131,13 +148,40 @@ def raw(header: dict, *payload: bytes) -> list[bytes]:
         (raw({"v": PROTOCOL_VERSION, "op": "ping", "id": 1}, b"extra"), "bad_frames"),
         (raw({"v": PROTOCOL_VERSION, "op": "ping", "id": 1, "colour": "red"}), "bad_header"),
         (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": 5, "tokens": b""}), "bad_header"),
-        (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": NS.id, "tokens": [1, -1]}), "invalid_tokens"),
-        (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": NS.id, "tokens": [2**32]}), "invalid_tokens"),
-        (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": NS.id, "tokens": b"abc"}), "invalid_tokens"),
-        (raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": "nope", "tokens": b""}), "unknown_namespace"),
-        (raw({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "namespace": {"model": "m"}}), "invalid_namespace"),
-        (raw({"v": PROTOCOL_VERSION, "op": "hello", "id": 1,
-              "namespace": {"model": "m", "layout": {"num_layers": 0, "num_kv_heads": 1, "head_dim": 4}}}), "layout"),
+        (
+            raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": NS.id, "tokens": [1, -1]}),
+            "invalid_tokens",
+        ),
+        (
+            raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": NS.id, "tokens": [2**32]}),
+            "invalid_tokens",
+        ),
+        (
+            raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": NS.id, "tokens": b"abc"}),
+            "invalid_tokens",
+        ),
+        (
+            raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 1, "ns": "nope", "tokens": b""}),
+            "unknown_namespace",
+        ),
+        (
+            raw({"v": PROTOCOL_VERSION, "op": "hello", "id": 1, "namespace": {"model": "m"}}),
+            "invalid_namespace",
+        ),
+        (
+            raw(
+                {
+                    "v": PROTOCOL_VERSION,
+                    "op": "hello",
+                    "id": 1,
+                    "namespace": {
+                        "model": "m",
+                        "layout": {"num_layers": 0, "num_kv_heads": 1, "head_dim": 4},
+                    },
+                }
+            ),
+            "layout",
+        ),
     ],
 )
 def test_malformed_requests_raise_remote_errors_with_codes(frames: list[bytes], code: str) -> None:
@@ -170,7 +214,9 @@ def test_put_checks_against_the_namespace_layout() -> None:
     assert info.value.code == "layout"
     # right shape, other dtype
     with pytest.raises(RemoteProtocolError) as info:
-        roundtrip(client, server, Put(ns=ns, tokens=tokens, shape=LAYOUT.shape(4), dtype="bfloat16", kv=kv_bytes(1)))
+        roundtrip(
+            client, server, Put(ns=ns, tokens=tokens, shape=LAYOUT.shape(4), dtype="bfloat16", kv=kv_bytes(1))
+        )
     assert info.value.code == "layout"
     # more blocks than the tokens name
     with pytest.raises(RemoteProtocolError) as info:
@@ -186,8 +232,15 @@ def test_payload_size_mismatch_is_local_before_sending_and_remote_on_receipt() -
         client.send(short)
     assert local.value.code == "bad_payload" and not isinstance(local.value, RemoteProtocolError)
     # the same message built by hand (no client checks) is refused by the server
-    header = {"v": PROTOCOL_VERSION, "op": "put", "id": 5, "ns": ns, "tokens": tokens.tobytes(),
-              "shape": list(LAYOUT.shape(4)), "dtype": "float16"}
+    header = {
+        "v": PROTOCOL_VERSION,
+        "op": "put",
+        "id": 5,
+        "ns": ns,
+        "tokens": tokens.tobytes(),
+        "shape": list(LAYOUT.shape(4)),
+        "dtype": "float16",
+    }
     with pytest.raises(RemoteProtocolError) as remote:
         server.receive(PEER, raw(header, kv_bytes(1)[:-2]))
     assert remote.value.code == "bad_payload"
@@ -243,20 +296,49 @@ def test_error_replies_become_library_exceptions_on_the_client() -> None:
     other = error_for_reply("busy", "slow down")
     assert type(other) is ServerError and other.code == "busy"
 
+
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=8)
     | st.binary(max_size=64),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-_field_names = st.sampled_from(["ns", "tokens", "start_block", "max_blocks", "shape", "dtype", "session", "namespace",
-                                "older_than", "tier", "all", "dry_run", "to", "id", "v", "op", "junk"])
+_field_names = st.sampled_from(
+    [
+        "ns",
+        "tokens",
+        "start_block",
+        "max_blocks",
+        "shape",
+        "dtype",
+        "session",
+        "namespace",
+        "older_than",
+        "tier",
+        "all",
+        "dry_run",
+        "to",
+        "id",
+        "v",
+        "op",
+        "junk",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(op=st.sampled_from([*REQUESTS, "nope"]), fields=st.dictionaries(_field_names, _values, max_size=6),
-       payloads=st.lists(st.binary(max_size=64), max_size=2))
-def test_any_header_is_either_a_request_or_a_remote_protocol_error(op: str, fields: dict, payloads: list) -> None:
+@given(
+    op=st.sampled_from([*REQUESTS, "nope"]),
+    fields=st.dictionaries(_field_names, _values, max_size=6),
+    payloads=st.lists(st.binary(max_size=64), max_size=2),
+)
+def test_any_header_is_either_a_request_or_a_remote_protocol_error(
+    op: str, fields: dict, payloads: list
+) -> None:
     """Whatever a peer sends, the server half answers with a typed request or a coded error, nothing else."""
     _, server, ns = joined()
     header = {"v": PROTOCOL_VERSION, "op": op, "id": 9, **fields}
@@ -280,14 +362,27 @@ def test_prefetch_slice_round_trip_and_old_style_request() -> None:
     client, server, _ = joined()
     req = roundtrip(client, server, Prefetch(session="conv-1", to="hbm", start_block=32, max_blocks=16))
     assert req.msg == Prefetch(session="conv-1", to="hbm", start_block=32, max_blocks=16)
-    result = PrefetchResult(session="conv-1", to="hbm", moved=10, present=6, failed=0, start_block=32,
-                            blocks=100, remaining=52, bytes_moved=10 * 4096)
+    result = PrefetchResult(
+        session="conv-1",
+        to="hbm",
+        moved=10,
+        present=6,
+        failed=0,
+        start_block=32,
+        blocks=100,
+        remaining=52,
+        bytes_moved=10 * 4096,
+    )
     _, reply = client.receive(server.reply(req, DataOk(data=asdict(result))))  # type: ignore[misc]
     assert isinstance(reply, DataOk) and PrefetchResult(**reply.data) == result
     # a request with only session and to (an older client) means the whole chain
-    old = server.receive(PEER, raw({"v": PROTOCOL_VERSION, "op": "prefetch", "id": 9, "session": "s", "to": "ram"}))
+    old = server.receive(
+        PEER, raw({"v": PROTOCOL_VERSION, "op": "prefetch", "id": 9, "session": "s", "to": "ram"})
+    )
     assert old.msg == Prefetch(session="s", to="ram", start_block=0, max_blocks=None)
     for bad in ({"start_block": -1}, {"max_blocks": "16"}):
         with pytest.raises(RemoteProtocolError) as info:
-            server.receive(PEER, raw({"v": PROTOCOL_VERSION, "op": "prefetch", "id": 10, "session": "s", **bad}))
+            server.receive(
+                PEER, raw({"v": PROTOCOL_VERSION, "op": "prefetch", "id": 10, "session": "s", **bad})
+            )
         assert info.value.code == "bad_header"
