@@ -12,13 +12,14 @@ int4    KIVI-style 4-bit codes, two a byte                   ~4-5
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvstore.codecs.base import Codec
 from kvstore.codecs.fp8 import Fp8Codec
-from kvstore.codecs.frame import FrameHeader, read_header
+from kvstore.codecs.frame import FrameHeader, check_frame, read_header
 from kvstore.codecs.int4 import Int4Codec
 from kvstore.codecs.int8 import Int8Codec
 from kvstore.codecs.raw import RawCodec
@@ -56,12 +57,35 @@ def codec_for_frame(header: FrameHeader) -> type[Codec]:
 
 
 def decode_frame(
-    frame: Any, *, layout: KVLayout | None = None, device: torch.device | str | None = None
+    frame: Any,
+    *,
+    layout: KVLayout | None = None,
+    device: torch.device | str | None = None,
+    out: torch.Tensor | None = None,
+    codecs: Sequence[Codec] = (),
 ) -> torch.Tensor:
-    """Decode any kvstore frame, whichever codec wrote it (its parameters travel in the frame)."""
+    """Decode any kvstore frame, whichever codec wrote it (its parameters travel in the frame).
+
+    The one decode dispatch: the header is read and checked once, then the
+    codec its id names decodes it; an instance among ``codecs`` with that id
+    is used as it is (it may hold scratch state), else a default one (every
+    parameter is read from the frame). ``layout``, ``device`` and ``out`` as
+    in ``Codec.decode``. FrameError for any damage; ``out`` is unchanged then.
+    """
     header = read_header(frame, expect=layout)
-    # Decoding reads every parameter from the frame, so a default instance decodes any frame of its codec.
-    return codec_for_frame(header)()._decode_checked(frame, header, device)
+    codec = next((c for c in codecs if c.codec_id == header.codec_id), None)
+    if codec is None:
+        codec = codec_for_frame(header)()
+    return codec._decode_checked(frame, header, device, out)
 
 
-__all__ = ["CODECS", "Codec", "FrameHeader", "decode_frame", "get_codec", "read_header", "register"]
+__all__ = [
+    "CODECS",
+    "Codec",
+    "FrameHeader",
+    "check_frame",
+    "decode_frame",
+    "get_codec",
+    "read_header",
+    "register",
+]

@@ -33,7 +33,14 @@ from typing import Any
 
 import msgpack
 
-from kvstore.errors import BadMagic, ChecksumMismatch, LayoutMismatch, TruncatedFrame, UnsupportedVersion
+from kvstore.errors import (
+    BadMagic,
+    ChecksumMismatch,
+    FrameError,
+    LayoutMismatch,
+    TruncatedFrame,
+    UnsupportedVersion,
+)
 from kvstore.layout import KVLayout
 
 try:  # ISA-L's crc32 is zlib's CRC-32 bit for bit, ~10x faster: checking a frame costs about a memcpy
@@ -158,6 +165,16 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
             f"expected {expect.canonical().decode()}"
         )
     return FrameHeader(codec_id, flags, layout, dict(params), HEADER_SIZE + plen, nlen, crc)
+
+
+def check_frame(frame: Buffer) -> FrameHeader:
+    """The header of a whole, undamaged frame, before a tier stores it as it is: FrameError when
+    the header or checksum fails or ``frame`` is longer or shorter than its header says."""
+    header = read_header(frame)
+    n = memoryview(frame).nbytes
+    if n != header.frame_len:
+        raise FrameError(f"frame is {n} bytes, its header says {header.frame_len}")
+    return header
 
 
 @lru_cache(maxsize=256)

@@ -42,6 +42,7 @@ from kvstore.layout import KVLayout
 from kvstore.results import (
     BlockInfo,
     EvictResult,
+    FailedBlock,
     GetResult,
     LookupResult,
     PrefetchResult,
@@ -280,7 +281,7 @@ class KVStoreClient:
         if total == 0:
             return PutResult(0, 0, [])
         stored = present = deferred = 0
-        failed: list[tuple[int, str, str]] = []
+        failed: list[FailedBlock] = []
         with self._lock:
             self._conn.ensure_hello()
             tokens = self._tokens(tokens[: total * T])
@@ -308,7 +309,7 @@ class KVStoreClient:
                     present + reply.present,
                     deferred + reply.deferred,
                 )
-                failed.extend((int(b), str(c), str(m)) for b, c, m in reply.failed)
+                failed.extend(FailedBlock(int(b), str(c), str(m)) for b, c, m in reply.failed)
 
             # one chunk at a time: the store refuses a chunk whose parent block is not stored yet
             self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=1)

@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ConfigError
+from kvstore.store.writer import Admission
+from kvstore.tiers.lmdb_env import Durability
 from kvstore.units import parse_duration, parse_size
 
 __all__ = [
@@ -153,13 +155,15 @@ class NvmeConfig:
         better = self.head_codec is not None and _FIDELITY.index(self.head_codec) > _FIDELITY.index(
             self.codec
         )
-        head = get_codec(self.head_codec, zstd=self.zstd) if better and self.head_blocks else None
+        head = None
+        if better and self.head_blocks and self.head_codec is not None:
+            head = get_codec(self.head_codec, zstd=self.zstd)
         return get_codec(self.codec, zstd=self.zstd, **params), head
 
     write_through: bool = True
-    admit: str = "always"  # or "second_use"
+    admit: str = Admission.ALWAYS.value  # see kvstore.store.writer.Admission
     ttl: float = 7 * 86400.0  # math.inf = never expire
-    durability: str = "balanced"  # fast | balanced | safe: see tiers/lmdb_env.py
+    durability: str = Durability.BALANCED.value  # see kvstore.tiers.lmdb_env.Durability
     enabled: bool = True
 
 
@@ -334,9 +338,9 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "head_codec": _optional(_choice("int8", "fp8", "raw", "int4", "none")),
             "head_blocks": _int(0, 65536),
             "write_through": _bool,
-            "admit": _choice("always", "second_use"),
+            "admit": _choice(*Admission),
             "ttl": _duration(never=True),
-            "durability": _choice("fast", "balanced", "safe"),
+            "durability": _choice(*Durability),
             "enabled": _bool,
         },
     ),

@@ -9,7 +9,7 @@ held it when it was read.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,15 +38,24 @@ class StoreClosed(KVStoreError):
     code = "closed"
 
 
+class FailedBlock(NamedTuple):
+    """A block a put did not store: its index in the prefix, a wire error code, and why."""
+
+    block: int
+    code: str
+    message: str
+
+
 @dataclass(frozen=True)
 class PutResult:
     """``stored``: new blocks written; ``present``: blocks already held (not rewritten, tags/access updated);
-    ``failed``: ``(block index, code, message)`` for blocks refused; ``deferred``: stored blocks whose
-    write-through waited past the back-pressure limit (they reach nvme on the next flush or idle moment)."""
+    ``failed``: the blocks refused, from the first one refused to the end of the put (a put never
+    leaves a hole); ``deferred``: stored blocks whose write-through waited past the back-pressure
+    limit (they reach nvme on the next flush or idle moment)."""
 
     stored: int
     present: int
-    failed: list[tuple[int, str, str]] = field(default_factory=list)
+    failed: list[FailedBlock] = field(default_factory=list)
     deferred: int = 0
 
 

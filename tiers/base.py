@@ -8,6 +8,14 @@ calls these methods; a tier only keeps its capacity promise.
 
 Checks are kept apart from changes (``can_put`` vs ``put``). A tier is safe to
 call from several threads; each method is atomic with respect to the others.
+
+::
+
+    Tier          blocks in, blocks out (hbm; every tier is one)
+    FrameTier     also takes and gives codec frames as they are (ram): the store
+                  encodes a frame before it takes its lock and hands it over
+    NvmeTier      (nvme.py) frames plus each block's record, sessions and
+                  namespaces in LMDB: what a restart rebuilds the index from
 """
 
 from __future__ import annotations
@@ -15,10 +23,28 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import torch
+from enum import Enum
+from typing import TYPE_CHECKING
 
 from kvstore.errors import KVStoreError
+
+if TYPE_CHECKING:  # annotations only: config and the CLI import TierName without loading torch
+    import torch
+
+    from kvstore.codecs import Codec
+    from kvstore.codecs.frame import Buffer
+    from kvstore.layout import KVLayout
+
+
+class TierName(str, Enum):
+    """The tiers, top to bottom. A str, so configs, the wire and the CLI use the plain names."""
+
+    HBM = "hbm"
+    RAM = "ram"
+    NVME = "nvme"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class TierFull(KVStoreError):
@@ -48,9 +74,9 @@ class TierUsage:
 
 
 class Tier(ABC):
-    """One storage tier. ``name`` is ``"hbm"``, ``"ram"`` or ``"nvme"``."""
+    """One storage tier of blocks."""
 
-    name: str
+    name: TierName
 
     @abstractmethod
     def can_put(self, block: torch.Tensor) -> bool:
@@ -97,5 +123,33 @@ class Tier(ABC):
     def nbytes(self, key: bytes) -> int:
         """Bytes the block under ``key`` occupies here; KeyError when absent."""
 
+    def block_cost(self, layout: KVLayout) -> int:
+        """Bytes a native block of ``layout`` takes here (an estimate for tiers that encode)."""
+        return layout.block_nbytes
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release resources. The tier is unusable afterwards."""
+
+
+class FrameTier(Tier):
+    """A tier that stores codec frames (``codec``'s, or any codec's through ``put_frame``).
+
+    The store encodes a frame for such a tier before it takes its lock (the
+    codec work is the slow part) and stores it under the lock with ``put_frame``.
+    """
+
+    codec: Codec
+
+    @abstractmethod
+    def can_put_frame(self, frame_bytes: int) -> bool:
+        """Whether ``put_frame`` of a ``frame_bytes``-byte frame would succeed now. Changes nothing."""
+
+    @abstractmethod
+    def put_frame(self, key: bytes, frame: Buffer) -> int:
+        """Store an encoded frame as it is under ``key`` (replacing an entry for the key); returns the
+        bytes it occupies. FrameError when the frame is damaged, TierFull when there is no room: nothing
+        changed in either case."""
+
+    @abstractmethod
+    def get_frame(self, key: bytes) -> bytes:
+        """A copy of the frame under ``key``, unchecked (whoever decodes it checks it). KeyError when absent."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.errors import LayoutError
+from kvstore.tiers.base import TierName
 from kvstore.tiers.paged import PagedTier
 from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool
 
@@ -29,7 +30,7 @@ class HbmTier(PagedTier):
     ``"auto"``. A block occupies ``ceil(nbytes / page_bytes)`` pages.
     """
 
-    name = "hbm"
+    name = TierName.HBM
 
     def __init__(
         self, capacity_bytes: int, device: torch.device | str = "cpu", page_bytes: int = DEFAULT_PAGE_BYTES

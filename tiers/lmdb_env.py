@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,12 +52,25 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FORMAT_VERSION = 1
-DURABILITY: dict[str, dict[str, bool]] = {
-    "fast": {"sync": False, "metasync": False},
-    "balanced": {"sync": True, "metasync": False},
-    "safe": {"sync": True, "metasync": True},
+
+
+class Durability(str, Enum):
+    """How much a commit survives (the table above)."""
+
+    FAST = "fast"
+    BALANCED = "balanced"
+    SAFE = "safe"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+DURABILITY: dict[Durability, dict[str, bool]] = {
+    Durability.FAST: {"sync": False, "metasync": False},
+    Durability.BALANCED: {"sync": True, "metasync": False},
+    Durability.SAFE: {"sync": True, "metasync": True},
 }
-DEFAULT_DURABILITY = "balanced"
+DEFAULT_DURABILITY = Durability.BALANCED
 DB_NAMES = (b"blocks", b"records", b"sessions", b"namespaces", b"meta")
 LOCK_FILE = "kvstore.lock"
 # Room always left free on the filesystem: writes that would eat into it are refused (TierFull),
@@ -135,7 +149,7 @@ class Environment:
         env: lmdb.Environment,
         dbs: dict[str, Any],
         *,
-        durability: str,
+        durability: Durability,
         created: float,
         reset_reason: str | None,
         lock_fd: int,
@@ -191,7 +205,7 @@ class Environment:
         """Run ``fn`` in one write transaction; grow the map on MapFullError; TierFull at the ceiling."""
         with self._wlock:
             self._check_open()
-            if self.durability == "fast" and not self._dirty:
+            if self.durability is Durability.FAST and not self._dirty:
                 # unsynced commits follow: say so on disk first (see the module docstring)
                 self._commit(
                     lambda txn: txn.put(_DIRTY, (boot_id() or "unknown").encode(), db=self.dbs["meta"])
@@ -283,7 +297,7 @@ def _lock(path: Path) -> int:
     return fd
 
 
-def _open_lmdb(path: Path, durability: str, map_size: int, max_dbs: int) -> lmdb.Environment:
+def _open_lmdb(path: Path, durability: Durability, map_size: int, max_dbs: int) -> lmdb.Environment:
     try:
         return lmdb.open(
             str(path),
@@ -308,15 +322,20 @@ def _open_lmdb(path: Path, durability: str, map_size: int, max_dbs: int) -> lmdb
         ) from None
 
 
-def open_environment(path: str | Path, *, durability: str, map_size: int, ceiling: int) -> Environment:
+def open_environment(
+    path: str | Path, *, durability: Durability | str, map_size: int, ceiling: int
+) -> Environment:
     """Lock ``path`` (a directory, created if missing), open or create the store, check its format.
 
     Raises StoreLocked when another process holds it, StoreFormatError when it
     holds another format version or something that is not a kvstore store,
     ConfigError for an unknown durability mode.
     """
-    if durability not in DURABILITY:
-        raise ConfigError(f"nvme durability {durability!r} is not one of {sorted(DURABILITY)}")
+    try:
+        durability = Durability(durability)
+    except ValueError:
+        choices = ", ".join(map(str, Durability))
+        raise ConfigError(f"nvme durability {durability!r} is not one of {choices}") from None
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any, cast
@@ -49,15 +50,15 @@ import lmdb
 import msgpack
 import torch
 
-from kvstore.codecs import Codec, decode_frame, read_header
+from kvstore.codecs import Codec, check_frame, decode_frame
 from kvstore.codecs.frame import Buffer
 from kvstore.errors import ConfigError, FrameError, KVStoreError
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
 from kvstore.record import BlockRecord
 from kvstore.tiers import lmdb_env
-from kvstore.tiers.base import Tier, TierFull, TierUsage
-from kvstore.tiers.lmdb_env import DEFAULT_DURABILITY
+from kvstore.tiers.base import Tier, TierFull, TierName, TierUsage
+from kvstore.tiers.lmdb_env import DEFAULT_DURABILITY, Durability
 from kvstore.tiers.nvme_format import (
     EntryDecoder,
     IndexColumns,
@@ -73,7 +74,6 @@ MIN_CAPACITY = 1 << 20
 DEFAULT_MAP_SIZE = 64 << 20
 _RECORD_GUESS = 512  # bytes of a records entry when can_put has only the block to go on
 _CHUNK = 4096  # records read per transaction while iterating
-_CODEC_AT = 5  # offset of the codec id in a frame (codecs/frame.py)
 _INDEX_CHUNK = 16384  # records read per transaction by iter_index_columns (~5 MB of entries)
 
 
@@ -84,7 +84,7 @@ class NvmeTier(Tier):
     when it holds another format version, ConfigError for bad parameters.
     """
 
-    name = "nvme"
+    name = TierName.NVME
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class NvmeTier(Tier):
         capacity_bytes: int,
         codec: Codec,
         *,
-        durability: str = DEFAULT_DURABILITY,
+        durability: Durability | str = DEFAULT_DURABILITY,
         map_size_initial: int = DEFAULT_MAP_SIZE,
         head_codec: Codec | None = None,
         head_blocks: int = 1,
@@ -124,7 +124,7 @@ class NvmeTier(Tier):
             path, durability=durability, ceiling=ceiling, map_size=min(map_size_initial, ceiling)
         )
         self.path = self._env.path
-        self.durability = durability
+        self.durability = self._env.durability
         self.created = self._env.created
         self.reset_reason = self._env.reset_reason
         self._psize = self._env.psize
@@ -223,9 +223,7 @@ class NvmeTier(Tier):
         """Store an already-encoded frame (checked first: FrameError if damaged) and ``record``, as it is:
         the caller chose its codec (``codec_for(position)`` gives the tier's choice). The store never
         hands nvme a ready frame; it re-encodes from the best copy through ``put``."""
-        header = read_header(frame)
-        if memoryview(frame).nbytes != header.frame_len:
-            raise FrameError(f"frame is {memoryview(frame).nbytes} bytes, its header says {header.frame_len}")
+        check_frame(frame)
         return self._put_frame(key, frame, record)
 
     def _put_frame(self, key: bytes, frame: Buffer, record: BlockRecord | None) -> int:
@@ -258,24 +256,13 @@ class NvmeTier(Tier):
 
         KeyError when absent, FrameError when the frame is damaged.
         """
-        codec, head = self.codec, self.head_codec
+        codecs = (self.codec,) if self.head_codec is None else (self.codec, self.head_codec)
 
         def decode(txn: lmdb.Transaction) -> torch.Tensor:
             frame = txn.get(key, db=self._blocks)
             if frame is None:
                 raise KeyError(key)
-            # frames are self-describing (parameters included): decode by the frame's codec id
-            if (
-                len(frame) > _CODEC_AT and frame[_CODEC_AT] == codec.codec_id
-            ):  # decode checks the whole header
-                return codec.decode(frame, device=device, out=out)
-            if head is not None and len(frame) > _CODEC_AT and frame[_CODEC_AT] == head.codec_id:
-                return head.decode(frame, device=device, out=out)
-            block = decode_frame(frame, device=device)
-            if out is not None:
-                KVLayout.of_block(block).check_tensor(out, what="nvme get's out")
-                out.copy_(block)
-            return block if out is None else out
+            return decode_frame(frame, device=device, out=out, codecs=codecs)
 
         return self._read(decode, buffers=True)
 
@@ -355,8 +342,8 @@ class NvmeTier(Tier):
     # -- records ----------------------------------------------------------------------
     def record(self, key: bytes) -> BlockRecord:
         """The stored record of ``key``. KeyError when absent (or stored without one), FrameError if damaged."""
-        value = self._read(lambda txn: txn.get(key, db=self._records))
-        rec = EntryDecoder().record(key, value) if value is not None else None
+        value = self._read(lambda txn: txn.get(key, db=self._records))  # bytes: buffers=False
+        rec = EntryDecoder().record(key, bytes(value)) if value is not None else None
         if rec is None:
             raise KeyError(key)
         return rec
@@ -427,7 +414,7 @@ class NvmeTier(Tier):
         decoder = EntryDecoder()
         after: bytes | None = None
         while True:
-            keys, values = self._read(lambda txn, after=after: self._columns(txn, after))  # type: ignore[misc]
+            keys, values = self._read(partial(self._columns, after=after))
             if not keys:
                 return
             cols = decoder.index_columns(keys, values)
@@ -461,7 +448,7 @@ class NvmeTier(Tier):
         """Every (key, records value), in chunks of _CHUNK per read transaction."""
         after: bytes | None = None
         while True:
-            chunk = self._read(lambda txn, after=after: self._chunk(txn, after))  # type: ignore[misc]
+            chunk = self._read(partial(self._chunk, after=after))
             yield from chunk
             if len(chunk) < _CHUNK:
                 return
@@ -518,9 +505,6 @@ class NvmeTier(Tier):
     def put_namespace(self, ns_id: str, ns: dict[str, Any]) -> None:
         """Store a namespace's description (``Namespace.to_dict()``) under its id."""
         self._put_map(self._namespaces, ns_id, ns, "namespace")
-
-    def drop_namespace(self, ns_id: str) -> bool:
-        return self._write(lambda txn: bool(txn.delete(ns_id.encode(), db=self._namespaces)))
 
     def iter_namespaces(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """(ns id, description) of every stored namespace (a snapshot)."""

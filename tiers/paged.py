@@ -1,6 +1,6 @@
-"""What the hbm and ram tiers share: entries in a PagePool, guarded while they are read.
+"""What the hbm and ram tiers share: slots in a PagePool, guarded while they are read.
 
-A tier keeps ``key -> entry`` (the entry's pages, its byte length and what
+A tier keeps ``key -> Slot`` (its pages, its byte length and what
 the tier needs to decode it). Reads take no lock while they copy: an entry
 counts its readers, and ``drop`` (or a replacing ``put``) unpublishes the
 entry at once but frees its pages only when the last reader is done, so a
@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
+from kvstore.layout import KVLayout
 from kvstore.tiers.base import Tier, TierFull, TierUsage
 from kvstore.tiers.pool import PagePool, PageSpan
 
 
 @dataclass
-class Entry:
+class Slot:
     """One stored entry: its pages, its length in bytes, and tier-specific ``meta``."""
 
     span: PageSpan
@@ -40,7 +41,7 @@ class PagedTier(Tier):
 
     def __init__(self, pool: PagePool) -> None:
         self._pool = pool
-        self._entries: dict[bytes, Entry] = {}
+        self._entries: dict[bytes, Slot] = {}
         self._lock = threading.Lock()
 
     @property
@@ -50,6 +51,10 @@ class PagedTier(Tier):
     @property
     def page_bytes(self) -> int:
         return self._pool.page_bytes
+
+    def block_cost(self, layout: KVLayout) -> int:
+        """A native block of ``layout`` rounded up to whole pages."""
+        return -(-layout.block_nbytes // self.page_bytes) * self.page_bytes
 
     # -- storing ------------------------------------------------------------------------
     def _store(self, key: bytes, data: torch.Tensor, meta: Any) -> int:
@@ -81,7 +86,7 @@ class PagedTier(Tier):
         with self._lock:
             if key in self._entries:
                 self._unpublish(key)
-            self._entries[key] = Entry(span=span, nbytes=n, meta=meta)
+            self._entries[key] = Slot(span=span, nbytes=n, meta=meta)
         return span.count * self.page_bytes
 
     def _unpublish(self, key: bytes) -> int:
@@ -93,7 +98,7 @@ class PagedTier(Tier):
         return entry.span.count * self.page_bytes
 
     @contextmanager
-    def _reading(self, key: bytes) -> Iterator[Entry]:
+    def _reading(self, key: bytes) -> Iterator[Slot]:
         """Hold ``key``'s entry (its pages stay allocated) for the duration. KeyError when absent."""
         with self._lock:
             entry = self._entries.get(key)

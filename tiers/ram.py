@@ -6,7 +6,8 @@ the frame (checksum, header, layout) and decodes it onto the requested
 device; a damaged frame raises FrameError and the store drops the key. When
 the frame's pages are contiguous (the usual case, see pool.py) it is checked
 and decoded in place, so the decode's own output is the only copy.
-``get_frame``/``put_frame`` move frames to and from nvme without re-encoding.
+``put_frame`` stores a frame the store encoded before taking its lock (a
+FrameTier, see base.py); ``get_frame`` hands out a copy, unchecked.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.codecs import Codec, decode_frame, read_header
+from kvstore.codecs import Codec, check_frame, decode_frame
 from kvstore.codecs.base import bytes_tensor
 from kvstore.codecs.frame import Buffer
-from kvstore.errors import FrameError
 from kvstore.layout import KVLayout
+from kvstore.tiers.base import FrameTier, TierName
 from kvstore.tiers.paged import PagedTier
 from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool
 
@@ -27,16 +28,15 @@ from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool
 @dataclass(frozen=True)
 class _FrameMeta:
     layout: KVLayout
-    codec_id: int
 
 
-class RamTier(PagedTier):
+class RamTier(PagedTier, FrameTier):
     """Codec frames in a host-RAM PagePool of ``capacity_bytes``.
 
     ``pin_memory``: page-lock the pool (None: when CUDA is present; never without CUDA).
     """
 
-    name = "ram"
+    name = TierName.RAM
 
     def __init__(
         self,
@@ -69,16 +69,12 @@ class RamTier(PagedTier):
         layout = KVLayout.of_block(block)
         with self._lock:
             self._frame_bytes[layout] = max(len(frame), self._frame_bytes.get(layout, 0))
-        return self._store(key, bytes_tensor(frame), _FrameMeta(layout=layout, codec_id=self.codec.codec_id))
+        return self._store(key, bytes_tensor(frame), _FrameMeta(layout=layout))
 
     def put_frame(self, key: bytes, frame: Buffer) -> int:
         """Store an already-encoded frame (any codec) after checking it; FrameError if it is damaged."""
-        header = read_header(frame)
-        if memoryview(frame).nbytes != header.frame_len:
-            raise FrameError(f"frame is {memoryview(frame).nbytes} bytes, its header says {header.frame_len}")
-        return self._store(
-            key, bytes_tensor(frame), _FrameMeta(layout=header.layout, codec_id=header.codec_id)
-        )
+        header = check_frame(frame)
+        return self._store(key, bytes_tensor(frame), _FrameMeta(layout=header.layout))
 
     def get(
         self, key: bytes, device: torch.device | str | None = None, *, out: torch.Tensor | None = None
@@ -92,13 +88,9 @@ class RamTier(PagedTier):
             if data is None:
                 data = self._pool.read(entry.span, entry.nbytes)
             meta: _FrameMeta = entry.meta
-            frame = memoryview(data.numpy())
-            if meta.codec_id == self.codec.codec_id:
-                return self.codec.decode(frame, layout=meta.layout, device=device, out=out)
-            if out is not None:
-                meta.layout.check_tensor(out, what="ram get's out")
-            block = decode_frame(frame, layout=meta.layout, device=device)
-            return block if out is None else out.copy_(block)
+            return decode_frame(
+                data.numpy().data, layout=meta.layout, device=device, out=out, codecs=(self.codec,)
+            )
 
     def get_frame(self, key: bytes) -> bytes:
         """A copy of the stored frame, unchecked (the receiver checks it). KeyError when absent."""
@@ -106,7 +98,7 @@ class RamTier(PagedTier):
             data = self._pool.view(entry.span, entry.nbytes)
             if data is None:
                 data = self._pool.read(entry.span, entry.nbytes)
-            return bytes(memoryview(data.numpy()))
+            return bytes(data.numpy().data)
 
     def layout(self, key: bytes) -> KVLayout:
         """The layout of the block under ``key`` (from its frame header at put time). KeyError when absent."""

@@ -42,9 +42,10 @@ from typing import IO, Any
 from kvstore.cli import display
 from kvstore.config import check_endpoint, ipc_socket_path, load_config, parse_duration, with_overrides
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.tiers.base import TierName
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-TIERS = ("hbm", "ram", "nvme")
+TIERS = tuple(t.value for t in TierName)
 PREFETCH_CHUNK = 16  # blocks per prefetch request: small enough for a smooth bar, big enough to stay cheap
 START_HINT = "start it with `kvstore serve` (or `./dev serve` in a checkout)"
 
@@ -236,7 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bar on a terminal; then the time taken, what moved and the rate.",
     )
     p.add_argument("--session", required=True, help="the session to warm up")
-    p.add_argument("--to", choices=("ram", "hbm"), default="ram", help="target tier (default ram)")
+    p.add_argument(
+        "--to",
+        choices=(TierName.RAM.value, TierName.HBM.value),
+        default=TierName.RAM.value,
+        help="target tier (default ram)",
+    )
     p.add_argument(
         "--chunk",
         type=_positive_int,

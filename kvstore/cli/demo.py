@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 from kvstore.errors import KVStoreError
+from kvstore.tiers.base import TierName
 
 if TYPE_CHECKING:
     from kvstore.integrations.models import LoadedModel
@@ -72,7 +73,7 @@ def document(max_tokens: int, tokenizer: Any) -> str:
 def tier_summary(tiers: Sequence[str]) -> str:
     """``["hbm", "hbm", "nvme"]`` -> ``"hbm x2, nvme x1"`` (in tier order)."""
     counts = Counter(tiers)
-    return ", ".join(f"{t} x{counts[t]}" for t in ("hbm", "ram", "nvme") if counts[t]) or "-"
+    return ", ".join(f"{t} x{counts[t]}" for t in map(str, TierName) if counts[t]) or "-"
 
 
 def run_demo(

@@ -19,7 +19,7 @@ from kvstore.daemon.tenancy import TenantOps
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter
-from kvstore.tiers.base import TierFull, TierIOError
+from kvstore.tiers.base import TierName
 from kvstore.wire.errors import ProtocolError
 from kvstore.wire.messages import (
     DataOk,
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.daemon.server")
 
-PREFETCH_TARGETS = ("ram", "hbm")
+PREFETCH_TARGETS = (TierName.RAM.value, TierName.HBM.value)  # nvme holds everything already
 # Pins held through the protocol at once, and the block references they hold in all (each costs the
 # store's pin table an entry): bounds what clients pinning in a loop can make the daemon keep.
 MAX_PINS = 4096
@@ -152,23 +152,18 @@ class Handlers:
         kv = payload_tensor(msg.kv, msg.shape, ns.layout.torch_dtype)
         end = msg.start_block + msg.shape[2] // ns.layout.block_tokens
         tokens = msg.tokens[: end * ns.layout.block_tokens]
-        try:
-            r = self.store.put(ns, tokens, kv, session=msg.session, start_block=msg.start_block)
-        except (TierFull, TierIOError) as e:  # a tier failed part way: name the blocks not held, and why
-            held = max(msg.start_block, self.store.lookup(ns, tokens).matched_blocks)
-            log.warning("put of blocks %d..%d failed from block %d: %s", msg.start_block, end - 1, held, e)
-            self.failed_blocks += end - held
-            return PutOk(
-                stored=0,
-                present=held - msg.start_block,
-                failed=[[i, e.code, str(e)] for i in range(held, end)],
+        r = self.store.put(ns, tokens, kv, session=msg.session, start_block=msg.start_block)
+        if r.failed:
+            log.warning(
+                "put of blocks %d..%d failed from block %d: %s",
+                msg.start_block,
+                end - 1,
+                r.failed[0].block,
+                r.failed[0].message,
             )
         self.failed_blocks += len(r.failed)
         return PutOk(
-            stored=r.stored,
-            present=r.present,
-            failed=[list(f) for f in r.failed],
-            deferred=getattr(r, "deferred", 0),
+            stored=r.stored, present=r.present, failed=[list(f) for f in r.failed], deferred=r.deferred
         )
 
     def _evict(self, msg: Evict, ns: Namespace | None) -> Message:

@@ -13,6 +13,18 @@
 
 from __future__ import annotations
 
-from kvstore.store.engine import Store
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.store.engine import Store
 
 __all__ = ["Store"]
+
+
+def __getattr__(name: str) -> Any:
+    # imported on first use: config reads Admission (writer.py) without loading the engine and torch
+    if name == "Store":
+        from kvstore.store.engine import Store
+
+        return Store
+    raise AttributeError(f"module 'kvstore.store' has no attribute {name!r}")

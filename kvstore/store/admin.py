@@ -1,4 +1,4 @@
-"""Operator operations of the store: evict, prefetch, sessions.
+"""Operator operations of the store: evict, prefetch, sessions, stats.
 
 ::
 
@@ -8,18 +8,14 @@
     prefetch(session, to)    copy the session's chain up into tier ``to`` (reads outside the lock);
                              start_block/max_blocks: one slice of the chain, for chunked progress
 
-A mixin of Store (store.py), over the Background mixin: it uses the store's
-lock, index, tiers and mover. Also here: stats and check_integrity.
-Pinned blocks are never evicted, not even on request; they are left out.
+Also here: sessions, stats and check_integrity. Pinned blocks are never
+evicted, not even on request; they are left out.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from kvstore.keys import Namespace
 from kvstore.results import (
     BlockInfo,
     EvictFilter,
@@ -32,28 +28,39 @@ from kvstore.results import (
     StoreStats,
     TierStats,
 )
-from kvstore.store.background import Background
-from kvstore.store.index import TIER_MASK, BlockIndex, Entry
-from kvstore.store.movement import Mover
-from kvstore.store.pins import PinTable
-from kvstore.store.sessions import SessionState, SessionTable
-from kvstore.tiers.base import Tier
+from kvstore.store.datapath import DataPath
+from kvstore.store.index import TIER_MASK, Entry
+from kvstore.store.journal import Journal
+from kvstore.store.movement import NO_FRAMES, Frames, Mover
+from kvstore.store.parts import StoreParts
+from kvstore.store.sessions import SessionState
+from kvstore.store.writeback import WriteBack
 
 
-class AdminOps(Background):
-    _lock: Any
-    _clock: Any
-    _index: BlockIndex
-    _tiers: list[Tier]
-    _names: list[str]
-    _mover: Mover
-    _pins: PinTable
-    _sessions: SessionTable
-    _namespaces: dict[str, Namespace]
-    _lease: float
+class AdminOps:
+    """Evict, prefetch, sessions, stats and the integrity check over one store's parts.
 
-    _read: Any  # Store._read: decode a block from its best copy, outside the lock
-    _needs_record: Any
+    Every method takes ``lock`` itself. ``writeback`` is None without nvme.
+    """
+
+    def __init__(
+        self,
+        parts: StoreParts,
+        mover: Mover,
+        data: DataPath,
+        journal: Journal,
+        writeback: WriteBack | None,
+        *,
+        lease: float,
+    ) -> None:
+        self._lock, self._clock, self._tiers, self._index = parts.lock, parts.clock, parts.tiers, parts.index
+        self._pins, self._sessions, self._namespaces = parts.pins, parts.sessions, parts.namespaces
+        self._counts = parts.counts
+        self._mover = mover
+        self._data = data
+        self._journal = journal
+        self._writeback = writeback
+        self._lease = lease
 
     def evict(self, flt: EvictFilter, *, dry_run: bool = False) -> EvictResult:
         """Drop (or, with ``flt.tier``, move down) the blocks ``flt`` selects, descendants included.
@@ -67,14 +74,13 @@ class AdminOps(Background):
                 "the filter selects nothing; give session, older_than, tier, namespace, "
                 "model or tenant, or all=True to evict everything"
             )
-        if flt.tier is not None and flt.tier not in self._names:
-            raise InvalidFilter(f"unknown tier {flt.tier!r}; tiers are {', '.join(self._names)}")
-        t = None if flt.tier is None else self._names.index(flt.tier)
+        if flt.tier is not None and flt.tier not in self._tiers.names:
+            raise InvalidFilter(f"unknown tier {flt.tier!r}; tiers are {', '.join(self._tiers.names)}")
+        t = None if flt.tier is None else self._tiers.names.index(flt.tier)
         with self._lock:
-            self._check_open()
             now = self._clock()
             chosen = [e for e in self._index.entries() if self._selected(e, flt, t, now)]
-            freed = dict.fromkeys(self._names, 0)
+            freed = dict.fromkeys(self._tiers.names, 0)
             keys: list[bytes] = []
             moved = 0
             seen: set[bytes] = set()
@@ -92,12 +98,12 @@ class AdminOps(Background):
                             seen.add(d.key)
                             keys.append(d.key)
                             for dt in d.tier_list():
-                                freed[self._names[dt]] += self._tiers[dt].nbytes(d.key)
+                                freed[self._tiers.names[dt]] += self._tiers[dt].nbytes(d.key)
                 else:
                     assert t is not None
                     seen.add(e.key)
                     keys.append(e.key)
-                    freed[self._names[t]] += self._tiers[t].nbytes(e.key)
+                    freed[self._tiers.names[t]] += self._tiers[t].nbytes(e.key)
                     moved += not e.tiers & TIER_MASK & ~(1 << t)
                 plan.append((e, drops_all))
             if not dry_run:
@@ -110,7 +116,7 @@ class AdminOps(Background):
                         assert t is not None
                         self._mover.evict_from(t, e)
                 if flt.session is not None and t is None and self._sessions.remove(flt.session):
-                    self._forget_session(flt.session)
+                    self._journal.forget_session(flt.session)
         return EvictResult(
             blocks=len(keys),
             bytes_freed={k: v for k, v in freed.items() if v},
@@ -133,14 +139,13 @@ class AdminOps(Background):
         can be used). KeyError when the session is unknown; InvalidRequest for
         an unknown tier or a negative start_block/max_blocks.
         """
-        if to not in self._names:
-            raise InvalidRequest(f"unknown tier {to!r}; tiers are {', '.join(self._names)}")
+        if to not in self._tiers.names:
+            raise InvalidRequest(f"unknown tier {to!r}; tiers are {', '.join(self._tiers.names)}")
         for name, v in (("start_block", start_block), ("max_blocks", max_blocks)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise InvalidRequest(f"prefetch {name} must be a non-negative integer, got {v!r}")
-        target = self._names.index(to)
+        target = self._tiers.names.index(to)
         with self._lock:
-            self._check_open()
             s = self._sessions.get(session)
             if s is None:
                 raise KeyError(f"unknown session {session!r}")
@@ -159,27 +164,22 @@ class AdminOps(Background):
                 if up:
                     present += 1
                     continue
-                got = None if gone else self._read(e, torch.device("cpu"))
+                got = None if gone else self._data.read(e, torch.device("cpu"))
                 if got is None:
                     failed += 1
                     broken = True
                     break  # the chain is broken here: nothing after it can be used
                 block, t = got
-                frames = {}
-                if t > target and self._mover.frame_tier(target):  # encoded before taking the lock
-                    frames[e.key] = (target, self._tiers[target].codec.encode(block))  # type: ignore[attr-defined]
+                frame = self._data.encode_for(target, block) if t > target else None  # before the lock
+                ready: Frames = {e.key: (target, frame)} if frame is not None else NO_FRAMES
                 with self._lock:
-                    self._mover.prepared = frames
-                    try:
-                        if t <= target:
-                            present += 1
-                        elif self._mover.promote(e, block, target, t):
-                            moved += 1
-                            moved_bytes += self._tiers[target].nbytes(e.key)
-                        else:
-                            failed += 1
-                    finally:
-                        self._mover.prepared = {}
+                    if t <= target:
+                        present += 1
+                    elif self._mover.promote(e, block, target, t, ready):
+                        moved += 1
+                        moved_bytes += self._tiers[target].nbytes(e.key)
+                    else:
+                        failed += 1
         finally:
             with self._lock:
                 self._pins.release(handle)
@@ -211,7 +211,7 @@ class AdminOps(Background):
                 BlockInfo(
                     position=i,
                     key=e.key.hex(),
-                    tiers=[self._names[t] for t in e.tier_list()],
+                    tiers=[self._tiers.names[t] for t in e.tier_list()],
                     last_access=e.last_access,
                 )
                 for i, e in enumerate(chain)
@@ -223,8 +223,8 @@ class AdminOps(Background):
             tiers = {}
             for t, tier in enumerate(self._tiers):
                 u, c = tier.usage(), self._mover.counters[t]
-                tiers[tier.name] = TierStats(
-                    tier.name,
+                tiers[self._tiers.names[t]] = TierStats(
+                    self._tiers.names[t],
                     u.blocks,
                     u.used_bytes,
                     u.capacity_bytes,
@@ -241,29 +241,29 @@ class AdminOps(Background):
                 sessions=len(self._sessions),
                 namespaces=len(self._namespaces),
                 pinned=self._pins.pinned_keys(),
-                write_queue=self._writer.depth() if self._writer else 0,
-                write_deferred=len(self._deferred),
-                written=self._counts["written"],
-                expired=self._counts["expired"],
-                lookups=self._counts["lookups"],
-                tokens_asked=self._counts["tokens_asked"],
-                tokens_matched=self._counts["tokens_matched"],
-                tokens_served=self._counts["tokens_served"],
-                write_failures=self._counts["write_failures"],
+                write_queue=self._writeback.depth() if self._writeback else 0,
+                write_deferred=len(self._writeback.deferred) if self._writeback else 0,
+                written=self._counts.written,
+                expired=self._counts.expired,
+                lookups=self._counts.lookups,
+                tokens_asked=self._counts.tokens_asked,
+                tokens_matched=self._counts.tokens_matched,
+                tokens_served=self._counts.tokens_served,
+                write_failures=self._counts.write_failures,
             )
 
     def check_integrity(self) -> list[str]:
         """Every broken invariant (orphans, index/tier disagreement, capacity overrun); empty when sound."""
         with self._lock:
             keys = [set(t.keys()) for t in self._tiers]
-            if self._nvme_t is not None:
+            if self._tiers.nvme_t is not None and self._writeback is not None:
                 # a block the writer is writing may be on nvme a moment before the index says so
-                for k in self._writing:
+                for k in self._writeback.writing:
                     e = self._index.get(k)
-                    keys[self._nvme_t].discard(k)
-                    if e is not None and e.tiers & (1 << self._nvme_t):
-                        keys[self._nvme_t].add(k)
-            problems = self._index.check(keys, self._names, self._needs_record)
+                    keys[self._tiers.nvme_t].discard(k)
+                    if e is not None and e.tiers & (1 << self._tiers.nvme_t):
+                        keys[self._tiers.nvme_t].add(k)
+            problems = self._index.check(keys, self._tiers.names, self._needs_record)
             for tier in self._tiers:
                 u = tier.usage()
                 if u.used_bytes > u.capacity_bytes:
@@ -291,10 +291,10 @@ class AdminOps(Background):
     def _session_info(self, s: SessionState) -> tuple[SessionInfo, list[Entry]]:
         tail = self._index.get(s.tail) if s.tail is not None else None
         chain = self._index.chain(tail) if tail is not None else []
-        per_tier = dict.fromkeys(self._names, 0)
+        per_tier = dict.fromkeys(self._tiers.names, 0)
         for e in chain:
             for t in e.tier_list():
-                per_tier[self._names[t]] += 1
+                per_tier[self._tiers.names[t]] += 1
         ns = self._namespaces.get(s.namespace)
         info = SessionInfo(
             name=s.name,
@@ -308,3 +308,7 @@ class AdminOps(Background):
             last_access=s.last_access,
         )
         return info, chain
+
+    def _needs_record(self, e: Entry) -> bool:
+        t = self._tiers.nvme_t
+        return t is not None and not e.tiers & (1 << t)

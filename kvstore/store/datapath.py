@@ -1,102 +1,123 @@
-"""The store's data-path helpers: placing a new block, reading a block, after a get, frames made ahead.
+"""The store's data path below the index: placing a new block, reading one, what a hit changes.
 
 ::
 
-    _store_new(e, block)      new block -> the uppermost tier that can make room (lock held)
-    _read(e, device, out)     decode from the uppermost good copy into out; a bad copy is deleted (no lock held)
-    _after_get(read)          hit/miss counts, touch, admission on second use, promotions (lock held)
-    _prepare_demotions(keys)  ram frames of the hbm blocks a put will likely push down (no lock held)
-    _prepare_promotions(read) ram frames of the blocks a get will promote from nvme (no lock held)
+    store_new(e, block)       new block -> the uppermost tier that can make room (lock held)
+    read(e, device, out)      decode from the uppermost good copy into out; a bad copy is deleted (no lock)
+    after_get(read)           hit/miss counts, touch, admission on second use, promotions (lock held)
+    prepare_demotions(keys)   ram frames of the hbm blocks a put will likely push down (no lock)
+    prepare_promotions(read)  ram frames of the blocks a get will promote from below (no lock)
 
-A mixin of Store (store.py).
+The ``prepare_*`` methods do codec work before the lock is taken; what they
+return is handed to the locked step as its ``ready`` frames (see movement.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
+from kvstore.codecs.frame import Buffer
 from kvstore.errors import FrameError, KVStoreError
 from kvstore.keys import Namespace
-from kvstore.store.index import SEEN, TIER_MASK, BlockIndex, Entry
-from kvstore.store.movement import Mover
-from kvstore.store.writer import WriteThrough
-from kvstore.tiers.base import Tier, TierFull, TierIOError
+from kvstore.store.counts import TierCounters
+from kvstore.store.index import SEEN, TIER_MASK, Entry
+from kvstore.store.movement import NO_FRAMES, Frames, Mover
+from kvstore.store.parts import StoreParts
+from kvstore.tiers.base import TierFull, TierIOError
+
+Read = tuple[Entry, torch.Tensor, int]  # a block read: its entry, the tensor, the tier it came from
 
 
 class DataPath:
-    _lock: Any
-    _clock: Any
-    _closed: bool
-    _index: BlockIndex
-    _tiers: list[Tier]
-    _nvme_t: int | None
-    _mover: Mover
-    _writer: WriteThrough | None
-    _deferred: dict[bytes, None]
-    _promote: bool
-    _admit: str
-    _write_through: bool
-    _touch: Any
-    _needs_record: Any
+    """Block placement and reads over one index; ``touch(e, now)`` marks a block used (lock held),
+    ``admit(keys)`` queues blocks for nvme on their second use (lock held)."""
 
-    def _prepare_promotions(
-        self, read: list[tuple[Entry, torch.Tensor, int]]
-    ) -> dict[bytes, tuple[int, bytes | bytearray]]:
+    def __init__(
+        self,
+        parts: StoreParts,
+        mover: Mover,
+        touch: Callable[[Entry, float], None],
+        admit: Callable[[list[bytes]], None] | None,
+        *,
+        promote: bool,
+    ) -> None:
+        """``admit``: None unless nvme admits blocks on second use only."""
+        self._lock, self._tiers, self._index = parts.lock, parts.tiers, parts.index
+        self._mover = mover
+        self._touch = touch
+        self._admit = admit
+        self._promote = promote
+
+    @property
+    def counters(self) -> list[TierCounters]:
+        return self._mover.counters
+
+    def prepare_promotions(self, read: list[Read]) -> Frames:
         """Encode, before the lock is taken, the frames of blocks a get will promote into a frame tier."""
-        frames: dict[bytes, tuple[int, bytes | bytearray]] = {}
+        frames: dict[bytes, tuple[int, Buffer]] = {}
         if not self._promote:
             return frames
         for e, block, t in read:
-            if t > 0 and e.highest() == t and self._mover.frame_tier(t - 1):
-                try:
-                    frames[e.key] = (t - 1, self._tiers[t - 1].codec.encode(block))  # type: ignore[attr-defined]
-                except KVStoreError:
-                    continue
+            if t > 0 and e.highest() == t:
+                got = self.encode_for(t - 1, block)
+                if got is not None:
+                    frames[e.key] = (t - 1, got)
         return frames
 
-    def _prepare_demotions(
-        self, ns: Namespace, keys: list[bytes]
-    ) -> dict[bytes, tuple[int, bytes | bytearray]]:
+    def encode_for(self, t: int, block: torch.Tensor) -> Buffer | None:
+        """(No lock.) ``block`` encoded for frame tier ``t``; None when ``t`` takes no frames or the
+        block does not encode (the locked path then handles it)."""
+        tier = self._tiers.frames(t)
+        if tier is None:
+            return None
+        try:
+            return tier.codec.encode(block)
+        except KVStoreError:
+            return None
+
+    def prepare_demotions(self, ns: Namespace, keys: list[bytes]) -> Frames:
         """Encode, before the lock is taken, the ram frames of the hbm blocks that storing the new
         blocks among ``keys`` will most likely push down (a guess: a wrong one costs only time)."""
-        if len(self._tiers) < 2 or not self._mover.frame_tier(1):
-            return {}
-        hbm, ram = self._tiers[0], self._tiers[1]
-        page = int(getattr(hbm, "page_bytes", 1))
-        cost = -(-ns.layout.block_nbytes // page) * page
+        if len(self._tiers) < 2 or self._tiers.frames(1) is None:
+            return NO_FRAMES
+        hbm = self._tiers[0]
         with self._lock:
-            if self._closed:
-                return {}
+            cost = max(1, hbm.block_cost(ns.layout))
             room = sum(1 for k in keys if k not in self._index) - hbm.usage().free_bytes // cost
             victims = [e.key for e in self._mover.predict_victims(0, room)] if room > 0 else []
-        frames: dict[bytes, tuple[int, bytes | bytearray]] = {}
+        frames: dict[bytes, tuple[int, Buffer]] = {}
         for k in victims:
             try:
-                frames[k] = (1, ram.codec.encode(hbm.get(k)))  # type: ignore[attr-defined]
+                frame = self.encode_for(1, hbm.get(k))
             except (KeyError, KVStoreError):
                 continue  # gone meanwhile, or damaged: the locked path handles it
+            if frame is not None:
+                frames[k] = (1, frame)
         return frames
 
-    def _store_new(self, e: Entry, block: torch.Tensor) -> bool:
-        """Put a new block into the uppermost tier that can make room; index it there."""
+    def store_new(self, e: Entry, block: torch.Tensor, ready: Frames = NO_FRAMES) -> bool:
+        """(Lock held.) Put a new block into the uppermost tier that can make room; index it there.
+        False when every tier is full of pinned blocks (or ``e``'s parent went while room was made);
+        nothing is indexed then. Tier failures are not raised: the next tier down is tried."""
         p = e.parent
         if p is not None:
             self._mover.busy.add(p.key)  # its own descendants-to-be must not push it out
         try:
             for t, tier in enumerate(self._tiers):
-                if not self._mover.make_room(t, block, position=self._mover.position(e)):
+                if not self._mover.make_room(t, block, position=self._mover.position(e), ready=ready):
                     continue
                 if p is not None and self._index.get(p.key) is not p:
                     return False
+                nvme = self._tiers.nvme
                 try:
-                    if t == self._nvme_t:
-                        tier.put(e.key, block, self._mover.record(e))  # type: ignore[call-arg]
+                    if t == self._tiers.nvme_t and nvme is not None:
+                        nvme.put(e.key, block, self._mover.record(e))
                         e.pending = None
                     else:
                         tier.put(e.key, block)
-                except (TierFull, TierIOError):
+                except (TierFull, TierIOError, KVStoreError):
                     continue
                 self._index.add(e, t)
                 return True
@@ -105,11 +126,11 @@ class DataPath:
             if p is not None:
                 self._mover.busy.discard(p.key)
 
-    def _read(
+    def read(
         self, e: Entry, device: torch.device, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int] | None:
-        """Decode ``e`` from its uppermost good copy (no lock held), into ``out`` if given (then the
-        tensor returned is ``out``). None: it is gone or every copy was bad."""
+        """(No lock held.) Decode ``e`` from its uppermost good copy, into ``out`` if given (then the
+        tensor returned is ``out``). None: it is gone or every copy was bad (those were deleted)."""
         while True:
             with self._lock:
                 t = e.highest() if self._index.get(e.key) is e else -1
@@ -124,29 +145,31 @@ class DataPath:
                 with self._lock:
                     self._mover.corrupt(e, t, damaged=False)  # the index said it was there: a lost copy
 
-    def _after_get(self, read: list[tuple[Entry, torch.Tensor, int]], missed: bool) -> None:
-        now = self._clock()
+    def after_get(self, read: list[Read], missed: bool, now: float, ready: Frames = NO_FRAMES) -> None:
+        """(Lock held.) Count hits and misses, touch what was read, admit on second use, promote."""
+        counters = self._mover.counters
         admit: list[bytes] = []
         for e, _block, t in read:
-            counters = self._mover.counters
             counters[t].hits += 1
             for above in range(t):
                 counters[above].misses += 1
             if self._index.get(e.key) is not e:
                 continue
             self._touch(e, now)
-            if self._admit == "second_use" and self._write_through and self._needs_record(e):
+            if self._admit is not None and self._needs_record(e):
                 if e.tiers & SEEN:
                     admit.append(e.key)
                 e.tiers |= SEEN
         if missed:
-            for c in self._mover.counters:
+            for c in counters:
                 c.misses += 1
         if self._promote:
             for e, block, t in read:
                 if t > 0 and e.tiers & TIER_MASK and e.highest() == t:
-                    self._mover.promote(e, block, t - 1, t)
-        if admit and self._writer is not None:
-            self._deferred.update(
-                dict.fromkeys(admit)
-            )  # queued from the writer's next tick: never block a get
+                    self._mover.promote(e, block, t - 1, t, ready)
+        if admit and self._admit is not None:
+            self._admit(admit)  # queued from the writer's next tick: never block a get
+
+    def _needs_record(self, e: Entry) -> bool:
+        t = self._tiers.nvme_t
+        return t is not None and not e.tiers & (1 << t)

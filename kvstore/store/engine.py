@@ -1,4 +1,4 @@
-"""The store engine: an index over three tiers, what the daemon's workers call.
+"""The store engine: an index over the tiers, composed of the parts that move, write and report.
 
 ::
 
@@ -12,15 +12,21 @@
     get(ns, tokens)      pin the chain (lease) -> read + decode each block (no lock) -> encode
                          frames for promotion (no lock) -> touch, promote one tier up, unpin (lock)
 
-One RLock guards the index and what each tier holds. Hashing (but for the
-lazy walks of lookup and get: under a microsecond a block), layout checks,
-get()'s reads and decodes, the ram frames of demotions and promotions (encoded
-ahead, see ``Mover.prepared``), and the write-through's int4 encode and LMDB
-put run outside it. Under it run memory copies into hbm, LMDB deletes, and
-the encodes of demotions that were not foreseen (ram -> nvme with write-through
-off, or a wrong guess). Operator operations (evict, prefetch, sessions, stats)
-are in admin.py; the writer thread's work (write-through, TTL, record updates,
-flush, close) in background.py.
+    Store ─┬─ TierSet      hbm, ram, nvme                  (tierset.py)
+           ├─ BlockIndex   blocks, prefix tree, LRU        (index.py)
+           ├─ Mover        room, demotion, promotion       (movement.py)
+           ├─ DataPath     placing and reading blocks      (datapath.py)
+           ├─ WriteBack    write-through, TTL, flush       (writeback.py, writer.py; with nvme)
+           ├─ AdminOps     evict, prefetch, stats          (admin.py)
+           └─ PinTable, SessionTable, NamespaceTable, Journal
+
+One RLock, shared by the parts, guards the index and what each tier holds.
+Hashing (but for the lazy walks of lookup and get: under a microsecond a
+block), layout checks, get()'s reads and decodes, the ram frames of demotions
+and promotions (encoded ahead: the ``ready`` frames of movement.py), and the
+write-through's int4 encode and LMDB put run outside it. Under it run memory
+copies into hbm, LMDB deletes, and the encodes of demotions that were not
+foreseen (ram -> nvme with write-through off, or a wrong guess).
 """
 
 from __future__ import annotations
@@ -28,39 +34,54 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from kvstore.errors import LayoutError
+from kvstore.errors import KVStoreError, LayoutError
 from kvstore.keys import Namespace, as_tokens, block_keys, iter_block_keys
 from kvstore.results import (
     MISSING_PARENT,
     NO_ROOM,
+    EvictFilter,
+    EvictResult,
+    FailedBlock,
     GetResult,
     InvalidRequest,
     LookupResult,
+    PrefetchResult,
     PutResult,
+    SessionDetail,
+    SessionInfo,
     StoreClosed,
+    StoreStats,
 )
 from kvstore.store.admin import AdminOps
-from kvstore.store.datapath import DataPath
+from kvstore.store.counts import StoreCounts
+from kvstore.store.datapath import DataPath, Read
 from kvstore.store.index import BlockIndex, Entry
-from kvstore.store.movement import Mover
+from kvstore.store.journal import Journal
+from kvstore.store.movement import Frames, Mover
+from kvstore.store.namespaces import NamespaceTable
+from kvstore.store.parts import StoreParts
 from kvstore.store.pins import PinHandle, PinTable
 from kvstore.store.restore import restore
 from kvstore.store.sessions import SessionState, SessionTable
-from kvstore.store.writer import WriteThrough
+from kvstore.store.tierset import TierSet
+from kvstore.store.writeback import WriteBack
+from kvstore.store.writer import Admission, WriteThrough
 from kvstore.tiers.base import Tier
+from kvstore.tiers.nvme import NvmeTier
 
 if TYPE_CHECKING:
     from kvstore.config import Config, PolicyConfig
 
 
-class Store(AdminOps, DataPath):
+class Store:
     """Blocks of K/V cache in hbm, ram and nvme tiers. Thread-safe: every public method may be
     called from several threads at once."""
 
@@ -68,72 +89,65 @@ class Store(AdminOps, DataPath):
         self,
         hbm: Tier,
         ram: Tier | None,
-        nvme: Any = None,
+        nvme: NvmeTier | None = None,
         policy: PolicyConfig | None = None,
         *,
         write_through: bool = True,
-        admit: str = "always",
+        admit: Admission | str = Admission.ALWAYS,
         ttl: float = 7 * 86400.0,
-        clock: Any = time.time,
+        clock: Callable[[], float] = time.time,
         tick: float = 1.0,
         backpressure: float = 2.0,
     ) -> None:
-        """``nvme``: an NvmeTier or None. On an nvme path that already holds blocks, the index,
-        namespaces and sessions are rebuilt from it. ``admit``: "always" or "second_use" (written
-        to nvme on a block's second hit, or when demoted). ``backpressure``: the longest a put
-        waits for room in the write-through queue (see writer.py)."""
-        if admit not in ("always", "second_use"):
-            raise InvalidRequest(f"admit must be 'always' or 'second_use', got {admit!r}")
+        """On an nvme path that already holds blocks, the index, namespaces and sessions are
+        rebuilt from it. ``admit``: see Admission. ``backpressure``: the longest a put waits for
+        room in the write-through queue (see writer.py)."""
+        try:
+            self._admit = Admission(admit)
+        except ValueError:
+            raise InvalidRequest(f"admit must be 'always' or 'second_use', got {admit!r}") from None
         self._lease = 30.0 if policy is None else policy.pin_lease
-        self._promote = True if policy is None else policy.promote_on_hit
-        self._tiers: list[Tier] = [t for t in (hbm, ram, nvme) if t is not None]
-        self._names = [t.name for t in self._tiers]
-        self._nvme = nvme
-        self._nvme_t: int | None = len(self._tiers) - 1 if nvme is not None else None
         self._lock = threading.RLock()
         self._clock = clock
-        self._index = BlockIndex(len(self._tiers))
+        self._closed = False
+        self.tiers = TierSet(hbm, ram, nvme)
+        self._index = BlockIndex(len(self.tiers))
         self._pins = PinTable(clock)
         self._sessions = SessionTable()
-        self._namespaces: dict[str, Namespace] = {}
-        self._roots: dict[str, bytes] = {}
-        self._tags: dict[tuple[str, ...], tuple[str, ...]] = {(): ()}
-        self._mover = Mover(
-            self._tiers,
-            self._nvme_t,
+        self._namespaces = NamespaceTable()
+        self._counts = StoreCounts()
+        parts = StoreParts(
+            self._lock,
+            clock,
+            self.tiers,
             self._index,
             self._pins,
             self._sessions,
             self._namespaces,
-            self._roots,
-            self._persist_session,
+            self._counts,
         )
+        self._tags: dict[tuple[str, ...], tuple[str, ...]] = {(): ()}
+        queue = 1024 if policy is None else policy.write_queue
+        writer = None if nvme is None else WriteThrough(maxsize=queue, tick=tick)
+        self._journal = Journal(writer, nvme)
+        self._mover = Mover(parts, self._journal.session)
         self._write_through = write_through and nvme is not None
-        self._admit = admit
-        self._ttl = ttl
-        self._backpressure = backpressure
-        self._deferred: dict[bytes, None] = {}
-        self._dirty: set[bytes] = set()
-        self._writing: set[bytes] = set()
-        self._counts = {
-            "lookups": 0,
-            "tokens_asked": 0,
-            "tokens_matched": 0,
-            "tokens_served": 0,
-            "written": 0,
-            "expired": 0,
-            "write_failures": 0,
-        }
-        self._closed = False
-        self._writer: WriteThrough | None = None
-        if nvme is not None:
-            report = restore(self._index, nvme, self._nvme_t or 0, self._namespaces, self._roots)
-            self._mover.counters[self._nvme_t or 0].corrupt += report.damaged
+        self._writeback: WriteBack | None = None
+        if nvme is not None and writer is not None:
+            report = restore(self._index, nvme, self.tiers.last, self._namespaces)
+            self._mover.counters[self.tiers.last].corrupt += report.damaged
             for name, d in nvme.iter_sessions():
                 self._sessions.set(self._restored_session(SessionState.from_dict(name, d)))
-            self._writer = WriteThrough(
-                self._write_one, self._idle, maxsize=1024 if policy is None else policy.write_queue, tick=tick
-            )
+            self._writeback = WriteBack(parts, self._mover, nvme, writer, ttl=ttl, backpressure=backpressure)
+        admit_later = self._writeback.defer if self._writeback is not None else None
+        second_use = self._write_through and self._admit is Admission.SECOND_USE
+        promote = True if policy is None else policy.promote_on_hit
+        self._data = DataPath(
+            parts, self._mover, self._touch, admit_later if second_use else None, promote=promote
+        )
+        self._admin = AdminOps(
+            parts, self._mover, self._data, self._journal, self._writeback, lease=self._lease
+        )
 
     @classmethod
     def from_config(cls, config: Config) -> Store:
@@ -152,8 +166,6 @@ class Store(AdminOps, DataPath):
         )
         nvme = None
         if config.nvme.enabled:
-            from kvstore.tiers.nvme import NvmeTier
-
             n = config.nvme
             codec, head = n.codecs()
             nvme = NvmeTier(
@@ -185,6 +197,8 @@ class Store(AdminOps, DataPath):
         ``kv``). Blocks already held are not rewritten: their access time and
         session tags update. When block ``start_block - 1`` is not held, the
         blocks are refused (``missing_parent``) rather than stored as orphans.
+        A block a tier fails to take is reported in ``failed`` with those after
+        it; the blocks before it stay stored and queued for nvme.
         Raises LayoutError / InvalidTokens / InvalidRequest for malformed input.
         """
         T = ns.layout.block_tokens
@@ -199,85 +213,30 @@ class Store(AdminOps, DataPath):
                 f"kv holds {kv.shape[2]} tokens for blocks from {start}, but tokens has only "
                 f"{len(arr) // T} full blocks ({len(arr)} ids): pass the whole prefix as tokens"
             )
-        keys = block_keys(ns, arr[: (start + n) * T])
-        raw = arr.tobytes()
-        stored = present = deferred = 0
-        failed: list[tuple[int, str, str]] = []
-        last, tail = start - 1, keys[start - 1] if start > 0 else None
-        hold: PinHandle | None = None  # keeps the chunk's last block in place for the next chunk
+        job = _PutJob(
+            ns, block_keys(ns, arr[: (start + n) * T]), arr.tobytes(), kv, start, start + n, session
+        )
+        hold: PinHandle | None = None  # keeps the last chunk's last block in place for the next chunk
         try:
-            # Chunks bound how long the lock is held; each chunk's demotion frames are encoded before it.
-            for c0 in range(start, start + n, _CHUNK):
-                c1 = min(c0 + _CHUNK, start + n)
-                frames = self._prepare_demotions(ns, keys[c0:c1])
-                new: list[bytes] = []
+            for c0 in range(start, job.end, _CHUNK):  # chunks bound how long the lock is held
+                c1 = min(c0 + _CHUNK, job.end)
+                ready = self._data.prepare_demotions(ns, job.keys[c0:c1])  # codec work: before the lock
                 with self._lock:
                     self._check_open()
-                    now = self._clock()
-                    self._register(ns)
-                    parent = self._index.get(tail) if tail is not None else None
-                    if tail is not None and parent is None:
-                        failed = [
-                            (
-                                i,
-                                MISSING_PARENT,
-                                f"block {c0 - 1} before block {c0} is not stored; put from "
-                                f"block 0 (or the first missing block) instead",
-                            )
-                            for i in range(c0, start + n)
-                        ]
-                        break
-                    self._mover.prepared = frames
-                    try:
-                        for i in range(c0, c1):
-                            e = self._index.get(keys[i])
-                            if e is not None:
-                                self._touch(e, now, session)
-                                present += 1
-                            else:
-                                e = Entry(
-                                    keys[i],
-                                    parent,
-                                    ns.id,
-                                    self._tag((), session),
-                                    now,
-                                    now,
-                                    (i, raw[i * T * 4 : (i + 1) * T * 4]) if self._nvme is not None else None,
-                                )
-                                if not self._store_new(e, kv[:, :, (i - start) * T : (i - start + 1) * T]):
-                                    failed = [
-                                        (
-                                            k,
-                                            NO_ROOM,
-                                            "every tier is full of pinned blocks; retry when reads finish",
-                                        )
-                                        for k in range(i, start + n)
-                                    ]
-                                    break
-                                stored += 1
-                                new.append(e.key)
-                            parent, last, tail = e, i, e.key
-                    finally:
-                        self._mover.prepared = {}
+                    new = self._put_chunk(job, c0, c1, ready)
                     if hold is not None:
                         self._pins.release(hold)
-                    hold = (
-                        self._pins.pin([tail], self._lease) if tail is not None and c1 < start + n else None
-                    )
-                    if session is not None and last >= start and (failed or c1 == start + n):
-                        assert tail is not None
-                        self._persist_session(
-                            self._sessions.record_put(session, ns.id, tail, (last + 1) * T, now)
-                        )
-                if self._write_through and self._admit == "always":
-                    deferred += len(self._submit(new))
-                if failed:
+                    more = not job.failed and c1 < job.end and job.tail is not None
+                    hold = self._pins.pin([job.tail], self._lease) if more and job.tail is not None else None
+                if self._write_through and self._admit is Admission.ALWAYS and self._writeback is not None:
+                    job.deferred += self._writeback.submit(new)
+                if job.failed:
                     break
         finally:
             if hold is not None:
                 with self._lock:
                     self._pins.release(hold)
-        return PutResult(stored=stored, present=present, failed=failed, deferred=deferred)
+        return PutResult(stored=job.stored, present=job.present, failed=job.failed, deferred=job.deferred)
 
     def lookup(self, ns: Namespace, tokens: Any) -> LookupResult:
         """How many leading blocks of ``tokens`` are held (and the uppermost tier of each). Reads nothing."""
@@ -290,10 +249,10 @@ class Store(AdminOps, DataPath):
                 e = self._index.get(k)
                 if e is None:
                     break
-                tiers.append(self._names[e.highest()])
-            self._counts["lookups"] += 1
-            self._counts["tokens_asked"] += len(arr)
-            self._counts["tokens_matched"] += len(tiers) * ns.layout.block_tokens
+                tiers.append(self.tiers.names[e.highest()])
+            self._counts.lookups += 1
+            self._counts.tokens_asked += len(arr)
+            self._counts.tokens_matched += len(tiers) * ns.layout.block_tokens
         return LookupResult(len(tiers), len(tiers) * ns.layout.block_tokens, tiers)
 
     def try_lookup(self, ns: Namespace, tokens: Any) -> LookupResult | None:
@@ -343,33 +302,29 @@ class Store(AdminOps, DataPath):
                     break
                 chain.append(e)
             handle = self._pins.pin([e.key for e in chain], self._lease)
-            self._counts["lookups"] += 1
-            self._counts["tokens_asked"] += max(0, len(arr) - start * T)
+            self._counts.lookups += 1
+            self._counts.tokens_asked += max(0, len(arr) - start * T)
         # each block is decoded or copied straight into its place in the result: one copy, not two
         out = _empty(ns.layout.shape(len(chain) * T), ns.layout.torch_dtype, dev) if chain else None
-        read: list[tuple[Entry, torch.Tensor, int]] = []
+        read: list[Read] = []
         try:
             for j, e in enumerate(chain):
                 assert out is not None
-                got = self._read(e, dev, out[:, :, j * T : (j + 1) * T])
+                got = self._data.read(e, dev, out[:, :, j * T : (j + 1) * T])
                 if got is None:
                     break
                 block, t = got  # block: a view of out (what promotion copies up)
                 read.append((e, block, t))
         finally:
-            frames = self._prepare_promotions(read)
+            ready = self._data.prepare_promotions(read)
             with self._lock:
                 self._pins.release(handle)  # before promoting: the chain itself may need to make room
-                self._mover.prepared = frames
-                try:
-                    self._after_get(read, missed=len(read) < want)
-                finally:
-                    self._mover.prepared = {}
-                self._counts["tokens_served"] += len(read) * T
+                self._data.after_get(read, len(read) < want, self._clock(), ready)
+                self._counts.tokens_served += len(read) * T
         if out is not None and len(read) < len(chain):
             out = out[:, :, : len(read) * T].contiguous()
         return GetResult(
-            len(read), len(read) * T, out if read else None, [self._names[t] for _, _, t in read]
+            len(read), len(read) * T, out if read else None, [self.tiers.names[t] for _, _, t in read]
         )
 
     def pin(self, keys: list[bytes], lease: float | None = None) -> PinHandle:
@@ -386,7 +341,50 @@ class Store(AdminOps, DataPath):
         with self._lock:
             return self._pins.release(handle)
 
-    # -- state ------------------------------------------------------------------------
+    # -- operator operations (admin.py) --------------------------------------------------
+    def evict(self, flt: EvictFilter, *, dry_run: bool = False) -> EvictResult:
+        """See AdminOps.evict."""
+        self._check_open()
+        return self._admin.evict(flt, dry_run=dry_run)
+
+    def prefetch(
+        self, session: str, to: str = "ram", *, start_block: int = 0, max_blocks: int | None = None
+    ) -> PrefetchResult:
+        """See AdminOps.prefetch."""
+        self._check_open()
+        return self._admin.prefetch(session, to, start_block=start_block, max_blocks=max_blocks)
+
+    def sessions(self) -> list[SessionInfo]:
+        return self._admin.sessions()
+
+    def session(self, name: str) -> SessionDetail:
+        return self._admin.session(name)
+
+    def stats(self) -> StoreStats:
+        return self._admin.stats()
+
+    def check_integrity(self) -> list[str]:
+        return self._admin.check_integrity()
+
+    # -- durability and state --------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every stored block has reached nvme and LMDB is synced: the durable acknowledgement.
+        False when ``timeout`` passed first (nothing is lost; a later flush goes on)."""
+        return True if self._writeback is None else self._writeback.flush(timeout)
+
+    def close(self) -> None:
+        """Flush, stop the writer thread and close the tiers. Further calls raise StoreClosed."""
+        with self._lock:
+            if self._closed:
+                return
+        self.flush()
+        with self._lock:
+            self._closed = True
+        if self._writeback is not None:
+            self._writeback.close()
+        for tier in self.tiers:
+            tier.close()
+
     def __enter__(self) -> Store:
         return self
 
@@ -394,17 +392,52 @@ class Store(AdminOps, DataPath):
         self.close()
 
     # -- internals (lock held unless said otherwise) -------------------------------------
+    def _put_chunk(self, job: _PutJob, c0: int, c1: int, ready: Frames) -> list[bytes]:
+        """(Lock held.) Store blocks ``c0 .. c1-1`` of ``job``; returns the keys stored new. On the
+        first block that cannot be stored, ``job.failed`` names it and every block after it."""
+        now = self._clock()
+        if self._namespaces.add(job.ns):
+            self._journal.namespace(job.ns)
+        parent = self._index.get(job.tail) if job.tail is not None else None
+        if job.tail is not None and parent is None:
+            job.fail(
+                c0,
+                MISSING_PARENT,
+                f"block {c0 - 1} before block {c0} is not stored; put from "
+                "block 0 (or the first missing block) instead",
+            )
+            return []
+        new: list[bytes] = []
+        T = job.ns.layout.block_tokens
+        for i in range(c0, c1):
+            e = self._index.get(job.keys[i])
+            if e is not None:
+                self._touch(e, now, job.session)
+                job.present += 1
+            else:
+                pending = (i, job.raw[i * T * 4 : (i + 1) * T * 4]) if self.tiers.nvme is not None else None
+                e = Entry(job.keys[i], parent, job.ns.id, self._tag((), job.session), now, now, pending)
+                block = job.kv[:, :, (i - job.start) * T : (i - job.start + 1) * T]
+                try:
+                    stored = self._data.store_new(e, block, ready)
+                except KVStoreError as err:  # a tier failed while room was made (an LMDB delete, say)
+                    job.fail(i, err.code or "tier_io", f"block {i} was not stored: {err}")
+                    break
+                if not stored:
+                    job.fail(i, NO_ROOM, "every tier is full of pinned blocks; retry when reads finish")
+                    break
+                job.stored += 1
+                new.append(e.key)
+            parent, job.last, job.tail = e, i, e.key
+        if job.session is not None and job.tail is not None and job.last >= job.start:
+            if job.failed or c1 == job.end:
+                s = self._sessions.record_put(job.session, job.ns.id, job.tail, (job.last + 1) * T, now)
+                self._journal.session(s)
+        return new
+
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("the store is closed; open a new Store on the same nvme path")
-
-    def _register(self, ns: Namespace) -> None:
-        if ns.id not in self._namespaces:
-            self._namespaces[ns.id] = ns
-            self._roots[ns.id] = ns.root()
-            if self._writer is not None:
-                nvme, d = self._nvme, ns.to_dict()
-                self._writer.run_soon(lambda: nvme.put_namespace(ns.id, d))
 
     def _tag(self, tags: tuple[str, ...], session: str | None) -> tuple[str, ...]:
         if session is None or session in tags:
@@ -413,20 +446,44 @@ class Store(AdminOps, DataPath):
         return self._tags.setdefault(t, t)
 
     def _touch(self, e: Entry, now: float, session: str | None = None) -> None:
+        """(Lock held.) ``e`` was used now (by ``session``): LRU order, tags, and its nvme record."""
         tags = self._tag(e.sessions, session)
-        on_nvme = self._nvme_t is not None and e.tiers & (1 << self._nvme_t)
-        if on_nvme and (tags is not e.sessions or int(e.last_access // 600) != int(now // 600)):
-            self._dirty.add(e.key)  # the nvme record follows at the next idle tick (10-minute resolution)
+        if self._writeback is not None:
+            self._writeback.record_changed(e, tags is not e.sessions, now)
         e.sessions = tags
         self._index.touch(e, now)
-
-    def _needs_record(self, e: Entry) -> bool:
-        return self._nvme_t is not None and not e.tiers & (1 << self._nvme_t)
 
     def _restored_session(self, s: SessionState) -> SessionState:
         if s.tail is not None and s.tail not in self._index:
             return replace(s, tail=None, tokens=0)
         return s
+
+
+@dataclass
+class _PutJob:
+    """One put's blocks and its progress through them (``tail``: the last block stored or present)."""
+
+    ns: Namespace
+    keys: list[bytes]
+    raw: bytes  # the token ids, little-endian uint32
+    kv: torch.Tensor
+    start: int
+    end: int
+    session: str | None
+    stored: int = 0
+    present: int = 0
+    deferred: int = 0
+    failed: list[FailedBlock] = field(default_factory=list)
+    last: int = -1
+    tail: bytes | None = None
+
+    def __post_init__(self) -> None:
+        self.last = self.start - 1
+        self.tail = self.keys[self.start - 1] if self.start > 0 else None
+
+    def fail(self, i: int, code: str, message: str) -> None:
+        """Blocks ``i ..`` of the put are not stored, for ``code``."""
+        self.failed = [FailedBlock(k, code, message) for k in range(i, self.end)]
 
 
 _CHUNK = 32  # blocks a put stores per hold of the lock

@@ -57,9 +57,6 @@ class Entry:
         c = self.children
         return [] if c is None else [c] if isinstance(c, Entry) else list(c)
 
-    def has_children(self) -> bool:
-        return self.children is not None
-
     def position(self) -> int:
         n, e = 0, self.parent
         while e is not None:

@@ -10,68 +10,43 @@
 
 Every method here expects the store's lock to be held by the caller. So that
 codec work stays outside the lock where it can, the store encodes the frames
-an operation will most likely need before taking the lock and hands them over
-in ``prepared`` (key -> (tier, frame)); ``place`` stores such a frame as it is
+an operation will most likely need before taking the lock and hands them in
+as ``ready`` (key -> (tier, frame)); ``place`` stores such a frame as it is
 and encodes under the lock only what was not foreseen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 
+from kvstore.codecs.frame import Buffer
 from kvstore.errors import FrameError, KVStoreError
-from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
-from kvstore.store.index import LOSSY, TIER_MASK, BlockIndex, Entry
-from kvstore.store.pins import PinTable
-from kvstore.store.sessions import SessionState, SessionTable
-from kvstore.tiers.base import Tier, TierFull, TierIOError
+from kvstore.store.counts import TierCounters
+from kvstore.store.index import LOSSY, TIER_MASK, Entry
+from kvstore.store.parts import StoreParts
+from kvstore.store.sessions import SessionState
+from kvstore.tiers.base import TierFull, TierIOError
+
+Frames = Mapping[bytes, tuple[int, Buffer]]  # key -> (tier, frame) encoded before the lock was taken
+NO_FRAMES: Frames = MappingProxyType({})
 
 _SCAN = 64  # LRU entries examined for a leaf before settling for the oldest candidate
 
 
-@dataclass
-class TierCounters:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0  # copies that left this tier (demoted, dropped, expired, evicted on request)
-    demotions: int = 0  # of those, moved down one tier
-    promotions: int = 0  # copies made here from a lower tier on a hit or prefetch
-    corrupt: int = 0
-
-
 class Mover:
-    """Tier movements over one index. ``nvme_tier``: the index of the LMDB tier, or None."""
+    """Tier movements over one index."""
 
-    def __init__(
-        self,
-        tiers: list[Tier],
-        nvme_tier: int | None,
-        index: BlockIndex,
-        pins: PinTable,
-        sessions: SessionTable,
-        namespaces: dict[str, Namespace],
-        roots: dict[str, bytes],
-        persist_session: Callable[[SessionState], None],
-    ) -> None:
-        self.tiers = tiers
-        self.names = [t.name for t in tiers]
-        self.last = len(tiers) - 1
-        self.nvme_tier = nvme_tier
-        self.index = index
-        self.pins = pins
-        self.sessions = sessions
-        self.namespaces = namespaces
-        self.roots = roots
+    def __init__(self, parts: StoreParts, persist_session: Callable[[SessionState], None]) -> None:
+        """``persist_session``: called with each session whose tail moves up because its block went."""
+        self.tiers, self.index, self.pins = parts.tiers, parts.index, parts.pins
+        self.sessions, self.namespaces = parts.sessions, parts.namespaces
         self.persist_session = persist_session
-        self.counters = [TierCounters() for _ in tiers]
-        self.lossless = [bool(getattr(getattr(t, "codec", None), "lossless", True)) for t in tiers]
+        self.counters = [TierCounters() for _ in parts.tiers]
         self.busy: set[bytes] = set()  # blocks in the middle of a move or write: as good as pinned
-        # key -> (tier, frame) encoded outside the lock for the operation under way (see store.py)
-        self.prepared: dict[bytes, tuple[int, bytes | bytearray]] = {}
 
     # -- checks -----------------------------------------------------------------------
     def pinned(self, e: Entry) -> bool:
@@ -94,7 +69,7 @@ class Mover:
         for e in self.index.lru(t):
             if e.key in exclude or self.pinned(e):
                 continue
-            if t == self.last and e.tiers & TIER_MASK == bit:
+            if t == self.tiers.last and e.tiers & TIER_MASK == bit:
                 if e.children is None:
                     return e
                 if fallback is None and not self.subtree_pinned(e):
@@ -111,38 +86,44 @@ class Mover:
 
     # -- making room ------------------------------------------------------------------
     def make_room(
-        self, t: int, block: torch.Tensor | None, frame_bytes: int = 0, *, position: int | None = None
+        self,
+        t: int,
+        block: torch.Tensor | None,
+        frame_bytes: int = 0,
+        *,
+        position: int | None = None,
+        ready: Frames = NO_FRAMES,
     ) -> bool:
-        """Push blocks out of tier ``t`` until ``block`` (or a frame of ``frame_bytes``) fits.
-        ``position``: the block's index in its prefix, which picks the nvme tier's codec (a head
-        block's frame is larger). False when only pinned blocks are left."""
-        tier = self.tiers[t]
+        """Push blocks out of tier ``t`` until ``block`` (or a frame of ``frame_bytes`` for a frame
+        tier) fits. ``position``: the block's index in its prefix, which picks the nvme tier's codec (a
+        head block's frame is larger). ``ready``: frames encoded for the blocks pushed down. False when
+        only pinned blocks are left."""
         tried: set[bytes] = set()
-
-        def fits() -> bool:
-            if block is None:
-                return bool(tier.can_put_frame(frame_bytes))  # type: ignore[attr-defined]
-            if t == self.nvme_tier and position is not None:
-                return bool(tier.can_put(block, position))  # type: ignore[call-arg]
-            return tier.can_put(block)
-
-        while not fits():
+        while not self._fits(t, block, frame_bytes, position):
             e = self.victim(t, tried)
             if e is None:
                 return False
             tried.add(e.key)
-            self.evict_from(t, e)
+            self.evict_from(t, e, ready)
         return True
 
-    def evict_from(self, t: int, e: Entry) -> bool:
+    def _fits(self, t: int, block: torch.Tensor | None, frame_bytes: int, position: int | None) -> bool:
+        frames, nvme = self.tiers.frames(t), self.tiers.nvme
+        if block is None:
+            return frames is not None and frames.can_put_frame(frame_bytes)
+        if t == self.tiers.nvme_t and nvme is not None:
+            return nvme.can_put(block, position)
+        return self.tiers[t].can_put(block)
+
+    def evict_from(self, t: int, e: Entry, ready: Frames = NO_FRAMES) -> bool:
         """Make tier ``t`` let go of ``e`` (see the module sketch). True when ``t`` no longer holds it."""
         bit = 1 << t
         if not e.tiers & bit:
             return True
-        if t < self.last and not e.tiers & (bit - 1) and not e.tiers & (bit << 1):
-            return self.demote(e, t)  # no copy above, none in the next tier: it moves down
+        if t < self.tiers.last and not e.tiers & (bit - 1) and not e.tiers & (bit << 1):
+            return self.demote(e, t, ready)  # no copy above, none in the next tier: it moves down
         if e.tiers & TIER_MASK & ~bit:
-            if t == self.nvme_tier and not self.keep_record(e):
+            if t == self.tiers.nvme_t and not self.keep_record(e):
                 self.drop_block(e)
                 return True
             self.drop_copy(e, t)
@@ -152,10 +133,11 @@ class Mover:
         self.drop_block(e)
         return True
 
-    def demote(self, e: Entry, t: int) -> bool:
-        """Move ``e`` from ``t`` to ``t+1``, re-encoded from ``t``'s copy (the best one left)."""
+    def demote(self, e: Entry, t: int, ready: Frames = NO_FRAMES) -> bool:
+        """Move ``e`` from ``t`` to ``t+1``, re-encoded from ``t``'s copy (the best one left), or
+        as the frame ``ready`` holds for it."""
         try:
-            block = None if self.has_prepared(e, t + 1) else self.tiers[t].get(e.key)
+            block = None if _frame_for(ready, e, t + 1) is not None else self.tiers[t].get(e.key)
         except FrameError:
             self.corrupt(e, t)
             return True
@@ -164,7 +146,7 @@ class Mover:
             return True
         self.busy.add(e.key)
         try:
-            placed = self.place(e, block, t + 1)
+            placed = self.place(e, block, t + 1, ready)
         finally:
             self.busy.discard(e.key)
         if self.index.get(e.key) is not e:
@@ -181,38 +163,36 @@ class Mover:
         self.counters[t].demotions += 1
         return True
 
-    def has_prepared(self, e: Entry, t: int) -> bool:
-        got = self.prepared.get(e.key)
-        return got is not None and got[0] == t
-
-    def place(self, e: Entry, block: torch.Tensor | None, t: int) -> bool:
+    def place(self, e: Entry, block: torch.Tensor | None, t: int, ready: Frames = NO_FRAMES) -> bool:
         """Put ``block`` into tier ``t`` for indexed block ``e``, making room first. False: no room.
 
-        A frame for ``t`` in ``prepared`` (encoded before the lock was taken) is stored as it is;
+        A frame for ``t`` in ``ready`` (encoded before the lock was taken) is stored as it is;
         ``block`` may then be None.
         """
         if e.tiers & (1 << t):
             return True
-        prepared = self.prepared.pop(e.key, None)
-        frame = prepared[1] if prepared is not None and prepared[0] == t else None
+        frames, nvme = self.tiers.frames(t), self.tiers.nvme
+        frame = _frame_for(ready, e, t)
         if frame is None and block is None:
             return False
-        if frame is None and self.frame_tier(t):
-            # encoded first, so that room is made for its exact size (under the lock: no frame was prepared)
-            frame = self.tiers[t].codec.encode(block)  # type: ignore[attr-defined]
+        if frame is None and frames is not None and block is not None:
+            # encoded first, so that room is made for its exact size (under the lock: no frame was ready)
+            frame = frames.codec.encode(block)
         for _ in range(3):
             room = (
-                self.make_room(t, None, len(frame))
+                self.make_room(t, None, len(frame), ready=ready)
                 if frame is not None
-                else self.make_room(t, block, position=self.position(e))
+                else self.make_room(t, block, position=self.position(e), ready=ready)
             )
             if not room or self.index.get(e.key) is not e:
                 return False
             try:
-                if frame is not None:
-                    self.tiers[t].put_frame(e.key, frame)  # type: ignore[attr-defined]
-                elif t == self.nvme_tier:
-                    self.tiers[t].put(e.key, block, self.record(e))  # type: ignore[call-arg]
+                if frame is not None and frames is not None:
+                    frames.put_frame(e.key, frame)
+                elif block is None:
+                    return False  # a frame ready for a tier that does not take frames
+                elif t == self.tiers.nvme_t and nvme is not None:
+                    nvme.put(e.key, block, self.record(e))
                     e.pending = None
                 else:
                     self.tiers[t].put(e.key, block)
@@ -230,7 +210,7 @@ class Mover:
         if e.pending is None:
             raise KVStoreError(f"block {e.key.hex()[:16]} has no record in memory to write to nvme")
         position, tokens = e.pending
-        parent = e.parent.key if e.parent is not None else self.roots[e.ns]
+        parent = e.parent.key if e.parent is not None else self.namespaces.root(e.ns)
         return BlockRecord(
             key=e.key,
             parent=parent,
@@ -249,15 +229,16 @@ class Mover:
 
     def keep_record(self, e: Entry) -> bool:
         """Before the nvme copy goes while others stay: keep its position and tokens in memory."""
-        if e.pending is not None or self.nvme_tier is None:
+        nvme = self.tiers.nvme
+        if e.pending is not None or nvme is None:
             return True
         try:
-            rec = self.tiers[self.nvme_tier].record(e.key)  # type: ignore[attr-defined]
+            rec = nvme.record(e.key)
         except (KeyError, FrameError, TierIOError):
             return False
         e.pending = (rec.position, rec.tokens)
         if rec.position == 0:
-            self.roots.setdefault(e.ns, rec.parent)
+            self.namespaces.note_root(e.ns, rec.parent)
         return True
 
     # -- dropping -----------------------------------------------------------------------
@@ -273,18 +254,17 @@ class Mover:
         batch: list[bytes] = []  # nvme copies go in one LMDB transaction
         for d in gone:
             for t in d.tier_list():
-                if t == self.nvme_tier and hasattr(self.tiers[t], "drop_many"):
+                if t == self.tiers.nvme_t:
                     batch.append(d.key)
                 else:
                     self.tiers[t].drop(d.key)
                 self.counters[t].evictions += 1
             self.index.remove(d)
-            ns = self.namespaces.get(d.ns)
-            step = ns.layout.block_tokens if ns is not None else 0
+            step = self.namespaces.block_tokens(d.ns)
             for s in self.sessions.tail_gone(d.key, d.parent.key if d.parent is not None else None, step):
                 self.persist_session(s)
-        if batch:
-            self.tiers[self.nvme_tier or 0].drop_many(batch)  # type: ignore[attr-defined]
+        if batch and self.tiers.nvme is not None:
+            self.tiers.nvme.drop_many(batch)
         return gone
 
     def corrupt(self, e: Entry, t: int, *, damaged: bool = True) -> None:
@@ -294,7 +274,7 @@ class Mover:
         if self.index.get(e.key) is not e or not e.tiers & (1 << t):
             self.tiers[t].drop(e.key)
             return
-        if t == self.nvme_tier and e.tiers & TIER_MASK & ~(1 << t) and not self.keep_record(e):
+        if t == self.tiers.nvme_t and e.tiers & TIER_MASK & ~(1 << t) and not self.keep_record(e):
             self.drop_block(e)
             return
         self.tiers[t].drop(e.key)
@@ -303,11 +283,6 @@ class Mover:
             self.drop_block(e)
 
     # -- promotion --------------------------------------------------------------------
-    def frame_tier(self, t: int) -> bool:
-        """Whether tier ``t`` stores codec frames it can take ready-made (ram): then encoding can
-        happen before the lock is taken."""
-        return t != self.nvme_tier and hasattr(self.tiers[t], "put_frame") and hasattr(self.tiers[t], "codec")
-
     def predict_victims(self, t: int, room: int) -> list[Entry]:
         """The blocks ``room`` evictions from tier ``t`` would most likely demote into ``t+1`` (no
         copy there yet). A guess made under the lock so their frames can be encoded outside it."""
@@ -323,7 +298,7 @@ class Mover:
                 out.append(e)
         return out
 
-    def promote(self, e: Entry, block: torch.Tensor, to: int, source: int) -> bool:
+    def promote(self, e: Entry, block: torch.Tensor, to: int, source: int, ready: Frames = NO_FRAMES) -> bool:
         """Bring ``block`` (read from tier ``source`` below) up into tier ``to``.
 
         From nvme it is a copy (the durable one stays); between the memory
@@ -333,23 +308,26 @@ class Mover:
         """
         if self.index.get(e.key) is not e or e.tiers & (1 << to):
             return False
-        move = source != self.nvme_tier and bool(e.tiers & (1 << source))
+        move = source != self.tiers.nvme_t and bool(e.tiers & (1 << source))
         self.busy.add(e.key)
         try:
             if move:
                 self.tiers[source].drop(e.key)
                 self.index.clear_tier(e, source)
-            placed = self.place(e, block, to)
+            placed = self.place(e, block, to, ready)
             if not placed and move and self.index.get(e.key) is e:
                 self.place(e, block, source)
-                if not e.tiers & TIER_MASK:
-                    self.drop_block(
-                        e
-                    )  # neither tier could take it back: it is gone, and so are its descendants
+                if not e.tiers & TIER_MASK:  # neither tier could take it back: it goes, descendants too
+                    self.drop_block(e)
         finally:
             self.busy.discard(e.key)
         if placed:
-            if not self.lossless[source]:
+            if not self.tiers.lossless[source]:
                 e.tiers |= LOSSY  # the copy above holds the lower tier's error, not the original bytes
             self.counters[to].promotions += 1
         return placed
+
+
+def _frame_for(ready: Frames, e: Entry, t: int) -> Buffer | None:
+    got = ready.get(e.key)
+    return got[1] if got is not None and got[0] == t else None

@@ -18,14 +18,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import repeat
-from operator import attrgetter
-from typing import Any
 
 import numpy as np
 
 from kvstore.errors import FrameError
 from kvstore.keys import Namespace
 from kvstore.store.index import BlockIndex, Entry
+from kvstore.store.namespaces import NamespaceTable
+from kvstore.tiers.nvme import NvmeTier
 
 log = logging.getLogger(__name__)
 
@@ -38,124 +38,46 @@ class RestoreReport:
     damaged: int = 0  # blocks whose record failed its checks (dropped, like their descendants)
 
 
-def restore(
-    index: BlockIndex, nvme: Any, tier: int, namespaces: dict[str, Namespace], roots: dict[str, bytes]
-) -> RestoreReport:
-    """Fill an empty ``index`` from ``nvme`` (held in ``tier``); fills ``namespaces`` and ``roots`` too."""
+def restore(index: BlockIndex, nvme: NvmeTier, tier: int, namespaces: NamespaceTable) -> RestoreReport:
+    """Fill an empty ``index`` from ``nvme`` (held in ``tier``), and ``namespaces`` with their roots.
+
+    numpy does per column what a loop would do per record: parents found by
+    a sorted search over the keys, orphans' subtrees marked by pointer
+    doubling, the access order by argsort. Python is left to make one Entry
+    per block and link it.
+    """
     # A million new objects would start the cyclic GC hundreds of times, each pass longer than the
     # last; nothing made here is garbage, so it stays off until the index is built.
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _restore(index, nvme, tier, namespaces, roots)
+        for _, d in nvme.iter_namespaces():
+            try:
+                namespaces.add(Namespace.from_dict(d))
+            except ValueError:
+                continue  # a namespace row this build cannot read; its blocks keep the id only
+        damaged: list[bytes] = []
+
+        def on_damaged(key: bytes, err: FrameError) -> None:
+            log.warning("nvme record of block %s is damaged (%s): the block is dropped", key.hex()[:16], err)
+            damaged.append(key)
+
+        report = _restore(index, nvme, tier, namespaces, on_damaged)
+        if damaged:  # its descendants went as orphans; the block itself goes too, frame and entry
+            nvme.drop_many(damaged)
+        return replace(report, damaged=len(damaged))
     finally:
         if was_enabled:
             gc.enable()
 
 
 def _restore(
-    index: BlockIndex, nvme: Any, tier: int, namespaces: dict[str, Namespace], roots: dict[str, bytes]
-) -> RestoreReport:
-    for ns_id, d in nvme.iter_namespaces():
-        try:
-            ns = Namespace.from_dict(d)
-        except ValueError:
-            continue  # a namespace row this build cannot read; its blocks keep the id only
-        namespaces[ns_id] = ns
-        roots[ns_id] = ns.root()
-    damaged: list[bytes] = []
-
-    def on_damaged(key: bytes, err: FrameError) -> None:
-        log.warning("nvme record of block %s is damaged (%s): the block is dropped", key.hex()[:16], err)
-        damaged.append(key)
-
-    if hasattr(nvme, "iter_index_columns"):
-        report = _restore_columns(index, nvme, tier, namespaces, roots, on_damaged)
-    else:
-        report = _restore_records(index, nvme, tier, namespaces, roots, on_damaged)
-    if damaged:  # its descendants went as orphans; the block itself goes too, frame and entry
-        _drop(nvme, damaged)
-    return replace(report, damaged=len(damaged))
-
-
-def _drop(nvme: Any, keys: list[bytes]) -> None:
-    if hasattr(nvme, "drop_many"):
-        nvme.drop_many(keys)
-    else:
-        for k in keys:
-            nvme.drop(k)
-
-
-def _restore_records(
     index: BlockIndex,
-    nvme: Any,
+    nvme: NvmeTier,
     tier: int,
-    namespaces: dict[str, Namespace],
-    roots: dict[str, bytes],
+    namespaces: NamespaceTable,
     on_damaged: Callable[[bytes, FrameError], None],
 ) -> RestoreReport:
-    """The per-record path, for an nvme without ``iter_index_columns``."""
-    records = nvme.iter_records(on_damaged=on_damaged)
-    bit = 1 << tier
-    times: dict[float, float] = {}
-    share_time = times.setdefault
-    entries: dict[bytes, Entry] = {}
-    for rec in records:
-        e = Entry(
-            rec.key,
-            None,
-            rec.namespace,
-            rec.sessions,
-            share_time(rec.created, rec.created),
-            share_time(rec.last_access, rec.last_access),
-            None,
-            bit,
-        )
-        entries[rec.key] = e
-        if rec.position:
-            e.parent = rec.parent  # type: ignore[assignment]  # the parent's key until linked below
-        elif rec.namespace not in roots:
-            roots[rec.namespace] = rec.parent
-    del times
-    orphans: list[Entry] = []
-    find = entries.get
-    for e in entries.values():
-        parent_key: Any = e.parent
-        if parent_key is None:
-            continue
-        p = find(parent_key)
-        if p is None:
-            e.parent = None
-            orphans.append(e)
-        else:
-            e.parent = p
-            p._add_child(e)
-    dropped = 0
-    for o in orphans:
-        stack = [o]
-        while stack:
-            e = stack.pop()
-            stack.extend(e.child_list())
-            if entries.pop(e.key, None) is not None:
-                nvme.drop(e.key)
-                dropped += 1
-    order = sorted(entries.values(), key=attrgetter("last_access"))
-    del entries
-    index.insert_restored(order, tier)
-    return RestoreReport(blocks=len(order), orphans=dropped, namespaces=len(namespaces))
-
-
-def _restore_columns(
-    index: BlockIndex,
-    nvme: Any,
-    tier: int,
-    namespaces: dict[str, Namespace],
-    roots: dict[str, bytes],
-    on_damaged: Callable[[bytes, FrameError], None],
-) -> RestoreReport:
-    """``_restore`` from NvmeTier's columns, with numpy doing per column what the loop above does per
-    record: parents found by a sorted search over the keys, orphans' subtrees marked by pointer
-    doubling, the access order by argsort. Python is left to make one Entry per block and link it."""
     keys: list[bytes] = []
     nss: list[str] = []
     sessions: list[tuple[str, ...]] = []
@@ -175,11 +97,11 @@ def _restore_columns(
     first = position == 0
     prow[first] = -1
     for i in np.flatnonzero(first).tolist():
-        roots.setdefault(nss[i], parents[i].tobytes())
+        namespaces.note_root(nss[i], parents[i].tobytes())
     del parents
     dropped = _orphaned(prow, ~first & (prow < 0))
     if dropped.any():  # they could never match again: gone from nvme too
-        _drop(nvme, [keys[i] for i in np.flatnonzero(dropped).tolist()])
+        nvme.drop_many([keys[i] for i in np.flatnonzero(dropped).tolist()])
     # one Entry per block, in key order (sequential reads of the columns), then linked
     times: dict[float, float] = {}
     made = list(
@@ -204,10 +126,10 @@ def _restore_columns(
             c = p.children  # p._add_child(e), inlined: a million calls
             if c is None:
                 p.children = e
-            elif c.__class__ is list:
-                c.append(e)  # type: ignore[union-attr]
+            elif isinstance(c, list):
+                c.append(e)
             else:
-                p.children = [c, e]  # type: ignore[list-item]
+                p.children = [c, e]
     del lookup
     kept = np.flatnonzero(~dropped)
     rows = kept[np.argsort(accessed[kept], kind="stable")].tolist()  # access order; ties keep key order

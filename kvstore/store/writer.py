@@ -22,34 +22,45 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from enum import Enum
 
 log = logging.getLogger("kvstore.store.writer")
 
 
-class WriteThrough:
-    """One background thread running ``write(key)`` for queued keys and ``idle()`` every ``tick`` seconds."""
+class Admission(str, Enum):
+    """When a block is written through to nvme."""
 
-    def __init__(
-        self,
-        write: Callable[[bytes], None],
-        idle: Callable[[], None],
-        *,
-        maxsize: int = 1024,
-        tick: float = 1.0,
-        name: str = "kvstore-writer",
-    ) -> None:
+    ALWAYS = "always"  # as it is stored
+    SECOND_USE = "second_use"  # on its second hit (or when it is demoted there)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class WriteThrough:
+    """One background thread running ``write(key)`` for queued keys and ``idle()`` every ``tick`` seconds.
+
+    Keys and tasks may be queued before ``start``; they run once it is called.
+    """
+
+    def __init__(self, *, maxsize: int = 1024, tick: float = 1.0, name: str = "kvstore-writer") -> None:
         if maxsize < 1:
             raise ValueError(f"write queue size must be at least 1, got {maxsize}")
-        self._write = write
-        self._idle = idle
         self._maxsize = maxsize
         self._tick = tick
+        self._name = name
         self._keys: deque[bytes] = deque()
         self._tasks: deque[Callable[[], None]] = deque()
         self._busy = False
         self._closed = False
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread: threading.Thread | None = None
+
+    def start(self, write: Callable[[bytes], None], idle: Callable[[], None]) -> None:
+        """Start the thread: ``write(key)`` for each queued key, ``idle()`` every tick. Once only."""
+        if self._thread is not None:
+            raise RuntimeError("the write-through thread is already running")
+        self._thread = threading.Thread(target=self._run, args=(write, idle), name=self._name, daemon=True)
         self._thread.start()
 
     def depth(self) -> int:
@@ -87,7 +98,7 @@ class WriteThrough:
         """Wait until nothing is queued or running. False when ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while (self._keys or self._tasks or self._busy) and self._thread.is_alive():
+            while (self._keys or self._tasks or self._busy) and self._alive():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -100,10 +111,14 @@ class WriteThrough:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout)
-        return drained and not self._thread.is_alive()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return drained and not self._alive()
 
-    def _run(self) -> None:
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self, write: Callable[[bytes], None], idle: Callable[[], None]) -> None:
         next_idle = time.monotonic() + self._tick
         while True:
             with self._cv:
@@ -122,10 +137,10 @@ class WriteThrough:
                 if task is not None:
                     task()
                 elif key is not None:
-                    self._write(key)
+                    write(key)
                 if time.monotonic() >= next_idle:
                     next_idle = time.monotonic() + self._tick
-                    self._idle()
+                    idle()
             except Exception:  # the thread must outlive any one bad block; the store counts failures
                 log.exception("write-through failed")
             finally:

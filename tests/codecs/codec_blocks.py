@@ -17,7 +17,7 @@ def codec_variants() -> list[tuple[str, dict]]:
     variants: list[tuple[str, dict]] = []
     for name in CODECS:
         variants += [(name, {}), (name, {"zstd": 1})]
-    extra = {
+    extra: dict[str, list[dict[str, object]]] = {
         "raw": [{"shuffle": True, "zstd": 3}, {"shuffle": True}],
         "int8": [{"symmetric": True}],
         "int4": [{"rotate": True, "zstd": 3}],

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 import zmq
@@ -16,13 +17,16 @@ import zmq
 from kvstore.daemon.endpoint import probe
 from kvstore.layout import KVLayout
 
+# A value of the config's [server] table: write_config renders strings quoted, the rest bare.
+ServerValue = str | int | float | bool
+
 # Small blocks keep the tests fast; float16 so the hbm tier's copies are exact.
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 MODEL = "test-model"
 
 
 def write_config(
-    root: Path, *, endpoint: str | None = None, nvme: Path | None = None, **server: object
+    root: Path, *, endpoint: str | None = None, nvme: Path | None = None, **server: ServerValue
 ) -> Path:
     """A TOML config under ``root``: ipc socket in root/run, LMDB in root/nvme, roomy hbm (exact copies)."""
     endpoint = endpoint or f"ipc://{root / 'run' / 'kv.sock'}"
@@ -93,16 +97,36 @@ class Daemon:
         return self.log.read_text(errors="replace")
 
 
+class StartDaemon(Protocol):
+    """The ``start_daemon`` fixture: a daemon on ``config`` (by default one written under tmp_path)."""
+
+    def __call__(
+        self,
+        config: Path | None = None,
+        *,
+        endpoint: str | None = None,
+        nvme: Path | None = None,
+        ready: bool = True,
+        **server: ServerValue,
+    ) -> Daemon: ...
+
+
 @pytest.fixture
-def start_daemon(tmp_path: Path) -> Iterator:
+def start_daemon(tmp_path: Path) -> Iterator[StartDaemon]:
     """Start daemons on demand; any still running at the end are killed."""
     started: list[Daemon] = []
 
     def start(
-        config: Path | None = None, *, endpoint: str | None = None, ready: bool = True, **server: object
+        config: Path | None = None,
+        *,
+        endpoint: str | None = None,
+        nvme: Path | None = None,
+        ready: bool = True,
+        **server: ServerValue,
     ) -> Daemon:
+        """``nvme`` and ``server`` go to write_config: they apply only without ``config``."""
         if config is None:
-            config = write_config(tmp_path, endpoint=endpoint, **server)
+            config = write_config(tmp_path, endpoint=endpoint, nvme=nvme, **server)
         endpoint = endpoint or f"ipc://{tmp_path / 'run' / 'kv.sock'}"
         d = Daemon(config, endpoint)
         started.append(d)

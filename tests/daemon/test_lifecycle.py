@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from tests.daemon.conftest import LAYOUT, MODEL, Daemon, write_config
+from tests.daemon.conftest import LAYOUT, MODEL, Daemon, StartDaemon, write_config
 
 T = LAYOUT.block_tokens
 
@@ -27,7 +27,9 @@ def client(d: Daemon, timeout: float = 10.0, retries: int = 3) -> KVStoreClient:
 
 
 @pytest.mark.slow
-def test_sigterm_flushes_and_a_restart_finds_every_acknowledged_block(start_daemon, tmp_path: Path) -> None:
+def test_sigterm_flushes_and_a_restart_finds_every_acknowledged_block(
+    start_daemon: StartDaemon, tmp_path: Path
+) -> None:
     tokens = list(range(100, 100 + 12 * T))
     kv = kv_for(len(tokens))
     d = start_daemon()
@@ -50,7 +52,7 @@ def test_sigterm_flushes_and_a_restart_finds_every_acknowledged_block(start_daem
 
 
 @pytest.mark.slow
-def test_client_reconnects_across_a_restart_without_help(start_daemon) -> None:
+def test_client_reconnects_across_a_restart_without_help(start_daemon: StartDaemon) -> None:
     tokens = list(range(500, 500 + 4 * T))
     d = start_daemon()
     c = client(d, timeout=5.0, retries=20)  # a loaded machine may take a while to restart it
@@ -61,7 +63,12 @@ def test_client_reconnects_across_a_restart_without_help(start_daemon) -> None:
         # restart while the client sleeps; its next calls must just work (fresh socket, hello again)
         done = threading.Event()
         restarted: list[Daemon] = []
-        threading.Thread(target=lambda: (restarted.append(start_daemon()), done.set()), daemon=True).start()
+
+        def restart() -> None:
+            restarted.append(start_daemon())
+            done.set()
+
+        threading.Thread(target=restart, daemon=True).start()
         assert c.lookup(tokens).matched_tokens == 4 * T  # waits through timeouts/retries until it is back
         assert done.wait(60)
         assert c.ping()["pid"] == restarted[0].proc.pid != first_pid
@@ -71,7 +78,7 @@ def test_client_reconnects_across_a_restart_without_help(start_daemon) -> None:
 
 @pytest.mark.slow
 def test_a_killed_daemon_leaves_a_stale_socket_that_the_next_one_replaces(
-    start_daemon, tmp_path: Path
+    start_daemon: StartDaemon, tmp_path: Path
 ) -> None:
     d = start_daemon()
     assert d.stop(signal.SIGKILL) == -signal.SIGKILL
@@ -82,7 +89,9 @@ def test_a_killed_daemon_leaves_a_stale_socket_that_the_next_one_replaces(
 
 
 @pytest.mark.slow
-def test_refuses_a_second_daemon_on_the_same_endpoint_or_store(start_daemon, tmp_path: Path) -> None:
+def test_refuses_a_second_daemon_on_the_same_endpoint_or_store(
+    start_daemon: StartDaemon, tmp_path: Path
+) -> None:
     first = start_daemon()
     # same endpoint (and store): refused before touching the store; the live socket is kept
     second = start_daemon(ready=False)
@@ -101,7 +110,7 @@ def test_refuses_a_second_daemon_on_the_same_endpoint_or_store(start_daemon, tmp
 
 
 @pytest.mark.slow
-def test_refuses_a_socket_directory_others_can_enter(start_daemon, tmp_path: Path) -> None:
+def test_refuses_a_socket_directory_others_can_enter(start_daemon: StartDaemon, tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     os.chmod(run, 0o755)
@@ -111,14 +120,14 @@ def test_refuses_a_socket_directory_others_can_enter(start_daemon, tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_refuses_plain_tcp_unless_allowed(start_daemon, tmp_path: Path) -> None:
+def test_refuses_plain_tcp_unless_allowed(start_daemon: StartDaemon, tmp_path: Path) -> None:
     d = start_daemon(endpoint="tcp://127.0.0.1:0", ready=False)
     assert d.wait_exit(90) == 1
     assert "allow_insecure_tcp" in d.output()
 
 
 @pytest.mark.slow
-def test_stop_waits_for_requests_in_flight(start_daemon) -> None:
+def test_stop_waits_for_requests_in_flight(start_daemon: StartDaemon) -> None:
     d = start_daemon()
     tokens = list(range(64 * T))
     kv = kv_for(len(tokens), seed=5)
@@ -136,7 +145,7 @@ def test_stop_waits_for_requests_in_flight(start_daemon) -> None:
     with client(d2) as c:
         stored = c.lookup(tokens).matched_blocks
     if result and hasattr(result[0], "stored"):
-        assert stored >= result[0].stored  # type: ignore[attr-defined]
+        assert stored >= result[0].stored
 
 
 def free_port() -> int:
@@ -148,7 +157,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_serves_tcp_on_loopback_when_allowed_and_exports_metrics(start_daemon) -> None:
+def test_serves_tcp_on_loopback_when_allowed_and_exports_metrics(start_daemon: StartDaemon) -> None:
     import urllib.request
 
     metrics_port = free_port()
@@ -159,7 +168,8 @@ def test_serves_tcp_on_loopback_when_allowed_and_exports_metrics(start_daemon) -
     kv = kv_for(len(tokens), seed=7)
     with client(d) as c:
         assert c.put(tokens, kv).stored == 3
-        assert torch.equal(c.get(tokens).kv, kv)  # type: ignore[arg-type]
+        got = c.get(tokens)
+        assert got.kv is not None and torch.equal(got.kv, kv)
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     # every request is counted by op and result: the put and the get above among them
     assert 'kvstore_requests_total{code="ok",op="put"}' in body

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import TypedDict
 
 import msgpack
 import numpy as np
@@ -65,13 +66,14 @@ def test_put_lookup_get_round_trip(shared_daemon: Daemon) -> None:
         assert (r.stored, r.present, r.failed) == (10, 0, [])
         assert c.lookup(tokens).matched_tokens == 40
         got = c.get(tokens)
-        assert got.matched_tokens == 40 and torch.equal(got.kv, kv[:, :, :40])
+        assert got.matched_tokens == 40 and got.kv is not None and torch.equal(got.kv, kv[:, :, :40])
         # a second put of the same prefix stores nothing new
         assert c.put(tokens, kv).present == 10
         # a different continuation shares the first 5 blocks only
         other = tokens[:20] + [7] * 20
         assert c.lookup(other).matched_tokens == 20
-        assert torch.equal(c.get(other).kv, kv[:, :, :20])
+        got = c.get(other)
+        assert got.kv is not None and torch.equal(got.kv, kv[:, :, :20])
 
 
 def test_long_prefix_streams_in_chunks(shared_daemon: Daemon) -> None:
@@ -82,7 +84,7 @@ def test_long_prefix_streams_in_chunks(shared_daemon: Daemon) -> None:
         assert c.put(tokens, kv).stored == 23
         got = c.get(tokens)
         after = c.stats()["server"]["requests"]
-    assert got.matched_tokens == 23 * T and torch.equal(got.kv, kv)
+    assert got.matched_tokens == 23 * T and got.kv is not None and torch.equal(got.kv, kv)
     # 8 put chunks, 1 lookup + 8 get chunks, 1 stats (hello was earlier)
     assert after - before == 8 + 1 + 8 + 1
 
@@ -150,10 +152,24 @@ def test_bad_requests_get_error_replies_and_the_daemon_serves_on(
         assert c.ping()["pid"] == shared_daemon.proc.pid
 
 
+class PutFields(TypedDict):
+    """A put's header fields past op and id: typed, so that ``**fields`` cannot fill header's rid."""
+
+    ns: str
+    tokens: bytes
+    shape: list[int]
+    dtype: str
+
+
 def test_bad_puts_store_nothing(shared_daemon: Daemon) -> None:
     tokens = np.arange(7000, 7000 + 2 * T, dtype="<u4")
     good = kv_for(tokens.tolist(), seed=3).view(torch.uint8).numpy().tobytes()
-    fields = {"ns": NS.id, "tokens": tokens.tobytes(), "shape": list(LAYOUT.shape(2 * T)), "dtype": "float16"}
+    fields: PutFields = {
+        "ns": NS.id,
+        "tokens": tokens.tobytes(),
+        "shape": list(LAYOUT.shape(2 * T)),
+        "dtype": "float16",
+    }
     raw = Raw(shared_daemon.endpoint)
     try:
         raw.ask(header("hello", namespace=NS.to_dict()))
@@ -164,10 +180,11 @@ def test_bad_puts_store_nothing(shared_daemon: Daemon) -> None:
         # two payload frames
         assert raw.ask(header("put", **fields), good, good)["code"] == "bad_frames"
         # a shape of another layout (3 heads) contradicts the namespace
-        wrong = {**fields, "shape": [2, 2, 2 * T, 3, 16]}
+        wrong: PutFields = {**fields, "shape": [2, 2, 2 * T, 3, 16]}
         assert raw.ask(header("put", **wrong), good + good[: len(good) // 2])["code"] == "layout"
         # a dtype other than the namespace's
-        assert raw.ask(header("put", **{**fields, "dtype": "bfloat16"}), good)["code"] == "layout"
+        bf16: PutFields = {**fields, "dtype": "bfloat16"}
+        assert raw.ask(header("put", **bf16), good)["code"] == "layout"
         # nothing of it is visible
         assert raw.ask(header("lookup", ns=NS.id, tokens=tokens.tobytes()))["matched_blocks"] == 0
         # the well-formed put then works on the same connection
@@ -222,7 +239,7 @@ def test_several_clients_at_once(shared_daemon: Daemon) -> None:
                 for _ in range(3):
                     c.put(tokens, kv)
                     got = c.get(tokens)
-                    assert got.matched_tokens == 12 * T and torch.equal(got.kv, kv)
+                    assert got.matched_tokens == 12 * T and got.kv is not None and torch.equal(got.kv, kv)
         except BaseException as e:  # surfaced below
             errors.append(e)
 

@@ -186,7 +186,7 @@ def test_client_keys_refuse_incomplete_or_exposed_pairs(tmp_path: Path, case: st
     else:
         os.chmod(me.secret_file, 0o640)
     with pytest.raises(ConfigError) as e:
-        ClientKeys.resolve("tcp://h:1", env={}, **args)  # type: ignore[arg-type]
+        ClientKeys.resolve("tcp://h:1", env={}, **args)
     assert complaint in str(e.value)
 
 

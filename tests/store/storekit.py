@@ -55,7 +55,7 @@ def served_right(s: Store, key: bytes, tier: str, got: torch.Tensor, want: torch
     """What get served for ``key`` from ``tier`` is what was put: bit-exact from a lossless tier unless
     that copy was promoted from a lossy one (then, like a read from the lossy tier, within its error)."""
     e = s._index.get(key)
-    lossless = tier == "hbm" or (tier == "ram" and s._tiers[1].codec.lossless)  # type: ignore[attr-defined]
+    lossless = tier == "hbm" or (tier == "ram" and s.tiers[1].codec.lossless)  # type: ignore[attr-defined]
     if lossless and e is not None and not e.tiers & LOSSY:
         return same(got, want)
     return close_to(got, want)

@@ -51,7 +51,7 @@ def test_evict_from_nvme_keeps_the_copies_above(make_store) -> None:
     r = s.evict(EvictFilter(tier="nvme"))
     assert r.blocks == 4 and r.moved == 0 and set(r.keys) == set(block_keys(NS, toks))
     assert s.lookup(NS, toks).tiers == ["hbm"] * 4
-    assert not set(s._tiers[-1].keys())
+    assert not set(s.tiers[-1].keys())
     r = s.evict(EvictFilter(namespace=NS.id))
     assert r.blocks == 4 and s.stats().blocks == 0
     assert s.check_integrity() == []

@@ -43,7 +43,9 @@ def test_from_config_without_nvme(tmp_path: Path) -> None:
 def _codec_ids(s: Store, keys: list[bytes]) -> list[int]:
     from kvstore.codecs import read_header
 
-    return [read_header(s._nvme.get_frame(k)).codec_id for k in keys]
+    nvme = s.tiers.nvme
+    assert nvme is not None
+    return [read_header(nvme.get_frame(k)).codec_id for k in keys]
 
 
 def test_default_nvme_keeps_block_0_at_int8_and_the_rest_at_int4(tmp_path: Path) -> None:
@@ -83,7 +85,9 @@ def test_demoted_blocks_get_the_head_policy_too(tmp_path: Path) -> None:
         toks = tokens(30)
         s.put(NS, toks, kv(30 * T))
         keys = block_keys(NS, toks)
-        on_nvme = [i for i, k in enumerate(keys) if k in s._nvme]
+        nvme = s.tiers.nvme
+        assert nvme is not None
+        on_nvme = [i for i, k in enumerate(keys) if k in nvme]
         assert 0 in on_nvme and len(on_nvme) > 1  # the oldest blocks went down, block 0 first
         ids = _codec_ids(s, [keys[i] for i in on_nvme])
         assert ids == [int8 if i == 0 else int4 for i in on_nvme]

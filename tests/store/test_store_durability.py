@@ -13,7 +13,7 @@ from tests.store.storekit import NS, T, close_to, kv, tokens
 
 
 def nvme_keys(s) -> set[bytes]:
-    return set(s._tiers[-1].keys())
+    return set(s.tiers[-1].keys())
 
 
 def test_every_stored_block_is_written_through_to_nvme(make_store) -> None:
@@ -24,7 +24,7 @@ def test_every_stored_block_is_written_through_to_nvme(make_store) -> None:
     assert s.flush(10)
     keys = block_keys(NS, toks)
     assert nvme_keys(s) == set(keys)
-    rec = s._tiers[-1].record(keys[1])
+    rec = s.tiers[-1].record(keys[1])
     assert rec.position == 1 and rec.parent == keys[0] and list(rec.token_ids()) == toks[T : 2 * T]
     st = s.stats()
     assert st.written == 6 and st.write_queue == 0
@@ -98,7 +98,7 @@ def test_restart_drops_blocks_whose_parent_never_reached_disk(make_store, tmp_pa
     s.put(NS, toks, kv(4 * T))
     assert s.flush(10)
     keys = block_keys(NS, toks)
-    s._tiers[-1].drop(keys[1])  # as if block 1's write had been lost: 2 and 3 are orphans on disk
+    s.tiers[-1].drop(keys[1])  # as if block 1's write had been lost: 2 and 3 are orphans on disk
     s.close()
     s2 = make_store(path=path)
     assert s2.lookup(NS, toks).matched_blocks == 1
@@ -153,7 +153,7 @@ def test_session_tags_added_later_reach_the_records(make_store, tmp_path: Path) 
     s.put(NS, toks, kv(2 * T), session="b")  # present: only the tag is new
     s.close()
     s2 = make_store(path=path)
-    rec = s2._tiers[-1].record(block_keys(NS, toks)[0])
+    rec = s2.tiers[-1].record(block_keys(NS, toks)[0])
     assert set(rec.sessions) == {"a", "b"}
     # shared with b, so evicting a's own blocks leaves them
     assert s2.evict(EvictFilter(session="a")).blocks == 0

@@ -17,7 +17,7 @@ def test_a_damaged_ram_frame_is_a_miss_and_takes_its_descendants(make_store) -> 
     s.put(NS, toks, data)
     assert s.lookup(NS, toks).tiers[:2] == ["ram", "ram"]
     keys = block_keys(NS, toks)
-    s._tiers[1]._debug_corrupt(keys[1], 200)  # a payload byte of block 1's frame
+    s.tiers[1]._debug_corrupt(keys[1], 200)  # a payload byte of block 1's frame
     # get stops at block 1: block 0 is served, 1 is deleted and counted, 2.. go with it (no orphans)
     got = s.get(NS, toks)
     assert got.matched_blocks == 1 and same(got.kv, data[:, :, :T])
@@ -32,7 +32,7 @@ def test_a_damaged_ram_frame_falls_back_to_the_good_nvme_copy(make_store) -> Non
     s.put(NS, toks, data)
     assert s.flush(10)
     keys = block_keys(NS, toks)
-    s._tiers[1]._debug_corrupt(keys[0], 100)
+    s.tiers[1]._debug_corrupt(keys[0], 100)
     got = s.get(NS, toks)
     # block 0 came from nvme (int4), never from the damaged ram frame
     assert got.matched_blocks == 6 and got.tiers[0] == "nvme"
@@ -68,7 +68,7 @@ def test_a_damaged_lmdb_value_is_never_served(make_store, tmp_path: Path) -> Non
     st = s2.stats()
     assert st.tiers["nvme"].corrupt == 1
     assert s2.lookup(NS, toks).matched_blocks == 2
-    assert not {keys[2], keys[3], keys[4]} & set(s2._tiers[-1].keys())
+    assert not {keys[2], keys[3], keys[4]} & set(s2.tiers[-1].keys())
     assert s2.check_integrity() == []
 
 

@@ -65,7 +65,7 @@ def test_blocks_past_their_ttl_expire_in_the_background_with_descendants(make_st
     assert s.lookup(NS, old).matched_blocks == 0
     assert s.lookup(NS, new).matched_blocks == 2
     assert s.stats().expired == 3
-    assert not set(block_keys(NS, old)) & set(s._tiers[-1].keys())
+    assert not set(block_keys(NS, old)) & set(s.tiers[-1].keys())
     # the session's tail followed its blocks out
     assert s.session("old").info.blocks == 0
     assert s.check_integrity() == []

@@ -79,7 +79,8 @@ def test_write_queue_applies_back_pressure_and_drains() -> None:
         gate.wait(5)
         written.append(key)
 
-    w = WriteThrough(write, lambda: None, maxsize=2, tick=0.05)
+    w = WriteThrough(maxsize=2, tick=0.05)
+    w.start(write, lambda: None)
     try:
         # the first key is taken by the (stalled) thread, two wait in the queue, the fourth waits for room
         assert w.submit([b"1"], timeout=1) == []

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstore.codecs import get_codec
 from kvstore.keys import block_keys
@@ -125,12 +125,11 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.stats().blocks == 0
         self.put_keys.clear()
 
-    @precondition(lambda self: True)
     @rule()
     def restart(self) -> None:
         s = self.store
         assert s.flush(30)
-        nvme = s._tiers[-1]
+        nvme = s.tiers[-1]
         on_disk = set(nvme.keys())
         # what must come back: blocks on nvme whose whole chain is on nvme too
         expect = {e.key for e in s._index.entries() if all(a.key in on_disk for a in s._index.chain(e))}

@@ -50,7 +50,7 @@ def test_hits_promote_blocks_one_tier_up(make_store) -> None:
     assert tiers_of(s, toks)[0] == "hbm"
     assert s.stats().tiers["hbm"].promotions == 1
     # between memory tiers a promotion is a move: block 0 no longer takes room in ram
-    assert block_keys(NS, toks)[0] not in s._tiers[1]
+    assert block_keys(NS, toks)[0] not in s.tiers[1]
     assert s.check_integrity() == []
 
 
@@ -63,7 +63,7 @@ def test_promotion_from_nvme_keeps_the_nvme_copy(make_store, tmp_path) -> None:
     assert tiers_of(s, toks) == ["nvme", "nvme"]
     s.get(NS, toks)
     assert tiers_of(s, toks) == ["ram", "ram"]
-    assert set(block_keys(NS, toks)) <= set(s._tiers[-1].keys())
+    assert set(block_keys(NS, toks)) <= set(s.tiers[-1].keys())
 
 
 def test_promotion_can_be_switched_off(make_store) -> None:
@@ -136,10 +136,14 @@ def test_get_pins_nothing_after_it_returns(make_store) -> None:
     s.put(NS, toks, kv(2 * T))
     s.get(NS, toks)
     assert s.stats().pinned == 0
-    assert block_keys(NS, toks)[0] in {k for k in s._tiers[0].keys()}
+    assert block_keys(NS, toks)[0] in {k for k in s.tiers[0].keys()}
 
 
 def test_demotion_frames_are_encoded_outside_the_lock(tmp_path) -> None:
+    from typing import Any, cast
+
+    import torch
+
     from kvstore.codecs.raw import RawCodec
     from kvstore.store.engine import Store
     from kvstore.tiers.hbm import HbmTier
@@ -151,8 +155,10 @@ def test_demotion_frames_are_encoded_outside_the_lock(tmp_path) -> None:
 
         locked: list[bool] = []
 
-        def encode(self, block):  # type: ignore[no-untyped-def]
-            self.locked.append(store._lock._is_owned())
+        def encode(self, block: torch.Tensor) -> bytearray:
+            # store._lock is a threading.RLock: both its C and Python versions have _is_owned at
+            # runtime, but typeshed does not declare it
+            self.locked.append(cast(Any, store._lock)._is_owned())
             return super().encode(block)
 
     store = Store(

@@ -8,6 +8,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -20,7 +21,7 @@ from kvstore.codecs import get_codec
 from kvstore.errors import ConfigError, FrameError, StoreFormatError, StoreLocked
 from kvstore.record import BlockRecord
 from kvstore.tiers import NvmeTier, TierFull, TierIOError
-from kvstore.tiers.lmdb_env import DURABILITY
+from kvstore.tiers.lmdb_env import DURABILITY, Durability
 
 SHAPE = (2, 2, 16, 2, 64)  # 16 KiB a block in bf16: frames live in overflow pages, like real ones
 
@@ -52,9 +53,9 @@ def open_tier(path: Path, capacity: int = 8 << 20, **kw: object) -> NvmeTier:
 
 
 @pytest.fixture
-def tier(tmp_path: Path) -> NvmeTier:
+def tier(tmp_path: Path) -> Iterator[NvmeTier]:
     t = open_tier(tmp_path / "nvme")
-    yield t  # type: ignore[misc]
+    yield t
     t.close()
 
 
@@ -341,9 +342,9 @@ def test_synced_fast_store_is_kept_after_a_reboot(tmp_path: Path) -> None:
     again.close()
 
 
-@pytest.mark.parametrize("mode", sorted(DURABILITY))
-def test_every_durability_mode_stores_and_reopens(tmp_path: Path, mode: str) -> None:
-    tier = open_tier(tmp_path / mode, durability=mode)
+@pytest.mark.parametrize("mode", list(Durability))
+def test_every_durability_mode_stores_and_reopens(tmp_path: Path, mode: Durability) -> None:
+    tier = open_tier(tmp_path / mode.value, durability=mode.value)  # as a config names it
     assert tier._env.env.flags()["sync"] == DURABILITY[mode]["sync"]
     assert tier._env.env.flags()["metasync"] == DURABILITY[mode]["metasync"]
     assert not tier._env.env.flags()["writemap"]

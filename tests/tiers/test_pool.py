@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError
-from kvstore.tiers import PagePool, TierFull
+from kvstore.tiers import PagePool, PageSpan, TierFull
 
 
 def data(n: int, seed: int = 0) -> torch.Tensor:
@@ -104,7 +104,7 @@ def test_cuda_device_without_cuda_is_a_clear_error() -> None:
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 2000)), max_size=40))
 def test_random_allocs_never_exceed_capacity_and_data_survives(ops: list[tuple[bool, int]]) -> None:
     pool = PagePool(256 * 16, page_bytes=256)
-    live: list[tuple[object, torch.Tensor]] = []
+    live: list[tuple[PageSpan, torch.Tensor]] = []
     for i, (grow, n) in enumerate(ops):
         if grow or not live:
             if not pool.can_alloc(n):
@@ -117,14 +117,14 @@ def test_random_allocs_never_exceed_capacity_and_data_survives(ops: list[tuple[b
             live.append((span, src))
         else:
             span, _ = live.pop(n % len(live))
-            pool.free(span)  # type: ignore[arg-type]
-        used = sum(s.count for s, _ in live)  # type: ignore[attr-defined]
+            pool.free(span)
+        used = sum(s.count for s, _ in live)
         assert pool.used_pages == used <= pool.num_pages
         # no two live entries share a page
-        pages = [p for s, _ in live for p in s.pages]  # type: ignore[attr-defined]
+        pages = [p for s, _ in live for p in s.pages]
         assert len(pages) == len(set(pages))
     for span, src in live:
-        assert torch.equal(pool.read(span, src.numel()), src)  # type: ignore[arg-type]
+        assert torch.equal(pool.read(span, src.numel()), src)
 
 
 def test_concurrent_alloc_and_free_keep_the_free_list_consistent() -> None:

@@ -20,6 +20,7 @@ from kvstore.wire.errors import (
 )
 from kvstore.wire.messages import (
     REQUESTS,
+    Buffer,
     DataOk,
     ErrorReply,
     Evict,
@@ -29,6 +30,7 @@ from kvstore.wire.messages import (
     HelloOk,
     Lookup,
     LookupOk,
+    Message,
     Ping,
     Pong,
     Put,
@@ -70,9 +72,16 @@ def joined(limits: Limits | None = None) -> tuple[ClientProtocol, ServerProtocol
     return client, server, got[1].ns
 
 
-def roundtrip(client: ClientProtocol, server: ServerProtocol, msg: object) -> Request:
-    _, frames = client.send(msg)  # type: ignore[arg-type]
+def roundtrip(client: ClientProtocol, server: ServerProtocol, msg: Message) -> Request:
+    _, frames = client.send(msg)
     return server.receive(PEER, frames)
+
+
+def answer(client: ClientProtocol, frames: list[Buffer]) -> tuple[int, Message]:
+    """The (request id, reply) in ``frames``, which answer a request the client still awaits."""
+    got = client.receive(frames)
+    assert got is not None
+    return got
 
 
 def test_hello_registers_namespace_and_returns_limits() -> None:
@@ -90,8 +99,8 @@ def test_lookup_round_trip_keeps_tokens_and_matches_reply_by_id() -> None:
     assert isinstance(req.msg, Lookup) and req.namespace == NS
     assert np.array_equal(req.msg.tokens, tokens)
     assert server.inflight == {PEER: 1}
-    rid, reply = client.receive(
-        server.reply(req, LookupOk(matched_blocks=2, matched_tokens=8, tiers=["hbm"] * 2))
+    rid, reply = answer(
+        client, server.reply(req, LookupOk(matched_blocks=2, matched_tokens=8, tiers=["hbm"] * 2))
     )
     assert rid == req.id and reply == LookupOk(2, 8, ["hbm", "hbm"])
     assert server.inflight == {} and client.pending == {}
@@ -117,20 +126,22 @@ def test_put_payload_travels_as_a_separate_frame_and_get_reply_carries_blocks() 
     assert (
         isinstance(req.msg, Put) and req.msg.start_block == 1 and len(req.msg.kv) == 2 * LAYOUT.block_nbytes
     )
-    rid, reply = client.receive(
-        server.reply(req, PutOk(stored=1, present=0, failed=[[2, "tier_full", "pinned"]]))
+    rid, reply = answer(
+        client, server.reply(req, PutOk(stored=1, present=0, failed=[[2, "tier_full", "pinned"]]))
     )
     assert reply == PutOk(1, 0, [[2, "tier_full", "pinned"]])
 
     req = roundtrip(client, server, Get(ns=ns, tokens=tokens, max_blocks=16))
     out = server.reply(req, GetOk(start_block=0, blocks=3, tiers=["hbm"] * 3, kv=kv_bytes(3)))
     assert len(out) == 2
-    _, reply = client.receive(out)
+    _, reply = answer(client, out)
     assert isinstance(reply, GetOk) and reply.blocks == 3 and len(reply.kv) == 3 * LAYOUT.block_nbytes
     # a get reply without blocks has no payload frame
     req = roundtrip(client, server, Get(ns=ns, tokens=tokens))
     out = server.reply(req, GetOk(start_block=0, blocks=0, tiers=[]))
-    assert len(out) == 1 and client.receive(out)[1].kv is None  # type: ignore[index,union-attr]
+    assert len(out) == 1
+    _, reply = answer(client, out)
+    assert isinstance(reply, GetOk) and reply.kv is None
 
 
 def raw(header: dict, *payload: bytes) -> list[bytes]:
@@ -200,7 +211,7 @@ def test_request_id_survives_into_the_error_when_readable() -> None:
     # the error reply goes back under that id and the client sees the code
     client = ClientProtocol()
     client.pending[77] = "ping"
-    rid, reply = client.receive(server.error(PEER, 77, info.value.code, info.value.message, done=False))
+    rid, reply = answer(client, server.error(PEER, 77, info.value.code, info.value.message, done=False))
     assert rid == 77 and isinstance(reply, ErrorReply) and reply.code == "unknown_op"
 
 
@@ -373,7 +384,7 @@ def test_prefetch_slice_round_trip_and_old_style_request() -> None:
         remaining=52,
         bytes_moved=10 * 4096,
     )
-    _, reply = client.receive(server.reply(req, DataOk(data=asdict(result))))  # type: ignore[misc]
+    _, reply = answer(client, server.reply(req, DataOk(data=asdict(result))))
     assert isinstance(reply, DataOk) and PrefetchResult(**reply.data) == result
     # a request with only session and to (an older client) means the whole chain
     old = server.receive(

@@ -1,4 +1,4 @@
-"""What the store's writer thread does: write-through, TTL expiry, record updates, deferred keys.
+"""Write-back to nvme: what the writer thread does, and the durable acknowledgement.
 
 ::
 
@@ -7,9 +7,10 @@
                  lock: mark it on nvme; if it was dropped meanwhile, drop the new copy again
     idle()       every tick: expire blocks past the TTL (with descendants), requeue deferred keys,
                  persist changed session tags / access times into the nvme records, purge lapsed pins
+    flush()      requeue deferred keys, wait until the queue is empty, fsync: the durable acknowledgement
 
-A mixin of Store (store.py): it uses the store's lock, index, tiers and mover.
-Also here: flush and close, and the session records the writer persists.
+Keys the queue refused (back-pressure) or whose write failed are *deferred*:
+kept, retried at the next tick or flush, and never called durable until written.
 """
 
 from __future__ import annotations
@@ -17,106 +18,116 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import Any
 
 from kvstore.errors import FrameError, KVStoreError
-from kvstore.store.index import TIER_MASK, BlockIndex, Entry
+from kvstore.store.index import TIER_MASK, Entry
 from kvstore.store.movement import Mover
-from kvstore.store.pins import PinTable
-from kvstore.store.sessions import SessionState
+from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
-from kvstore.tiers.base import Tier, TierFull, TierIOError
+from kvstore.tiers.base import TierFull, TierIOError
+from kvstore.tiers.nvme import NvmeTier
 
 _EXPIRE_BATCH = 10000  # blocks dropped per tick at most, so the lock is never held for long
 _RECORD_BATCH = 4096
 
 
-class Background:
-    _lock: Any
-    _clock: Any
-    _index: BlockIndex
-    _tiers: list[Tier]
-    _nvme: Any
-    _nvme_t: int | None
-    _mover: Mover
-    _pins: PinTable
-    _writer: WriteThrough | None
-    _deferred: dict[bytes, None]
-    _dirty: set[bytes]
-    _writing: set[bytes]
-    _counts: dict[str, int]
-    _ttl: float
-    _backpressure: float
-    _closed: bool
-    _check_open: Any
+class WriteBack:
+    """The write-through to nvme, TTL expiry and record upkeep over one store's index.
+
+    ``writer`` is started here with this object's ``write`` and ``idle``. Every
+    method takes ``lock`` itself unless its docstring says the caller holds it.
+    """
+
+    def __init__(
+        self,
+        parts: StoreParts,
+        mover: Mover,
+        nvme: NvmeTier,
+        writer: WriteThrough,
+        *,
+        ttl: float,
+        backpressure: float,
+    ) -> None:
+        self._lock, self._clock, self._tiers, self._index = parts.lock, parts.clock, parts.tiers, parts.index
+        self._pins, self._counts = parts.pins, parts.counts
+        self._nvme = nvme
+        self._t = parts.tiers.last  # nvme is the last tier
+        self._mover = mover
+        self._writer = writer
+        self._ttl = ttl
+        self._backpressure = backpressure
+        self._closed = False
+        self.deferred: dict[bytes, None] = {}  # keys to write that the queue refused or that failed
+        self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
+        self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
+        writer.start(self.write, self.idle)
+
+    # -- callers' side ----------------------------------------------------------------
+    def submit(self, keys: list[bytes], wait: float | None = None) -> int:
+        """Queue keys for write-through (no lock held); those refused are deferred. Returns how many."""
+        if not keys:
+            return 0
+        refused = self._writer.submit(keys, self._backpressure if wait is None else wait)
+        if refused:
+            with self._lock:
+                self.deferred.update(dict.fromkeys(refused))
+        return len(refused)
+
+    def defer(self, keys: list[bytes]) -> None:
+        """(Lock held.) Write ``keys`` from the writer's next tick, never on the caller's thread."""
+        self.deferred.update(dict.fromkeys(keys))
+
+    def record_changed(self, e: Entry, tags_changed: bool, now: float) -> None:
+        """(Lock held.) ``e`` was touched at ``now``: its nvme record follows at the next idle tick
+        when its tags changed or its access time moved to another 10-minute slot."""
+        if e.tiers & (1 << self._t) and (tags_changed or int(e.last_access // 600) != int(now // 600)):
+            self._dirty.add(e.key)
+
+    def depth(self) -> int:
+        return self._writer.depth()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every stored block has reached nvme and LMDB is synced: the durable acknowledgement.
-        False when ``timeout`` passed first (nothing is lost; a later flush goes on)."""
-        if self._writer is None:
-            return True
+        """Wait until every stored block has reached nvme and LMDB is synced: the durable
+        acknowledgement. False when ``timeout`` passed first (nothing is lost; a later flush goes on)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         with self._lock:
-            keys = list(self._deferred)
-            self._deferred.clear()
-        self._submit(keys, wait=math.inf if deadline is None else max(0.0, deadline - time.monotonic()))
-        self._writer.run_soon(self._persist_dirty)
-        if not self._writer.drain(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            keys = list(self.deferred)
+            self.deferred.clear()
+        wait = left()
+        self.submit(keys, wait=math.inf if wait is None else wait)
+        self._writer.run_soon(self.persist_dirty)
+        if not self._writer.drain(left()):
             return False
         with self._lock:
-            if self._deferred:
+            if self.deferred:
                 return False
         self._nvme.sync()
         return True
 
     def close(self) -> None:
-        """Flush, stop the writer thread and close the tiers. Further calls raise StoreClosed."""
-        with self._lock:
-            if self._closed:
-                return
-        self.flush()
+        """Stop writing (what is queued is skipped) and stop the thread. Flush first to keep it."""
         with self._lock:
             self._closed = True
-        if self._writer is not None:
-            self._writer.close()
-        for tier in self._tiers:
-            tier.close()
+        self._writer.close()
 
-    def _persist_session(self, s: SessionState) -> None:
-        if self._writer is not None:
-            nvme, d = self._nvme, s.to_dict()
-            self._writer.run_soon(lambda: nvme.put_session(s.name, d))
-
-    def _forget_session(self, name: str) -> None:
-        if self._writer is not None:
-            nvme = self._nvme
-            self._writer.run_soon(lambda: nvme.drop_session(name))
-
-    def _submit(self, keys: list[bytes], wait: float | None = None) -> list[bytes]:
-        """Queue keys for write-through (no lock held); those refused go to the deferred set."""
-        if not keys or self._writer is None:
-            return []
-        refused = self._writer.submit(keys, self._backpressure if wait is None else wait)
-        if refused:
-            with self._lock:
-                self._deferred.update(dict.fromkeys(refused))
-        return refused
-
-    def _write_one(self, key: bytes) -> None:
-        """Write one block through to nvme (writer thread). Holds no pin: an explicit evict may drop
-        the block meanwhile, and then the fresh nvme copy is dropped again."""
-        nvme, t_n = self._nvme, self._nvme_t
-        if nvme is None or t_n is None:
-            return
+    # -- the writer thread --------------------------------------------------------------
+    def write(self, key: bytes) -> None:
+        """Write one block through to nvme. Holds no pin: an explicit evict may drop the block
+        meanwhile, and then the fresh nvme copy is dropped again."""
         with self._lock:
-            self._writing.add(key)  # check_integrity: the nvme copy may lead the index for a moment
+            self.writing.add(key)  # check_integrity: the nvme copy may lead the index for a moment
         try:
-            self._write_locked_steps(key, nvme, t_n)
+            self._write(key)
         finally:
             with self._lock:
-                self._writing.discard(key)
+                self.writing.discard(key)
 
-    def _write_locked_steps(self, key: bytes, nvme: Any, t_n: int) -> None:
+    def _write(self, key: bytes) -> None:
+        t_n, nvme = self._t, self._nvme
         block = None
         for _ in range(3):  # a demotion may move the copy between finding and reading it
             with self._lock:
@@ -146,15 +157,15 @@ class Background:
             except TierFull:
                 with self._lock:
                     if not self._mover.make_room(t_n, block, position=rec.position):
-                        self._write_failed(key)
+                        self._failed(key)
                         return
             except TierIOError:
                 with self._lock:
-                    self._write_failed(key)
+                    self._failed(key)
                 return
         else:
             with self._lock:
-                self._write_failed(key)
+                self._failed(key)
             return
         with self._lock:
             now = self._index.get(key)
@@ -163,30 +174,30 @@ class Background:
                 return
             self._index.set_tier(now, t_n)
             now.pending = None
-            self._counts["written"] += 1
+            self._counts.written += 1
             if now.sessions != rec.sessions or now.last_access != rec.last_access:
                 self._dirty.add(key)
 
-    def _write_failed(self, key: bytes) -> None:
+    def _failed(self, key: bytes) -> None:
         """(Lock held.) ``key`` did not reach nvme (full disk, I/O error): counted, and kept among the
         deferred keys, retried at the next tick or flush, so that flush does not call it durable."""
-        self._counts["write_failures"] += 1
+        self._counts.write_failures += 1
         if key in self._index:
-            self._deferred[key] = None
+            self.deferred[key] = None
 
-    def _idle(self) -> None:
+    def idle(self) -> None:
         """Periodic upkeep on the writer thread."""
-        self._expire()
+        self.expire()
         with self._lock:
-            keys = list(self._deferred)[:1024]
+            keys = list(self.deferred)[:1024]
             for k in keys:
-                del self._deferred[k]
-        self._submit(keys, wait=0.0)
-        self._persist_dirty()
+                del self.deferred[k]
+        self.submit(keys, wait=0.0)
+        self.persist_dirty()
         with self._lock:
             self._pins.purge()
 
-    def _expire(self) -> int:
+    def expire(self) -> int:
         """Drop blocks not accessed for ``ttl`` seconds, with their descendants. Returns blocks dropped."""
         if not math.isfinite(self._ttl):
             return 0
@@ -201,14 +212,12 @@ class Background:
             for e in old:
                 if self._index.get(e.key) is e and not self._mover.subtree_pinned(e):
                     dropped += len(self._mover.drop_block(e))
-            self._counts["expired"] += dropped
+            self._counts.expired += dropped
         return dropped
 
-    def _persist_dirty(self) -> None:
+    def persist_dirty(self) -> None:
         """Write changed session tags and access times into the blocks' nvme records."""
-        nvme, t_n = self._nvme, self._nvme_t
-        if nvme is None or t_n is None:
-            return
+        t_n, nvme = self._t, self._nvme
         while True:
             with self._lock:
                 keys = [self._dirty.pop() for _ in range(min(len(self._dirty), _RECORD_BATCH))]

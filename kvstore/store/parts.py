@@ -1,0 +1,40 @@
+"""What the store's collaborators share, handed to each through its constructor.
+
+::
+
+    StoreParts ── lock, clock          one RLock guards everything below
+               ├─ tiers                the tiers, top to bottom (tierset.py)
+               ├─ index                blocks, tree, tier bits, LRU (index.py)
+               ├─ pins, sessions, namespaces
+               └─ counts               store-wide counters (counts.py)
+
+The parts are built once by the Store; none of them is replaced afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.store.counts import StoreCounts
+from kvstore.store.index import BlockIndex
+from kvstore.store.namespaces import NamespaceTable
+from kvstore.store.pins import PinTable
+from kvstore.store.sessions import SessionTable
+from kvstore.store.tierset import TierSet
+
+
+@dataclass(frozen=True)
+class StoreParts:
+    """The shared state of one store. Every field but ``lock``, ``clock`` and ``tiers`` is changed
+    only with ``lock`` held."""
+
+    lock: threading.RLock
+    clock: Callable[[], float]
+    tiers: TierSet
+    index: BlockIndex
+    pins: PinTable
+    sessions: SessionTable
+    namespaces: NamespaceTable
+    counts: StoreCounts
