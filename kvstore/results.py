@@ -153,6 +153,18 @@ class SessionInfo:
 
 
 @dataclass(frozen=True)
+class NamespaceUsage:
+    """One namespace's share of the store: its blocks (in all, and held per tier) and sessions."""
+
+    namespace: str
+    model: str
+    tenant: str
+    blocks: int
+    tiers: dict[str, int]
+    sessions: int
+
+
+@dataclass(frozen=True)
 class BlockInfo:
     position: int
     key: str  # hex

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from kvstore.errors import FrameError
+from kvstore.errors import FrameError, KVStoreError
 from kvstore.record import BlockRecord
 
 try:  # the same CRC-32 as zlib's, several times faster (see codecs/frame.py)
@@ -42,11 +42,19 @@ try:  # the same CRC-32 as zlib's, several times faster (see codecs/frame.py)
 except ImportError:  # pragma: no cover
     from zlib import crc32
 
+
+class RecordTooLarge(KVStoreError):
+    """A record field is longer than the entry format can hold; nothing was written."""
+
+    code = "tier_io"
+
+
 HEAD = struct.Struct("<BBxxII")
 FIXED = struct.Struct("<32sIddHHHxx")
 ENTRY_FORMAT = 1
 _HAS_RECORD = 1
 _EMPTY_LIST = msgpack.packb([])
+_MAX_PART = 0xFFFF
 _ALL = struct.Struct(HEAD.format + FIXED.format.lstrip("<"))
 _EMPTY_CRC = crc32(b"")
 _META_AT = _ALL.size - 8  # the lengths N, S, E: with the namespace and sessions, what entries share
@@ -105,6 +113,12 @@ def pack_entry(frame_len: int, record: BlockRecord | None) -> bytes:
     ns = record.namespace.encode()
     sessions = msgpack.packb(list(record.sessions), use_bin_type=True)
     extra = msgpack.packb(record.extra, use_bin_type=True) if record.extra else b""
+    for what, part in (("namespace id", ns), ("session tags", sessions), ("extra fields", extra)):
+        if len(part) > _MAX_PART:  # its length is a 16-bit field
+            raise RecordTooLarge(
+                f"block {record.key.hex()[:16]}: its {what} take {len(part)} bytes, more than a record holds "
+                f"({_MAX_PART})"
+            )
     body = b"".join(
         (
             FIXED.pack(

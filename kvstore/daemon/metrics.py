@@ -3,7 +3,7 @@
 ::
 
     GET /metrics (127.0.0.1:<port>, its own thread) ─► Metrics.registry
-        ├─ StoreCollector: store.stats() (+ store.sessions()) read at every scrape -> gauges and counters
+        ├─ StoreCollector: store.stats() (+ store.usage()) read at every scrape -> gauges and counters
         ├─ kvstore_requests_total{op,code}, kvstore_request_duration_seconds{op}   <- Metrics.observe()
         └─ process_* (resident memory, CPU, open fds) of the daemon
 
@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.results import MISSING_PARENT, NO_ROOM
+from kvstore.results import MISSING_PARENT, NO_ROOM, NamespaceUsage
 from kvstore.wire.errors import ERROR_CODES
 from kvstore.wire.messages import REQUESTS, ErrorReply, PutOk
 
@@ -113,13 +113,16 @@ _NS_LABELS = ["namespace", "model", "tenant"]
 
 
 class StatsSource(Protocol):
-    """What Metrics reads: a Store (or anything with the same ``stats``; ``sessions`` is optional)."""
+    """What Metrics reads: a Store (or anything with the same ``stats``)."""
 
     def stats(self) -> Any: ...
 
 
+UsageSource = Callable[[], Iterable[NamespaceUsage]]  # Store.usage: per-namespace counters, O(namespaces)
+
+
 class StoreCollector(Collector):
-    """Turns one ``store.stats()`` (and ``store.sessions()``) into metric families, at every scrape.
+    """Turns one ``store.stats()`` (and ``store.usage()``) into metric families, at every scrape.
 
     ``stats`` may be a StoreStats or its ``to_dict()`` form. Figures the store does not report are
     left out rather than shown as 0. When the store cannot answer (closed, failing), only
@@ -127,12 +130,12 @@ class StoreCollector(Collector):
     """
 
     def __init__(
-        self, store: StatsSource, started: float, clock: Callable[[], float], sessions: bool
+        self, store: StatsSource, started: float, clock: Callable[[], float], usage: UsageSource | None
     ) -> None:
         self._store = store
         self._started = started
         self._clock = clock
-        self._sessions = sessions
+        self._usage = usage
 
     def describe(self) -> list[Metric]:
         return []  # families depend on what the store reports; describing would call the store at registration
@@ -168,10 +171,9 @@ class StoreCollector(Collector):
             yield _write_failures(stats["write_failures"])
         if "by_namespace" in stats:
             yield from _namespace_families(stats["by_namespace"])
-        sessions = getattr(self._store, "sessions", None)
-        if self._sessions and sessions is not None:
+        if self._usage is not None:
             try:
-                yield from _session_families(sessions())
+                yield from _usage_families(list(self._usage()))
             except KVStoreError:
                 pass  # the store closed between the two calls: the next scrape shows kvstore_up 0
 
@@ -179,10 +181,8 @@ class StoreCollector(Collector):
 class Metrics:
     """The daemon's metrics: a registry, its store collector, request counters, the HTTP endpoint.
 
-    ``started`` (a ``clock()`` reading) is when the daemon started, default now. ``sessions``:
-    export per-namespace session figures (walks every session's chain at each scrape under the
-    store's lock, about 1 µs per cached block of every session: switch off when sessions hold
-    millions of blocks).
+    ``started`` (a ``clock()`` reading) is when the daemon started, default now. ``usage``: the
+    store's per-namespace counters (``Store.usage``), exported per namespace when given.
     """
 
     def __init__(
@@ -191,12 +191,10 @@ class Metrics:
         *,
         started: float | None = None,
         clock: Callable[[], float] = time.time,
-        sessions: bool = True,
+        usage: UsageSource | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(
-            StoreCollector(store, clock() if started is None else started, clock, sessions)
-        )
+        self.registry.register(StoreCollector(store, clock() if started is None else started, clock, usage))
         ProcessCollector(registry=self.registry)
         self._requests = Counter(
             "kvstore_requests",
@@ -360,24 +358,17 @@ def _namespace_families(by_ns: Mapping[str, Any]) -> Iterator[Metric]:
             yield m
 
 
-def _session_families(sessions: Iterable[Any]) -> Iterator[Metric]:
-    count: dict[tuple[str, str, str], int] = {}
-    blocks: dict[tuple[str, str, str, str], int] = {}
-    for s in sessions:
-        ns = (s.namespace, s.model, s.tenant)
-        count[ns] = count.get(ns, 0) + 1
-        for tier, n in s.tiers.items():
-            blocks[(*ns, tier)] = blocks.get((*ns, tier), 0) + n
+def _usage_families(usages: list[NamespaceUsage]) -> Iterator[Metric]:
     g = GaugeMetricFamily("kvstore_namespace_sessions", "Sessions per namespace", labels=_NS_LABELS)
-    for ns, n in count.items():
-        g.add_metric(list(ns), n)
+    for u in usages:
+        g.add_metric([u.namespace, u.model, u.tenant], u.sessions)
     yield g
     b = GaugeMetricFamily(
-        "kvstore_namespace_session_blocks",
-        "Cached blocks of the namespace's sessions, "
-        "per tier (a prefix shared by several sessions counts once per session)",
+        "kvstore_namespace_tier_blocks",
+        "Blocks of the namespace held in each tier (a block may be in several)",
         labels=[*_NS_LABELS, "tier"],
     )
-    for key, n in blocks.items():
-        b.add_metric(list(key), n)
+    for u in usages:
+        for tier, n in u.tiers.items():
+            b.add_metric([u.namespace, u.model, u.tenant, tier], n)
     yield b

@@ -82,7 +82,7 @@ class Server:
         )
         self.proto = ServerProtocol(self.limits, server=f"kvstore/{PROTOCOL_VERSION}")
         self.handlers = Handlers(store, self.info, max_lease=config.policy.pin_lease)
-        self.metrics = Metrics(store)
+        self.metrics = Metrics(store, usage=store.usage)
         self._stop_reason: str | None = None
         self._local = threading.local()
         self._worker_sockets: list[zmq.Socket] = []

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import Forbidden
 from kvstore.keys import Namespace
-from kvstore.results import EvictFilter, SessionInfo
+from kvstore.results import SessionInfo
 from kvstore.wire.errors import ProtocolError
 from kvstore.wire.messages import (
     DataOk,
@@ -133,9 +133,9 @@ class TenantOps:
     def sessions(self, tenant: str) -> list[SessionInfo]:
         """``tenant``'s sessions under its own names."""
         out = []
-        for s in self.store.sessions():
+        for s in self.store.sessions(tenant):
             name = unqualify(tenant, s.name)
-            if name is not None and s.tenant == tenant:
+            if name is not None:
                 out.append(replace(s, name=name))
         return out
 
@@ -152,18 +152,23 @@ class TenantOps:
     def stats(self, tenant: str) -> dict[str, Any]:
         """``tenant``'s share of the store: blocks, bytes per tier, sessions; tier capacities (shared).
 
-        Counted by a dry-run evict of the tenant's blocks (a read under the
-        store lock): blocks pinned for a transfer at that instant are left out.
+        From counters the store keeps per namespace (no walk over blocks): a
+        tier's bytes are the tenant's share of its blocks times the bytes the
+        tier holds (blocks of one layout take the same room in a tier).
         """
-        mine = self.store.evict(EvictFilter(tenant=tenant), dry_run=True)
-        tiers = {
-            name: {"name": name, "used": mine.bytes_freed.get(name, 0), "capacity": t.capacity}
-            for name, t in self.store.stats().tiers.items()
-        }
+        mine = self.store.usage(tenant)
+        totals = self.store.stats().tiers
+        tiers = {}
+        for name, t in totals.items():
+            held = sum(u.tiers.get(name, 0) for u in mine)
+            used = t.used * held // t.blocks if t.blocks else 0
+            tiers[name] = {"name": name, "used": used, "capacity": t.capacity, "blocks": held}
+        blocks = sum(u.blocks for u in mine)
+        sessions = sum(u.sessions for u in mine)
         info = self.server_info()
         return {
             "tenant": tenant,
-            "store": {"tiers": tiers, "blocks": mine.blocks, "sessions": len(self.sessions(tenant))},
+            "store": {"tiers": tiers, "blocks": blocks, "sessions": sessions},
             "server": {k: info[k] for k in SERVER_FIELDS if k in info},
         }
 

@@ -22,6 +22,7 @@ from kvstore.results import (
     EvictResult,
     InvalidFilter,
     InvalidRequest,
+    NamespaceUsage,
     PrefetchResult,
     SessionDetail,
     SessionInfo,
@@ -66,8 +67,10 @@ class AdminOps:
         """Drop (or, with ``flt.tier``, move down) the blocks ``flt`` selects, descendants included.
 
         With ``dry_run`` nothing changes and the result lists what would go
-        and the bytes it would free per tier. Raises InvalidFilter for a filter
-        without criteria or with an unknown tier.
+        and the bytes it would free per tier. ``flt.session`` selects the
+        blocks that session stored, and drops only those no other session
+        builds on (a shared system prompt stays). Raises InvalidFilter for a
+        filter without criteria or with an unknown tier.
         """
         if not flt.selects_anything():
             raise InvalidFilter(
@@ -93,6 +96,8 @@ class AdminOps:
                     sub = self._index.subtree(e)
                     if any(self._mover.pinned(d) for d in sub):
                         continue
+                    if flt.session is not None and any(self._shared(d, flt.session) for d in sub):
+                        continue  # another session's conversation goes on below it: it stays
                     for d in sub:
                         if d.key not in seen:
                             seen.add(d.key)
@@ -195,10 +200,44 @@ class AdminOps:
             bytes_moved=moved_bytes,
         )
 
-    def sessions(self) -> list[SessionInfo]:
-        """Every session, by name."""
+    def sessions(self, tenant: str | None = None) -> list[SessionInfo]:
+        """Every session (or ``tenant``'s), by name.
+
+        Under the lock only the sessions and their tail blocks are looked up;
+        their chains are counted after it is released (an entry's parent link
+        never changes, so the walk is safe; a block dropped meanwhile may
+        still be counted once)."""
         with self._lock:
-            return [self._session_info(s)[0] for s in self._sessions.all()]
+            if tenant is None:
+                states = self._sessions.all()
+            else:
+                mine = [i for i, ns in self._namespaces.items() if ns.tenant == tenant]
+                states = self._sessions.in_namespaces(mine)
+            found = [(s, self._index.get(s.tail) if s.tail is not None else None) for s in states]
+        return [self._session_info(s, tail)[0] for s, tail in found]
+
+    def usage(self, tenant: str | None = None) -> list[NamespaceUsage]:
+        """Blocks per tier and sessions of every namespace (or ``tenant``'s), from counters kept as
+        blocks come and go: O(namespaces) under the lock, whatever the number of blocks."""
+        with self._lock:
+            counts = self._index.namespace_counts()
+            sessions = self._sessions.count_by_namespace()
+            out = []
+            for ns_id, c in sorted(counts.items()):
+                ns = self._namespaces.get(ns_id)
+                if tenant is not None and (ns is None or ns.tenant != tenant):
+                    continue
+                out.append(
+                    NamespaceUsage(
+                        namespace=ns_id,
+                        model=ns.model if ns else "",
+                        tenant=ns.tenant if ns else "",
+                        blocks=c[-1],
+                        tiers={name: c[t] for t, name in enumerate(self._tiers.names)},
+                        sessions=sessions.get(ns_id, 0),
+                    )
+                )
+            return out
 
     def session(self, name: str) -> SessionDetail:
         """One session and its cached blocks, root first. KeyError when unknown."""
@@ -206,7 +245,7 @@ class AdminOps:
             s = self._sessions.get(name)
             if s is None:
                 raise KeyError(f"unknown session {name!r}")
-            info, chain = self._session_info(s)
+            info, chain = self._session_info(s, self._index.get(s.tail) if s.tail is not None else None)
             blocks = [
                 BlockInfo(
                     position=i,
@@ -288,8 +327,12 @@ class AdminOps:
                 return False
         return True
 
-    def _session_info(self, s: SessionState) -> tuple[SessionInfo, list[Entry]]:
-        tail = self._index.get(s.tail) if s.tail is not None else None
+    def _shared(self, e: Entry, session: str) -> bool:
+        """(Lock held.) Whether ``e`` belongs to more than ``session``: stored by another session (or
+        none), or the end of another session's prefix."""
+        return e.sessions != (session,) or bool(self._sessions.ending_at(e.key) - {session})
+
+    def _session_info(self, s: SessionState, tail: Entry | None) -> tuple[SessionInfo, list[Entry]]:
         chain = self._index.chain(tail) if tail is not None else []
         per_tier = dict.fromkeys(self._tiers.names, 0)
         for e in chain:

@@ -53,6 +53,7 @@ from kvstore.results import (
     GetResult,
     InvalidRequest,
     LookupResult,
+    NamespaceUsage,
     PrefetchResult,
     PutResult,
     SessionDetail,
@@ -70,7 +71,7 @@ from kvstore.store.namespaces import NamespaceTable
 from kvstore.store.parts import StoreParts
 from kvstore.store.pins import PinHandle, PinTable
 from kvstore.store.restore import restore
-from kvstore.store.sessions import SessionState, SessionTable
+from kvstore.store.sessions import SessionState, SessionTable, check_session_name
 from kvstore.store.tierset import TierSet
 from kvstore.store.writeback import WriteBack
 from kvstore.store.writer import Admission, WriteThrough
@@ -126,7 +127,6 @@ class Store:
             self._namespaces,
             self._counts,
         )
-        self._tags: dict[tuple[str, ...], tuple[str, ...]] = {(): ()}
         queue = 1024 if policy is None else policy.write_queue
         writer = None if nvme is None else WriteThrough(maxsize=queue, tick=tick)
         self._journal = Journal(writer, nvme)
@@ -138,7 +138,10 @@ class Store:
             self._mover.counters[self.tiers.last].corrupt += report.damaged
             for name, d in nvme.iter_sessions():
                 self._sessions.set(self._restored_session(SessionState.from_dict(name, d)))
-            self._writeback = WriteBack(parts, self._mover, nvme, writer, ttl=ttl, backpressure=backpressure)
+            sweep = not (self._write_through and self._admit is Admission.ALWAYS)
+            self._writeback = WriteBack(
+                parts, self._mover, nvme, writer, ttl=ttl, backpressure=backpressure, sweep=sweep
+            )
         admit_later = self._writeback.defer if self._writeback is not None else None
         second_use = self._write_through and self._admit is Admission.SECOND_USE
         promote = True if policy is None else policy.promote_on_hit
@@ -194,8 +197,10 @@ class Store:
         """Store the full blocks of ``kv`` (``[L, 2, n*T(+tail), H, D]``) as blocks ``start_block ..``.
 
         ``tokens`` is the whole prefix (at least up to the last full block of
-        ``kv``). Blocks already held are not rewritten: their access time and
-        session tags update. When block ``start_block - 1`` is not held, the
+        ``kv``). Blocks already held are not rewritten: their access time
+        updates. A new block is tagged with ``session`` (the session that
+        stored it; a block other sessions reuse keeps that one tag), and the
+        session's tail moves to the last block of the put. When block ``start_block - 1`` is not held, the
         blocks are refused (``missing_parent``) rather than stored as orphans.
         A block a tier fails to take is reported in ``failed`` with those after
         it; the blocks before it stay stored and queued for nvme.
@@ -204,8 +209,8 @@ class Store:
         T = ns.layout.block_tokens
         arr = as_tokens(tokens)
         start = _index_arg("start_block", start_block)
-        if session is not None and (not isinstance(session, str) or not session):
-            raise InvalidRequest(f"session must be a non-empty string or None, got {session!r}")
+        if session is not None:
+            check_session_name(session)
         ns.layout.check_tensor(kv)
         n = kv.shape[2] // T
         if start + n > len(arr) // T:
@@ -354,8 +359,13 @@ class Store:
         self._check_open()
         return self._admin.prefetch(session, to, start_block=start_block, max_blocks=max_blocks)
 
-    def sessions(self) -> list[SessionInfo]:
-        return self._admin.sessions()
+    def sessions(self, tenant: str | None = None) -> list[SessionInfo]:
+        """See AdminOps.sessions."""
+        return self._admin.sessions(tenant)
+
+    def usage(self, tenant: str | None = None) -> list[NamespaceUsage]:
+        """See AdminOps.usage."""
+        return self._admin.usage(tenant)
 
     def session(self, name: str) -> SessionDetail:
         return self._admin.session(name)
@@ -369,8 +379,16 @@ class Store:
     # -- durability and state --------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every stored block has reached nvme and LMDB is synced: the durable acknowledgement.
-        False when ``timeout`` passed first (nothing is lost; a later flush goes on)."""
+
+        With write-through off or admission on second use, the blocks not yet on nvme are written now
+        (parents first). False when ``timeout`` passed first or a block could not be written (it stays
+        queued: a later flush goes on)."""
         return True if self._writeback is None else self._writeback.flush(timeout)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until the blocks queued for nvme are written; not a durability point (nothing else is
+        written and nothing synced: that is ``flush``). False when ``timeout`` passed first."""
+        return True if self._writeback is None else self._writeback.drain(timeout)
 
     def close(self) -> None:
         """Flush, stop the writer thread and close the tiers. Further calls raise StoreClosed."""
@@ -412,11 +430,11 @@ class Store:
         for i in range(c0, c1):
             e = self._index.get(job.keys[i])
             if e is not None:
-                self._touch(e, now, job.session)
+                self._touch(e, now)
                 job.present += 1
             else:
                 pending = (i, job.raw[i * T * 4 : (i + 1) * T * 4]) if self.tiers.nvme is not None else None
-                e = Entry(job.keys[i], parent, job.ns.id, self._tag((), job.session), now, now, pending)
+                e = Entry(job.keys[i], parent, job.ns.id, job.tags, now, now, pending)
                 block = job.kv[:, :, (i - job.start) * T : (i - job.start + 1) * T]
                 try:
                     stored = self._data.store_new(e, block, ready)
@@ -439,18 +457,10 @@ class Store:
         if self._closed:
             raise StoreClosed("the store is closed; open a new Store on the same nvme path")
 
-    def _tag(self, tags: tuple[str, ...], session: str | None) -> tuple[str, ...]:
-        if session is None or session in tags:
-            return tags
-        t = (*tags, session)
-        return self._tags.setdefault(t, t)
-
-    def _touch(self, e: Entry, now: float, session: str | None = None) -> None:
-        """(Lock held.) ``e`` was used now (by ``session``): LRU order, tags, and its nvme record."""
-        tags = self._tag(e.sessions, session)
+    def _touch(self, e: Entry, now: float) -> None:
+        """(Lock held.) ``e`` was used now: LRU order, and its nvme record's access time in time."""
         if self._writeback is not None:
-            self._writeback.record_changed(e, tags is not e.sessions, now)
-        e.sessions = tags
+            self._writeback.record_changed(e, now)
         self._index.touch(e, now)
 
     def _restored_session(self, s: SessionState) -> SessionState:
@@ -470,6 +480,7 @@ class _PutJob:
     start: int
     end: int
     session: str | None
+    tags: tuple[str, ...] = ()  # the new blocks' tags: the session that stores them (one tuple for all)
     stored: int = 0
     present: int = 0
     deferred: int = 0
@@ -480,6 +491,7 @@ class _PutJob:
     def __post_init__(self) -> None:
         self.last = self.start - 1
         self.tail = self.keys[self.start - 1] if self.start > 0 else None
+        self.tags = () if self.session is None else (self.session,)
 
     def fail(self, i: int, code: str, message: str) -> None:
         """Blocks ``i ..`` of the put are not stored, for ``code``."""

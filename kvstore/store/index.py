@@ -4,6 +4,9 @@
 
     entries: OrderedDict key -> Entry          least recently accessed first (TTL and the last tier scan it)
     lru[t]:  OrderedDict key -> None           one per tier above the last, least recently used first
+    counts:  ns id -> [blocks in tier 0, .., blocks in the last tier, blocks]
+                                               kept as blocks come and go: per-namespace and per-tenant
+                                               figures never walk the entries
     Entry:   key, parent (Entry), children, tier bits, namespace id, session tags,
              created, last_access, pending (position, token bytes) while no nvme copy exists
 
@@ -18,7 +21,7 @@ Not thread-safe: the store holds its lock around every call.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from operator import attrgetter
 
@@ -99,6 +102,7 @@ class BlockIndex:
         self.ntiers = ntiers
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         self._lru: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(ntiers - 1)]
+        self._counts: dict[str, list[int]] = {}
 
     # -- queries ----------------------------------------------------------------------
     def get(self, key: bytes) -> Entry | None:
@@ -113,6 +117,16 @@ class BlockIndex:
     def entries(self) -> Iterator[Entry]:
         """Every entry, least recently accessed first (do not change the index while iterating)."""
         return iter(self._entries.values())
+
+    def namespace_counts(self) -> dict[str, tuple[int, ...]]:
+        """Per namespace id: blocks held in each tier, then blocks in all (a copy; O(namespaces))."""
+        return {ns: tuple(c) for ns, c in self._counts.items()}
+
+    def _count(self, ns: str) -> list[int]:
+        c = self._counts.get(ns)
+        if c is None:
+            c = self._counts[ns] = [0] * (self.ntiers + 1)
+        return c
 
     def count(self, tier: int) -> int:
         if tier < self.ntiers - 1:
@@ -162,6 +176,7 @@ class BlockIndex:
                 raise KeyError(f"parent {p.key.hex()[:16]} of block {entry.key.hex()[:16]} is not indexed")
             p._add_child(entry)
         self._entries[entry.key] = entry
+        self._count(entry.ns)[-1] += 1
         self.set_tier(entry, tier)
 
     def insert_restored(self, entries: list[Entry], tier: int, *, keys: list[bytes] | None = None) -> None:
@@ -172,6 +187,10 @@ class BlockIndex:
         )
         if tier < self.ntiers - 1:
             self._lru[tier].update(dict.fromkeys(e.key for e in entries))
+        for ns, n in Counter(map(attrgetter("ns"), entries)).items():
+            c = self._count(ns)
+            c[tier] += n
+            c[-1] += n
 
     def touch(self, entry: Entry, now: float) -> None:
         """Mark ``entry`` used now: it becomes the most recently used in every tier holding it."""
@@ -183,11 +202,15 @@ class BlockIndex:
 
     def set_tier(self, entry: Entry, tier: int) -> None:
         """Record a copy in ``tier`` (the most recently used there)."""
+        if not entry.tiers & (1 << tier) and self._entries.get(entry.key) is entry:
+            self._count(entry.ns)[tier] += 1
         entry.tiers |= 1 << tier
         if tier < self.ntiers - 1:
             self._lru[tier][entry.key] = None
 
     def clear_tier(self, entry: Entry, tier: int) -> None:
+        if entry.tiers & (1 << tier) and self._entries.get(entry.key) is entry:
+            self._count(entry.ns)[tier] -= 1
         entry.tiers &= ~(1 << tier)
         if tier < self.ntiers - 1:
             self._lru[tier].pop(entry.key, None)
@@ -201,6 +224,12 @@ class BlockIndex:
         for t in range(self.ntiers - 1):
             self._lru[t].pop(entry.key, None)
         del self._entries[entry.key]
+        c = self._count(entry.ns)
+        for t in entry.tier_list():
+            c[t] -= 1
+        c[-1] -= 1
+        if not c[-1]:
+            del self._counts[entry.ns]
         entry.tiers &= ~TIER_MASK
 
     # -- invariants -------------------------------------------------------------------
@@ -242,4 +271,12 @@ class BlockIndex:
         for t in range(self.ntiers - 1):
             if len(self._lru[t]) != sum(1 for e in self._entries.values() if e.tiers & bits[t]):
                 problems.append(f"LRU list of {tier_names[t]} has stray keys")
+        counted: dict[str, list[int]] = {}
+        for e in self._entries.values():
+            row = counted.setdefault(e.ns, [0] * (self.ntiers + 1))
+            for t in e.tier_list():
+                row[t] += 1
+            row[-1] += 1
+        if counted != {ns: c for ns, c in self._counts.items() if any(c)}:
+            problems.append("per-namespace block counts disagree with the entries")
         return problems

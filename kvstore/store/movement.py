@@ -198,7 +198,7 @@ class Mover:
                     self.tiers[t].put(e.key, block)
             except TierFull:
                 continue  # the size estimate was short (zstd); make more room
-            except TierIOError:
+            except KVStoreError:  # the backing store failed (TierIOError), or cannot hold the record
                 return False
             self.index.set_tier(e, t)
             return True

@@ -23,6 +23,9 @@ class NamespaceTable:
     def __len__(self) -> int:
         return len(self._by_id)
 
+    def items(self) -> list[tuple[str, Namespace]]:
+        return list(self._by_id.items())
+
     def get(self, ns_id: str) -> Namespace | None:
         return self._by_id.get(ns_id)
 

@@ -12,8 +12,31 @@ Not thread-safe: the store holds its lock around every call.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
+
+from kvstore.results import InvalidRequest
+
+# A session name as a client gives it, in UTF-8 bytes (the wire refuses longer ones).
+MAX_SESSION_BYTES = 200
+# As the store keeps it: a confined tenant's names carry "<tenant>/" (tenants are at most 256 bytes),
+# and the name is an LMDB key in the sessions db, where keys stop at 511 bytes.
+MAX_STORED_SESSION_BYTES = 480
+
+
+def check_session_name(name: object, limit: int = MAX_STORED_SESSION_BYTES) -> str:
+    """``name`` if it is a usable session name; InvalidRequest saying why otherwise."""
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"a session name must be a non-empty string, got {name!r:.60}")
+    n = len(name.encode("utf-8", errors="surrogatepass"))
+    if n > limit:
+        raise InvalidRequest(
+            f"session name of {n} bytes is longer than {limit} bytes (UTF-8): {name[:40]!r}..."
+        )
+    if any(c in name for c in "\x00\n\r"):
+        raise InvalidRequest(f"session name {name[:40]!r} holds a NUL or line break")
+    return name
 
 
 @dataclass(frozen=True)
@@ -53,6 +76,7 @@ class SessionTable:
     def __init__(self) -> None:
         self._by_name: dict[str, SessionState] = {}
         self._by_tail: dict[bytes, set[str]] = {}
+        self._by_ns: dict[str, set[str]] = {}  # namespace id -> names: a tenant's sessions without a scan
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -63,12 +87,21 @@ class SessionTable:
     def all(self) -> list[SessionState]:
         return sorted(self._by_name.values(), key=lambda s: s.name)
 
+    def in_namespaces(self, ns_ids: Iterable[str]) -> list[SessionState]:
+        """The sessions of the namespaces ``ns_ids``, by name (O(their sessions), not of all)."""
+        names = [n for ns in ns_ids for n in self._by_ns.get(ns, ())]
+        return sorted((self._by_name[n] for n in names), key=lambda s: s.name)
+
+    def count_by_namespace(self) -> dict[str, int]:
+        return {ns: len(names) for ns, names in self._by_ns.items()}
+
     def set(self, state: SessionState) -> SessionState:
         """Add or replace a session."""
         old = self._by_name.get(state.name)
-        if old is not None and old.tail is not None:
-            self._unlink(old.tail, old.name)
+        if old is not None:
+            self._forget(old)
         self._by_name[state.name] = state
+        self._by_ns.setdefault(state.namespace, set()).add(state.name)
         if state.tail is not None:
             self._by_tail.setdefault(state.tail, set()).add(state.name)
         return state
@@ -83,6 +116,10 @@ class SessionTable:
         old = self._by_name.get(name)
         return None if old is None else self.set(replace(old, last_access=now))
 
+    def ending_at(self, key: bytes) -> frozenset[str]:
+        """The sessions whose tail is block ``key``."""
+        return frozenset(self._by_tail.get(key, ()))
+
     def tail_gone(self, key: bytes, parent: bytes | None, block_tokens: int) -> list[SessionState]:
         """Block ``key`` left the store: sessions ending there now end at ``parent`` (None: nothing left)."""
         changed = []
@@ -95,9 +132,17 @@ class SessionTable:
         old = self._by_name.pop(name, None)
         if old is None:
             return False
-        if old.tail is not None:
-            self._unlink(old.tail, name)
+        self._forget(old)
         return True
+
+    def _forget(self, old: SessionState) -> None:
+        if old.tail is not None:
+            self._unlink(old.tail, old.name)
+        names = self._by_ns.get(old.namespace)
+        if names is not None:
+            names.discard(old.name)
+            if not names:
+                del self._by_ns[old.namespace]
 
     def _unlink(self, tail: bytes, name: str) -> None:
         names = self._by_tail.get(tail)

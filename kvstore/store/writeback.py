@@ -7,7 +7,9 @@
                  lock: mark it on nvme; if it was dropped meanwhile, drop the new copy again
     idle()       every tick: expire blocks past the TTL (with descendants), requeue deferred keys,
                  persist changed session tags / access times into the nvme records, purge lapsed pins
-    flush()      requeue deferred keys, wait until the queue is empty, fsync: the durable acknowledgement
+    flush()      requeue deferred keys (with write-through off or admission on second use: every block
+                 without an nvme copy, parents first), wait until the queue is empty, fsync: the
+                 durable acknowledgement
 
 Keys the queue refused (back-pressure) or whose write failed are *deferred*:
 kept, retried at the next tick or flush, and never called durable until written.
@@ -15,6 +17,7 @@ kept, retried at the next tick or flush, and never called durable until written.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import replace
@@ -26,6 +29,8 @@ from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
 from kvstore.tiers.base import TierFull, TierIOError
 from kvstore.tiers.nvme import NvmeTier
+
+log = logging.getLogger(__name__)
 
 _EXPIRE_BATCH = 10000  # blocks dropped per tick at most, so the lock is never held for long
 _RECORD_BATCH = 4096
@@ -47,7 +52,10 @@ class WriteBack:
         *,
         ttl: float,
         backpressure: float,
+        sweep: bool,
     ) -> None:
+        """``sweep``: blocks are not all queued as they are stored (write-through off, or admission on
+        second use), so ``flush`` writes every block that has no nvme copy yet."""
         self._lock, self._clock, self._tiers, self._index = parts.lock, parts.clock, parts.tiers, parts.index
         self._pins, self._counts = parts.pins, parts.counts
         self._nvme = nvme
@@ -56,6 +64,7 @@ class WriteBack:
         self._writer = writer
         self._ttl = ttl
         self._backpressure = backpressure
+        self._sweep = sweep
         self._closed = False
         self.deferred: dict[bytes, None] = {}  # keys to write that the queue refused or that failed
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
@@ -77,14 +86,18 @@ class WriteBack:
         """(Lock held.) Write ``keys`` from the writer's next tick, never on the caller's thread."""
         self.deferred.update(dict.fromkeys(keys))
 
-    def record_changed(self, e: Entry, tags_changed: bool, now: float) -> None:
-        """(Lock held.) ``e`` was touched at ``now``: its nvme record follows at the next idle tick
-        when its tags changed or its access time moved to another 10-minute slot."""
-        if e.tiers & (1 << self._t) and (tags_changed or int(e.last_access // 600) != int(now // 600)):
+    def record_changed(self, e: Entry, now: float) -> None:
+        """(Lock held.) ``e`` is being touched at ``now``: its nvme record follows at the next idle
+        tick when its access time moves to another 10-minute slot."""
+        if e.tiers & (1 << self._t) and int(e.last_access // 600) != int(now // 600):
             self._dirty.add(e.key)
 
     def depth(self) -> int:
         return self._writer.depth()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until the write-through queue is empty (no sweep, no fsync). False on timeout."""
+        return self._writer.drain(timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every stored block has reached nvme and LMDB is synced: the durable
@@ -97,6 +110,9 @@ class WriteBack:
         with self._lock:
             keys = list(self.deferred)
             self.deferred.clear()
+            snapshot = list(self._index.entries()) if self._sweep else []  # a C-level copy: brief
+        if snapshot:
+            keys += self._unwritten(snapshot)
         wait = left()
         self.submit(keys, wait=math.inf if wait is None else wait)
         self._writer.run_soon(self.persist_dirty)
@@ -107,6 +123,16 @@ class WriteBack:
                 return False
         self._nvme.sync()
         return True
+
+    def _unwritten(self, entries: list[Entry]) -> list[bytes]:
+        """(No lock.) The blocks among ``entries`` with no nvme copy, parents before children (a flush
+        cut short by its timeout leaves no orphan on disk). Read without the lock: ``write`` checks
+        each block again under it."""
+        bit = 1 << self._t
+        order = [e for e in entries if e.parent is None]
+        for e in order:  # grows as it goes: breadth first from the roots
+            order.extend(e.child_list())
+        return [e.key for e in order if not e.tiers & bit]
 
     def close(self) -> None:
         """Stop writing (what is queued is skipped) and stop the thread. Flush first to keep it."""
@@ -122,6 +148,10 @@ class WriteBack:
             self.writing.add(key)  # check_integrity: the nvme copy may lead the index for a moment
         try:
             self._write(key)
+        except Exception:  # whatever it was, the block is not on disk: counted, kept, never called durable
+            log.exception("write-through of block %s failed; it stays queued", key.hex()[:16])
+            with self._lock:
+                self._failed(key)
         finally:
             with self._lock:
                 self.writing.discard(key)
@@ -159,7 +189,7 @@ class WriteBack:
                     if not self._mover.make_room(t_n, block, position=rec.position):
                         self._failed(key)
                         return
-            except TierIOError:
+            except (TierIOError, KVStoreError):  # a disk error, a record that cannot be stored, ...
                 with self._lock:
                     self._failed(key)
                 return

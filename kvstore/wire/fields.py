@@ -16,6 +16,8 @@ import numpy as np
 
 from kvstore.errors import InvalidNamespace, InvalidTokens, KVStoreError, LayoutError
 from kvstore.keys import Namespace, as_tokens
+from kvstore.results import InvalidRequest
+from kvstore.store.sessions import MAX_SESSION_BYTES, check_session_name
 from kvstore.wire.errors import RemoteProtocolError
 
 Check = Callable[[str, Any], Any]
@@ -43,6 +45,18 @@ def text(name: str, v: Any) -> str:
 
 def opt_text(name: str, v: Any) -> str | None:
     return None if v is None else text(name, v)
+
+
+def session(name: str, v: Any) -> str:
+    """A session name as a client gives it: a non-empty string of at most MAX_SESSION_BYTES (UTF-8)."""
+    try:
+        return check_session_name(text(name, v), MAX_SESSION_BYTES)
+    except InvalidRequest as e:
+        raise RemoteProtocolError("bad_header", f"field {name!r}: {e}") from None
+
+
+def opt_session(name: str, v: Any) -> str | None:
+    return None if v is None else session(name, v)
 
 
 def boolean(name: str, v: Any) -> bool:

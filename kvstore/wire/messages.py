@@ -119,7 +119,7 @@ class Put(Message):
         "start_block": F.nonneg_int,
         "shape": F.shape,
         "dtype": F.text,
-        "session": F.opt_text,
+        "session": F.opt_session,
     }
     payload = "kv"
     ns: str
@@ -137,7 +137,7 @@ class Evict(Message):
 
     op = "evict"
     schema = {
-        "session": F.opt_text,
+        "session": F.opt_session,
         "older_than": F.opt_number,
         "tier": F.opt_text,
         "namespace": F.opt_text,
@@ -166,7 +166,7 @@ class Inspect(Message):
     """No fields: every session. ``session``: that session. ``ns`` + ``tokens``: where each block is."""
 
     op = "inspect"
-    schema = {"session": F.opt_text, "ns": F.opt_text, "tokens": F.opt_tokens}
+    schema = {"session": F.opt_session, "ns": F.opt_text, "tokens": F.opt_tokens}
     session: str | None = None
     ns: str | None = None
     tokens: np.ndarray | None = None
@@ -178,7 +178,7 @@ class Prefetch(Message):
     up into ``to``; the reply (DataOk) is a PrefetchResult as a map."""
 
     op = "prefetch"
-    schema = {"session": F.text, "to": F.text, "start_block": F.nonneg_int, "max_blocks": F.opt_int}
+    schema = {"session": F.session, "to": F.text, "start_block": F.nonneg_int, "max_blocks": F.opt_int}
     session: str
     to: str = "ram"
     start_block: int = 0

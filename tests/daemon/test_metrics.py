@@ -78,7 +78,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 @pytest.fixture
 def metrics(store: Store) -> Iterator[Metrics]:
-    m = Metrics(store)
+    m = Metrics(store, usage=store.usage)
     yield m
     m.stop()
 
@@ -122,17 +122,17 @@ def test_a_scrape_shows_the_store_s_own_figures(store: Store, metrics: Metrics) 
     assert value(got, "kvstore_tokens_served_total") == stats.tokens_served == 4 * T
     assert value(got, "kvstore_token_hit_ratio") == pytest.approx(6 / 10)
     assert value(got, "kvstore_uptime_seconds") >= 0
-    # per namespace, from the sessions: one session each, its blocks counted per tier
+    # per namespace, from counters the store keeps: one session each, blocks per tier
     for ns, n in ((NS, 4), (NS_B, 2)):
         labels = {"namespace": ns.id, "model": ns.model, "tenant": ns.tenant}
         assert value(got, "kvstore_namespace_sessions", **labels) == 1
-        assert value(got, "kvstore_namespace_session_blocks", **labels, tier="nvme") == n
-        per_tier = sum(
-            v
+        assert value(got, "kvstore_namespace_tier_blocks", **labels, tier="nvme") == n
+        per_tier = {
+            dict(lbl)["tier"]: v
             for (name, lbl), v in got.items()
-            if name == "kvstore_namespace_session_blocks" and ("namespace", ns.id) in lbl
-        )
-        assert per_tier == sum(next(s for s in store.sessions() if s.namespace == ns.id).tiers.values())
+            if name == "kvstore_namespace_tier_blocks" and ("namespace", ns.id) in lbl
+        }
+        assert per_tier == next(u for u in store.usage() if u.namespace == ns.id).tiers
 
 
 def test_counters_follow_the_store_between_scrapes(store: Store, metrics: Metrics) -> None:
