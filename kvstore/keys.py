@@ -170,7 +170,7 @@ def _sequence_tokens(tokens: Sequence[Any]) -> np.ndarray:
     except OverflowError:
         big = next((t for t in tokens if isinstance(t, int) and not 0 <= t <= MAX_TOKEN_ID), "?")
         raise InvalidTokens(f"token id {big} out of range [0, {MAX_TOKEN_ID}]") from None
-    for i in np.flatnonzero(arr <= 1):  # rare: ids 0 and 1, or bools
+    for i in np.flatnonzero(arr <= 1).tolist():  # rare: ids 0 and 1, or bools
         if isinstance(tokens[i], bool):
             raise InvalidTokens(f"token ids must be ints, found {tokens[i]!r}")
     return arr
