@@ -52,7 +52,7 @@ import zmq
 from kvstore.config import Config, load_config, runtime_dir
 from kvstore.daemon.auth import OPERATOR, ServerAuth
 from kvstore.daemon.endpoint import claim, ipc_path, remove_socket, socket_identity
-from kvstore.daemon.handlers import Handlers
+from kvstore.daemon.handlers import Handlers, PinQuota
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.startup import Startup
 from kvstore.daemon.tenancy import admit
@@ -113,7 +113,11 @@ class Server:
             max_tokens=cfg.max_tokens_per_request,
             max_inflight=cfg.max_inflight_per_client,
         )
-        self.proto = ServerProtocol(self.limits, server=f"kvstore/{PROTOCOL_VERSION}")
+        self.proto = ServerProtocol(
+            self.limits,
+            server=f"kvstore/{PROTOCOL_VERSION}",
+            namespaces_per_tenant=cfg.max_namespaces_per_tenant,
+        )
         self.handlers: Handlers | None = None
         self._store_ref = _LateStore()
         self.metrics = Metrics(self._store_ref)
@@ -152,7 +156,13 @@ class Server:
 
     def _attach(self, store: Store) -> None:
         """Serve ``store`` from now on (loop thread, or before ``run``)."""
-        self.handlers = Handlers(store, self.info, max_lease=self.config.policy.pin_lease)
+        cfg = self.config.server
+        self.handlers = Handlers(
+            store,
+            self.info,
+            max_lease=self.config.policy.pin_lease,
+            pin_quota=PinQuota(pins=cfg.max_pins_per_tenant, blocks=cfg.max_pinned_blocks_per_tenant),
+        )
         self._store_ref.store = store
         self.store = store
 
