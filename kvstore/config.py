@@ -102,8 +102,8 @@ class ServerConfig:
     # reply), across all connections and per tenant; over it a request gets ``busy``. A request bigger
     # than a budget is still taken when nothing else is charged to it, so neither needs to exceed
     # max_message_bytes. kvstore.daemon.budget.
-    max_inflight_bytes: int = 1 * 2**30
-    max_inflight_bytes_per_tenant: int = 512 * 2**20
+    max_inflight_bytes: int = 2 * 2**30
+    max_inflight_bytes_per_tenant: int = 1 * 2**30
     max_queued_requests: int = 1024  # requests handed to workers and not yet answered, all clients
     # Per-tenant shares of the daemon's tables, so that one tenant cannot fill them for all
     # (the tenant: a CURVE connection's, else the one its hello names).

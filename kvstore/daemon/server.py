@@ -51,6 +51,7 @@ import zmq
 
 from kvstore.config import Config, load_config, runtime_dir
 from kvstore.daemon.auth import OPERATOR, ServerAuth
+from kvstore.daemon.budget import Charge, InflightBudget
 from kvstore.daemon.endpoint import claim, ipc_path, remove_socket, socket_identity
 from kvstore.daemon.handlers import Handlers, PinQuota
 from kvstore.daemon.metrics import Metrics
@@ -59,8 +60,16 @@ from kvstore.daemon.tenancy import admit
 from kvstore.daemon.zap import ZapHandler, peer_tenant
 from kvstore.errors import KVStoreError
 from kvstore.wire.errors import RemoteProtocolError
-from kvstore.wire.messages import ErrorReply, Hello, Message, Ping, Pong
-from kvstore.wire.protocol import PROTOCOL_VERSION, Limits, Request, ServerProtocol, encode, reply_frames
+from kvstore.wire.messages import ErrorReply, Get, Hello, Message, Ping, Pong
+from kvstore.wire.protocol import (
+    PROTOCOL_VERSION,
+    Limits,
+    Request,
+    ServerProtocol,
+    encode,
+    nbytes,
+    reply_frames,
+)
 
 if TYPE_CHECKING:
     from kvstore.store.engine import Store
@@ -119,6 +128,11 @@ class Server:
             namespaces_per_tenant=cfg.max_namespaces_per_tenant,
         )
         self.handlers: Handlers | None = None
+        self.budget = InflightBudget(
+            cfg.max_inflight_bytes, cfg.max_inflight_bytes_per_tenant, cfg.max_queued_requests
+        )
+        self._charges: dict[int, Charge] = {}  # per request on a worker, by a number it carries
+        self._next_charge = 0
         self._store_ref = _LateStore()
         self.metrics = Metrics(self._store_ref)
         self.startup: Startup | None = None
@@ -358,9 +372,15 @@ class Server:
         else:
             reply = self.handlers.try_inline(request)
             if reply is None:
-                self.outstanding += 1
-                workers.submit(self._work, self.handlers, request, arrived)
-                return
+                tenant, cost = self._cost(request, frames)
+                refusal = self.budget.refusal(tenant, cost)
+                if refusal is None:  # taken: charged until its reply leaves (_forward)
+                    self._next_charge += 1
+                    self._charges[self._next_charge] = self.budget.take(tenant, cost)
+                    self.outstanding += 1
+                    workers.submit(self._work, self.handlers, request, arrived, self._next_charge)
+                    return
+                reply = ErrorReply(code="busy", message=refusal)  # the frames are let go right here
         out = self.proto.hello(request) if reply is None else self.proto.reply(request, reply)
         self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
         router.send_multipart([peer, *out])  # a small reply: copying beats wrapping in zmq.Frames
@@ -372,7 +392,21 @@ class Server:
         with self._sockets_lock:
             self._worker_sockets.append(sock)
 
-    def _work(self, handlers: Handlers, request: Request, arrived: float) -> None:
+    @staticmethod
+    def _cost(request: Request, frames: list) -> tuple[str, int]:
+        """(tenant, bytes) a request taken holds until its reply leaves: see kvstore.daemon.budget."""
+        ns = request.namespace
+        tenant = request.tenant or (ns.tenant if ns is not None else OPERATOR)
+        cost = sum(nbytes(f) for f in frames)
+        msg = request.msg
+        if isinstance(msg, Get) and ns is not None:
+            blocks = max(0, len(msg.tokens) // ns.layout.block_tokens - msg.start_block)
+            if msg.max_blocks is not None:
+                blocks = min(blocks, msg.max_blocks)
+            cost += blocks * ns.layout.block_nbytes
+        return tenant, cost
+
+    def _work(self, handlers: Handlers, request: Request, arrived: float, charge: int) -> None:
         """Run on a worker thread: exactly one reply goes back for ``request``, whatever happens."""
         try:
             reply = handlers.handle(request)
@@ -383,7 +417,7 @@ class Server:
         except BaseException as e:  # noqa: B036 - the reply must go out even then
             log.exception("encoding the reply to request %s failed", request.id)
             frames = encode(request.id, ErrorReply(code="internal", message=f"reply failed: {e}"))
-        self._local.push.send_multipart([request.peer, *frames], copy=False)
+        self._local.push.send_multipart([charge.to_bytes(8, "little"), request.peer, *frames], copy=False)
 
     def _forward(self, router: zmq.Socket, pull: zmq.Socket, *, block: bool) -> int:
         """Send up to BATCH replies workers finished; returns how many. A vanished peer's reply is dropped."""
@@ -392,8 +426,10 @@ class Server:
                 frames = pull.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
-            router.send_multipart(frames, copy=False)
-            self.proto.done(frames[0].bytes)
+            charge = self._charges.pop(int.from_bytes(frames[0].bytes, "little"))
+            router.send_multipart(frames[1:], copy=False)
+            self.budget.release(charge)
+            self.proto.done(frames[1].bytes)
             self.outstanding -= 1
         return BATCH
 
