@@ -124,11 +124,11 @@ def test_a_tcp_endpoint_is_locked_too(start_daemon, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_start_up_is_logged_and_clients_wait_for_it(start_daemon, tmp_path: Path) -> None:
-    d: Daemon = start_daemon(slow_config(tmp_path), ready=False)
+    d: Daemon = start_daemon(slow_config(tmp_path, pools="1GiB"), ready=False)
     sock_path = tmp_path / "run" / "kv.sock"
     assert wait_for(sock_path.exists, 60), d.output()  # bound before the store is built
     # a client with a short timeout is told the daemon is starting, not left to time out
-    with KVStoreClient(d.endpoint, model=MODEL, layout=LAYOUT, timeout=0.5, retries=0) as quick:
+    with KVStoreClient(d.endpoint, model=MODEL, layout=LAYOUT, timeout=0.3, retries=0) as quick:
         with pytest.raises(DaemonStarting, match="still starting") as e:
             quick.ping()
         assert "starting" in e.value.code
@@ -139,7 +139,7 @@ def test_start_up_is_logged_and_clients_wait_for_it(start_daemon, tmp_path: Path
         assert c.ping()["pid"] == d.proc.pid
     log = d.output()
     assert re.search(
-        r"starting \(pid \d+\) on ipc://.*: allocating hbm 384\.0 MiB on cpu, ram 384\.0 MiB", log
+        r"starting \(pid \d+\) on ipc://.*: allocating hbm 1\.0 GiB on cpu, ram 1\.0 GiB", log
     ), log
     assert "no blocks to read back from" in log and re.search(r"store ready after [\d.]+ s", log), log
     assert d.stop() == 0
