@@ -2,7 +2,8 @@
 
 Prints, in one run on one machine:
   1. lookup latency p50/p99 for 1K / 8K / 32K-token prompts vs a raw DEALER/ROUTER round trip
-     carrying the same request bytes (a Python ROUTER in another process, as the daemon is);
+     carrying the same request bytes (a Python ROUTER in another process, as the daemon is),
+     and the same lookups with the prompt as a Python list beside an array (the list/array ratio);
   2. get and put throughput of a 4K-token prefix (SmolLM2-135M layout: 30 layers, 3 KV heads,
      head_dim 64, bf16: 94 MB) vs raw ZeroMQ moving the same bytes in one message;
   3. get throughput with 1, 4 and 16 concurrent client processes;
@@ -203,6 +204,21 @@ def main() -> None:
             print(
                 "  keys: computing the prompt's block keys in this process, which the daemon does per lookup"
             )
+            print(
+                "\n-- lookup of a prompt given as a list (as vLLM and SGLang hold it) vs as an array (us) --"
+            )
+            print(f"{'prompt':>8} {'list p50':>9} {'array p50':>10} {'list/array':>11}")
+            for n in (1024, 8192, 32768):
+                arr = torch.randint(0, 49152, (n,), generator=gen).numpy().astype("<u4")
+                lst = arr.tolist()
+                c.lookup(lst)
+                as_list, as_array = [], []
+                for _ in range(reps):  # interleaved, so both see the same machine
+                    as_list += timed(lambda p=lst: c.lookup(p), 1)
+                    as_array += timed(lambda p=arr: c.lookup(p), 1)
+                l50, a50 = pct(as_list, 50), pct(as_array, 50)
+                print(f"{n:>8} {l50 * 1e6:9.0f} {a50 * 1e6:10.0f} {l50 / a50:11.2f}")
+            print("  the difference is the client converting and checking the list's ids")
 
             print("\n-- 4K-token prefix throughput (GB/s; median of interleaved runs) --")
             c.put(tokens, kv)

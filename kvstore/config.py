@@ -49,6 +49,7 @@ __all__ = [
     "parse_duration",
     "parse_size",
     "runtime_dir",
+    "settings",
     "with_overrides",
 ]
 
@@ -99,6 +100,18 @@ class ServerConfig:
     max_message_bytes: int = 512 * 2**20
     max_tokens_per_request: int = 131072
     max_inflight_per_client: int = 64
+    # Memory held by requests received and not yet answered (a put's payload; a get's largest possible
+    # reply), across all connections and per tenant; over it a request gets ``busy``. A request bigger
+    # than a budget is still taken when nothing else is charged to it, so neither needs to exceed
+    # max_message_bytes. kvstore.daemon.budget.
+    max_inflight_bytes: int = 2 * 2**30
+    max_inflight_bytes_per_tenant: int = 1 * 2**30
+    max_queued_requests: int = 1024  # requests handed to workers and not yet answered, all clients
+    # Per-tenant shares of the daemon's tables, so that one tenant cannot fill them for all
+    # (the tenant: a CURVE connection's, else the one its hello names).
+    max_namespaces_per_tenant: int = 256
+    max_pins_per_tenant: int = 1024
+    max_pinned_blocks_per_tenant: int = 65536
     allow_insecure_tcp: bool = False
     # tcp only (kvstore.daemon.auth): the daemon's Z85 secret key or the path of its key file (`kvstore keygen`)
     curve_secret_key: str | None = None
@@ -136,7 +149,9 @@ class NvmeConfig:
     capacity: int = 64 * 2**30
     codec: str = "int4"
     zstd: int = 3  # zstd level on top of the codec; 0 = off
-    rotate: bool = True  # int4 only: Hadamard-rotate the head dimension (with head_codec, lower KL)
+    # int4 only: Hadamard-rotate the head dimension (with head_codec, lower KL). Ignored for the other
+    # codecs, so switching ``codec`` alone never turns a valid config into an invalid one.
+    rotate: bool = True
     # The first ``head_blocks`` blocks of every prefix (the attention sink's) are stored with
     # ``head_codec`` instead; None = off. int4 loses most on the sink's K (see codecs/int4.py).
     head_codec: str | None = "int8"
@@ -147,7 +162,8 @@ class NvmeConfig:
 
         The head codec is None (off) when ``head_codec`` is "none", ``head_blocks`` is 0, or it
         keeps no more than ``codec`` does (int4 < fp8 < int8 < raw): the head blocks are there
-        to be kept better, so with ``codec = "raw"`` every block stays lossless.
+        to be kept better, so with ``codec = "raw"`` every block stays lossless. ``rotate`` is
+        passed to int4 only; every other codec ignores it.
         """
         from kvstore.codecs import get_codec
 
@@ -318,6 +334,12 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "max_message_bytes": _size(4096),
             "max_tokens_per_request": _int(1, 2**31),
             "max_inflight_per_client": _int(1, 65536),
+            "max_inflight_bytes": _size(4096),
+            "max_inflight_bytes_per_tenant": _size(4096),
+            "max_queued_requests": _int(1, 2**20),
+            "max_namespaces_per_tenant": _int(1, 4096),
+            "max_pins_per_tenant": _int(1, 4096),
+            "max_pinned_blocks_per_tenant": _int(1, 1 << 18),
             "allow_insecure_tcp": _bool,
             "curve_secret_key": _optional(_text),
             "curve_allowed_keys": _optional(_text),
@@ -354,6 +376,11 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         },
     ),
 }
+
+
+def settings() -> dict[str, tuple[str, ...]]:
+    """Every key ``load_config`` accepts, by section (what a TOML file or KVSTORE_* may set)."""
+    return {section: tuple(checks) for section, (_, checks) in _CHECKS.items()}
 
 
 def _suggest(name: str, options: list[str]) -> str:
@@ -417,16 +444,6 @@ def _read_env(env: Mapping[str, str], values: dict[str, dict[str, Any]]) -> None
         _apply(values, section, key, env[name], f"environment {name}")
 
 
-def _check_nvme(nvme: dict[str, Any], where: str) -> None:
-    """Checks across [nvme] keys: ``rotate`` is an int4 parameter."""
-    codec = nvme.get("codec", NvmeConfig.codec)
-    if nvme.get("rotate") is True and codec != "int4":
-        raise ConfigError(
-            f'{where}: [nvme] rotate = true needs codec = "int4" (codec is {codec!r}); '
-            "drop rotate or set it to false"
-        )
-
-
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Defaults, then the TOML file (``path``, else ``$KVSTORE_CONFIG``), then ``KVSTORE_*`` overrides.
 
@@ -444,7 +461,6 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     _read_env(env, values)
     values["server"].setdefault("endpoint", default_endpoint(env))
     values["nvme"].setdefault("path", default_data_dir(env))
-    _check_nvme(values["nvme"], str(source) if source is not None else "environment")
     sections = {s: cls(**values[s]) for s, (cls, _) in _CHECKS.items()}
     return Config(source=source, **sections)
 
@@ -460,9 +476,4 @@ def with_overrides(config: Config, section: str, **changes: Any) -> Config:
             raise ConfigError(f"unknown key {key!r} in [{section}]{_suggest(key, sorted(names))}")
         _apply(values, section, key, raw, "override")
     changed = replace(getattr(config, section), **values[section])
-    if section == "nvme":
-        _check_nvme(
-            {"codec": changed.codec, **({"rotate": changed.rotate} if "rotate" in changes else {})},
-            "override",
-        )
     return replace(config, **{section: changed})

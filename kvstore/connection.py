@@ -10,6 +10,10 @@ says hello again and re-sends what was unanswered, up to ``retries`` times.
 A reply saying the namespace is unknown (the daemon restarted and came back
 on the same socket) triggers a hello and a re-send, without a new socket.
 
+A daemon still building its store answers ``starting``: the request is sent
+again every STARTING_POLL seconds, up to ``timeout`` after the first such
+answer, then DaemonStarting is raised (retries are not spent on it).
+
 With ``curve`` (kvstore.daemon.auth.ClientKeys) every socket is a CURVE client of the
 daemon. A daemon that refuses the key sends nothing at all, so a refused key
 shows up as a RequestTimeout (its message says to check the allow-list).
@@ -25,6 +29,7 @@ from typing import Any
 import zmq
 
 from kvstore.daemon.auth import ClientKeys
+from kvstore.errors import DaemonStarting
 from kvstore.keys import Namespace
 from kvstore.wire.errors import RemoteProtocolError, RequestTimeout, ServerError, error_for_reply
 from kvstore.wire.messages import ErrorReply, Hello, HelloOk, Message
@@ -33,6 +38,7 @@ from kvstore.wire.protocol import ClientProtocol, Limits
 # Error codes after which the same request may succeed on a (re)started daemon.
 TRANSIENT = frozenset({"shutting_down", "busy"})
 BACKOFF = 0.05  # seconds before the first re-send after a transient error; doubles each time
+STARTING_POLL = 0.2  # seconds between re-sends to a daemon that answers "starting"
 
 
 class Connection:
@@ -156,6 +162,7 @@ class Connection:
         todo: deque[int] = deque(range(n))
         inflight: dict[int, int] = {}  # request id -> index
         attempts = 0
+        starting_since: float | None = None  # first "starting" answer
 
         def again(
             reason: str, *, fresh_socket: bool, backoff: bool = False, cause: Exception | None = None
@@ -210,6 +217,22 @@ class Connection:
             rid, reply = got
             i = inflight.pop(rid)
             if isinstance(reply, ErrorReply):
+                if reply.code == "starting":  # nothing was done: send it again once the daemon is up
+                    inflight[rid] = i
+                    now = time.monotonic()
+                    starting_since = now if starting_since is None else starting_since
+                    for other in inflight:
+                        self.proto.forget(other)
+                    if now - starting_since >= self.timeout:
+                        raise DaemonStarting(
+                            f"the daemon at {self.endpoint} is still starting after {self.timeout:g}s "
+                            f"({reply.message}); wait for it (its log shows progress) or give "
+                            "the client a longer timeout"
+                        )
+                    todo.extendleft(sorted(inflight.values(), reverse=True))
+                    inflight = {}
+                    time.sleep(STARTING_POLL)
+                    continue
                 if reply.code == "unknown_namespace" and greet:
                     inflight[rid] = i  # re-sent with the others after the hello
                     again("daemon forgot the namespace", fresh_socket=False)

@@ -86,3 +86,9 @@ class Forbidden(KVStoreError):
     """The connection's authenticated tenant may not do this (another tenant's data, an operator-only op)."""
 
     code = "forbidden"
+
+
+class DaemonStarting(KVStoreError, TimeoutError):
+    """The daemon is still building its store (allocating pools, reading back its index)."""
+
+    code = "starting"

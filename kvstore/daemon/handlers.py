@@ -12,7 +12,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.daemon.tenancy import TenantOps
@@ -52,24 +52,40 @@ log = logging.getLogger("kvstore.daemon.server")
 
 PREFETCH_TARGETS = (TierName.RAM.value, TierName.HBM.value)  # nvme holds everything already
 # Pins held through the protocol at once, and the block references they hold in all (each costs the
-# store's pin table an entry): bounds what clients pinning in a loop can make the daemon keep.
+# store's pin table an entry): bounds what clients pinning in a loop can make the daemon keep. Each
+# tenant holds at most its quota of them (PinQuota), so one tenant cannot fill the table for all.
 MAX_PINS = 4096
 MAX_PINNED_KEYS = 1 << 18
 MAX_FLUSH_WAIT = 60.0  # seconds one flush request may hold a worker; the client asks again
+
+
+@dataclass(frozen=True)
+class PinQuota:
+    """What one tenant (its namespaces' ``tenant``) may hold pinned through the protocol at once."""
+
+    pins: int = 1024
+    blocks: int = 65536
 
 
 class Handlers:
     """Maps each request op to its store call. Thread-safe as far as the store is."""
 
     def __init__(
-        self, store: Store, server_info: Callable[[], dict[str, Any]], *, max_lease: float = 30.0
+        self,
+        store: Store,
+        server_info: Callable[[], dict[str, Any]],
+        *,
+        max_lease: float = 30.0,
+        pin_quota: PinQuota | None = None,
     ) -> None:
         self.store = store
         self.server_info = server_info
         self.max_lease = max_lease  # a client's pin never outlives this (the store's pin lease)
+        self.pin_quota = pin_quota or PinQuota()
         self.failed_blocks = 0  # blocks put replies named as not stored (stats: server.put_failed_blocks)
-        # pin handles given to clients: a random id (unguessable by other clients) -> (store handle, expiry)
-        self._pins: dict[int, tuple[Any, float]] = {}
+        # pin handles given to clients: a random id (unguessable by other clients) ->
+        # (store handle, expiry, tenant)
+        self._pins: dict[int, tuple[Any, float, str]] = {}
         self._pins_lock = threading.Lock()
         self._ops: dict[type[Message], Callable[[Any, Namespace | None], Message]] = {
             Lookup: self._lookup,
@@ -235,20 +251,31 @@ class Handlers:
             raise ProtocolError("invalid_argument", "pin lease must be positive seconds (or absent)")
         lease = self.max_lease if msg.lease is None else min(msg.lease, self.max_lease)
         matched = self.store.lookup(ns, msg.tokens).matched_blocks
+        if matched == 0:  # nothing to hold: a handle that release() will not know, and no table slot
+            return PinOk(handle=secrets.randbits(63), blocks=0, lease=lease)
         now = time.monotonic()
+        quota = self.pin_quota
         with self._pins_lock:
-            for hid in [h for h, (_, exp) in self._pins.items() if exp <= now]:
+            for hid in [h for h, (_, exp, _) in self._pins.items() if exp <= now]:
                 del self._pins[hid]  # lapsed: the store has let go of them already
-            held = sum(len(h.keys) for h, _ in self._pins.values())
-            if len(self._pins) >= MAX_PINS or held + matched > MAX_PINNED_KEYS:
+            mine = [len(h.keys) for h, _, t in self._pins.values() if t == ns.tenant]
+            if len(mine) >= quota.pins or sum(mine) + matched > quota.blocks:
+                # the caller's own figures only: nothing about other tenants' pins
                 raise ProtocolError(
                     "busy",
-                    f"{len(self._pins)} pins hold {held} blocks (at most {MAX_PINS} pins, "
-                    f"{MAX_PINNED_KEYS} blocks); release some or wait for leases to end",
+                    f"tenant {ns.tenant!r} holds {len(mine)} pins of {sum(mine)} blocks; its quota is "
+                    f"{quota.pins} pins and {quota.blocks} blocks ([server] max_pins_per_tenant, "
+                    f"max_pinned_blocks_per_tenant), and this pin needs {matched} more blocks. "
+                    "Release some or wait for their leases to end",
+                )
+            held = sum(len(h.keys) for h, _, _ in self._pins.values())
+            if len(self._pins) >= MAX_PINS or held + matched > MAX_PINNED_KEYS:
+                raise ProtocolError(
+                    "busy", "the daemon holds all the pins it can; release yours or wait for leases to end"
                 )
             handle = self.store.pin(block_keys(ns, msg.tokens)[:matched], lease)
             hid = secrets.randbits(63)
-            self._pins[hid] = (handle, now + lease)
+            self._pins[hid] = (handle, now + lease, ns.tenant)
         return PinOk(handle=hid, blocks=len(handle.keys), lease=lease)
 
     def _release(self, msg: Release, ns: Namespace | None) -> Message:

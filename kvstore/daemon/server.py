@@ -19,9 +19,18 @@ server; a ZAP handler thread (kvstore.daemon.auth) admits only the keys of
 ``curve_allowed_keys`` and stamps each connection with its tenant, which the
 loop reads from every message and confines the request to (kvstore.daemon.tenancy).
 
+Start-up (``serve``)::
+
+    lock the endpoint (kvstore.daemon.endpoint)      quick; a second daemon is refused here
+    bind, answer every request "starting"            clients wait and retry (kvstore.connection)
+    build the store on a thread (pools, index)       logged: tier sizes, blocks to read back, progress
+    serve                                            logged: elapsed time
+
 SIGTERM/SIGINT: stop accepting (new requests get ``shutting_down``), finish
 the requests in flight, flush the write-through queue and close LMDB
-(``Store.close``), remove the socket file, exit 0.
+(``Store.close``), remove the socket file (if it is still the one bound),
+release the endpoint's lock, exit 0. A stop while the store is being built
+waits for it to be built, then closes it.
 """
 
 from __future__ import annotations
@@ -33,44 +42,81 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from kvstore.config import Config, load_config
+from kvstore.config import Config, load_config, runtime_dir
 from kvstore.daemon.auth import OPERATOR, ServerAuth
-from kvstore.daemon.endpoint import claim, ipc_path
-from kvstore.daemon.handlers import Handlers
+from kvstore.daemon.budget import Charge, InflightBudget
+from kvstore.daemon.endpoint import claim, ipc_path, remove_socket, socket_identity
+from kvstore.daemon.handlers import Handlers, PinQuota
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.startup import Startup
 from kvstore.daemon.tenancy import admit
 from kvstore.daemon.zap import ZapHandler, peer_tenant
 from kvstore.errors import KVStoreError
 from kvstore.wire.errors import RemoteProtocolError
-from kvstore.wire.messages import ErrorReply, Hello, Message, Ping, Pong
-from kvstore.wire.protocol import PROTOCOL_VERSION, Limits, Request, ServerProtocol, encode, reply_frames
+from kvstore.wire.messages import ErrorReply, Get, Hello, Message, Ping, Pong
+from kvstore.wire.protocol import (
+    PROTOCOL_VERSION,
+    Limits,
+    Request,
+    ServerProtocol,
+    encode,
+    nbytes,
+    reply_frames,
+)
 
 if TYPE_CHECKING:
+    from kvstore.results import NamespaceUsage
     from kvstore.store.engine import Store
 
 log = logging.getLogger("kvstore.daemon.server")
 
 EXIT_OK, EXIT_REFUSED = 0, 1
 DRAIN_TIMEOUT = 60.0  # seconds to finish in-flight requests after a stop signal
+PROGRESS_EVERY = 5.0  # seconds between "still starting" log lines
 POLL_MS = 100  # how soon the loop notices a stop request
 BATCH = 64  # messages taken from a socket per wake-up, so neither side starves the other
 
 
+class _LateStore:
+    """What metrics read the store through: the store once built; until then a scrape says kvstore_up 0."""
+
+    def __init__(self) -> None:
+        self.store: Store | None = None
+
+    def stats(self) -> Any:
+        if self.store is None:
+            raise KVStoreError("the daemon is starting")
+        return self.store.stats()
+
+    def usage(self) -> list[NamespaceUsage]:
+        return [] if self.store is None else self.store.usage()
+
+
 class Server:
-    """One daemon instance serving ``store`` on ``config.server.endpoint``. ``run`` blocks until stopped."""
+    """One daemon instance serving a store on ``config.server.endpoint``. ``run`` blocks until stopped.
+
+    ``store``: the store to serve, or None when ``run`` is to build it (``open_store``) after
+    binding; until then every request is answered ``starting``.
+    """
 
     def __init__(
-        self, config: Config, store: Store, ctx: zmq.Context | None = None, *, auth: ServerAuth | None = None
+        self,
+        config: Config,
+        store: Store | None,
+        ctx: zmq.Context | None = None,
+        *,
+        auth: ServerAuth | None = None,
     ) -> None:
         """``auth``: the CURVE keys, loaded from ``config`` when not given (ConfigError if they are bad)."""
         self.config = config
-        self.store = store
+        self.store: Store | None = None
         self.ctx = ctx or zmq.Context()
         cfg = config.server
         # loaded here too, so that a Server built without serve() never listens unauthenticated by mistake
@@ -80,9 +126,23 @@ class Server:
             max_tokens=cfg.max_tokens_per_request,
             max_inflight=cfg.max_inflight_per_client,
         )
-        self.proto = ServerProtocol(self.limits, server=f"kvstore/{PROTOCOL_VERSION}")
-        self.handlers = Handlers(store, self.info, max_lease=config.policy.pin_lease)
-        self.metrics = Metrics(store, usage=store.usage)
+        self.proto = ServerProtocol(
+            self.limits,
+            server=f"kvstore/{PROTOCOL_VERSION}",
+            namespaces_per_tenant=cfg.max_namespaces_per_tenant,
+        )
+        self.handlers: Handlers | None = None
+        self.budget = InflightBudget(
+            cfg.max_inflight_bytes, cfg.max_inflight_bytes_per_tenant, cfg.max_queued_requests
+        )
+        self._charges: dict[int, Charge] = {}  # per request on a worker, by a number it carries
+        self._next_charge = 0
+        self._store_ref = _LateStore()
+        self.metrics = Metrics(self._store_ref, usage=self._store_ref.usage)
+        self.startup: Startup | None = None
+        self.exit_code = EXIT_OK
+        if store is not None:
+            self._attach(store)
         self._stop_reason: str | None = None
         self._local = threading.local()
         self._worker_sockets: list[zmq.Socket] = []
@@ -109,11 +169,30 @@ class Server:
             "namespaces": len(self.proto.namespaces),
             "workers": self.config.server.workers,
             "limits": self.limits.to_dict(),
-            "put_failed_blocks": self.handlers.failed_blocks,
+            "put_failed_blocks": 0 if self.handlers is None else self.handlers.failed_blocks,
         }
 
-    def run(self) -> int:
-        """Bind, serve until ``stop``, then drain and close everything. Returns the exit code."""
+    def _attach(self, store: Store) -> None:
+        """Serve ``store`` from now on (loop thread, or before ``run``)."""
+        cfg = self.config.server
+        self.handlers = Handlers(
+            store,
+            self.info,
+            max_lease=self.config.policy.pin_lease,
+            pin_quota=PinQuota(pins=cfg.max_pins_per_tenant, blocks=cfg.max_pinned_blocks_per_tenant),
+        )
+        self._store_ref.store = store
+        self.store = store
+
+    def run(self, open_store: Callable[[], Store] | None = None) -> int:
+        """Bind, build the store if there is none yet (``open_store``, on a thread, answering every
+        request ``starting`` meanwhile), serve until ``stop``, then drain and close everything.
+
+        Returns the exit code: EXIT_REFUSED when ``open_store`` raised a KVStoreError or OSError
+        (logged as a refusal, one line). Raises zmq.ZMQError when the endpoint cannot be bound.
+        """
+        if self.store is None and open_store is None:
+            raise ValueError("a Server built without a store needs open_store")
         router = self.ctx.socket(zmq.ROUTER)
         router.linger = 1000  # let the last replies leave on close
         # a hard cap far above the soft limit: bigger frames cost the peer its connection, smaller
@@ -128,7 +207,6 @@ class Server:
                 zap = self.auth.handler()
                 zap.start(self.ctx)
             router.bind(self.config.server.endpoint)
-            metrics_url = self.metrics.start(self.config.server.metrics_port)
         except BaseException:
             router.close(linger=0)
             pull.close(linger=0)
@@ -136,13 +214,20 @@ class Server:
                 zap.stop()
             raise
         path = ipc_path(self.config.server.endpoint)
+        identity = None
         if path is not None:
             os.chmod(path, 0o600)
+            identity = socket_identity(path)
         workers = ThreadPoolExecutor(
             self.config.server.workers, thread_name_prefix="kvstore-worker", initializer=self._init_worker
         )
-        self._log_start(metrics_url)
         try:
+            if self.store is None:
+                assert open_store is not None
+                self.startup = Startup(self.config, open_store)
+                self.startup.begin()
+            else:
+                self._serving()
             self._loop(router, pull, workers)
         finally:
             workers.shutdown(wait=True)
@@ -156,9 +241,42 @@ class Server:
             router.close()
             if zap is not None:
                 zap.stop()
-            if path is not None:
-                path.unlink(missing_ok=True)
-        return EXIT_OK
+            if path is not None and not remove_socket(path, identity):
+                log.warning("%s is no longer the socket this daemon bound; left in place", path)
+        return self.exit_code
+
+    def _serving(self) -> None:
+        """The store is ready: metrics on, the start logged. Raises KVStoreError for a busy metrics port."""
+        metrics_url = self.metrics.start(self.config.server.metrics_port)
+        self._log_start(metrics_url)
+
+    def _check_startup(self) -> None:
+        """On the loop: attach the store once built, or stop when building it failed."""
+        startup = self.startup
+        if startup is None or self.handlers is not None:
+            return
+        startup.progress(PROGRESS_EVERY)
+        if not startup.done():
+            return
+        try:
+            store = startup.result()
+        except (KVStoreError, OSError) as e:
+            log.error("refusing to start: %s", startup.refusal(e))
+            self.exit_code = EXIT_REFUSED
+            self.stop("start failed")
+            return
+        except Exception:
+            log.exception("refusing to start: building the store failed")
+            self.exit_code = EXIT_REFUSED
+            self.stop("start failed")
+            return
+        self._attach(store)
+        try:
+            self._serving()
+        except KVStoreError as e:
+            log.error("refusing to start: %s", e)
+            self.exit_code = EXIT_REFUSED
+            self.stop("start failed")
 
     def _loop(self, router: zmq.Socket, pull: zmq.Socket, workers: ThreadPoolExecutor) -> None:
         poller = zmq.Poller()
@@ -166,7 +284,10 @@ class Server:
         poller.register(pull, zmq.POLLIN)
         deadline = None
         while True:
-            if self._stop_reason is not None:
+            self._check_startup()
+            if self._stop_reason is not None and self.startup is not None and not self.startup.done():
+                pass  # the store cannot be abandoned half built: wait for it, then close it
+            elif self._stop_reason is not None:
                 if deadline is None:
                     log.info(
                         "stopping (%s): finishing %d request(s) in flight",
@@ -245,6 +366,9 @@ class Server:
         reply: Message | None
         if self._stop_reason is not None:
             reply = ErrorReply(code="shutting_down", message="the daemon is stopping; retry shortly")
+        elif self.handlers is None:
+            assert self.startup is not None
+            reply = ErrorReply(code="starting", message=self.startup.message())
         elif isinstance(request.msg, Hello):
             reply = None
         elif isinstance(request.msg, Ping):
@@ -252,9 +376,15 @@ class Server:
         else:
             reply = self.handlers.try_inline(request)
             if reply is None:
-                self.outstanding += 1
-                workers.submit(self._work, request, arrived)
-                return
+                tenant, cost = self._cost(request, frames)
+                refusal = self.budget.refusal(tenant, cost)
+                if refusal is None:  # taken: charged until its reply leaves (_forward)
+                    self._next_charge += 1
+                    self._charges[self._next_charge] = self.budget.take(tenant, cost)
+                    self.outstanding += 1
+                    workers.submit(self._work, self.handlers, request, arrived, self._next_charge)
+                    return
+                reply = ErrorReply(code="busy", message=refusal)  # the frames are let go right here
         out = self.proto.hello(request) if reply is None else self.proto.reply(request, reply)
         self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
         router.send_multipart([peer, *out])  # a small reply: copying beats wrapping in zmq.Frames
@@ -266,10 +396,24 @@ class Server:
         with self._sockets_lock:
             self._worker_sockets.append(sock)
 
-    def _work(self, request: Request, arrived: float) -> None:
+    @staticmethod
+    def _cost(request: Request, frames: list) -> tuple[str, int]:
+        """(tenant, bytes) a request taken holds until its reply leaves: see kvstore.daemon.budget."""
+        ns = request.namespace
+        tenant = request.tenant or (ns.tenant if ns is not None else OPERATOR)
+        cost = sum(nbytes(f) for f in frames)
+        msg = request.msg
+        if isinstance(msg, Get) and ns is not None:
+            blocks = max(0, len(msg.tokens) // ns.layout.block_tokens - msg.start_block)
+            if msg.max_blocks is not None:
+                blocks = min(blocks, msg.max_blocks)
+            cost += blocks * ns.layout.block_nbytes
+        return tenant, cost
+
+    def _work(self, handlers: Handlers, request: Request, arrived: float, charge: int) -> None:
         """Run on a worker thread: exactly one reply goes back for ``request``, whatever happens."""
         try:
-            reply = self.handlers.handle(request)
+            reply = handlers.handle(request)
             frames = reply_frames(request, reply)
             self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
             if isinstance(reply, ErrorReply):
@@ -277,7 +421,7 @@ class Server:
         except BaseException as e:  # noqa: B036 - the reply must go out even then
             log.exception("encoding the reply to request %s failed", request.id)
             frames = encode(request.id, ErrorReply(code="internal", message=f"reply failed: {e}"))
-        self._local.push.send_multipart([request.peer, *frames], copy=False)
+        self._local.push.send_multipart([charge.to_bytes(8, "little"), request.peer, *frames], copy=False)
 
     def _forward(self, router: zmq.Socket, pull: zmq.Socket, *, block: bool) -> int:
         """Send up to BATCH replies workers finished; returns how many. A vanished peer's reply is dropped."""
@@ -286,8 +430,10 @@ class Server:
                 frames = pull.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
-            router.send_multipart(frames, copy=False)
-            self.proto.done(frames[0].bytes)
+            charge = self._charges.pop(int.from_bytes(frames[0].bytes, "little"))
+            router.send_multipart(frames[1:], copy=False)
+            self.budget.release(charge)
+            self.proto.done(frames[1].bytes)
             self.outstanding -= 1
         return BATCH
 
@@ -296,7 +442,7 @@ class Server:
         try:
             tiers = {
                 name: f"{t.used}/{t.capacity} bytes, {t.blocks} blocks"
-                for name, t in self.store.stats().tiers.items()
+                for name, t in self._store_ref.stats().tiers.items()
             }
         except Exception as e:  # logging must not stop the start
             tiers = {"?": str(e)}
@@ -334,46 +480,64 @@ def _setup_logging(level: str) -> None:
 
 
 def serve(config: Config) -> int:
-    """Run the daemon until SIGTERM/SIGINT. Returns 0 after a clean stop, 1 when it refuses to start."""
+    """Run the daemon until SIGTERM/SIGINT. Returns 0 after a clean stop, 1 when it refuses to start.
+
+    The endpoint is locked before anything slow happens (a second daemon is refused within a
+    second, naming this one's pid), bound next, and the store built while requests are answered
+    ``starting``; the lock is released last, after the socket file is gone.
+    """
     _setup_logging(config.server.log_level)
     ctx = zmq.Context()
+    cfg = config.server
     try:
-        cfg = config.server
         auth = ServerAuth.from_config(cfg.endpoint, cfg.curve_secret_key, cfg.curve_allowed_keys)
-        claim(ctx, cfg.endpoint, insecure_tcp_ok=cfg.allow_insecure_tcp, curve=auth is not None)
-        from kvstore.store.engine import Store
-
-        store = Store.from_config(config)
+        held = claim(
+            ctx,
+            cfg.endpoint,
+            insecure_tcp_ok=cfg.allow_insecure_tcp,
+            curve=auth is not None,
+            run_dir=runtime_dir(),
+        )
     except KVStoreError as e:
         log.error("refusing to start: %s", e)
         ctx.destroy(linger=0)
         return EXIT_REFUSED
     except OSError as e:  # e.g. the socket's directory cannot be made: one line, no traceback
         log.error(
-            "refusing to start: %s: %s; check [server] endpoint and [nvme] path",
+            "refusing to start: %s: %s; check [server] endpoint",
             e.strerror or e,
             e.filename or cfg.endpoint,
         )
         ctx.destroy(linger=0)
         return EXIT_REFUSED
-    server = Server(config, store, ctx, auth=auth)
+
+    def open_store() -> Store:
+        from kvstore.store.engine import Store
+
+        return Store.from_config(config)
+
+    server = Server(config, None, ctx, auth=auth)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: server.stop(signal.Signals(signum).name))
     try:
         try:
-            code = server.run()
+            code = server.run(open_store)
         except (zmq.ZMQError, KVStoreError) as e:
             log.error("refusing to start: cannot serve %s: %s", config.server.endpoint, e)
             code = EXIT_REFUSED
             server.stop("start failed")
     finally:
-        store.close()  # flushes the write-through queue and closes LMDB
+        if server.store is not None:
+            server.store.close()  # flushes the write-through queue and closes LMDB
         ctx.destroy(linger=1000)
+        if held is not None:
+            held.release()
     log.info(
-        "stopped (%s); %d requests served, store flushed and closed",
+        "stopped (%s); %d requests served%s",
         server._stop_reason or "loop ended",
         server.requests,
+        ", store flushed and closed" if server.store is not None else "",
     )
     return code
 

@@ -31,6 +31,7 @@ from kvstore.wire.messages import REPLIES, REQUESTS, Buffer, ErrorReply, Get, He
 
 PROTOCOL_VERSION = 1
 MAX_NAMESPACES = 4096  # distinct namespaces one daemon registers; more is almost surely a bug
+NAMESPACES_PER_TENANT = 256  # default share of MAX_NAMESPACES one tenant may register
 
 
 def tensor_payload(kv: torch.Tensor) -> Buffer:
@@ -159,10 +160,16 @@ class Request:
 class ServerProtocol:
     """The daemon's half: validation, namespaces, and requests in flight per peer. Not thread-safe."""
 
-    def __init__(self, limits: Limits, server: str = "kvstore") -> None:
+    def __init__(
+        self, limits: Limits, server: str = "kvstore", *, namespaces_per_tenant: int = NAMESPACES_PER_TENANT
+    ) -> None:
+        """``namespaces_per_tenant``: how many of the MAX_NAMESPACES one tenant (a namespace's
+        ``tenant`` field; a CURVE client can name only its own) may register."""
         self.limits = limits
         self.server = server
+        self.namespaces_per_tenant = namespaces_per_tenant
         self.namespaces: dict[str, Namespace] = {}
+        self._per_tenant: dict[str, int] = {}  # tenant -> namespaces registered
         self.inflight: dict[bytes, int] = {}
 
     def receive(self, peer: bytes, frames: list[Buffer]) -> Request:
@@ -246,14 +253,29 @@ class ServerProtocol:
         """Register the hello's namespace and return the reply frames (hello needs no worker)."""
         assert isinstance(request.msg, Hello)
         ns = request.msg.namespace
-        if ns.id not in self.namespaces and len(self.namespaces) >= MAX_NAMESPACES:
-            return self.error(
-                request.peer,
-                request.id,
-                "invalid_namespace",
-                f"this daemon already serves {MAX_NAMESPACES} namespaces",
-                done=True,
-            )
+        if ns.id not in self.namespaces:
+            # the tenant's quota first: its refusal tells the tenant only its own figures
+            mine = self._per_tenant.get(ns.tenant, 0)
+            if mine >= self.namespaces_per_tenant:
+                return self.error(
+                    request.peer,
+                    request.id,
+                    "quota_exceeded",
+                    f"tenant {ns.tenant!r} has registered {mine} namespaces, its quota "
+                    f"([server] max_namespaces_per_tenant = {self.namespaces_per_tenant}); use one of "
+                    "them (the same model, revision and layout) or ask the operator for more",
+                    done=True,
+                )
+            if len(self.namespaces) >= MAX_NAMESPACES:
+                return self.error(
+                    request.peer,
+                    request.id,
+                    "quota_exceeded",
+                    "the daemon's namespace table is full; ask the operator to restart it "
+                    "or to lower max_namespaces_per_tenant",
+                    done=True,
+                )
+            self._per_tenant[ns.tenant] = mine + 1
         self.namespaces[ns.id] = ns
         return self.reply(request, HelloOk(ns=ns.id, limits=self.limits.to_dict(), server=self.server))
 

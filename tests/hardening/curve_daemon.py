@@ -40,10 +40,11 @@ class CurveDaemon:
         timeout: float = 10.0,
         retries: int = 2,
         namespace: bool = True,
+        model: str = MODEL,
     ) -> KVStoreClient:
         """A client with ``who``'s key pair (files), in ``tenant`` (default: ``who``'s listed tenant)."""
         ns: dict[str, Any] = (
-            {"model": MODEL, "layout": LAYOUT, "tenant": tenant or LISTED.get(who, who)} if namespace else {}
+            {"model": model, "layout": LAYOUT, "tenant": tenant or LISTED.get(who, who)} if namespace else {}
         )
         return KVStoreClient(
             self.endpoint,
@@ -59,8 +60,12 @@ def make_keys(root: Path) -> dict[str, KeyFiles]:
     return {name: write_keypair(root / "keys", name) for name in ("server", *LISTED, "stranger")}
 
 
-def start_curve_daemon(root: Path, keys: dict[str, KeyFiles] | None = None) -> CurveDaemon:
-    """Start a daemon serving tcp://127.0.0.1:<free port> with CURVE and wait until the operator key gets a pong."""
+def start_curve_daemon(
+    root: Path, keys: dict[str, KeyFiles] | None = None, server: dict[str, Any] | None = None
+) -> CurveDaemon:
+    """Start a daemon serving tcp://127.0.0.1:<free port> with CURVE and wait until the operator key gets a pong.
+
+    ``server``: more [server] keys."""
     keys = keys or make_keys(root)
     allowed = root / "clients.allow"
     allowed.write_text(
@@ -74,6 +79,7 @@ def start_curve_daemon(root: Path, keys: dict[str, KeyFiles] | None = None) -> C
             "curve_secret_key": str(keys["server"].secret_file),
             "curve_allowed_keys": str(allowed),
             "log_level": "debug",
+            **(server or {}),
         },
     )
     cd = CurveDaemon(Daemon(config, endpoint), endpoint, keys)

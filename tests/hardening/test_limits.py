@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvstore.daemon.handlers import MAX_PINS
+from kvstore.config import ServerConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.wire.errors import ProtocolError, ServerError
@@ -29,6 +29,7 @@ from tests.hardening.conftest import LAYOUT, NS, Raw, T, client, endpoint_of, he
 MAX_TOKENS = 256
 MAX_MESSAGE = 64 * 1024
 MAX_INFLIGHT = 4
+PINS_PER_TENANT = ServerConfig().max_pins_per_tenant  # the default quota of the tenant "default"
 LIMITS = Limits(max_message_bytes=MAX_MESSAGE, max_tokens=MAX_TOKENS, max_inflight=MAX_INFLIGHT)
 
 
@@ -169,9 +170,9 @@ def test_pins_held_through_the_protocol_are_capped(daemon: Daemon) -> None:
         c.put(tokens, prefix_kv(tokens))
         handles = []
         with pytest.raises(ServerError) as e:
-            for _ in range(MAX_PINS + 1):  # a client pinning in a loop, never releasing
+            for _ in range(PINS_PER_TENANT + 1):  # a client pinning in a loop, never releasing
                 handles.append(c.pin(tokens)[0])
-        assert e.value.code == "busy" and len(handles) == MAX_PINS
+        assert e.value.code == "busy" and len(handles) == PINS_PER_TENANT
         assert c.get(tokens).matched_tokens == 2 * T  # everything else goes on
         assert all(c.release(h) for h in handles)
         assert c.stats()["store"]["pinned"] == 0

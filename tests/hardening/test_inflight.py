@@ -1,0 +1,100 @@
+"""The daemon's memory for requests in flight is bounded whatever the number of connections.
+
+    8 connections x 24 puts of 2 MiB, sent without waiting (384 MiB offered at once)
+    budget: max_inflight_bytes = max_inflight_bytes_per_tenant = 16 MiB
+    ->  every request answered once: stored, or busy (never dropped)
+        the daemon's peak RSS grows by far less than what was offered
+        the daemon goes on serving
+
+Before the budget, only max_inflight_per_client bounded this: each connection could park 64
+requests in the worker queue (eight connections of 8 MiB puts took a daemon from 231 MiB to
+4.1 GiB).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
+from tests.hardening.conftest import Raw, endpoint_of, header, rss_bytes, write_config
+from tests.hardening.test_memory import status
+
+MiB = 2**20
+CONNECTIONS, PUTS, PUT_BYTES = 8, 24, 2 * MiB
+BUDGET = 16 * MiB
+# 64 KiB blocks, 32 to a put
+BIG = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16", block_tokens=16)
+NS = Namespace(model="inflight-model", layout=BIG)
+BLOCKS = PUT_BYTES // BIG.block_nbytes
+
+
+@pytest.mark.slow
+def test_many_connections_pushing_big_puts_stay_within_the_budget(daemons, tmp_path: Path) -> None:
+    cfg = write_config(
+        tmp_path,
+        server={
+            "workers": 1,
+            "max_inflight_bytes": f"{BUDGET // MiB}MiB",
+            "max_inflight_bytes_per_tenant": f"{BUDGET // MiB}MiB",
+            "max_message_bytes": "4MiB",
+        },
+        hbm={"capacity": "16MiB"},
+        ram={"capacity": "16MiB"},
+        nvme={"enabled": False},
+        policy={"page_bytes": "64KiB"},
+    )
+    d = daemons(cfg)
+    pid = d.proc.pid
+    kv = torch.randn(BIG.shape(BLOCKS * BIG.block_tokens)).to(torch.float16)
+    payload = kv.view(-1).view(torch.uint8).numpy().tobytes()
+    assert len(payload) == PUT_BYTES
+    conns = [Raw(endpoint_of(cfg)) for _ in range(CONNECTIONS)]
+    try:
+        for r in conns:
+            assert r.ask(header("hello", 1, namespace=NS.to_dict()))["op"] == "hello"
+        base = rss_bytes(pid)
+        rng = np.random.default_rng(0)
+        for i in range(PUTS):  # every connection pushes its puts without waiting for replies
+            for r in conns:
+                tokens = rng.integers(0, 50000, size=BLOCKS * BIG.block_tokens, dtype=np.uint32)
+                r.sock.send_multipart(
+                    [
+                        header(
+                            "put",
+                            10 + i,
+                            ns=NS.id,
+                            tokens=tokens.tobytes(),
+                            start_block=0,
+                            shape=list(kv.shape),
+                            dtype=BIG.dtype,
+                        ),
+                        payload,
+                    ],
+                    copy=False,
+                )
+        codes: dict[str, int] = {}
+        for r in conns:
+            replies = [r.recv(60000) for _ in range(PUTS)]
+            assert sorted(x["id"] for x in replies) == list(range(10, 10 + PUTS))  # each answered once
+            for x in replies:
+                key = x["op"] if x["op"] != "error" else x["code"]
+                codes[key] = codes.get(key, 0) + 1
+        peak = status(pid)["VmHWM"]
+        offered = CONNECTIONS * PUTS * PUT_BYTES
+        grew = peak - base
+        print(f"\nRSS grew {grew / MiB:.0f} MiB, {offered / MiB:.0f} MiB offered; replies {codes}")
+        # the budget, the frames being read off the sockets, and slack for the allocator
+        assert grew < BUDGET + 96 * MiB, f"RSS grew {grew / MiB:.0f} MiB with {offered / MiB:.0f} MiB offered"
+        assert set(codes) <= {"put", "busy"}, codes
+        assert codes.get("busy", 0) > 0 and codes.get("put", 0) > 0, codes
+        # and it goes on serving: a request now is taken
+        ok = conns[0].ask(header("lookup", 999, ns=NS.id, tokens=bytes(4 * BIG.block_tokens)))
+        assert ok["op"] == "lookup"
+    finally:
+        for r in conns:
+            r.close()
