@@ -17,6 +17,8 @@
    store of 1M blocks from LMDB (aim <= 10 s). These use a tiny layout (1 layer,
    1 head, 8 dims, 4 tokens: 128-byte blocks) so that 1M blocks take ~0.5 GB of
    disk and a minute to write; the index does not depend on the block size.
+
+One benchmark run prints every figure side by side, hence one file.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import gc
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -255,6 +258,48 @@ def lookup_time(store: Store, ns: Namespace, toks: list[int], repeat: int = 20) 
     return statistics.median(times)
 
 
+def lookup_beside(
+    store: Store, ns: Namespace, toks: list[int], admin: Callable[[], Any], seconds: float
+) -> float:
+    """Median lookup time while another thread runs ``admin`` in a loop for ``seconds``."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            admin()
+
+    worker = threading.Thread(target=loop, daemon=True)
+    worker.start()
+    times = []
+    deadline = time.perf_counter() + seconds
+    try:
+        while time.perf_counter() < deadline:
+            t = time.perf_counter()
+            store.lookup(ns, toks)
+            times.append(time.perf_counter() - t)
+            time.sleep(0.002)
+    finally:
+        stop.set()
+        worker.join()
+    return statistics.median(times)
+
+
+def interference(store: Store, ns: Namespace, toks: list[int], blocks: int) -> None:
+    """What an operator or tenant looping on stats does to another tenant's lookups."""
+    alone = lookup_beside(store, ns, toks, lambda: time.sleep(0.001), 2.0)
+    stats = lookup_beside(store, ns, toks, lambda: (store.stats(), store.usage(), store.sessions()), 2.0)
+    walk = lookup_beside(
+        store, ns, toks, lambda: store.evict(EvictFilter(tenant="nobody"), dry_run=True), 2.0
+    )
+    print(f"\n  lookup of 512 blocks with {blocks} blocks indexed, p50 while another thread loops:")
+    print(f"    nothing                          {alone * 1e3:8.3f} ms")
+    print(f"    stats + usage + sessions         {stats * 1e3:8.3f} ms   {stats / alone:6.2f} x alone")
+    print(
+        f"    a walk of the index (dry evict)  {walk * 1e3:8.3f} ms   {walk / alone:6.2f} x alone"
+        "   (how tenant stats were counted before)"
+    )
+
+
 def scale(index_blocks: int, root: Path) -> None:
     print(
         f"\n== index at scale (tiny layout {TINY.block_nbytes} B blocks; lookups of a 32K-token prompt "
@@ -272,6 +317,8 @@ def scale(index_blocks: int, root: Path) -> None:
         store = open_store(path)
         reopen, reopen_cpu = time.perf_counter() - t, time.process_time() - c
         look = lookup_time(store, ns, first)
+        if n == min(sizes, key=lambda x: abs(x - 128_000)):
+            interference(store, ns, first, store.stats().blocks)
         store.close()
         del store
         gc.collect()

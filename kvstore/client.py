@@ -21,6 +21,9 @@ hello, up to ``retries`` times, so a daemon restart is invisible to the caller;
 the worst case is ``(retries + 1) * timeout``. A client may be shared by
 threads: calls take turns. Error replies raise the kvstore.errors class of
 their code (with ServerError mixed in); a lost daemon raises RequestTimeout.
+
+One class, the public client API: each of its methods carries the contract users rely on,
+hence the length (the connection's mechanics live in connection.py).
 """
 
 from __future__ import annotations

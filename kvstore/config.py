@@ -15,6 +15,9 @@ the key, the value and what is allowed, and an unknown section or key (a typo)
 is an error, never silently ignored. ``load_config`` reads files and the
 environment only; it creates no directory (the server creates the runtime
 directory 0700 and the data directory).
+
+Longer than most modules: every configuration key's default, check and message are here, one
+table per section, so that a key is defined once.
 """
 
 from __future__ import annotations

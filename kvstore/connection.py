@@ -12,7 +12,10 @@ on the same socket) triggers a hello and a re-send, without a new socket.
 
 A daemon still building its store answers ``starting``: the request is sent
 again every STARTING_POLL seconds, up to ``timeout`` after the first such
-answer, then DaemonStarting is raised (retries are not spent on it).
+answer, then DaemonStarting is raised (retries are not spent on it). A
+``busy`` answer (the daemon is over an in-flight budget or a quota; nothing
+was done) is back-pressure: that request is sent again after a pause that
+doubles up to BUSY_WAIT_MAX, for up to ``timeout``, then its error is raised.
 
 With ``curve`` (kvstore.daemon.auth.ClientKeys) every socket is a CURVE client of the
 daemon. A daemon that refuses the key sends nothing at all, so a refused key
@@ -36,9 +39,10 @@ from kvstore.wire.messages import ErrorReply, Hello, HelloOk, Message
 from kvstore.wire.protocol import ClientProtocol, Limits
 
 # Error codes after which the same request may succeed on a (re)started daemon.
-TRANSIENT = frozenset({"shutting_down", "busy"})
+TRANSIENT = frozenset({"shutting_down"})
 BACKOFF = 0.05  # seconds before the first re-send after a transient error; doubles each time
 STARTING_POLL = 0.2  # seconds between re-sends to a daemon that answers "starting"
+BUSY_WAIT_MAX = 1.0  # longest pause between re-sends of a request the daemon answered "busy"
 
 
 class Connection:
@@ -163,6 +167,8 @@ class Connection:
         inflight: dict[int, int] = {}  # request id -> index
         attempts = 0
         starting_since: float | None = None  # first "starting" answer
+        busy_since: float | None = None  # first "busy" answer since the last reply that did the work
+        busy_count = 0
 
         def again(
             reason: str, *, fresh_socket: bool, backoff: bool = False, cause: Exception | None = None
@@ -233,6 +239,17 @@ class Connection:
                     inflight = {}
                     time.sleep(STARTING_POLL)
                     continue
+                if reply.code == "busy":  # over a budget, nothing was done: back-pressure, not failure
+                    now = time.monotonic()
+                    busy_since = now if busy_since is None else busy_since
+                    if now - busy_since >= self.timeout:
+                        for other in inflight:
+                            self.proto.forget(other)
+                        raise error_for_reply(reply.code, reply.message)
+                    todo.appendleft(i)  # sent again after a pause; the others in flight go on
+                    time.sleep(min(BUSY_WAIT_MAX, BACKOFF * 2**busy_count))
+                    busy_count += 1
+                    continue
                 if reply.code == "unknown_namespace" and greet:
                     inflight[rid] = i  # re-sent with the others after the hello
                     again("daemon forgot the namespace", fresh_socket=False)
@@ -249,6 +266,7 @@ class Connection:
                 for other in inflight:
                     self.proto.forget(other)
                 raise error_for_reply(reply.code, reply.message)
+            busy_since, busy_count = None, 0
             on_reply(i, reply)
 
 

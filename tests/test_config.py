@@ -1,4 +1,7 @@
-"""kvstore.config: defaults, TOML files, KVSTORE_* overrides, and errors that name the key."""
+"""kvstore.config: defaults, TOML files, KVSTORE_* overrides, and errors that name the key.
+
+Many short stories, one per configuration rule.
+"""
 
 from __future__ import annotations
 

@@ -28,6 +28,9 @@ naming this boot (``/proc/sys/kernel/random/boot_id``) is written and synced;
 the machine went down with unsynced commits: the store cannot be trusted and
 is wiped (it is a cache; ``reset_reason`` says why). A marker of this same
 boot is a process kill: kept. Where there is no boot id, the store is kept.
+
+Longer than most modules: opening, locking, format checks, map growth and the durability
+modes all guard one LMDB environment and share its state.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ Capacity is hard twice over:
   doubling from ``map_size_initial`` up to the capacity and retries; at the
   capacity the write is TierFull. So the data file never exceeds the
   configured bytes.
+
+Longer than most modules: one tier over one LMDB environment (frames, records, size estimates,
+sessions, namespaces) whose transactions must see each other's layout.
 """
 
 from __future__ import annotations

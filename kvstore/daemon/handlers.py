@@ -133,11 +133,8 @@ class Handlers:
         """
         if not isinstance(request.msg, Lookup) or request.namespace is None:
             return None
-        try_lookup = getattr(self.store, "try_lookup", None)
-        if try_lookup is None:
-            return None
         try:
-            r = try_lookup(request.namespace, request.msg.tokens)
+            r = self.store.try_lookup(request.namespace, request.msg.tokens)
         except Exception:
             return None  # let a worker run it and turn the error into a reply
         if r is None:

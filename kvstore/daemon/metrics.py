@@ -14,6 +14,9 @@ workers call ``observe`` once per request (thread-safe, no store lock taken).
 Each Metrics owns its CollectorRegistry (no globals), so several daemons or
 tests in one process never mix figures. The HTTP endpoint binds to loopback
 only: the figures name tenants and models.
+
+Longer than most modules: the metric tables (names, help, labels) are the module, and they
+read best in one place.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ the requests in flight, flush the write-through queue and close LMDB
 (``Store.close``), remove the socket file (if it is still the one bound),
 release the endpoint's lock, exit 0. A stop while the store is being built
 waits for it to be built, then closes it.
+
+Longer than most modules: the event loop, the worker hand-off and the start/stop sequence
+share the sockets this class owns (budget.py, startup.py and endpoint.py hold what could go).
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ and promotions (encoded ahead: the ``ready`` frames of movement.py), and the
 write-through's int4 encode and LMDB put run outside it. Under it run memory
 copies into hbm, LMDB deletes, and the encodes of demotions that were not
 foreseen (ram -> nvme with write-through off, or a wrong guess).
+
+The Store's whole public surface (data path, operator calls, durability) is here, each with its
+contract; the work itself is done by the parts named above.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ little-endian uint32 (what the Python client sends) or as a list of ints
 Each class lists its header fields in ``schema`` (name -> checker); decoding a
 header runs every checker, rejects unknown fields and missing required ones,
 and raises RemoteProtocolError with a stable code, never anything else.
+
+One file on purpose: every request and reply of the protocol, side by side, is its vocabulary
+(about 350 lines of small dataclasses).
 """
 
 from __future__ import annotations

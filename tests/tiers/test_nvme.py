@@ -1,4 +1,7 @@
-"""NvmeTier: frames and records in a real LMDB environment under tmp_path."""
+"""NvmeTier: frames and records in a real LMDB environment under tmp_path.
+
+Many short stories, one per promise of the nvme tier.
+"""
 
 from __future__ import annotations
 

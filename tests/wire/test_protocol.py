@@ -1,4 +1,7 @@
-"""The protocol objects joined in memory: a client and a server half, no sockets."""
+"""The protocol objects joined in memory: a client and a server half, no sockets.
+
+Many short stories, one per message or protocol rule.
+"""
 
 from __future__ import annotations
 
