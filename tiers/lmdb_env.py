@@ -35,7 +35,6 @@ modes all guard one LMDB environment and share its state.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import threading
@@ -48,6 +47,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from kvstore import pidlock
 from kvstore.errors import ConfigError, StoreFormatError, StoreLocked
 from kvstore.tiers.base import TierFull, TierIOError
 
@@ -285,19 +285,13 @@ class Environment:
 
 
 def _lock(path: Path) -> int:
-    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
+        return pidlock.take(path / LOCK_FILE)
+    except pidlock.LockHeld as e:
         raise StoreLocked(
-            f"nvme store {path} is in use by another kvstore (pid {holder}); "
+            f"nvme store {path} is in use by another kvstore (pid {e.holder}); "
             "stop it, or point [nvme] path at another directory"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def _open_lmdb(path: Path, durability: Durability, map_size: int, max_dbs: int) -> lmdb.Environment:

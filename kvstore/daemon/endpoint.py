@@ -25,7 +25,6 @@ says the network is trusted.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import stat
@@ -35,6 +34,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
+from kvstore import pidlock
 from kvstore.errors import KVStoreError
 
 PROBE_TIMEOUT_MS = 500
@@ -93,21 +93,13 @@ def lock(endpoint: str, run_dir: Path) -> EndpointLock | None:
     if path is None:
         return None
     secure_dir(path.parent)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
+        fd = pidlock.take(path, follow_symlinks=False)
+    except pidlock.LockHeld as e:
         raise EndpointInUse(
-            f"another kvstore daemon (pid {holder}) already serves {endpoint} (it holds {path}); "
+            f"another kvstore daemon (pid {e.holder}) already serves {endpoint} (it holds {path}); "
             "stop it first or configure another [server] endpoint"
         ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return EndpointLock(endpoint, path, fd)
 
 
