@@ -87,7 +87,7 @@ class Startup:
             os.getpid(),
             cfg.server.endpoint,
             gib(cfg.hbm.capacity),
-            cfg.hbm.device,
+            cfg.hbm.resolved_device(),
             gib(cfg.ram.capacity),
             cfg.ram.codec,
             nvme,
