@@ -15,6 +15,16 @@ copied); ``put`` copies one chunk at a time out of ``kv`` and sends the next
 when the previous is stored (the store refuses a chunk whose parent block is
 not stored yet).
 
+Same host (an ``ipc://`` daemon of this user, by default): K/V never crosses
+the socket. The hello reply offers the daemon's shared segments; ``get`` and
+``get_into`` locate the blocks (the daemon pins them by lease), copy raw
+blocks or decode frames from the mapped pools straight into the destination,
+check the pages' generations and finish; ``put`` and ``put_from`` reserve a
+staging range, write into it and commit. A block whose pages were reused
+meanwhile is a miss (the result ends before it), never served. A daemon that
+restarted is seen in the next hello (a new instance): the client maps the new
+segments, or falls back to the socket when it cannot.
+
 Every reply is awaited at most ``timeout`` seconds. Idempotent calls
 (everything but a real evict) are then re-sent on a fresh socket after a new
 hello, up to ``retries`` times, so a daemon restart is invisible to the caller;
@@ -28,6 +38,7 @@ hence the length (the connection's mechanics live in connection.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -41,6 +52,7 @@ from kvstore.connection import Connection
 from kvstore.daemon.auth import ClientKeys
 from kvstore.errors import InvalidNamespace
 from kvstore.keys import Namespace, TokenInput, as_tokens
+from kvstore.kvbuffers import KVTarget, PagedKV, check_target, empty_kv, target_tokens, write_target
 from kvstore.layout import KVLayout
 from kvstore.results import (
     BlockInfo,
@@ -53,16 +65,22 @@ from kvstore.results import (
     SessionDetail,
     SessionInfo,
 )
+from kvstore.shm.mapping import SharedMapping
+from kvstore.shm.segment import ShmUnavailable
 from kvstore.wire.errors import LocalProtocolError
 from kvstore.wire.messages import (
+    Commit,
     DataOk,
     Evict,
     EvictOk,
+    Finish,
     Flush,
     FlushOk,
     Get,
     GetOk,
     Inspect,
+    Locate,
+    LocateOk,
     Lookup,
     LookupOk,
     Message,
@@ -75,12 +93,21 @@ from kvstore.wire.messages import (
     PutOk,
     Release,
     ReleaseOk,
+    Reserve,
+    ReserveOk,
     Stats,
 )
 from kvstore.wire.protocol import payload_tensor, tensor_payload
 
+log = logging.getLogger("kvstore.client")
+
 CHUNK_BYTES = 128 * 2**20  # K/V bytes per message: a 4K-token SmolLM2 prefix (94 MB) goes in one
 WINDOW = 2  # get chunks in flight
+STALE_RETRIES = 2  # times a shared-memory call starts over on a restarted daemon's new segments
+
+
+class _Stale(Exception):
+    """A reply refers to segments other than the ones mapped (the daemon restarted meanwhile)."""
 
 
 def _default_endpoint() -> str:
@@ -133,7 +160,10 @@ class KVStoreClient:
         curve_server_key: str | bytes | None = None,
         curve_secret_key: str | bytes | None = None,
         curve_public_key: str | bytes | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
+        """``shared_memory``: None (default) uses the daemon's shared memory when it offers it (an
+        ``ipc://`` daemon of this user); False always uses the socket."""
         if (model is None) != (layout is None):
             raise InvalidNamespace("give both model and layout (or neither, for an operator's client)")
         self.namespace = (
@@ -145,6 +175,7 @@ class KVStoreClient:
         self.chunk_blocks = chunk_blocks if chunk_blocks is None else max(1, chunk_blocks)
         self.window = max(1, window)
         curve = ClientKeys.resolve(self.endpoint, curve_server_key, curve_secret_key, curve_public_key)
+        want_shm = self.endpoint.startswith("ipc://") and curve is None and shared_memory is not False
         self._conn = Connection(
             self.endpoint,
             timeout=timeout,
@@ -152,8 +183,11 @@ class KVStoreClient:
             namespace=self.namespace,
             context=context,
             curve=curve,
+            shared_memory=want_shm,
         )
         self._lock = threading.RLock()
+        self._mapping: SharedMapping | None = None
+        self._refused: set[str] = set()  # instances whose segments could not be mapped
 
     # ------------------------------------------------------------------ plumbing
 
@@ -166,6 +200,37 @@ class KVStoreClient:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+            if self._mapping is not None:
+                self._mapping.close()
+                self._mapping = None
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether K/V moves through shared memory (as of the last hello; False before the first call)."""
+        with self._lock:
+            return self._shared() is not None
+
+    def _shared(self) -> SharedMapping | None:
+        """The mapping of the daemon's current segments, or None (socket path). Lock held."""
+        offer = self._conn.shm_offer
+        if offer is None:
+            return None
+        instance = str(offer.get("instance"))
+        m = self._mapping
+        if m is not None and m.instance == instance:
+            return m
+        if m is not None:
+            m.close()
+            self._mapping = None
+        if instance in self._refused:
+            return None
+        try:
+            self._mapping = SharedMapping(offer)
+        except ShmUnavailable as e:
+            log.warning("shared memory offered but not usable (%s); using the socket", e)
+            self._refused.add(instance)
+            return None
+        return self._mapping
 
     def _ns(self) -> Namespace:
         if self.namespace is None:
@@ -216,47 +281,66 @@ class KVStoreClient:
     def get(self, token_ids: TokenInput, *, device: torch.device | str = "cpu") -> GetResult:
         """The K/V of the longest stored prefix of ``token_ids``: ``kv`` is ``[L, 2, matched, H, D]`` or None.
 
-        A prefix longer than one chunk is looked up first, then fetched chunk
-        by chunk into one tensor on ``device``. A block evicted between the
-        lookup and its chunk shortens the result to the blocks before it.
+        Same host, the match is looked up, then copied or decoded from shared memory into one tensor on
+        ``device`` (``get_into`` a fresh tensor). Over the socket a prefix longer than one chunk is
+        looked up first, then fetched chunk by chunk. A block evicted between the lookup and its read
+        shortens the result to the blocks before it.
         """
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         with self._lock:
             self._conn.ensure_hello()
             tokens = self._tokens(token_ids)
-            chunk = self._chunk(len(tokens))
-            total = len(tokens) // T
-            if total > chunk:
+            if self._shared() is not None:
                 total = self.lookup(tokens).matched_blocks
-            if total == 0:
-                return GetResult(0, 0, None, [])
-            starts = list(range(0, total, chunk))
-            out: torch.Tensor | None = None
-            tiers: list[list[str]] = [[] for _ in starts]
-            got = [0] * len(starts)
+                if total == 0:
+                    return GetResult(0, 0, None, [])
+                out = empty_kv(layout.shape(total * T), layout.torch_dtype, device)
+                read = self._read_into(tokens, out, total)
+                if read is not None:
+                    matched, tiers = read
+                    if matched == 0:
+                        return GetResult(0, 0, None, [])
+                    kv = out if matched == total else out[:, :, : matched * T].contiguous()
+                    return GetResult(matched, matched * T, kv, tiers)
+            return self._socket_get(tokens, device)
 
-            def make(i: int) -> Message:
-                s = starts[i]
-                n = min(chunk, total - s)
-                return Get(ns=ns.id, tokens=tokens[: (s + n) * T], start_block=s, max_blocks=n)
+    def _socket_get(self, tokens: Any, device: torch.device | str) -> GetResult:
+        """``get`` over the socket (lock held): chunks in flight, one tensor filled as they arrive."""
+        ns = self._ns()
+        layout, T = ns.layout, ns.layout.block_tokens
+        chunk = self._chunk(len(tokens))
+        total = len(tokens) // T
+        if total > chunk:
+            total = self.lookup(tokens).matched_blocks
+        if total == 0:
+            return GetResult(0, 0, None, [])
+        starts = list(range(0, total, chunk))
+        out: torch.Tensor | None = None
+        tiers: list[list[str]] = [[] for _ in starts]
+        got = [0] * len(starts)
 
-            def on_reply(i: int, reply: Message) -> None:
-                nonlocal out
-                assert isinstance(reply, GetOk)
-                got[i], tiers[i] = reply.blocks, list(reply.tiers)
-                if reply.blocks == 0:
-                    return
-                part = payload_tensor(reply.kv, layout.shape(reply.blocks * T), layout.torch_dtype)
-                if len(starts) == 1 and torch.device(device).type == "cpu":
-                    out = part  # one chunk: the tensor is the received frame, no copy
-                    return
-                if out is None:
-                    out = torch.empty(layout.shape(total * T), dtype=layout.torch_dtype, device=device)
-                s = starts[i] * T
-                out[:, :, s : s + reply.blocks * T].copy_(part)
+        def make(i: int) -> Message:
+            s = starts[i]
+            n = min(chunk, total - s)
+            return Get(ns=ns.id, tokens=tokens[: (s + n) * T], start_block=s, max_blocks=n)
 
-            self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=self.window)
+        def on_reply(i: int, reply: Message) -> None:
+            nonlocal out
+            assert isinstance(reply, GetOk)
+            got[i], tiers[i] = reply.blocks, list(reply.tiers)
+            if reply.blocks == 0:
+                return
+            part = payload_tensor(reply.kv, layout.shape(reply.blocks * T), layout.torch_dtype)
+            if len(starts) == 1 and torch.device(device).type == "cpu":
+                out = part  # one chunk: the tensor is the received frame, no copy
+                return
+            if out is None:
+                out = torch.empty(layout.shape(total * T), dtype=layout.torch_dtype, device=device)
+            s = starts[i] * T
+            out[:, :, s : s + reply.blocks * T].copy_(part)
+
+        self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=self.window)
         matched = 0
         for i, s in enumerate(starts):  # the result ends at the first chunk that came back short
             matched = s + got[i]
@@ -268,6 +352,189 @@ class KVStoreClient:
         if kv.device != torch.device(device):
             kv = kv.to(device)
         return GetResult(matched, matched * T, kv, [t for ts in tiers for t in ts][:matched])
+
+    def get_into(self, token_ids: TokenInput, out: KVTarget) -> GetResult:
+        """Fill ``out`` with the K/V of the longest stored prefix of ``token_ids`` (at most as many
+        tokens as ``out`` holds): a tensor ``[L, 2, T, H, D]`` on any device, or a PagedKV (an
+        engine's paged buffers and the slots of this sequence's tokens). Returns the match; ``kv`` is
+        the filled part of a tensor ``out`` (None for a PagedKV). Tokens past the match may have been
+        written and hold nothing meaningful.
+
+        Same host, the blocks are copied or decoded straight from shared memory into ``out`` (on a GPU
+        ``out``, frames cross PCIe compressed and are decoded there); otherwise they come over the
+        socket chunk by chunk, each written into ``out`` as it arrives."""
+        ns = self._ns()
+        layout, T = ns.layout, ns.layout.block_tokens
+        check_target(out, layout, "get_into out")
+        with self._lock:
+            self._conn.ensure_hello()
+            tokens = self._tokens(token_ids)
+            total = min(len(tokens), target_tokens(out)) // T
+            if total == 0:
+                return GetResult(0, 0, None, [])
+            got = self._read_into(tokens, out, total) if self._shared() is not None else None
+            if got is None:
+                got = self._socket_read_into(tokens, out, total)
+        matched, tiers = got
+        kv = out[:, :, : matched * T] if isinstance(out, torch.Tensor) and matched else None
+        return GetResult(matched, matched * T, kv, tiers)
+
+    def _read_into(self, tokens: Any, out: KVTarget, total: int) -> tuple[int, list[str]] | None:
+        """Blocks ``0 .. total-1`` through shared memory into ``out`` (lock held); None: use the socket."""
+        for _ in range(STALE_RETRIES + 1):
+            m = self._shared()
+            if m is None:
+                return None
+            try:
+                return self._locate_loop(m, tokens, out, total)
+            except _Stale:
+                continue  # the daemon restarted: map its new segments and start over
+            except ShmUnavailable as e:
+                log.warning("shared-memory read failed (%s); using the socket", e)
+                self._refused.add(m.instance)
+                return None
+        return None
+
+    def _locate_loop(self, m: SharedMapping, tokens: Any, out: KVTarget, total: int) -> tuple[int, list[str]]:
+        ns = self._ns()
+        T = ns.layout.block_tokens
+        start = 0
+        tiers: list[str] = []
+        while start < total:
+            msg = Locate(
+                ns=ns.id,
+                tokens=tokens[: total * T],
+                start_block=start,
+                max_blocks=total - start,
+                tiers=m.tiers,
+            )
+            reply = self._conn.call(msg, idempotent=True)
+            assert isinstance(reply, LocateOk)
+            if reply.instance != m.instance:
+                raise _Stale
+            good = 0
+            try:
+                good = m.read_blocks(reply.blocks, ns.layout, out, start * T)
+            finally:
+                self._conn.call(Finish(handle=reply.handle, used=good), idempotent=True)
+            tiers.extend(str(t) for t in reply.tiers[:good])
+            start += good
+            if good < len(reply.blocks) or not reply.blocks:
+                break  # a block moved (or the prefix ends): the result ends here
+        return start, tiers
+
+    def _socket_read_into(self, tokens: Any, out: KVTarget, total: int) -> tuple[int, list[str]]:
+        """Blocks ``0 .. total-1`` over the socket, each chunk written into ``out`` (lock held)."""
+        ns = self._ns()
+        layout, T = ns.layout, ns.layout.block_tokens
+        chunk = self._chunk(len(tokens))
+        if total > chunk:
+            total = min(total, self.lookup(tokens).matched_blocks)
+        if total == 0:
+            return 0, []
+        starts = list(range(0, total, chunk))
+        got = [0] * len(starts)
+        tiers: list[list[str]] = [[] for _ in starts]
+
+        def make(i: int) -> Message:
+            s = starts[i]
+            n = min(chunk, total - s)
+            return Get(ns=ns.id, tokens=tokens[: (s + n) * T], start_block=s, max_blocks=n)
+
+        def on_reply(i: int, reply: Message) -> None:
+            assert isinstance(reply, GetOk)
+            got[i], tiers[i] = reply.blocks, list(reply.tiers)
+            if reply.blocks:
+                part = payload_tensor(reply.kv, layout.shape(reply.blocks * T), layout.torch_dtype)
+                write_target(out, starts[i] * T, part)
+
+        self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=self.window)
+        if isinstance(out, torch.Tensor) and out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+        matched = 0
+        for i, s in enumerate(starts):
+            matched = s + got[i]
+            if got[i] < min(chunk, total - s):
+                break
+        return matched, [t for ts in tiers for t in ts][:matched]
+
+    def put_from(self, token_ids: TokenInput, src: KVTarget, session: str | None = None) -> PutResult:
+        """Store the full blocks of ``token_ids`` whose K/V ``src`` holds: a tensor ``[L, 2, T, H, D]``
+        on any device, or a PagedKV (an engine's paged buffers and this sequence's slots). Same host,
+        the K/V is written once into shared staging and committed; otherwise it goes over the socket."""
+        ns = self._ns()
+        layout, T = ns.layout, ns.layout.block_tokens
+        check_target(src, layout, "put_from src")
+        tokens = as_tokens(token_ids)
+        total = min(len(tokens), target_tokens(src)) // T
+        if total == 0:
+            return PutResult(0, 0, [])
+        with self._lock:
+            self._conn.ensure_hello()
+            tokens = self._tokens(tokens[: total * T])
+            for _ in range(STALE_RETRIES + 1):
+                m = self._shared()
+                if m is None:
+                    break
+                try:
+                    return self._commit_loop(m, tokens, src, total, session)
+                except _Stale:
+                    continue
+                except ShmUnavailable as e:
+                    log.warning("shared-memory put failed (%s); using the socket", e)
+                    self._refused.add(m.instance)
+                    break
+            if isinstance(src, PagedKV):
+                kv = empty_kv(layout.shape(total * T), layout.torch_dtype, "cpu")
+                src = src.read(0, kv)
+            return self._socket_put(tokens, src, total, session)
+
+    def _commit_loop(
+        self, m: SharedMapping, tokens: Any, src: KVTarget, total: int, session: str | None
+    ) -> PutResult:
+        ns = self._ns()
+        layout, T = ns.layout, ns.layout.block_tokens
+        nb = layout.block_nbytes
+        chunk = max(1, min(self._chunk(len(tokens)), m.per_client // nb))
+        stored = present = deferred = 0
+        failed: list[FailedBlock] = []
+        for s in range(0, total, chunk):
+            e = min(s + chunk, total)
+            r = self._conn.call(Reserve(nbytes=(e - s) * nb), idempotent=True)
+            assert isinstance(r, ReserveOk)
+            if r.instance != m.instance:
+                raise _Stale
+            view = (
+                m.staging_view(r.offset, (e - s) * nb)
+                .view(layout.torch_dtype)
+                .view(layout.shape((e - s) * T))
+            )
+            if isinstance(src, PagedKV):
+                src.read(s * T, view)
+            else:
+                view.copy_(src[:, :, s * T : e * T])
+            reply = self._conn.call(
+                Commit(
+                    ns=ns.id,
+                    tokens=tokens[: e * T],
+                    start_block=s,
+                    shape=tuple(view.shape),
+                    dtype=layout.dtype,
+                    handle=r.handle,
+                    session=session,
+                ),
+                idempotent=True,
+            )
+            assert isinstance(reply, PutOk)
+            stored, present, deferred = (
+                stored + reply.stored,
+                present + reply.present,
+                deferred + reply.deferred,
+            )
+            failed.extend(FailedBlock(int(b), str(c), str(msg)) for b, c, msg in reply.failed)
+            if reply.failed:
+                break
+        return PutResult(stored, present, sorted(failed), deferred)
 
     def put(self, token_ids: TokenInput, kv: torch.Tensor, session: str | None = None) -> PutResult:
         """Store the full blocks of ``token_ids`` whose K/V ``kv`` (``[L, 2, T, H, D]``, T >= their tokens) holds.
@@ -283,39 +550,46 @@ class KVStoreClient:
         total = min(len(tokens), kv.shape[2]) // T
         if total == 0:
             return PutResult(0, 0, [])
-        stored = present = deferred = 0
-        failed: list[FailedBlock] = []
         with self._lock:
             self._conn.ensure_hello()
-            tokens = self._tokens(tokens[: total * T])
-            chunk = self._chunk(len(tokens))
-            starts = list(range(0, total, chunk))
+            if self._shared() is not None:
+                return self.put_from(tokens, kv, session)
+            return self._socket_put(self._tokens(tokens[: total * T]), kv, total, session)
 
-            def make(i: int) -> Message:
-                s, e = starts[i], min(starts[i] + chunk, total)
-                part = kv[:, :, s * T : e * T]
-                return Put(
-                    ns=ns.id,
-                    tokens=tokens[: e * T],
-                    start_block=s,
-                    shape=tuple(part.shape),
-                    dtype=layout.dtype,
-                    kv=tensor_payload(part),
-                    session=session,
-                )
+    def _socket_put(self, tokens: Any, kv: torch.Tensor, total: int, session: str | None) -> PutResult:
+        """Blocks ``0 .. total-1`` of ``kv`` over the socket, one chunk at a time (lock held)."""
+        ns = self._ns()
+        layout, T = ns.layout, ns.layout.block_tokens
+        stored = present = deferred = 0
+        failed: list[FailedBlock] = []
+        chunk = self._chunk(len(tokens))
+        starts = list(range(0, total, chunk))
 
-            def on_reply(i: int, reply: Message) -> None:
-                nonlocal stored, present, deferred
-                assert isinstance(reply, PutOk)
-                stored, present, deferred = (
-                    stored + reply.stored,
-                    present + reply.present,
-                    deferred + reply.deferred,
-                )
-                failed.extend(FailedBlock(int(b), str(c), str(m)) for b, c, m in reply.failed)
+        def make(i: int) -> Message:
+            s, e = starts[i], min(starts[i] + chunk, total)
+            part = kv[:, :, s * T : e * T]
+            return Put(
+                ns=ns.id,
+                tokens=tokens[: e * T],
+                start_block=s,
+                shape=tuple(part.shape),
+                dtype=layout.dtype,
+                kv=tensor_payload(part),
+                session=session,
+            )
 
-            # one chunk at a time: the store refuses a chunk whose parent block is not stored yet
-            self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=1)
+        def on_reply(i: int, reply: Message) -> None:
+            nonlocal stored, present, deferred
+            assert isinstance(reply, PutOk)
+            stored, present, deferred = (
+                stored + reply.stored,
+                present + reply.present,
+                deferred + reply.deferred,
+            )
+            failed.extend(FailedBlock(int(b), str(c), str(m)) for b, c, m in reply.failed)
+
+        # one chunk at a time: the store refuses a chunk whose parent block is not stored yet
+        self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=1)
         return PutResult(stored, present, sorted(failed), deferred)
 
     # ------------------------------------------------------------------ operator calls

@@ -123,6 +123,12 @@ class ServerConfig:
     )
     metrics_port: int | None = None  # serves on 127.0.0.1 only; None = off
     log_level: str = "info"
+    # Same-host data plane (kvstore.shm): for an ipc:// endpoint, the pools live in shared memory that
+    # clients of the daemon's user map read-only, and K/V never crosses the socket. "off": socket only.
+    shared_memory: str = "auto"
+    shm_dir: Path | None = None  # None: /dev/shm/kvstore-<uid>
+    shm_staging: int = 256 * 2**20  # staging for puts and for blocks read from nvme, all clients
+    shm_staging_per_client: int = 128 * 2**20
 
 
 @dataclass(frozen=True)
@@ -348,6 +354,10 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "curve_allowed_keys": _optional(_text),
             "metrics_port": _optional(_int(1, 65535), 0),
             "log_level": _choice("debug", "info", "warning", "error", "critical"),
+            "shared_memory": _choice("auto", "off"),
+            "shm_dir": _optional(_path),
+            "shm_staging": _size(1 << 20),
+            "shm_staging_per_client": _size(1 << 20),
         },
     ),
     "hbm": (HbmConfig, {"device": _device, "capacity": _size(1)}),

@@ -57,8 +57,12 @@ class Connection:
         namespace: Namespace | None,
         context: zmq.Context | None = None,
         curve: ClientKeys | None = None,
+        shared_memory: bool = False,
     ) -> None:
+        """``shared_memory``: ask for the daemon's shared-memory offer in every hello (``shm_offer``)."""
         self.endpoint = endpoint
+        self.shared_memory = shared_memory
+        self.shm_offer: dict[str, Any] | None = None  # from the latest hello reply
         self.curve = curve
         self.timeout = timeout
         self.retries = retries
@@ -133,12 +137,15 @@ class Connection:
             return
         self._greeted = True  # set first: the exchange below must not recurse
         try:
-            reply = self.call(Hello(namespace=self.namespace), idempotent=True, greet=False)
+            reply = self.call(
+                Hello(namespace=self.namespace, shm=self.shared_memory), idempotent=True, greet=False
+            )
         except BaseException:
             self._greeted = False  # a refused hello (forbidden tenant, timeout) is tried again next call
             raise
         assert isinstance(reply, HelloOk)
         self.limits = Limits.from_dict(reply.limits)
+        self.shm_offer = reply.shm
 
     def call(self, msg: Message, *, idempotent: bool, greet: bool = True) -> Message:
         """Send one request and return its reply (error replies raise)."""

@@ -14,7 +14,7 @@ import torch
 from kvstore.errors import LayoutError
 from kvstore.tiers.base import TierName
 from kvstore.tiers.paged import PagedTier
-from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool
+from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool, PoolMemory
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,14 @@ class HbmTier(PagedTier):
     name = TierName.HBM
 
     def __init__(
-        self, capacity_bytes: int, device: torch.device | str = "cpu", page_bytes: int = DEFAULT_PAGE_BYTES
+        self,
+        capacity_bytes: int,
+        device: torch.device | str = "cpu",
+        page_bytes: int = DEFAULT_PAGE_BYTES,
+        memory: PoolMemory | None = None,
     ) -> None:
-        super().__init__(PagePool(capacity_bytes, page_bytes=page_bytes, device=device))
+        """``memory``: where the pool lives (default: private memory; see kvstore.shm.plane)."""
+        super().__init__(PagePool(capacity_bytes, page_bytes=page_bytes, device=device, memory=memory))
 
     @property
     def device(self) -> torch.device:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstore.layout import KVLayout
@@ -34,6 +35,19 @@ class Slot:
     meta: Any
     readers: int = 0
     dropped: bool = field(default=False)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where an entry's bytes are in the arena, for a reader in another process (kvstore.shm).
+
+    ``extents``: (byte offset, length) runs in reading order, ``nbytes`` in all; ``pages`` and
+    ``gens``: the pages and their generations when located (see pool.py)."""
+
+    extents: list[tuple[int, int]]
+    nbytes: int
+    pages: np.ndarray
+    gens: np.ndarray
 
 
 class PagedTier(Tier):
@@ -113,6 +127,16 @@ class PagedTier(Tier):
                 if entry.dropped and entry.readers == 0:
                     self._pool.free(entry.span)
 
+    def locate(self, key: bytes) -> Place:
+        """Where ``key``'s bytes are now. KeyError when absent. The caller keeps it from being dropped
+        (a pin) for as long as it is read, and checks the generations afterwards."""
+        with self._lock:
+            entry = self._entries[key]
+            pages = np.asarray(entry.span.pages, dtype=np.int64)
+            gens = self._pool.gens[pages]
+            nbytes = entry.nbytes
+        return Place(extents(pages, self.page_bytes, nbytes), nbytes, pages, gens)
+
     # -- Tier -------------------------------------------------------------------------
     def drop(self, key: bytes) -> int:
         """Remove ``key``; return the bytes freed (0 if absent). A concurrent reader finishes first."""
@@ -150,3 +174,20 @@ class PagedTier(Tier):
         with self._lock:
             for key in list(self._entries):
                 self._unpublish(key)
+
+
+def extents(pages: np.ndarray, page_bytes: int, nbytes: int) -> list[tuple[int, int]]:
+    """The (offset, length) byte runs of ``nbytes`` bytes laid over ``pages`` in order."""
+    runs: list[tuple[int, int]] = []
+    left = nbytes
+    start = 0
+    n = len(pages)
+    while start < n and left > 0:
+        end = start + 1
+        while end < n and pages[end] == pages[end - 1] + 1:
+            end += 1
+        length = min(left, (end - start) * page_bytes)
+        runs.append((int(pages[start]) * page_bytes, length))
+        left -= length
+        start = end
+    return runs

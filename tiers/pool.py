@@ -15,6 +15,12 @@ Writes go through ``index_copy_`` on the ``[pages, page_bytes]`` view (or one
 arena. The ``slack`` past the last whole page (when the capacity is not a
 multiple of the page size) is allocated but never used.
 
+Every page has a generation counter, bumped when the page is freed. A reader
+outside the daemon (a client that mapped the arena, kvstore.shm) notes the
+generations of a block's pages when it is told where the block is and checks
+them after copying: a page freed meanwhile (and perhaps reused) shows as a
+changed generation, and the block is treated as missing, never served.
+
 The free list is a preallocated stack of page numbers: alloc pops, free pushes;
 an entry gets only its page tuple and its index tensor, nothing else. Pages are
 popped in ascending order and pushed back reversed, so an entry freed and a new
@@ -26,6 +32,7 @@ reads take the fast path.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +42,11 @@ from kvstore.errors import ConfigError
 from kvstore.tiers.base import TierFull
 
 DEFAULT_PAGE_BYTES = 64 * 1024
+
+# Where a pool's memory comes from: (capacity bytes, page bytes, pages, device) -> (arena, page
+# generations).
+# The default is private memory; kvstore.shm.plane gives shared segments the daemon's clients map.
+PoolMemory = Callable[[int, int, int, torch.device], tuple[torch.Tensor, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,9 @@ class PagePool:
         page_bytes: int = DEFAULT_PAGE_BYTES,
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
+        memory: PoolMemory | None = None,
     ) -> None:
+        """``memory``: where the arena and the generations live (default: private to this process)."""
         for name, value, low in (("capacity_bytes", capacity_bytes, 0), ("page_bytes", page_bytes, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"page pool {name} must be an integer >= {low}, got {value!r}")
@@ -98,15 +112,22 @@ class PagePool:
         self.num_pages = capacity_bytes // page_bytes
         pin = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
         self.pinned = pin
-        # Zero-filled on purpose: the memory is touched now, so a host that cannot back the
-        # configured capacity fails at start instead of being OOM-killed under load later.
-        try:
-            self._arena = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin)
-        except (RuntimeError, MemoryError) as e:  # out of host or device memory: a capacity too large
-            raise ConfigError(
-                f"a {capacity_bytes}-byte pool cannot be allocated on {self.device} "
-                f"({str(e).splitlines()[0][:200]}); lower the tier's capacity"
-            ) from None
+        if memory is not None:
+            self._arena, self.gens = memory(capacity_bytes, page_bytes, self.num_pages, self.device)
+            self.pinned = pin and _register_host(self._arena)
+        else:
+            # Zero-filled on purpose: the memory is touched now, so a host that cannot back the
+            # configured capacity fails at start instead of being OOM-killed under load later.
+            try:
+                self._arena = torch.zeros(
+                    capacity_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin
+                )
+            except (RuntimeError, MemoryError) as e:  # out of host or device memory: a capacity too large
+                raise ConfigError(
+                    f"a {capacity_bytes}-byte pool cannot be allocated on {self.device} "
+                    f"({str(e).splitlines()[0][:200]}); lower the tier's capacity"
+                ) from None
+            self.gens = np.zeros(self.num_pages, dtype=np.uint64)
         self._pages = self._arena[: self.num_pages * page_bytes].view(self.num_pages, page_bytes)
         self._flat = self._arena[: self.num_pages * page_bytes]
         # Stack of free page numbers; the top is at _top - 1. Highest pages at the bottom.
@@ -155,8 +176,13 @@ class PagePool:
         with self._lock:
             if self._top + span.count > self.num_pages:
                 raise RuntimeError("page pool: freeing more pages than were taken (double free)")
+            self.gens[list(span.pages)] += 1  # before the pages can be taken again: readers see the change
             self._free[self._top : self._top + span.count] = span.pages[::-1]
             self._top += span.count
+
+    def generations(self, span: PageSpan) -> np.ndarray:
+        """The span's page generations now (a copy)."""
+        return self.gens[list(span.pages)]
 
     # -- data -------------------------------------------------------------------------
     def write(self, span: PageSpan, data: torch.Tensor) -> None:
@@ -201,3 +227,11 @@ class PagePool:
             raise IndexError(f"offset {offset} is outside the span's {span.count * self.page_bytes} bytes")
         page, pos = span.pages[offset // self.page_bytes], offset % self.page_bytes
         self._pages[page, pos] ^= mask
+
+
+def _register_host(arena: torch.Tensor) -> bool:
+    """Page-lock host memory allocated elsewhere (a shared segment) for fast GPU copies."""
+    import torch.cuda
+
+    rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+    return int(rc) == 0

@@ -22,7 +22,7 @@ from kvstore.codecs.frame import Buffer
 from kvstore.layout import KVLayout
 from kvstore.tiers.base import FrameTier, TierName
 from kvstore.tiers.paged import PagedTier
-from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool
+from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool, PoolMemory
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,12 @@ class RamTier(PagedTier, FrameTier):
         codec: Codec,
         page_bytes: int = DEFAULT_PAGE_BYTES,
         pin_memory: bool | None = None,
+        memory: PoolMemory | None = None,
     ) -> None:
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        super().__init__(PagePool(capacity_bytes, page_bytes=page_bytes, device="cpu", pin_memory=pin))
+        super().__init__(
+            PagePool(capacity_bytes, page_bytes=page_bytes, device="cpu", pin_memory=pin, memory=memory)
+        )
         self.codec = codec
         # Largest frame seen per layout. Without zstd a codec's frames of one layout are all
         # the same size, so this is exact after the first put; before it (or with zstd)

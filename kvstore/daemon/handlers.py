@@ -8,6 +8,7 @@ an ErrorReply with a stable code, so no request can take the daemon down.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -15,22 +16,30 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvstore.daemon.tenancy import TenantOps
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter
+from kvstore.shm.plane import StagingFull
 from kvstore.tiers.base import TierName
 from kvstore.wire.errors import ProtocolError
 from kvstore.wire.messages import (
+    Commit,
     DataOk,
     ErrorReply,
     Evict,
     EvictOk,
+    Finish,
+    FinishOk,
     Flush,
     FlushOk,
     Get,
     GetOk,
     Inspect,
+    Locate,
+    LocateOk,
     Lookup,
     LookupOk,
     Message,
@@ -41,12 +50,17 @@ from kvstore.wire.messages import (
     PutOk,
     Release,
     ReleaseOk,
+    Reserve,
+    ReserveOk,
     Stats,
 )
 from kvstore.wire.protocol import Request, payload_tensor, tensor_payload
 
 if TYPE_CHECKING:
+    from kvstore.shm.plane import SharedPlane
     from kvstore.store.engine import Store
+
+SHARED_OPS = (Locate, Finish, Reserve, Commit)
 
 log = logging.getLogger("kvstore.daemon.server")
 
@@ -77,7 +91,9 @@ class Handlers:
         *,
         max_lease: float = 30.0,
         pin_quota: PinQuota | None = None,
+        plane: SharedPlane | None = None,
     ) -> None:
+        """``plane``: the shared-memory data plane, when this daemon offers one (ipc endpoints)."""
         self.store = store
         self.server_info = server_info
         self.max_lease = max_lease  # a client's pin never outlives this (the store's pin lease)
@@ -100,6 +116,7 @@ class Handlers:
             Release: self._release,
         }
         self.tenant_ops = TenantOps(store, server_info)  # requests of CURVE clients confined to a tenant
+        self.plane = plane
 
     def handle(self, request: Request) -> Message:
         """The reply to ``request``: its op's result, or an ErrorReply. Never raises.
@@ -110,6 +127,8 @@ class Handlers:
         try:
             if request.tenant is not None:
                 return self.tenant_ops.handle(request.msg, request.namespace, request.tenant, self._run)
+            if isinstance(request.msg, SHARED_OPS):
+                return self._shared(request)
             return self._run(request.msg, request.namespace)
         except (KVStoreError, ProtocolError) as e:
             return ErrorReply(code=getattr(e, "code", "internal") or "internal", message=str(e))
@@ -160,9 +179,10 @@ class Handlers:
             start_block=msg.start_block, blocks=r.matched_blocks, tiers=list(r.tiers), kv=tensor_payload(r.kv)
         )
 
-    def _put(self, msg: Put, ns: Namespace | None) -> Message:
+    def _put(self, msg: Put, ns: Namespace | None, kv: Any = None) -> Message:
         assert ns is not None
-        kv = payload_tensor(msg.kv, msg.shape, ns.layout.torch_dtype)
+        if kv is None:
+            kv = payload_tensor(msg.kv, msg.shape, ns.layout.torch_dtype)
         end = msg.start_block + msg.shape[2] // ns.layout.block_tokens
         tokens = msg.tokens[: end * ns.layout.block_tokens]
         r = self.store.put(ns, tokens, kv, session=msg.session, start_block=msg.start_block)
@@ -274,6 +294,120 @@ class Handlers:
             hid = secrets.randbits(63)
             self._pins[hid] = (handle, now + lease, ns.tenant)
         return PinOk(handle=hid, blocks=len(handle.keys), lease=lease)
+
+    # -- the same-host data plane (kvstore.shm) ------------------------------------------
+    def _shared(self, request: Request) -> Message:
+        plane = self.plane
+        if plane is None:
+            raise ProtocolError(
+                "invalid_argument",
+                f"{request.msg.op}: this daemon offers no shared memory on this endpoint "
+                '(tcp, or [server] shared_memory = "off"); use get and put',
+            )
+        msg, ns = request.msg, request.namespace
+        if isinstance(msg, Locate):
+            assert ns is not None
+            return self._locate(plane, request.peer, msg, ns)
+        if isinstance(msg, Finish):
+            lease = plane.take(msg.handle)
+            if lease is not None and lease.held is not None:
+                self.store.finish(lease.held, msg.used)
+            return FinishOk(released=lease is not None)
+        if isinstance(msg, Reserve):
+            got = plane.reserve(request.peer, msg.nbytes)
+            return ReserveOk(
+                handle=got.handle,
+                instance=plane.instance,
+                offset=got.offset,
+                nbytes=got.nbytes,
+                lease=plane.lease,
+            )
+        assert isinstance(msg, Commit) and ns is not None
+        return self._commit(plane, msg, ns)
+
+    def _locate(self, plane: SharedPlane, peer: bytes, msg: Locate, ns: Namespace) -> Message:
+        names = self.store.tiers.names
+        shared = {t for t, name in enumerate(names) if name in msg.tiers and plane.shares(name)}
+        located = self.store.locate(
+            ns, msg.tokens, shared, start_block=msg.start_block, max_blocks=msg.max_blocks, lease=plane.lease
+        )
+        blocks: list[list[Any]] = []
+        tiers: list[str] = []
+        for _, t, place in located.places:
+            blocks.append(
+                [
+                    plane.segment_index(names[t]),
+                    np.asarray(place.extents, dtype="<i8").tobytes(),
+                    place.pages.astype("<i8").tobytes(),
+                    place.gens.astype("<u8").tobytes(),
+                ]
+            )
+            tiers.append(names[t])
+        layout = ns.layout
+        nb = layout.block_nbytes
+        k = min(located.rest, plane.per_client // nb, plane.staging_bytes // nb)
+        try:
+            lease = plane.reserve(peer, k * nb, held=located, armed=False)
+        except (ProtocolError, StagingFull):  # no staging room now: the client reads these next time
+            k = 0
+            lease = plane.reserve(peer, 0, held=located, armed=False)
+        try:
+            if k:  # blocks no shared pool holds (nvme): decoded by the daemon into staging
+                buf = plane.staging_tensor(lease).view(layout.torch_dtype)
+                shape = layout.shape(layout.block_tokens)
+                per = nb // layout.torch_dtype.itemsize
+                outs = [buf[b * per : (b + 1) * per].view(shape) for b in range(k)]  # block-major
+                r = self.store.get(
+                    ns, msg.tokens, start_block=msg.start_block + len(located.places), max_blocks=k, out=outs
+                )
+                staging = plane.segment_index("staging")
+                for j in range(r.matched_blocks):
+                    extent = np.asarray([[lease.offset + j * nb, nb]], dtype="<i8").tobytes()
+                    blocks.append([staging, extent, b"", b""])
+                tiers.extend(r.tiers)
+        except BaseException:
+            plane.take(lease.handle)
+            self.store.finish(located, 0)
+            raise
+        plane.arm(lease)
+        return LocateOk(
+            handle=lease.handle,
+            instance=plane.instance,
+            start_block=msg.start_block,
+            blocks=blocks,
+            tiers=tiers,
+            lease=plane.lease,
+        )
+
+    def _commit(self, plane: SharedPlane, msg: Commit, ns: Namespace) -> Message:
+        lease = plane.hold(msg.handle)
+        if lease is None:
+            raise ProtocolError(
+                "not_found",
+                "commit: the staging lease is unknown or lapsed (nothing was stored); reserve again",
+            )
+        try:
+            need = math.prod(msg.shape) * ns.layout.torch_dtype.itemsize
+            if need > lease.nbytes:
+                raise ProtocolError(
+                    "invalid_argument",
+                    f"commit of shape {list(msg.shape)} needs {need} bytes; the reservation holds {lease.nbytes}",
+                )
+            kv = plane.staging_tensor(lease)[:need].view(ns.layout.torch_dtype).view(msg.shape)
+            return self._put(
+                Put(
+                    ns=msg.ns,
+                    tokens=msg.tokens,
+                    shape=msg.shape,
+                    dtype=msg.dtype,
+                    start_block=msg.start_block,
+                    session=msg.session,
+                ),
+                ns,
+                kv=kv,
+            )
+        finally:
+            plane.take(msg.handle)
 
     def _release(self, msg: Release, ns: Namespace | None) -> Message:
         with self._pins_lock:

@@ -76,6 +76,7 @@ from kvstore.wire.protocol import (
 
 if TYPE_CHECKING:
     from kvstore.results import NamespaceUsage
+    from kvstore.shm.plane import SharedPlane
     from kvstore.store.engine import Store
 
 log = logging.getLogger("kvstore.daemon.server")
@@ -135,6 +136,8 @@ class Server:
             namespaces_per_tenant=cfg.max_namespaces_per_tenant,
         )
         self.handlers: Handlers | None = None
+        self.plane: SharedPlane | None = None  # set by open_store before the store is attached
+        self._offer: dict[str, Any] | None = None
         self.budget = InflightBudget(
             cfg.max_inflight_bytes, cfg.max_inflight_bytes_per_tenant, cfg.max_queued_requests
         )
@@ -173,6 +176,7 @@ class Server:
             "workers": self.config.server.workers,
             "limits": self.limits.to_dict(),
             "put_failed_blocks": 0 if self.handlers is None else self.handlers.failed_blocks,
+            "shm": None if self.plane is None else self.plane.stats(),
         }
 
     def _attach(self, store: Store) -> None:
@@ -183,7 +187,9 @@ class Server:
             self.info,
             max_lease=self.config.policy.pin_lease,
             pin_quota=PinQuota(pins=cfg.max_pins_per_tenant, blocks=cfg.max_pinned_blocks_per_tenant),
+            plane=self.plane,
         )
+        self._offer = None if self.plane is None else self.plane.offer()
         self._store_ref.store = store
         self.store = store
 
@@ -388,7 +394,13 @@ class Server:
                     workers.submit(self._work, self.handlers, request, arrived, self._next_charge)
                     return
                 reply = ErrorReply(code="busy", message=refusal)  # the frames are let go right here
-        out = self.proto.hello(request) if reply is None else self.proto.reply(request, reply)
+        if reply is None:
+            assert isinstance(request.msg, Hello)
+            # shared memory only for a client that asks, on this host's socket, not confined to a tenant
+            offer = self._offer if request.msg.shm and request.tenant is None and self.auth is None else None
+            out = self.proto.hello(request, shm=offer)
+        else:
+            out = self.proto.reply(request, reply)
         self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
         router.send_multipart([peer, *out])  # a small reply: copying beats wrapping in zmq.Frames
 
@@ -514,12 +526,21 @@ def serve(config: Config) -> int:
         ctx.destroy(linger=0)
         return EXIT_REFUSED
 
+    server = Server(config, None, ctx, auth=auth)
+
     def open_store() -> Store:
         from kvstore.store.engine import Store
 
-        return Store.from_config(config)
+        plane = open_plane(config)
+        try:
+            store = Store.from_config(config, memory=None if plane is None else plane.pool_memory)
+        except BaseException:
+            if plane is not None:
+                plane.close()
+            raise
+        server.plane = plane
+        return store
 
-    server = Server(config, None, ctx, auth=auth)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: server.stop(signal.Signals(signum).name))
@@ -533,6 +554,8 @@ def serve(config: Config) -> int:
     finally:
         if server.store is not None:
             server.store.close()  # flushes the write-through queue and closes LMDB
+        if server.plane is not None:
+            server.plane.close()  # removes the shared segments
         ctx.destroy(linger=1000)
         if held is not None:
             held.release()
@@ -543,6 +566,30 @@ def serve(config: Config) -> int:
         ", store flushed and closed" if server.store is not None else "",
     )
     return code
+
+
+def open_plane(config: Config) -> SharedPlane | None:
+    """The shared-memory data plane for an ``ipc://`` endpoint with ``shared_memory = "auto"``; None
+    otherwise (tcp clients are on other hosts, or confined by CURVE: they use the socket)."""
+    cfg = config.server
+    if cfg.shared_memory == "off" or not cfg.endpoint.startswith("ipc://"):
+        return None
+    from kvstore.shm.plane import SharedPlane
+    from kvstore.shm.segment import default_dir
+
+    plane = SharedPlane(
+        cfg.shm_dir or default_dir(),
+        staging_bytes=cfg.shm_staging,
+        per_client=min(cfg.shm_staging_per_client, cfg.shm_staging),
+        lease=config.policy.pin_lease,
+    )
+    log.info(
+        "shared memory: segments in %s, staging %d bytes (%d per client)",
+        plane.directory,
+        plane.staging_bytes,
+        plane.per_client,
+    )
+    return plane
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,8 @@ from kvstore.store.movement import NO_FRAMES, Frames, Mover
 from kvstore.store.parts import StoreParts
 from kvstore.tiers.base import TierFull, TierIOError
 
-Read = tuple[Entry, torch.Tensor, int]  # a block read: its entry, the tensor, the tier it came from
+# a block read: its entry, the tensor (None: a client read it from shared memory; not promoted), its tier
+Read = tuple[Entry, torch.Tensor | None, int]
 
 
 class DataPath:
@@ -51,6 +52,11 @@ class DataPath:
         self._promote = promote
 
     @property
+    def promotes(self) -> bool:
+        """Whether hits move blocks up a tier (``promote_on_hit``)."""
+        return self._promote
+
+    @property
     def counters(self) -> list[TierCounters]:
         return self._mover.counters
 
@@ -60,7 +66,7 @@ class DataPath:
         if not self._promote:
             return frames
         for e, block, t in read:
-            if t > 0 and e.highest() == t:
+            if block is not None and t > 0 and e.highest() == t:
                 got = self.encode_for(t - 1, block)
                 if got is not None:
                     frames[e.key] = (t - 1, got)
@@ -165,7 +171,7 @@ class DataPath:
                 c.misses += 1
         if self._promote:
             for e, block, t in read:
-                if t > 0 and e.tiers & TIER_MASK and e.highest() == t:
+                if block is not None and t > 0 and e.tiers & TIER_MASK and e.highest() == t:
                     self._mover.promote(e, block, t - 1, t, ready)
         if admit and self._admit is not None:
             self._admit(admit)  # queued from the writer's next tick: never block a get

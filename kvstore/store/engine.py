@@ -34,19 +34,18 @@ contract; the work itself is done by the parts named above.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from kvstore.errors import KVStoreError, LayoutError
 from kvstore.keys import Namespace, as_tokens, block_keys, iter_block_keys
+from kvstore.kvbuffers import empty_kv
 from kvstore.results import (
     MISSING_PARENT,
     NO_ROOM,
@@ -80,9 +79,11 @@ from kvstore.store.writeback import WriteBack
 from kvstore.store.writer import Admission, WriteThrough
 from kvstore.tiers.base import Tier
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.paged import PagedTier, Place
 
 if TYPE_CHECKING:
     from kvstore.config import Config, PolicyConfig
+    from kvstore.tiers.pool import PoolMemory
 
 
 class Store:
@@ -156,19 +157,28 @@ class Store:
         )
 
     @classmethod
-    def from_config(cls, config: Config) -> Store:
-        """Build the tiers a Config describes (nvme unless ``[nvme] enabled = false``) and a store over them."""
+    def from_config(cls, config: Config, memory: Callable[[str, str], PoolMemory] | None = None) -> Store:
+        """Build the tiers a Config describes (nvme unless ``[nvme] enabled = false``) and a store over them.
+
+        ``memory(role, kind)``: where the hbm and ram pools live (kvstore.shm.plane shares them with
+        same-host clients); default: private memory."""
         from kvstore.codecs import get_codec
         from kvstore.tiers.hbm import HbmTier
         from kvstore.tiers.ram import RamTier
 
         p = config.policy
-        hbm = HbmTier(config.hbm.capacity, device=config.hbm.resolved_device(), page_bytes=p.page_bytes)
+        hbm = HbmTier(
+            config.hbm.capacity,
+            device=config.hbm.resolved_device(),
+            page_bytes=p.page_bytes,
+            memory=None if memory is None else memory("hbm", "raw"),
+        )
         ram = RamTier(
             config.ram.capacity,
             get_codec(config.ram.codec),
             page_bytes=p.page_bytes,
             pin_memory=config.ram.pin_memory,
+            memory=None if memory is None else memory("ram", "frames"),
         )
         nvme = None
         if config.nvme.enabled:
@@ -282,9 +292,13 @@ class Store:
         start_block: int = 0,
         max_blocks: int | None = None,
         device: torch.device | str | None = None,
+        out: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ) -> GetResult:
         """Read the held blocks ``start_block ..`` of ``tokens`` (at most ``max_blocks``) onto ``device``
-        (default CPU) as one ``[L, 2, n*T, H, D]`` tensor.
+        (default CPU) as one ``[L, 2, n*T, H, D]`` tensor; with ``out`` (``[L, 2, >= n*T, H, D]``, the
+        namespace's dtype) into ``out`` instead, at most as many blocks as it holds, and ``kv`` is a view
+        of it; or with ``out`` a sequence of block tensors (``[L, 2, T, H, D]`` each, a block-major
+        buffer), block ``j`` into ``out[j]``, and ``kv`` is None.
 
         The blocks are pinned (a lease) while read, then touched and promoted
         one tier up (``promote_on_hit``). A block whose frame fails its checks
@@ -297,10 +311,23 @@ class Store:
         want = max(0, len(arr) // T - start)
         if max_blocks is not None:
             want = min(want, _index_arg("max_blocks", max_blocks))
+        blocks_out: Sequence[torch.Tensor] | None = None
+        if out is not None and not isinstance(out, torch.Tensor):
+            blocks_out, out = out, None
+            for b in blocks_out:
+                ns.layout.check_tensor(b, tokens=T, what="get out block")
+            want = min(want, len(blocks_out))
+        if out is not None:
+            ns.layout.check_tensor(out, what="get out")
+            want = min(want, out.shape[2] // T)
         keys = iter_block_keys(ns, arr)
         for _ in islice(keys, start if want else 0):  # the chain up to start_block: hashed before the lock
             pass
         dev = torch.device("cpu" if device is None else device)
+        if out is not None:
+            dev = out.device
+        elif blocks_out:
+            dev = blocks_out[0].device
         with self._lock:
             self._check_open()
             chain: list[Entry] = []
@@ -313,12 +340,18 @@ class Store:
             self._counts.lookups += 1
             self._counts.tokens_asked += max(0, len(arr) - start * T)
         # each block is decoded or copied straight into its place in the result: one copy, not two
-        out = _empty(ns.layout.shape(len(chain) * T), ns.layout.torch_dtype, dev) if chain else None
+        given = out is not None
+        if out is None and blocks_out is None and chain:
+            out = empty_kv(ns.layout.shape(len(chain) * T), ns.layout.torch_dtype, dev)
         read: list[Read] = []
         try:
             for j, e in enumerate(chain):
-                assert out is not None
-                got = self._data.read(e, dev, out[:, :, j * T : (j + 1) * T])
+                if blocks_out is not None:
+                    dst = blocks_out[j]
+                else:
+                    assert out is not None
+                    dst = out[:, :, j * T : (j + 1) * T]
+                got = self._data.read(e, dev, dst)
                 if got is None:
                     break
                 block, t = got  # block: a view of out (what promotion copies up)
@@ -329,11 +362,76 @@ class Store:
                 self._pins.release(handle)  # before promoting: the chain itself may need to make room
                 self._data.after_get(read, len(read) < want, self._clock(), ready)
                 self._counts.tokens_served += len(read) * T
-        if out is not None and len(read) < len(chain):
-            out = out[:, :, : len(read) * T].contiguous()
+        if out is not None and out.shape[2] != len(read) * T:
+            out = out[:, :, : len(read) * T] if given else out[:, :, : len(read) * T].contiguous()
         return GetResult(
             len(read), len(read) * T, out if read else None, [self.tiers.names[t] for _, _, t in read]
         )
+
+    def locate(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        tiers: Collection[int],
+        *,
+        start_block: int = 0,
+        max_blocks: int | None = None,
+        lease: float | None = None,
+    ) -> Located:
+        """Pin the held blocks ``start_block ..`` of ``tokens`` (at most ``max_blocks``) whose uppermost
+        copy is in one of ``tiers`` (paged tiers another process can read: kvstore.shm) and say where
+        their bytes are, for ``lease`` seconds (default and cap: the pin lease). The walk stops at the
+        first block not held; ``rest`` counts the held blocks after the located ones (whose uppermost
+        copy is elsewhere: read them with ``get``). End it with ``finish``."""
+        T = ns.layout.block_tokens
+        start = _index_arg("start_block", start_block)
+        arr = as_tokens(tokens)
+        want = max(0, len(arr) // T - start)
+        if max_blocks is not None:
+            want = min(want, _index_arg("max_blocks", max_blocks))
+        keys = iter_block_keys(ns, arr)
+        for _ in islice(keys, start if want else 0):
+            pass
+        lease = self._lease if lease is None else min(lease, self._lease)
+        places: list[tuple[Entry, int, Place]] = []
+        rest = 0
+        with self._lock:
+            self._check_open()
+            for k in islice(keys, want):
+                e = self._index.get(k)
+                if e is None:
+                    break
+                t = e.highest()
+                tier = self.tiers[t]
+                if rest or t not in tiers or not isinstance(tier, PagedTier):
+                    rest += 1
+                    continue
+                places.append((e, t, tier.locate(k)))
+            handle = self._pins.pin([e.key for e, _, _ in places], lease)
+            self._counts.lookups += 1
+            self._counts.tokens_asked += max(0, len(arr) - start * T)
+        return Located(ns, start, handle, places, rest)
+
+    def finish(self, located: Located, used: int) -> None:
+        """A located read is over: ``used`` leading blocks were served (the rest came back moved or
+        were not wanted). Unpins, counts hits, touches what was used and promotes it (``promote_on_hit``;
+        a block from a frame tier is decoded here for that)."""
+        T = located.ns.layout.block_tokens
+        used = max(0, min(used, len(located.places)))
+        read: list[Read] = []
+        for e, t, _ in located.places[:used]:
+            block = None
+            if t > 0 and self._data.promotes:
+                got = self._data.read(e, torch.device("cpu"))
+                block = None if got is None else got[0]
+            read.append((e, block, t))
+        ready = self._data.prepare_promotions(read)
+        with self._lock:
+            self._pins.release(located.handle)
+            if self._closed:
+                return
+            self._data.after_get(read, used < len(located.places), self._clock(), ready)
+            self._counts.tokens_served += used * T
 
     def pin(self, keys: list[bytes], lease: float | None = None) -> PinHandle:
         """Pin the held blocks among ``keys`` for ``lease`` seconds (default: the policy's pin lease):
@@ -472,6 +570,18 @@ class Store:
         return s
 
 
+@dataclass(frozen=True)
+class Located:
+    """Blocks ``start ..`` of a prefix, pinned by ``handle``: each located block's entry, tier and
+    place; ``rest``: held blocks after them whose uppermost copy is not in a located tier."""
+
+    ns: Namespace
+    start: int
+    handle: PinHandle
+    places: list[tuple[Entry, int, Place]]
+    rest: int
+
+
 @dataclass
 class _PutJob:
     """One put's blocks and its progress through them (``tail``: the last block stored or present)."""
@@ -502,16 +612,6 @@ class _PutJob:
 
 
 _CHUNK = 32  # blocks a put stores per hold of the lock
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor; on the CPU its memory comes from numpy, which asks the kernel for
-    huge pages for large arrays (madvise): filling a 94 MB get result then takes a third of the
-    time it takes in torch.empty's memory, faulted in 4 KiB at a time."""
-    if device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _index_arg(name: str, v: Any) -> int:

@@ -89,6 +89,16 @@ def a_map(name: str, v: Any) -> dict[str, Any]:
     return v
 
 
+def opt_map(name: str, v: Any) -> dict[str, Any] | None:
+    return None if v is None else a_map(name, v)
+
+
+def text_list(name: str, v: Any) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v) or len(v) > 16:
+        raise bad(name, "a list of at most 16 strings", v)
+    return v
+
+
 def shape(name: str, v: Any) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) != 5:
         raise bad(name, "a list of 5 integers [L, 2, T, H, D]", v)

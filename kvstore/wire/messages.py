@@ -82,8 +82,9 @@ class Hello(Message):
     """Register the namespace this client works in; the reply names it (``ns``) and the limits."""
 
     op = "hello"
-    schema = {"namespace": F.namespace}
+    schema = {"namespace": F.namespace, "shm": F.boolean}
     namespace: Namespace
+    shm: bool = False  # the client would read and write through shared memory (same host, same user)
 
 
 @dataclass(frozen=True)
@@ -219,12 +220,114 @@ class Release(Message):
     handle: int
 
 
+@dataclass(frozen=True)
+class Locate(Message):
+    """Shared memory, phase one of a get: pin blocks ``start_block ..`` of the prefix (at most
+    ``max_blocks``) and say where their bytes are. Blocks in ``tiers`` (the shared pools the client
+    mapped) are located in place; others are decoded by the daemon into a staging range. End it with
+    ``finish``; the lease ends it anyway."""
+
+    op = "locate"
+    schema = {
+        "ns": F.text,
+        "tokens": F.tokens,
+        "start_block": F.nonneg_int,
+        "max_blocks": F.opt_int,
+        "tiers": F.text_list,
+    }
+    ns: str
+    tokens: np.ndarray
+    tiers: list[str]
+    start_block: int = 0
+    max_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class Finish(Message):
+    """Shared memory, phase two of a get: the client copied ``used`` leading blocks of the locate
+    ``handle`` (those after came back moved, or were not wanted); the daemon lets go of them."""
+
+    op = "finish"
+    schema = {"handle": F.nonneg_int, "used": F.nonneg_int}
+    handle: int
+    used: int
+
+
+@dataclass(frozen=True)
+class Reserve(Message):
+    """Shared memory, phase one of a put: a staging range of ``nbytes`` for this client to write
+    K/V into, held until ``commit`` or the lease ends."""
+
+    op = "reserve"
+    schema = {"nbytes": F.nonneg_int}
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Commit(Message):
+    """Shared memory, phase two of a put: store the ``shape`` K/V the client wrote at the start of
+    the staging range ``handle`` as blocks ``start_block ..`` of ``tokens`` (a put without payload);
+    the range is given back. The reply is a put's."""
+
+    op = "commit"
+    schema = {
+        "ns": F.text,
+        "tokens": F.tokens,
+        "start_block": F.nonneg_int,
+        "shape": F.shape,
+        "dtype": F.text,
+        "session": F.opt_session,
+        "handle": F.nonneg_int,
+    }
+    ns: str
+    tokens: np.ndarray
+    shape: tuple[int, ...]
+    dtype: str
+    handle: int
+    start_block: int = 0
+    session: str | None = None
+
+
 REQUESTS: dict[str, type[Message]] = {
-    c.op: c for c in (Hello, Ping, Lookup, Get, Put, Evict, Stats, Inspect, Prefetch, Flush, Pin, Release)
+    c.op: c
+    for c in (
+        Hello,
+        Ping,
+        Lookup,
+        Get,
+        Put,
+        Evict,
+        Stats,
+        Inspect,
+        Prefetch,
+        Flush,
+        Pin,
+        Release,
+        Locate,
+        Finish,
+        Reserve,
+        Commit,
+    )
 }
-# Safe to send again after a timeout: a repeat changes nothing a first try would not.
+# Safe to send again after a timeout: a repeat changes nothing a first try would not (a repeated
+# locate or reserve holds a second lease, which lapses).
 IDEMPOTENT = frozenset(
-    {"hello", "ping", "lookup", "get", "put", "stats", "inspect", "prefetch", "flush", "release"}
+    {
+        "hello",
+        "ping",
+        "lookup",
+        "get",
+        "put",
+        "stats",
+        "inspect",
+        "prefetch",
+        "flush",
+        "release",
+        "locate",
+        "finish",
+        "reserve",
+        "commit",
+    }
 )
 
 
@@ -234,10 +337,11 @@ IDEMPOTENT = frozenset(
 @dataclass(frozen=True)
 class HelloOk(Message):
     op = "hello"
-    schema = {"ns": F.text, "limits": F.a_map, "server": F.text}
+    schema = {"ns": F.text, "limits": F.a_map, "server": F.text, "shm": F.opt_map}
     ns: str
     limits: dict[str, Any]
     server: str = ""
+    shm: dict[str, Any] | None = None  # the shared-memory offer (kvstore.shm.plane.SharedPlane.offer)
 
 
 @dataclass(frozen=True)
@@ -346,6 +450,56 @@ class ReleaseOk(Message):
     released: bool
 
 
+@dataclass(frozen=True)
+class LocateOk(Message):
+    """Where blocks ``start_block ..`` are: per block ``[segment, extents, pages, gens]`` (segment: an
+    index into the hello offer's segments; extents: (offset, length) pairs, int64 little-endian;
+    pages/gens: the pages whose generations (uint64) the client checks after copying; empty for
+    staging). ``instance``: the offer these refer to. ``handle``: for ``finish``."""
+
+    op = "locate"
+    schema = {
+        "handle": F.nonneg_int,
+        "instance": F.text,
+        "start_block": F.nonneg_int,
+        "blocks": F.a_list,
+        "tiers": F.a_list,
+        "lease": F.opt_number,
+    }
+    handle: int
+    instance: str
+    start_block: int
+    blocks: list[list[Any]]
+    tiers: list[str]
+    lease: float | None = None
+
+
+@dataclass(frozen=True)
+class FinishOk(Message):
+    op = "finish"
+    schema = {"released": F.boolean}
+    released: bool
+
+
+@dataclass(frozen=True)
+class ReserveOk(Message):
+    """``nbytes`` of staging at ``offset`` of the offer's staging segment, under ``handle``."""
+
+    op = "reserve"
+    schema = {
+        "handle": F.nonneg_int,
+        "instance": F.text,
+        "offset": F.nonneg_int,
+        "nbytes": F.nonneg_int,
+        "lease": F.opt_number,
+    }
+    handle: int
+    instance: str
+    offset: int
+    nbytes: int
+    lease: float | None = None
+
+
 REPLIES: dict[str, type[Message]] = {
     "hello": HelloOk,
     "ping": Pong,
@@ -359,4 +513,8 @@ REPLIES: dict[str, type[Message]] = {
     "flush": FlushOk,
     "pin": PinOk,
     "release": ReleaseOk,
+    "locate": LocateOk,
+    "finish": FinishOk,
+    "reserve": ReserveOk,
+    "commit": PutOk,
 }

@@ -27,7 +27,19 @@ from kvstore.errors import LayoutError
 from kvstore.keys import Namespace
 from kvstore.layout import DTYPES, dtype_name
 from kvstore.wire.errors import LocalProtocolError, RemoteProtocolError
-from kvstore.wire.messages import REPLIES, REQUESTS, Buffer, ErrorReply, Get, Hello, HelloOk, Message, Put
+from kvstore.wire.messages import (
+    REPLIES,
+    REQUESTS,
+    Buffer,
+    Commit,
+    ErrorReply,
+    Get,
+    Hello,
+    HelloOk,
+    Locate,
+    Message,
+    Put,
+)
 
 PROTOCOL_VERSION = 1
 MAX_NAMESPACES = 4096  # distinct namespaces one daemon registers; more is almost surely a bug
@@ -225,7 +237,7 @@ class ServerProtocol:
                 "unknown_namespace", f"namespace {ns_id!r} is not registered; send hello first"
             )
         layout = namespace.layout
-        if isinstance(msg, Put):
+        if isinstance(msg, (Put, Commit)):
             if (
                 msg.dtype != layout.dtype
                 or len(msg.shape) != 5
@@ -237,7 +249,8 @@ class ServerProtocol:
                     f"put of shape {list(msg.shape)} {msg.dtype} contradicts the "
                     f"namespace layout {layout.to_dict()}",
                 )
-            _check_put_payload(msg, RemoteProtocolError)
+            if isinstance(msg, Put):
+                _check_put_payload(msg, RemoteProtocolError)
             blocks = msg.shape[2] // layout.block_tokens
             if blocks == 0 or msg.start_block + blocks > len(msg.tokens) // layout.block_tokens:
                 raise RemoteProtocolError(
@@ -245,12 +258,16 @@ class ServerProtocol:
                     f"put of {blocks} block(s) from block "
                     f"{msg.start_block} needs that many full blocks of tokens",
                 )
-        if isinstance(msg, Get) and msg.max_blocks == 0:
-            raise RemoteProtocolError("invalid_argument", "get max_blocks must be at least 1 (or absent)")
+        if isinstance(msg, (Get, Locate)) and msg.max_blocks == 0:
+            raise RemoteProtocolError(
+                "invalid_argument", f"{msg.op} max_blocks must be at least 1 (or absent)"
+            )
         return namespace
 
-    def hello(self, request: Request) -> list[Buffer]:
-        """Register the hello's namespace and return the reply frames (hello needs no worker)."""
+    def hello(self, request: Request, shm: dict[str, Any] | None = None) -> list[Buffer]:
+        """Register the hello's namespace and return the reply frames (hello needs no worker).
+
+        ``shm``: the shared-memory offer to make, when the client asked and may have it."""
         assert isinstance(request.msg, Hello)
         ns = request.msg.namespace
         if ns.id not in self.namespaces:
@@ -277,7 +294,9 @@ class ServerProtocol:
                 )
             self._per_tenant[ns.tenant] = mine + 1
         self.namespaces[ns.id] = ns
-        return self.reply(request, HelloOk(ns=ns.id, limits=self.limits.to_dict(), server=self.server))
+        return self.reply(
+            request, HelloOk(ns=ns.id, limits=self.limits.to_dict(), server=self.server, shm=shm)
+        )
 
     def reply(self, request: Request, msg: Message) -> list[Buffer]:
         """Frames answering ``request`` with ``msg``; the request stops counting as in flight."""

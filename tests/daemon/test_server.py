@@ -79,7 +79,7 @@ def test_put_lookup_get_round_trip(shared_daemon: Daemon) -> None:
 def test_long_prefix_streams_in_chunks(shared_daemon: Daemon) -> None:
     tokens = list(range(5000, 5000 + 23 * T))
     kv = kv_for(tokens, seed=1)
-    with client(shared_daemon, chunk_blocks=3, window=2) as c:
+    with client(shared_daemon, chunk_blocks=3, window=2, shared_memory=False) as c:
         before = c.stats()["server"]["requests"]
         assert c.put(tokens, kv).stored == 23
         got = c.get(tokens)

@@ -1,0 +1,182 @@
+"""The client's side of the same-host data plane: the daemon's segments mapped, and reads out of them.
+
+``SharedMapping(offer)`` maps what a hello reply offers: the host pools
+read-only, the hbm pool on a GPU through CUDA IPC (when this process has CUDA
+and cupy), the staging segment read-write. ``read_blocks`` copies (raw) or
+decodes (frames, checksum checked) located blocks straight into the caller's
+destination, then checks each block's page generations: the result ends at
+the first block whose pages were freed meanwhile, so a lapsed lease costs a
+miss, never a wrong block.
+
+The generation check relies on the daemon bumping a page's counter before the
+page can be written again, and on this process's loads of the counters not
+passing its loads of the data (x86's memory order; the copy has finished, and
+on a GPU it is synchronized, before the counters are read).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.codecs import decode_frame
+from kvstore.errors import FrameError
+from kvstore.kvbuffers import KVTarget, target_view, write_target
+from kvstore.layout import KVLayout
+from kvstore.shm.segment import Segment, ShmUnavailable
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():  # read-only memory: torch warns that writes are undefined (they fault)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+@dataclass
+class _Mapped:
+    role: str
+    kind: str  # "raw" | "frames"
+    arena: torch.Tensor  # uint8, on the pool's device
+    gens: np.ndarray | None  # uint64 per page (None: staging)
+    segments: list[Any]
+
+
+class SharedMapping:
+    """A daemon's shared segments, mapped in this process. ShmUnavailable when they cannot be."""
+
+    def __init__(self, offer: dict[str, Any]) -> None:
+        try:
+            self.instance = str(offer["instance"])
+            self.per_client = int(offer["per_client"])
+            segs = list(offer["segments"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ShmUnavailable(f"the daemon's shared-memory offer is malformed: {e}") from None
+        self.mapped: list[_Mapped | None] = []
+        self.staging: torch.Tensor | None = None
+        self._pinned = False
+        try:
+            for s in segs:
+                self.mapped.append(self._map(s))
+        except BaseException:
+            self.close()
+            raise
+        if self.staging is None:
+            self.close()
+            raise ShmUnavailable("the daemon's offer has no staging segment")
+
+    def _map(self, s: dict[str, Any]) -> _Mapped | None:
+        role, kind = str(s["role"]), str(s["kind"])
+        if role == "staging":
+            seg = Segment.open(s["path"], int(s["size"]), writable=True)
+            self.staging = torch.from_numpy(seg.array(0, int(s["capacity"])))
+            return _Mapped(role, kind, self.staging, None, [seg])
+        num_pages = int(s["num_pages"])
+        if str(s["device"]).startswith("cuda"):
+            try:
+                from kvstore.shm.cuda import IpcArena
+
+                ipc = IpcArena(bytes(s["ipc"]), int(s["capacity"]), str(s["device"]))
+            except ShmUnavailable:
+                return None  # this client reads that pool's blocks through staging
+            gseg = Segment.open(s["gens_path"], int(s["gens_size"]), writable=False)
+            gens = gseg.array(int(s["gens_offset"]), 8 * num_pages).view(np.uint64)
+            return _Mapped(role, kind, ipc.tensor, gens, [ipc, gseg])
+        seg = Segment.open(s["path"], int(s["size"]), writable=False)
+        arena = _tensor(seg.array(0, int(s["capacity"])))
+        gens = seg.array(int(s["gens_offset"]), 8 * num_pages).view(np.uint64)
+        return _Mapped(role, kind, arena, gens, [seg])
+
+    @property
+    def tiers(self) -> list[str]:
+        """The pools this process reads in place (the others' blocks come through staging)."""
+        return [m.role for m in self.mapped if m is not None and m.role != "staging"]
+
+    def staging_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        assert self.staging is not None
+        if not 0 <= offset <= offset + nbytes <= self.staging.numel():
+            raise ShmUnavailable(f"staging range {offset}+{nbytes} is outside the staging segment")
+        return self.staging[offset : offset + nbytes]
+
+    def _pin_for(self, device: torch.device) -> None:
+        """Page-lock the host mappings once, so copies to a GPU run at full speed (CUDA hosts)."""
+        if self._pinned or device.type != "cuda":
+            return
+        self._pinned = True
+        cudart = torch.cuda.cudart()
+        for m in self.mapped:
+            if m is not None and m.arena.device.type == "cpu":
+                flags = 0 if m.role == "staging" else 8  # cudaHostRegisterReadOnly
+                cudart.cudaHostRegister(m.arena.data_ptr(), m.arena.numel(), flags)
+
+    # -- reads ----------------------------------------------------------------------------
+    def _bytes(self, m: _Mapped, extents: np.ndarray) -> torch.Tensor:
+        """The block's bytes: a view when they are one run, else gathered (a copy)."""
+        size = m.arena.numel()
+        for off, length in extents:
+            if not 0 <= off <= off + length <= size:
+                raise ShmUnavailable(f"a located extent {off}+{length} is outside the {m.role} segment")
+        if len(extents) == 1:
+            off, length = int(extents[0][0]), int(extents[0][1])
+            return m.arena[off : off + length]
+        return torch.cat([m.arena[int(o) : int(o) + int(n)] for o, n in extents])
+
+    def read_blocks(self, blocks: list[list[Any]], layout: KVLayout, target: KVTarget, t0: int) -> int:
+        """Copy or decode located ``blocks`` into ``target`` from token ``t0``; returns how many leading
+        blocks are good (unchanged generations, sound frames). Blocks past that may have been written
+        into ``target`` and must be ignored."""
+        T = layout.block_tokens
+        device = target.device
+        self._pin_for(device)
+        checks: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = []
+        good = len(blocks)
+        for j, blk in enumerate(blocks):
+            try:
+                seg, ext, pages, gens = int(blk[0]), blk[1], blk[2], blk[3]
+                m = self.mapped[seg] if 0 <= seg < len(self.mapped) else None
+                if m is None:
+                    raise ShmUnavailable(f"block {j} is located in segment {seg}, which is not mapped")
+                extents = np.frombuffer(ext, dtype="<i8").reshape(-1, 2)
+                data = self._bytes(m, extents)
+                slot = target_view(target, t0 + j * T, T)
+                if m.kind == "frames":
+                    frame = data if data.device.type == "cpu" else data.cpu()
+                    block = decode_frame(frame.numpy().data, layout=layout, device=device, out=slot)
+                else:
+                    if data.numel() != layout.block_nbytes:
+                        raise ShmUnavailable(
+                            f"block {j} is {data.numel()} bytes, the layout's are {layout.block_nbytes}"
+                        )
+                    block = data.view(layout.torch_dtype).view(layout.shape(T))
+                    if slot is not None:
+                        slot.copy_(block, non_blocking=True)
+                if slot is None:
+                    write_target(target, t0 + j * T, block)
+            except FrameError:  # torn by a reuse (the generations will say) or damaged: not served
+                good = j
+                break
+            if m.gens is None:
+                checks.append(None)
+            else:
+                p = np.frombuffer(pages, dtype="<i8")
+                if len(p) and (p.min() < 0 or p.max() >= len(m.gens)):
+                    raise ShmUnavailable(f"block {j} names pages outside the {m.role} pool")
+                checks.append((m.gens, p, np.frombuffer(gens, dtype="<u8")))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for j, c in enumerate(checks[:good]):  # after every copy has finished
+            if c is not None and not np.array_equal(c[0][c[1]], c[2]):
+                return j
+        return good
+
+    def close(self) -> None:
+        for m in self.mapped:
+            if m is None:
+                continue
+            for seg in m.segments:
+                seg.close()
+        self.mapped = []
+        self.staging = None

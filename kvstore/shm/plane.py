@@ -1,0 +1,324 @@
+"""The daemon's side of the same-host data plane: shared pools, staging, and the leases on them.
+
+::
+
+    SharedPlane ─┬─ pool_memory("hbm"|"ram")  arenas + page generations in segments (PagePool memory)
+                 ├─ staging segment            ranges leased to one request each:
+                 │                               reserve -> client writes K/V -> commit (a put)
+                 │                               locate  -> daemon decodes nvme blocks -> client copies
+                 └─ offer()                    what a hello reply tells a same-host client to map
+
+A lease ends at ``release`` or when it lapses (the store's pin lease), so a
+client that dies between reserve and commit, or in the middle of a get, leaks
+nothing: ``sweep`` (run by every staging call and by ``stats``) takes back
+what lapsed. Each client (a socket identity) holds at most ``per_client``
+bytes of staging at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.errors import KVStoreError
+from kvstore.shm.segment import Segment, private_dir, sweep
+from kvstore.tiers.pool import PoolMemory
+from kvstore.wire.errors import ProtocolError
+
+log = logging.getLogger("kvstore.shm")
+
+ALIGN = 4096  # staging ranges start on a page: client copies stay aligned
+
+
+class StagingFull(KVStoreError):
+    """No staging room now (others hold it): back-pressure, the client waits and retries."""
+
+    code = "busy"
+
+
+@dataclass
+class Lease:
+    """One request's hold: a staging range (``nbytes`` may be 0) and what else it keeps (``held``)."""
+
+    handle: int
+    peer: bytes
+    offset: int
+    nbytes: int
+    expires: float
+    held: Any = None  # a get's located blocks (kvstore.store.engine.Located)
+
+
+class RangeAllocator:
+    """First-fit byte ranges of a segment, ALIGN-aligned. Not thread-safe (the plane locks)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free: list[tuple[int, int]] = [(0, size)] if size else []  # (offset, length), sorted
+        self.used = 0
+
+    def alloc(self, nbytes: int) -> int | None:
+        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        for i, (off, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (off + need, length - need)
+                self.used += need
+                return off
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        self.used -= need
+        i = bisect.bisect_left(self._free, (offset, 0))
+        self._free.insert(i, (offset, need))
+        # merge with the neighbours
+        if i + 1 < len(self._free) and self._free[i][0] + self._free[i][1] == self._free[i + 1][0]:
+            self._free[i] = (offset, self._free[i][1] + self._free[i + 1][1])
+            del self._free[i + 1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == self._free[i][0]:
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
+            del self._free[i]
+
+
+@dataclass
+class _Pool:
+    role: str
+    segment: Segment | None  # None: the arena is on a GPU (see cuda_export)
+    capacity: int
+    num_pages: int
+    gens_offset: int
+    gens_segment: Segment
+    device: torch.device
+    kind: str  # "raw" blocks or codec "frames"
+    page_bytes: int = 0
+    ipc: bytes | None = None
+    keep: Any = None  # what keeps a GPU arena alive
+
+
+@dataclass
+class SharedPlane:
+    """Segments for the pools and a staging area in ``directory``; leases on staging and reads."""
+
+    directory: Path
+    staging_bytes: int
+    per_client: int
+    lease: float
+    clock: Callable[[], float] = time.monotonic
+    instance: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    def __post_init__(self) -> None:
+        private_dir(self.directory)
+        gone = sweep(self.directory)
+        if gone:
+            log.info("removed %d shared-memory segment(s) left by a daemon that is gone", gone)
+        self._pools: list[_Pool] = []
+        self._lock = threading.Lock()
+        self._leases: dict[int, Lease] = {}
+        self._by_peer: dict[bytes, int] = {}
+        self.staging = Segment.create(self.directory, "staging", self.staging_bytes)
+        self._ranges = RangeAllocator(self.staging_bytes)
+        self._staging = torch.from_numpy(self.staging.array(0, self.staging_bytes))
+        self.lapsed = 0  # leases taken back because they ran out
+
+    # -- pools ------------------------------------------------------------------------
+    def pool_memory(self, role: str, kind: str) -> PoolMemory:
+        """PagePool memory in segments: the arena (host pools) and the page generations."""
+
+        def allocate(
+            capacity: int, page_bytes: int, num_pages: int, device: torch.device
+        ) -> tuple[torch.Tensor, np.ndarray]:
+            gens_offset = -(-capacity // ALIGN) * ALIGN
+            if device.type == "cpu":
+                seg = Segment.create(self.directory, role, gens_offset + 8 * num_pages)
+                arena = torch.from_numpy(seg.array(0, capacity))
+                pool = _Pool(role, seg, capacity, num_pages, gens_offset, seg, device, kind, page_bytes)
+            else:
+                from kvstore.shm.cuda import cuda_arena
+
+                arena, handle, keep = cuda_arena(capacity, device)
+                gens_seg = Segment.create(self.directory, role + "gens", 8 * num_pages)
+                pool = _Pool(
+                    role,
+                    None,
+                    capacity,
+                    num_pages,
+                    0,
+                    gens_seg,
+                    device,
+                    kind,
+                    page_bytes,
+                    ipc=handle,
+                    keep=keep,
+                )
+            gens = pool.gens_segment.array(pool.gens_offset, 8 * num_pages).view(np.uint64)
+            self._pools.append(pool)
+            return arena, gens
+
+        return allocate
+
+    def offer(self) -> dict[str, Any]:
+        """What a hello reply tells a same-host client: the segments to map and how to read them."""
+        segments = []
+        for p in self._pools:
+            segments.append(
+                {
+                    "role": p.role,
+                    "kind": p.kind,
+                    "path": None if p.segment is None else str(p.segment.path),
+                    "size": 0 if p.segment is None else p.segment.size,
+                    "capacity": p.capacity,
+                    "page_bytes": p.page_bytes,
+                    "num_pages": p.num_pages,
+                    "gens_path": str(p.gens_segment.path),
+                    "gens_size": p.gens_segment.size,
+                    "gens_offset": p.gens_offset,
+                    "device": str(p.device),
+                    "ipc": p.ipc,
+                }
+            )
+        segments.append(
+            {
+                "role": "staging",
+                "kind": "raw",
+                "path": str(self.staging.path),
+                "size": self.staging.size,
+                "capacity": self.staging_bytes,
+                "device": "cpu",
+            }
+        )
+        return {
+            "instance": self.instance,
+            "segments": segments,
+            "per_client": self.per_client,
+            "lease": self.lease,
+        }
+
+    def shares(self, role: str) -> bool:
+        """Whether the pool ``role`` ("hbm", "ram") lives in shared memory."""
+        return any(p.role == role for p in self._pools)
+
+    def segment_index(self, role: str) -> int:
+        if role == "staging":
+            return len(self._pools)
+        return next(i for i, p in enumerate(self._pools) if p.role == role)
+
+    # -- leases -----------------------------------------------------------------------
+    def reserve(
+        self, peer: bytes, nbytes: int, lease: float | None = None, held: Any = None, *, armed: bool = True
+    ) -> Lease:
+        """A staging range of ``nbytes`` (0: none, a lease only) for ``peer``. StagingFull when there
+        is no room now; ProtocolError (invalid_argument) when it could never fit. ``armed=False``:
+        the lease does not run until ``arm`` (the daemon fills the range first)."""
+        if nbytes > min(self.per_client, self.staging_bytes):
+            raise ProtocolError(
+                "invalid_argument",
+                f"{nbytes} bytes of staging asked for; a client may hold {self.per_client} "
+                "([server] shm_staging_per_client): reserve less at a time",
+            )
+        now = self.clock()
+        with self._lock:
+            self._sweep(now)
+            offset = 0
+            if nbytes:
+                mine = self._by_peer.get(peer, 0)
+                got = self._ranges.alloc(nbytes) if mine + nbytes <= self.per_client else None
+                if got is None:
+                    raise StagingFull(
+                        f"no staging room for {nbytes} bytes now (this client holds {mine}, "
+                        f"{self._ranges.used} of {self.staging_bytes} in use); retry shortly"
+                    )
+                offset = got
+                self._by_peer[peer] = mine + nbytes
+            handle = secrets.randbits(63)
+            lease_s = self.lease if lease is None else min(lease, self.lease)
+            got_lease = Lease(handle, peer, offset, nbytes, now + lease_s if armed else math.inf, held)
+            self._leases[handle] = got_lease
+            return got_lease
+
+    def take(self, handle: int) -> Lease | None:
+        """End the lease ``handle`` and give back its staging; None when unknown or lapsed.
+
+        The caller finishes using its staging range before the next reserve can hand it out:
+        take it only once done with the bytes (commit and finish do)."""
+        now = self.clock()
+        with self._lock:
+            self._sweep(now)
+            lease = self._leases.pop(handle, None)
+            if lease is not None:
+                self._give_back(lease)
+            return lease
+
+    def hold(self, handle: int) -> Lease | None:
+        """The live lease ``handle``, kept from lapsing until ``take`` (while the daemon reads its
+        staging); None when unknown or lapsed."""
+        now = self.clock()
+        with self._lock:
+            self._sweep(now)
+            lease = self._leases.get(handle)
+            if lease is not None:
+                lease.expires = math.inf
+            return lease
+
+    def arm(self, lease: Lease, seconds: float | None = None) -> None:
+        """Start ``lease``'s clock now (one taken with ``reserve(..., armed=False)``)."""
+        with self._lock:
+            lease.expires = self.clock() + (self.lease if seconds is None else min(seconds, self.lease))
+
+    def staging_tensor(self, lease: Lease) -> torch.Tensor:
+        return self._staging[lease.offset : lease.offset + lease.nbytes]
+
+    def sweep(self) -> int:
+        with self._lock:
+            return self._sweep(self.clock())
+
+    def _sweep(self, now: float) -> int:
+        lapsed = [lease for lease in self._leases.values() if lease.expires <= now]
+        for lease in lapsed:
+            del self._leases[lease.handle]
+            self._give_back(lease)
+        self.lapsed += len(lapsed)
+        return len(lapsed)
+
+    def _give_back(self, lease: Lease) -> None:
+        if lease.nbytes:
+            self._ranges.free(lease.offset, lease.nbytes)
+            left = self._by_peer.get(lease.peer, 0) - lease.nbytes
+            if left > 0:
+                self._by_peer[lease.peer] = left
+            else:
+                self._by_peer.pop(lease.peer, None)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            self._sweep(self.clock())
+            return {
+                "directory": str(self.directory),
+                "segments": [str(p.segment.path) for p in self._pools if p.segment is not None],
+                "staging_bytes": self.staging_bytes,
+                "staging_used": self._ranges.used,
+                "leases": len(self._leases),
+                "lapsed": self.lapsed,
+            }
+
+    def close(self) -> None:
+        """Remove the segments (clients that mapped them keep their mappings until they let go)."""
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        for p in self._pools:
+            if p.segment is not None:
+                p.segment.close()
+            if p.gens_segment is not p.segment:
+                p.gens_segment.close()
+        self.staging.close()

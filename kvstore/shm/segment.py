@@ -1,0 +1,189 @@
+"""Shared-memory segments: files in a directory only the daemon's user may enter, mapped by both sides.
+
+::
+
+    /dev/shm/kvstore-<uid>/                       0700, owned by the daemon's user
+        kvs-<pid>-<24 random hex>-hbm             0600; arena of the hbm pool, then its page generations
+        kvs-<pid>-<24 random hex>-ram             0600; arena of the ram pool, then its page generations
+        kvs-<pid>-<24 random hex>-staging         0600; staging for puts (clients write) and nvme reads
+
+The daemon creates each segment with ``O_EXCL``, reserves its memory with
+``posix_fallocate`` (a /dev/shm too small for the configured capacity is
+refused at start, not met by SIGBUS under load) and holds an exclusive
+``flock`` on it for its lifetime. The kernel drops the lock when the daemon
+dies, so the next daemon's ``sweep`` removes exactly the segments whose owner
+is gone (a pid alone could have been reused). A clean stop unlinks its own.
+
+A client opens a segment by the path the hello reply names, refusing one that
+is not a regular file owned by its own user with mode 0600, and maps pool
+segments read-only (a write faults in the client; the daemon is unaffected).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.errors import ConfigError, KVStoreError
+
+log = logging.getLogger("kvstore.shm")
+
+_NAME = re.compile(r"kvs-\d+-[0-9a-f]{24}-[a-z]+")
+ALIGN = 4096
+
+
+class ShmUnavailable(KVStoreError):
+    """Shared memory cannot be used here (another host, another user, a segment gone): use the socket."""
+
+    code = "shm_unavailable"
+
+
+def default_dir() -> Path:
+    """``/dev/shm/kvstore-<uid>`` (a tmpfs: the segments are memory, never written to disk)."""
+    return Path("/dev/shm") / f"kvstore-{os.getuid()}"
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` 0700 if needed; refuse one another user owns or others may enter."""
+    try:
+        path.mkdir(mode=0o700, parents=False, exist_ok=True)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"shared memory directory {path.parent} does not exist; set [server] shm_dir"
+        ) from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ConfigError(
+            f"{path} must be a directory owned by uid {os.geteuid()} with mode 0700 "
+            f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it or set [server] shm_dir"
+        )
+    return path
+
+
+def sweep(path: Path) -> int:
+    """Remove the segments in ``path`` whose daemon is gone (no lock held on them). Returns how many."""
+    removed = 0
+    for entry in os.scandir(path):
+        if not _NAME.fullmatch(entry.name):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a live daemon holds it
+            continue
+        try:
+            os.unlink(entry.path)
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+class Segment:
+    """One mapped segment. ``array(offset, n)`` is a numpy uint8 view (read-only unless ``writable``)."""
+
+    def __init__(self, path: Path, fd: int, size: int, writable: bool, owner: bool) -> None:
+        self.path = path
+        self.size = size
+        self.writable = writable
+        self.owner = owner
+        self._fd = fd
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._map: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        if not owner:  # only the daemon keeps a descriptor: it holds the lock that says it is alive
+            os.close(fd)
+            self._fd = -1
+
+    @classmethod
+    def create(cls, directory: Path, role: str, size: int) -> Segment:
+        """A new segment of ``size`` bytes (rounded up to 4 KiB), memory reserved, locked by this process."""
+        size = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        name = f"kvs-{os.getpid()}-{secrets.token_hex(12)}-{role}"
+        path = directory / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise ConfigError(
+                        f"a {size}-byte {role} segment cannot be allocated in {directory} (no room); lower "
+                        'the tier\'s capacity, enlarge /dev/shm, or set [server] shared_memory = "off"'
+                    ) from None
+                raise
+            return cls(path, fd, size, writable=True, owner=True)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+
+    @classmethod
+    def open(cls, path: str | Path, size: int, *, writable: bool) -> Segment:
+        """Map an existing segment the daemon named. ShmUnavailable when it cannot or must not be used."""
+        p = Path(path)
+        if not _NAME.fullmatch(p.name):
+            raise ShmUnavailable(f"{p} is not a kvstore segment name")
+        try:
+            fd = os.open(p, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise ShmUnavailable(f"cannot open {p}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if (
+                not stat.S_ISREG(st.st_mode)
+                or st.st_uid != os.geteuid()
+                or st.st_mode & 0o077
+                or st.st_size < size
+            ):
+                raise ShmUnavailable(
+                    f"{p} is not a private segment of this user of {size} bytes "
+                    f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}, {st.st_size} bytes)"
+                )
+            return cls(p, fd, size, writable=writable, owner=False)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def array(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        end = self.size if nbytes is None else offset + nbytes
+        if not 0 <= offset <= end <= self.size:
+            raise ValueError(
+                f"bytes {offset}..{end} are outside the {self.size}-byte segment {self.path.name}"
+            )
+        return self._array[offset:end]
+
+    def close(self, unlink: bool | None = None) -> None:
+        """Unmap (once nothing views the memory any more) and, for the owner, remove the file."""
+        if unlink if unlink is not None else self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        m, self._map = self._map, None
+        if m is not None:
+            self._array = np.empty(0, dtype=np.uint8)
+            try:
+                m.close()
+            except BufferError:  # tensors still view it: unmapped when the last one goes
+                pass
