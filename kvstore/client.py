@@ -67,7 +67,7 @@ from kvstore.results import (
 )
 from kvstore.shm.mapping import SharedMapping
 from kvstore.shm.segment import ShmUnavailable
-from kvstore.wire.errors import LocalProtocolError
+from kvstore.wire.errors import LocalProtocolError, ServerError
 from kvstore.wire.messages import (
     Commit,
     DataOk,
@@ -414,25 +414,33 @@ class KVStoreClient:
                 raise _Stale
             good = 0
             try:
-                good = m.read_blocks(reply.blocks, ns.layout, out, start * T)
+                good = m.read_blocks(reply.blocks, ns.layout, out, start * T, reply.staging)
             finally:
                 self._conn.call(Finish(handle=reply.handle, used=good), idempotent=True)
             tiers.extend(str(t) for t in reply.tiers[:good])
             start += good
-            if good < len(reply.blocks) or not reply.blocks:
-                break  # a block moved (or the prefix ends): the result ends here
+            if good < len(reply.blocks):
+                break  # a block moved: the result ends here
+            if not reply.blocks:
+                if reply.rest:  # held, but no staging room for them now: the socket brings them
+                    n, more = self._socket_read_into(tokens, out, min(total, start + reply.rest), start)
+                    return n, tiers + more
+                break  # the prefix ends here
         return start, tiers
 
-    def _socket_read_into(self, tokens: Any, out: KVTarget, total: int) -> tuple[int, list[str]]:
-        """Blocks ``0 .. total-1`` over the socket, each chunk written into ``out`` (lock held)."""
+    def _socket_read_into(
+        self, tokens: Any, out: KVTarget, total: int, first: int = 0
+    ) -> tuple[int, list[str]]:
+        """Blocks ``first .. total-1`` over the socket, each chunk written into ``out`` (lock held).
+        Returns the blocks matched from block 0 and the tiers of those from ``first``."""
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         chunk = self._chunk(len(tokens))
-        if total > chunk:
+        if total - first > chunk:
             total = min(total, self.lookup(tokens).matched_blocks)
-        if total == 0:
-            return 0, []
-        starts = list(range(0, total, chunk))
+        if total <= first:
+            return first, []
+        starts = list(range(first, total, chunk))
         got = [0] * len(starts)
         tiers: list[list[str]] = [[] for _ in starts]
 
@@ -451,12 +459,12 @@ class KVStoreClient:
         self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=self.window)
         if isinstance(out, torch.Tensor) and out.device.type == "cuda":
             torch.cuda.synchronize(out.device)
-        matched = 0
+        matched = first
         for i, s in enumerate(starts):
             matched = s + got[i]
             if got[i] < min(chunk, total - s):
                 break
-        return matched, [t for ts in tiers for t in ts][:matched]
+        return matched, [t for ts in tiers for t in ts][: matched - first]
 
     def put_from(self, token_ids: TokenInput, src: KVTarget, session: str | None = None) -> PutResult:
         """Store the full blocks of ``token_ids`` whose K/V ``src`` holds: a tensor ``[L, 2, T, H, D]``
@@ -492,39 +500,13 @@ class KVStoreClient:
     def _commit_loop(
         self, m: SharedMapping, tokens: Any, src: KVTarget, total: int, session: str | None
     ) -> PutResult:
-        ns = self._ns()
-        layout, T = ns.layout, ns.layout.block_tokens
-        nb = layout.block_nbytes
+        nb = self._ns().layout.block_nbytes
         chunk = max(1, min(self._chunk(len(tokens)), m.per_client // nb))
         stored = present = deferred = 0
         failed: list[FailedBlock] = []
         for s in range(0, total, chunk):
             e = min(s + chunk, total)
-            r = self._conn.call(Reserve(nbytes=(e - s) * nb), idempotent=True)
-            assert isinstance(r, ReserveOk)
-            if r.instance != m.instance:
-                raise _Stale
-            view = (
-                m.staging_view(r.offset, (e - s) * nb)
-                .view(layout.torch_dtype)
-                .view(layout.shape((e - s) * T))
-            )
-            if isinstance(src, PagedKV):
-                src.read(s * T, view)
-            else:
-                view.copy_(src[:, :, s * T : e * T])
-            reply = self._conn.call(
-                Commit(
-                    ns=ns.id,
-                    tokens=tokens[: e * T],
-                    start_block=s,
-                    shape=tuple(view.shape),
-                    dtype=layout.dtype,
-                    handle=r.handle,
-                    session=session,
-                ),
-                idempotent=True,
-            )
+            reply = self._commit_chunk(m, tokens, src, s, e, session)
             assert isinstance(reply, PutOk)
             stored, present, deferred = (
                 stored + reply.stored,
@@ -535,6 +517,41 @@ class KVStoreClient:
             if reply.failed:
                 break
         return PutResult(stored, present, sorted(failed), deferred)
+
+    def _commit_chunk(
+        self, m: SharedMapping, tokens: Any, src: KVTarget, s: int, e: int, session: str | None
+    ) -> Message:
+        """Blocks ``s .. e-1``: reserve staging, write them there, commit. A reservation that lapsed
+        before the commit (a paused client) is made again."""
+        ns = self._ns()
+        layout, T = ns.layout, ns.layout.block_tokens
+        nbytes = (e - s) * layout.block_nbytes
+        for attempt in range(STALE_RETRIES + 1):
+            r = self._conn.call(Reserve(nbytes=nbytes), idempotent=True)
+            assert isinstance(r, ReserveOk)
+            if r.instance != m.instance:
+                raise _Stale
+            view = m.staging_view(r.path, r.size, r.offset, nbytes).view(layout.torch_dtype)
+            view = view.view(layout.shape((e - s) * T))
+            if isinstance(src, PagedKV):
+                src.read(s * T, view)
+            else:
+                view.copy_(src[:, :, s * T : e * T])
+            commit = Commit(
+                ns=ns.id,
+                tokens=tokens[: e * T],
+                start_block=s,
+                shape=tuple(view.shape),
+                dtype=layout.dtype,
+                handle=r.handle,
+                session=session,
+            )
+            try:
+                return self._conn.call(commit, idempotent=True)
+            except ServerError as err:
+                if err.code != "not_found" or attempt == STALE_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def put(self, token_ids: TokenInput, kv: torch.Tensor, session: str | None = None) -> PutResult:
         """Store the full blocks of ``token_ids`` whose K/V ``kv`` (``[L, 2, T, H, D]``, T >= their tokens) holds.

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from kvstore.store.engine import Store
 
 SHARED_OPS = (Locate, Finish, Reserve, Commit)
+STAGING = -1  # a located block's segment index when it is in the client's staging segment
 
 log = logging.getLogger("kvstore.daemon.server")
 
@@ -315,12 +316,15 @@ class Handlers:
             return FinishOk(released=lease is not None)
         if isinstance(msg, Reserve):
             got = plane.reserve(request.peer, msg.nbytes)
+            seg = got.staging
             return ReserveOk(
                 handle=got.handle,
                 instance=plane.instance,
                 offset=got.offset,
                 nbytes=got.nbytes,
-                lease=plane.lease,
+                path="" if seg is None else str(seg.path),
+                size=0 if seg is None else seg.size,
+                lease=max(0.0, got.expires - plane.clock()),
             )
         assert isinstance(msg, Commit) and ns is not None
         return self._commit(plane, msg, ns)
@@ -345,7 +349,8 @@ class Handlers:
             tiers.append(names[t])
         layout = ns.layout
         nb = layout.block_nbytes
-        k = min(located.rest, plane.per_client // nb, plane.staging_bytes // nb)
+        k = min(located.rest, plane.per_client // nb)
+        rest = located.rest
         try:
             lease = plane.reserve(peer, k * nb, held=located, armed=False)
         except (ProtocolError, StagingFull):  # no staging room now: the client reads these next time
@@ -360,16 +365,17 @@ class Handlers:
                 r = self.store.get(
                     ns, msg.tokens, start_block=msg.start_block + len(located.places), max_blocks=k, out=outs
                 )
-                staging = plane.segment_index("staging")
                 for j in range(r.matched_blocks):
                     extent = np.asarray([[lease.offset + j * nb, nb]], dtype="<i8").tobytes()
-                    blocks.append([staging, extent, b"", b""])
+                    blocks.append([STAGING, extent, b"", b""])
                 tiers.extend(r.tiers)
+                rest = located.rest - k if r.matched_blocks == k else 0  # short: the chain broke there
         except BaseException:
             plane.take(lease.handle)
             self.store.finish(located, 0)
             raise
         plane.arm(lease)
+        seg = lease.staging
         return LocateOk(
             handle=lease.handle,
             instance=plane.instance,
@@ -377,6 +383,8 @@ class Handlers:
             blocks=blocks,
             tiers=tiers,
             lease=plane.lease,
+            staging=None if seg is None else [str(seg.path), seg.size],
+            rest=rest,
         )
 
     def _commit(self, plane: SharedPlane, msg: Commit, ns: Namespace) -> Message:

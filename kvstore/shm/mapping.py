@@ -2,7 +2,8 @@
 
 ``SharedMapping(offer)`` maps what a hello reply offers: the host pools
 read-only, the hbm pool on a GPU through CUDA IPC (when this process has CUDA
-and cupy), the staging segment read-write. ``read_blocks`` copies (raw) or
+and cupy). This client's own staging segment (read-write) is named by the
+replies that use it, and mapped on first sight (``staging``). ``read_blocks`` copies (raw) or
 decodes (frames, checksum checked) located blocks straight into the caller's
 destination, then checks each block's page generations: the result ends at
 the first block whose pages were freed meanwhile, so a lapsed lease costs a
@@ -56,24 +57,23 @@ class SharedMapping:
         except (KeyError, TypeError, ValueError) as e:
             raise ShmUnavailable(f"the daemon's shared-memory offer is malformed: {e}") from None
         self.mapped: list[_Mapped | None] = []
-        self.staging: torch.Tensor | None = None
+        self._staging: _Mapped | None = None
+        self._staging_path = ""
         self._pinned = False
+        self.moved = 0  # blocks not served because their pages changed while they were read
+        self.torn = 0  # frames that failed their checks while being read (and were not served)
         try:
             for s in segs:
                 self.mapped.append(self._map(s))
+        except (KeyError, TypeError, ValueError) as e:
+            self.close()
+            raise ShmUnavailable(f"the daemon's shared-memory offer is malformed: {e}") from None
         except BaseException:
             self.close()
             raise
-        if self.staging is None:
-            self.close()
-            raise ShmUnavailable("the daemon's offer has no staging segment")
 
     def _map(self, s: dict[str, Any]) -> _Mapped | None:
         role, kind = str(s["role"]), str(s["kind"])
-        if role == "staging":
-            seg = Segment.open(s["path"], int(s["size"]), writable=True)
-            self.staging = torch.from_numpy(seg.array(0, int(s["capacity"])))
-            return _Mapped(role, kind, self.staging, None, [seg])
         num_pages = int(s["num_pages"])
         if str(s["device"]).startswith("cuda"):
             try:
@@ -93,13 +93,27 @@ class SharedMapping:
     @property
     def tiers(self) -> list[str]:
         """The pools this process reads in place (the others' blocks come through staging)."""
-        return [m.role for m in self.mapped if m is not None and m.role != "staging"]
+        return [m.role for m in self.mapped if m is not None]
 
-    def staging_view(self, offset: int, nbytes: int) -> torch.Tensor:
-        assert self.staging is not None
-        if not 0 <= offset <= offset + nbytes <= self.staging.numel():
+    def staging(self, path: str, size: int) -> _Mapped:
+        """This client's staging segment ``path`` (mapped read-write on first sight; the one before
+        it, if any, let go: the daemon removed it)."""
+        if self._staging is None or path != self._staging_path:
+            seg = Segment.open(path, size, writable=True)
+            if self._staging is not None:
+                for old in self._staging.segments:
+                    old.close()
+            self._staging = _Mapped("staging", "raw", torch.from_numpy(seg.array()), None, [seg])
+            self._staging_path = path
+            if self._pinned:
+                torch.cuda.cudart().cudaHostRegister(self._staging.arena.data_ptr(), size, 0)
+        return self._staging
+
+    def staging_view(self, path: str, size: int, offset: int, nbytes: int) -> torch.Tensor:
+        arena = self.staging(path, size).arena
+        if not 0 <= offset <= offset + nbytes <= arena.numel():
             raise ShmUnavailable(f"staging range {offset}+{nbytes} is outside the staging segment")
-        return self.staging[offset : offset + nbytes]
+        return arena[offset : offset + nbytes]
 
     def _pin_for(self, device: torch.device) -> None:
         """Page-lock the host mappings once, so copies to a GPU run at full speed (CUDA hosts)."""
@@ -109,8 +123,9 @@ class SharedMapping:
         cudart = torch.cuda.cudart()
         for m in self.mapped:
             if m is not None and m.arena.device.type == "cpu":
-                flags = 0 if m.role == "staging" else 8  # cudaHostRegisterReadOnly
-                cudart.cudaHostRegister(m.arena.data_ptr(), m.arena.numel(), flags)
+                cudart.cudaHostRegister(m.arena.data_ptr(), m.arena.numel(), 8)  # cudaHostRegisterReadOnly
+        if self._staging is not None:
+            cudart.cudaHostRegister(self._staging.arena.data_ptr(), self._staging.arena.numel(), 0)
 
     # -- reads ----------------------------------------------------------------------------
     def _bytes(self, m: _Mapped, extents: np.ndarray) -> torch.Tensor:
@@ -124,10 +139,18 @@ class SharedMapping:
             return m.arena[off : off + length]
         return torch.cat([m.arena[int(o) : int(o) + int(n)] for o, n in extents])
 
-    def read_blocks(self, blocks: list[list[Any]], layout: KVLayout, target: KVTarget, t0: int) -> int:
+    def read_blocks(
+        self,
+        blocks: list[list[Any]],
+        layout: KVLayout,
+        target: KVTarget,
+        t0: int,
+        staging: list[Any] | None = None,
+    ) -> int:
         """Copy or decode located ``blocks`` into ``target`` from token ``t0``; returns how many leading
         blocks are good (unchanged generations, sound frames). Blocks past that may have been written
-        into ``target`` and must be ignored."""
+        into ``target`` and must be ignored. ``staging``: ``[path, size]`` of this client's staging
+        segment, where blocks of segment -1 are."""
         T = layout.block_tokens
         device = target.device
         self._pin_for(device)
@@ -136,7 +159,10 @@ class SharedMapping:
         for j, blk in enumerate(blocks):
             try:
                 seg, ext, pages, gens = int(blk[0]), blk[1], blk[2], blk[3]
-                m = self.mapped[seg] if 0 <= seg < len(self.mapped) else None
+                if seg == -1 and staging is not None:
+                    m: _Mapped | None = self.staging(str(staging[0]), int(staging[1]))
+                else:
+                    m = self.mapped[seg] if 0 <= seg < len(self.mapped) else None
                 if m is None:
                     raise ShmUnavailable(f"block {j} is located in segment {seg}, which is not mapped")
                 extents = np.frombuffer(ext, dtype="<i8").reshape(-1, 2)
@@ -156,6 +182,7 @@ class SharedMapping:
                 if slot is None:
                     write_target(target, t0 + j * T, block)
             except FrameError:  # torn by a reuse (the generations will say) or damaged: not served
+                self.torn += 1
                 good = j
                 break
             if m.gens is None:
@@ -169,14 +196,15 @@ class SharedMapping:
             torch.cuda.synchronize(device)
         for j, c in enumerate(checks[:good]):  # after every copy has finished
             if c is not None and not np.array_equal(c[0][c[1]], c[2]):
+                self.moved += 1
                 return j
         return good
 
     def close(self) -> None:
-        for m in self.mapped:
+        for m in [*self.mapped, self._staging]:
             if m is None:
                 continue
             for seg in m.segments:
                 seg.close()
         self.mapped = []
-        self.staging = None
+        self._staging = None

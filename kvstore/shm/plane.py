@@ -3,16 +3,20 @@
 ::
 
     SharedPlane ─┬─ pool_memory("hbm"|"ram")  arenas + page generations in segments (PagePool memory)
-                 ├─ staging segment            ranges leased to one request each:
-                 │                               reserve -> client writes K/V -> commit (a put)
-                 │                               locate  -> daemon decodes nvme blocks -> client copies
+                 ├─ a staging segment per client (a socket identity), made on its first need:
+                 │     ranges leased to one request each
+                 │       reserve -> client writes K/V -> commit (a put)
+                 │       locate  -> daemon decodes nvme blocks -> client copies -> finish
                  └─ offer()                    what a hello reply tells a same-host client to map
 
-A lease ends at ``release`` or when it lapses (the store's pin lease), so a
-client that dies between reserve and commit, or in the middle of a get, leaks
-nothing: ``sweep`` (run by every staging call and by ``stats``) takes back
-what lapsed. Each client (a socket identity) holds at most ``per_client``
-bytes of staging at once.
+Staging is per client so that no client can ever write into a range another
+client's commit reads: a range that lapsed goes back to the same client only.
+A lease ends at ``take`` or when it lapses, so a client that dies between
+reserve and commit, or in the middle of a get, leaks nothing: ``sweep`` (run
+by every staging call and by ``stats``) takes back what lapsed, and removes
+the staging segment of a client that holds no lease and has been idle for
+IDLE seconds (a later request makes a new one). Each client's segment is
+``per_client`` bytes; all of them together stay within ``staging_bytes``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from kvstore.wire.errors import ProtocolError
 log = logging.getLogger("kvstore.shm")
 
 ALIGN = 4096  # staging ranges start on a page: client copies stay aligned
+IDLE = 60.0  # seconds a client's unused staging segment is kept
+MIN_RESERVE_LEASE = 1.0  # a put's reservation lasts at least this long, whatever the pin lease
 
 
 class StagingFull(KVStoreError):
@@ -57,6 +63,18 @@ class Lease:
     nbytes: int
     expires: float
     held: Any = None  # a get's located blocks (kvstore.store.engine.Located)
+    staging: Segment | None = None  # the client's staging segment the range is in
+
+
+@dataclass
+class _Staging:
+    """One client's staging segment, its ranges and its leases."""
+
+    segment: Segment
+    tensor: torch.Tensor
+    ranges: RangeAllocator
+    leases: int = 0
+    last_used: float = 0.0
 
 
 class RangeAllocator:
@@ -127,10 +145,7 @@ class SharedPlane:
         self._pools: list[_Pool] = []
         self._lock = threading.Lock()
         self._leases: dict[int, Lease] = {}
-        self._by_peer: dict[bytes, int] = {}
-        self.staging = Segment.create(self.directory, "staging", self.staging_bytes)
-        self._ranges = RangeAllocator(self.staging_bytes)
-        self._staging = torch.from_numpy(self.staging.array(0, self.staging_bytes))
+        self._clients: dict[bytes, _Staging] = {}
         self.lapsed = 0  # leases taken back because they ran out
 
     # -- pools ------------------------------------------------------------------------
@@ -189,16 +204,6 @@ class SharedPlane:
                     "ipc": p.ipc,
                 }
             )
-        segments.append(
-            {
-                "role": "staging",
-                "kind": "raw",
-                "path": str(self.staging.path),
-                "size": self.staging.size,
-                "capacity": self.staging_bytes,
-                "device": "cpu",
-            }
-        )
         return {
             "instance": self.instance,
             "segments": segments,
@@ -211,18 +216,17 @@ class SharedPlane:
         return any(p.role == role for p in self._pools)
 
     def segment_index(self, role: str) -> int:
-        if role == "staging":
-            return len(self._pools)
+        """The index of pool ``role`` in the offer's segments."""
         return next(i for i, p in enumerate(self._pools) if p.role == role)
 
     # -- leases -----------------------------------------------------------------------
     def reserve(
         self, peer: bytes, nbytes: int, lease: float | None = None, held: Any = None, *, armed: bool = True
     ) -> Lease:
-        """A staging range of ``nbytes`` (0: none, a lease only) for ``peer``. StagingFull when there
-        is no room now; ProtocolError (invalid_argument) when it could never fit. ``armed=False``:
-        the lease does not run until ``arm`` (the daemon fills the range first)."""
-        if nbytes > min(self.per_client, self.staging_bytes):
+        """A staging range of ``nbytes`` (0: none, a lease only) in ``peer``'s staging segment.
+        StagingFull when there is no room now; ProtocolError (invalid_argument) when it could never
+        fit. ``armed=False``: the lease does not run until ``arm`` (the daemon fills the range first)."""
+        if nbytes > self.per_client:
             raise ProtocolError(
                 "invalid_argument",
                 f"{nbytes} bytes of staging asked for; a client may hold {self.per_client} "
@@ -231,22 +235,44 @@ class SharedPlane:
         now = self.clock()
         with self._lock:
             self._sweep(now)
-            offset = 0
+            offset, staging = 0, None
             if nbytes:
-                mine = self._by_peer.get(peer, 0)
-                got = self._ranges.alloc(nbytes) if mine + nbytes <= self.per_client else None
+                staging = self._client(peer, now)
+                got = staging.ranges.alloc(nbytes)
                 if got is None:
                     raise StagingFull(
-                        f"no staging room for {nbytes} bytes now (this client holds {mine}, "
-                        f"{self._ranges.used} of {self.staging_bytes} in use); retry shortly"
+                        f"no staging room for {nbytes} bytes now: this client's requests hold "
+                        f"{staging.ranges.used} of its {self.per_client}; retry shortly"
                     )
                 offset = got
-                self._by_peer[peer] = mine + nbytes
+                staging.leases += 1
             handle = secrets.randbits(63)
             lease_s = self.lease if lease is None else min(lease, self.lease)
-            got_lease = Lease(handle, peer, offset, nbytes, now + lease_s if armed else math.inf, held)
+            if held is None:
+                lease_s = max(lease_s, MIN_RESERVE_LEASE)
+            got_lease = Lease(handle, peer, offset, nbytes, now + lease_s if armed else math.inf, held, None)
+            if staging is not None:
+                got_lease.staging = staging.segment
             self._leases[handle] = got_lease
             return got_lease
+
+    def _client(self, peer: bytes, now: float) -> _Staging:
+        """``peer``'s staging segment, made now if it has none (lock held). StagingFull when all the
+        clients' segments together would pass ``staging_bytes``."""
+        staging = self._clients.get(peer)
+        if staging is None:
+            if (len(self._clients) + 1) * self.per_client > self.staging_bytes:
+                raise StagingFull(
+                    f"{len(self._clients)} clients hold staging segments of {self.per_client} bytes, all "
+                    f"[server] shm_staging ({self.staging_bytes}) allows; retry shortly"
+                )
+            seg = Segment.create(self.directory, "staging", self.per_client)
+            staging = _Staging(
+                seg, torch.from_numpy(seg.array(0, self.per_client)), RangeAllocator(self.per_client)
+            )
+            self._clients[peer] = staging
+        staging.last_used = now
+        return staging
 
     def take(self, handle: int) -> Lease | None:
         """End the lease ``handle`` and give back its staging; None when unknown or lapsed.
@@ -278,7 +304,11 @@ class SharedPlane:
             lease.expires = self.clock() + (self.lease if seconds is None else min(seconds, self.lease))
 
     def staging_tensor(self, lease: Lease) -> torch.Tensor:
-        return self._staging[lease.offset : lease.offset + lease.nbytes]
+        """The lease's staging range as uint8 (empty for a lease without one)."""
+        staging = self._clients.get(lease.peer)
+        if staging is None or staging.segment is not lease.staging:
+            return torch.empty(0, dtype=torch.uint8)
+        return staging.tensor[lease.offset : lease.offset + lease.nbytes]
 
     def sweep(self) -> int:
         with self._lock:
@@ -290,35 +320,46 @@ class SharedPlane:
             del self._leases[lease.handle]
             self._give_back(lease)
         self.lapsed += len(lapsed)
+        for peer, staging in list(self._clients.items()):
+            if staging.leases == 0 and now - staging.last_used > IDLE:
+                del self._clients[peer]
+                staging.tensor = torch.empty(0, dtype=torch.uint8)
+                staging.segment.close()
         return len(lapsed)
 
     def _give_back(self, lease: Lease) -> None:
-        if lease.nbytes:
-            self._ranges.free(lease.offset, lease.nbytes)
-            left = self._by_peer.get(lease.peer, 0) - lease.nbytes
-            if left > 0:
-                self._by_peer[lease.peer] = left
-            else:
-                self._by_peer.pop(lease.peer, None)
+        staging = self._clients.get(lease.peer)
+        if lease.nbytes and staging is not None and staging.segment is lease.staging:
+            staging.ranges.free(lease.offset, lease.nbytes)
+            staging.leases -= 1
+            staging.last_used = self.clock()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             self._sweep(self.clock())
+            staging = list(self._clients.values())
             return {
                 "directory": str(self.directory),
-                "segments": [str(p.segment.path) for p in self._pools if p.segment is not None],
+                "segments": [
+                    *(str(p.segment.path) for p in self._pools if p.segment is not None),
+                    *(str(c.segment.path) for c in staging),
+                ],
                 "staging_bytes": self.staging_bytes,
-                "staging_used": self._ranges.used,
+                "staging_clients": len(staging),
+                "staging_used": sum(c.ranges.used for c in staging),
                 "leases": len(self._leases),
                 "lapsed": self.lapsed,
             }
 
     def close(self) -> None:
         """Remove the segments (clients that mapped them keep their mappings until they let go)."""
-        self._staging = torch.empty(0, dtype=torch.uint8)
+        with self._lock:
+            for c in self._clients.values():
+                c.tensor = torch.empty(0, dtype=torch.uint8)
+                c.segment.close()
+            self._clients.clear()
         for p in self._pools:
             if p.segment is not None:
                 p.segment.close()
             if p.gens_segment is not p.segment:
                 p.gens_segment.close()
-        self.staging.close()

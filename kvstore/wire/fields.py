@@ -89,6 +89,10 @@ def a_map(name: str, v: Any) -> dict[str, Any]:
     return v
 
 
+def opt_list(name: str, v: Any) -> list[Any] | None:
+    return None if v is None else a_list(name, v)
+
+
 def opt_map(name: str, v: Any) -> dict[str, Any] | None:
     return None if v is None else a_map(name, v)
 

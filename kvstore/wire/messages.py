@@ -453,9 +453,11 @@ class ReleaseOk(Message):
 @dataclass(frozen=True)
 class LocateOk(Message):
     """Where blocks ``start_block ..`` are: per block ``[segment, extents, pages, gens]`` (segment: an
-    index into the hello offer's segments; extents: (offset, length) pairs, int64 little-endian;
-    pages/gens: the pages whose generations (uint64) the client checks after copying; empty for
-    staging). ``instance``: the offer these refer to. ``handle``: for ``finish``."""
+    index into the hello offer's segments, or -1 for this client's ``staging`` segment, named as
+    ``[path, size]``; extents: (offset, length) pairs, int64 little-endian; pages/gens: the pages
+    whose generations (uint64) the client checks after copying; empty for staging). ``rest``: held
+    blocks after these that did not fit in staging (read them over the socket, or locate again).
+    ``instance``: the offer these refer to. ``handle``: for ``finish``."""
 
     op = "locate"
     schema = {
@@ -465,6 +467,8 @@ class LocateOk(Message):
         "blocks": F.a_list,
         "tiers": F.a_list,
         "lease": F.opt_number,
+        "staging": F.opt_list,
+        "rest": F.nonneg_int,
     }
     handle: int
     instance: str
@@ -472,6 +476,8 @@ class LocateOk(Message):
     blocks: list[list[Any]]
     tiers: list[str]
     lease: float | None = None
+    staging: list[Any] | None = None
+    rest: int = 0
 
 
 @dataclass(frozen=True)
@@ -483,7 +489,8 @@ class FinishOk(Message):
 
 @dataclass(frozen=True)
 class ReserveOk(Message):
-    """``nbytes`` of staging at ``offset`` of the offer's staging segment, under ``handle``."""
+    """``nbytes`` at ``offset`` of this client's staging segment (``path``, ``size`` bytes), under
+    ``handle``."""
 
     op = "reserve"
     schema = {
@@ -492,11 +499,15 @@ class ReserveOk(Message):
         "offset": F.nonneg_int,
         "nbytes": F.nonneg_int,
         "lease": F.opt_number,
+        "path": F.text,
+        "size": F.nonneg_int,
     }
     handle: int
     instance: str
     offset: int
     nbytes: int
+    path: str
+    size: int
     lease: float | None = None
 
 

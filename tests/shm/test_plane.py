@@ -1,0 +1,181 @@
+"""The parts of the shared-memory data plane, without a daemon: segments, staging leases, generations."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.codecs import get_codec
+from kvstore.errors import ConfigError
+from kvstore.shm.plane import ALIGN, RangeAllocator, SharedPlane, StagingFull
+from kvstore.shm.segment import Segment, ShmUnavailable, private_dir, sweep
+from kvstore.tiers.hbm import HbmTier
+from kvstore.tiers.paged import extents
+from kvstore.tiers.pool import PagePool
+from kvstore.tiers.ram import RamTier
+from kvstore.wire.errors import ProtocolError
+from tests.store.storekit import kv
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Path:
+    return private_dir(tmp_path / "shm")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_segments_are_private_files_and_clients_refuse_others(shm_dir: Path) -> None:
+    seg = Segment.create(shm_dir, "ram", 10_000)
+    st = os.stat(seg.path)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+    assert stat.S_IMODE(os.stat(shm_dir).st_mode) == 0o700
+    assert seg.size == 12288  # whole 4 KiB pages
+    seg.array(0, 4)[:] = [1, 2, 3, 4]
+    reader = Segment.open(seg.path, seg.size, writable=False)
+    assert list(reader.array(0, 4)) == [1, 2, 3, 4]
+    assert not reader.array().flags.writeable
+    os.chmod(seg.path, 0o644)  # a segment others could read is not one of ours
+    with pytest.raises(ShmUnavailable, match="private"):
+        Segment.open(seg.path, seg.size, writable=False)
+    with pytest.raises(ShmUnavailable, match="not a kvstore segment"):
+        Segment.open(shm_dir / "other", 10, writable=False)
+    with pytest.raises(ShmUnavailable, match="cannot open"):
+        Segment.open(shm_dir / "kvs-1-0123456789abcdef01234567-ram", 10, writable=False)
+    reader.close()
+    seg.close()
+    assert not seg.path.exists()
+
+
+def test_a_directory_others_can_enter_is_refused(tmp_path: Path) -> None:
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    with pytest.raises(ConfigError, match="mode 0700"):
+        private_dir(loose)
+    with pytest.raises(ConfigError, match="does not exist"):
+        private_dir(tmp_path / "no" / "such")
+
+
+def test_sweep_removes_only_segments_whose_daemon_is_gone(shm_dir: Path) -> None:
+    mine = Segment.create(shm_dir, "hbm", 4096)
+    # a "daemon" that creates a segment and dies without removing it
+    code = (
+        "import os, sys; from pathlib import Path; from kvstore.shm.segment import Segment; "
+        f"s = Segment.create(Path({str(shm_dir)!r}), 'ram', 4096); print(s.path); os._exit(0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    dead = Path(out.stdout.strip())
+    assert dead.exists()
+    (shm_dir / "unrelated").write_text("x")
+    assert sweep(shm_dir) == 1
+    assert not dead.exists() and mine.path.exists() and (shm_dir / "unrelated").exists()
+    mine.close()
+
+
+def test_a_segment_larger_than_the_filesystem_is_refused_at_creation(tmp_path: Path) -> None:
+    from tests.hardening.conftest import mounted
+
+    where = tmp_path / "small"
+    with mounted(where, "size=1m", "mode=0700") as ok:
+        if not ok:
+            pytest.skip("needs root to mount a small tmpfs")
+        with pytest.raises(ConfigError, match="cannot be allocated"):
+            Segment.create(where, "ram", 8 * 2**20)
+        assert not [p for p in where.iterdir() if p.name.startswith("kvs-")]  # nothing left behind
+
+
+def test_staging_ranges_merge_back_and_stay_aligned() -> None:
+    r = RangeAllocator(10 * ALIGN)
+    a, b, c = r.alloc(1), r.alloc(ALIGN + 1), r.alloc(3 * ALIGN)
+    assert (a, b, c) == (0, ALIGN, 3 * ALIGN) and r.used == 6 * ALIGN
+    assert a is not None and b is not None and c is not None
+    assert r.alloc(5 * ALIGN) is None
+    r.free(b, ALIGN + 1)
+    r.free(a, 1)
+    assert r.alloc(3 * ALIGN) == 0  # a and b merged into one run
+    r.free(0, 3 * ALIGN)
+    r.free(c, 3 * ALIGN)
+    assert r.used == 0 and r.alloc(10 * ALIGN) == 0
+
+
+def test_staging_leases_are_bounded_per_client_and_lapse(shm_dir: Path) -> None:
+    clock = Clock()
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=512 << 10, lease=5.0, clock=clock)
+    try:
+        a = plane.reserve(b"a", 300 << 10)
+        with pytest.raises(StagingFull):
+            plane.reserve(b"a", 300 << 10)  # over a's share
+        b = plane.reserve(b"b", 300 << 10)
+        with pytest.raises(ProtocolError, match="shm_staging_per_client"):
+            plane.reserve(b"c", 600 << 10)  # could never fit
+        with pytest.raises(StagingFull, match="clients hold staging segments"):
+            plane.reserve(b"c", 4096)  # two clients' segments are all 1 MiB allows
+        assert plane.reserve(b"c", 0).staging is None  # a lease without staging needs none
+        plane.staging_tensor(a).fill_(7)
+        assert plane.stats()["staging_used"] == 600 << 10
+        clock.now += 4
+        assert plane.hold(a.handle) is a  # a commit in progress: a cannot lapse under it
+        clock.now += 2  # b's lease ran out; it is taken back
+        st = plane.stats()
+        assert st["staging_used"] == 300 << 10 and st["leases"] == 1 and st["lapsed"] == 2
+        assert plane.take(b.handle) is None and plane.take(a.handle) is a
+        assert plane.stats()["staging_used"] == 0 and plane.take(a.handle) is None
+        late = plane.reserve(b"a", 4096, armed=False)  # filled by the daemon first: no clock yet
+        clock.now += 100
+        assert plane.hold(late.handle) is late
+        plane.arm(late, 1.0)
+        clock.now += 2
+        assert plane.stats()["leases"] == 0
+    finally:
+        plane.close()
+    assert not list(shm_dir.iterdir())
+
+
+def test_freeing_a_page_bumps_its_generation() -> None:
+    pool = PagePool(8 * 1024, page_bytes=1024)
+    a = pool.alloc(2500)
+    gens = pool.generations(a)
+    assert list(gens) == [0, 0, 0]
+    pool.free(a)
+    b = pool.alloc(1024)  # reuses a page of a
+    assert b.pages[0] in a.pages
+    assert pool.gens[b.pages[0]] == 1 and not np.array_equal(pool.generations(a), gens)
+
+
+def test_a_located_block_reads_back_from_its_extents(shm_dir: Path) -> None:
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
+    try:
+        hbm = HbmTier(16 * 1024, page_bytes=1024, memory=plane.pool_memory("hbm", "raw"))
+        ram = RamTier(16 * 1024, get_codec("raw"), page_bytes=1024, memory=plane.pool_memory("ram", "frames"))
+        block = kv(4)[:, :, :4].contiguous()
+        hbm.put(b"x" * 32, block)
+        place = hbm.locate(b"x" * 32)
+        arena = hbm.pool._flat
+        data = torch.cat([arena[o : o + n] for o, n in place.extents])
+        assert torch.equal(data.view(block.dtype).view(block.shape), block)
+        ram.put(b"y" * 32, block)
+        assert sum(n for _, n in ram.locate(b"y" * 32).extents) == ram.locate(b"y" * 32).nbytes
+        offer = plane.offer()
+        assert [s["role"] for s in offer["segments"]] == ["hbm", "ram"]
+        hbm.close()
+        ram.close()
+    finally:
+        plane.close()
+
+
+def test_extents_merge_runs_of_pages() -> None:
+    assert extents(np.array([3, 4, 5, 9, 10, 1]), 100, 550) == [(300, 300), (900, 200), (100, 50)]
+    assert extents(np.array([7]), 100, 1) == [(700, 1)]

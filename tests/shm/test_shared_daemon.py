@@ -1,0 +1,414 @@
+"""The same-host data plane against real daemons: same bytes as the socket, leases, leaks, privacy, restarts.
+
+Daemons here are the hardening tests' (tests/hardening/conftest.py): small
+raw tiers and 1 KiB blocks, so that served K/V is compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.kvbuffers import PagedKV
+from kvstore.wire.messages import Finish, Locate, LocateOk
+from tests.hardening.conftest import (
+    LAYOUT,
+    MODEL,
+    NS,
+    Background,
+    Raw,
+    T,
+    assert_exact,
+    client,
+    endpoint_of,
+    header,
+    prefix_kv,
+    random_tokens,
+    wait_until,
+    write_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SHM = {"shm_staging": "1MiB", "shm_staging_per_client": "512KiB"}
+
+
+def socket_client(endpoint: str) -> KVStoreClient:
+    return KVStoreClient(endpoint, model=MODEL, layout=LAYOUT, timeout=10.0, shared_memory=False)
+
+
+def attached(endpoint: str, **kw: Any) -> KVStoreClient:
+    c = client(endpoint, **kw)
+    c.ping()
+    c.lookup([])
+    assert c.shared_memory, "an ipc client of the daemon's user is offered shared memory"
+    return c
+
+
+def shm_stats(c: KVStoreClient) -> dict[str, Any]:
+    shm = c.stats()["server"]["shm"]
+    assert isinstance(shm, dict)
+    return shm
+
+
+def vllm_buffers(blocks: int, block_size: int = 2, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """vLLM-shaped per-layer caches ``[2, num_blocks, block_size, H, D]`` and shuffled block ids."""
+    caches = [
+        torch.zeros(2, 2 * blocks, block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim, dtype=torch.float16)
+        for _ in range(LAYOUT.num_layers)
+    ]
+    ids = torch.randperm(2 * blocks, generator=torch.Generator().manual_seed(seed))[:blocks]
+    return caches, ids
+
+
+@pytest.mark.parametrize("ram_codec", ["fp8", "int8"])
+def test_shared_memory_and_socket_serve_the_same_bytes_from_every_tier(
+    daemons: Any, tmp_path: Path, ram_codec: str
+) -> None:
+    cfg = write_config(
+        tmp_path,
+        server=SHM,
+        ram={"codec": ram_codec},
+        nvme={"codec": "int4", "head_codec": "none"},
+        policy={"promote_on_hit": False},  # reads stay in the tier they are compared in
+    )
+    ep = endpoint_of(cfg)
+    d = daemons(cfg)
+    rng = np.random.default_rng(1)
+    a = random_tokens(rng, 9)
+    tail = np.concatenate([a, random_tokens(rng, 1)[:3]])  # a partial block at the end
+    fork = np.concatenate([a[: 4 * T], random_tokens(rng, 5)])  # a miss in the middle of a's prefix
+    want = prefix_kv(a)
+
+    def compare(tier: str, exact: bool) -> None:
+        with attached(ep) as shm, socket_client(ep) as sock:
+            for toks, blocks in ((a, 9), (tail, 9), (fork, 4)):
+                got, ref = shm.get(toks), sock.get(toks)
+                assert got.matched_blocks == ref.matched_blocks == blocks
+                assert got.tiers == ref.tiers == [tier] * blocks
+                assert got.kv is not None and ref.kv is not None
+                assert torch.equal(got.kv.view(torch.int16), ref.kv.view(torch.int16)), tier
+                if exact:
+                    assert_exact(toks, got.kv, got.matched_tokens)
+                out = torch.full(LAYOUT.shape(len(toks)), 7.0, dtype=torch.float16)
+                r = shm.get_into(toks, out)
+                assert r.matched_blocks == blocks and torch.equal(out[:, :, : blocks * T], ref.kv)
+                caches, ids = vllm_buffers(-(-len(toks) // 2))
+                paged = PagedKV.vllm(caches, ids, len(toks))
+                r = shm.get_into(toks, paged)
+                assert r.matched_blocks == blocks and r.kv is None
+                back = paged.read(0, torch.empty(LAYOUT.shape(blocks * T), dtype=torch.float16))
+                assert torch.equal(back, ref.kv)
+            assert shm_stats(shm)["leases"] == 0
+
+    with attached(ep) as c:
+        assert c.put(a, want, session="a").stored == 9
+        compare("hbm", exact=True)
+        c.evict(tier="hbm")  # every block down to ram: re-encoded with the ram codec
+        compare("ram", exact=False)
+        assert c.flush(30)
+    d.stop()
+    daemons(cfg)  # a new daemon: every block is read back from nvme (int4) through staging
+    compare("nvme", exact=False)
+
+
+def test_put_from_a_paged_source_and_get_into_a_gpu_shaped_destination(daemons: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, server=SHM)
+    daemons(cfg)
+    rng = np.random.default_rng(2)
+    toks = random_tokens(rng, 7)
+    want = prefix_kv(toks)
+    caches, ids = vllm_buffers(len(toks) // 2, seed=5)
+    src = PagedKV.vllm(caches, ids, len(toks))
+    src.write(0, want)
+    with attached(endpoint_of(cfg)) as c:
+        r = c.put_from(toks, src, session="paged")
+        assert (r.stored, r.failed) == (7, [])
+        assert c.put_from(toks, src).present == 7
+        got = c.get(toks)
+        assert_exact(toks, got.kv, got.matched_tokens)
+        # SGLang's shape: separate K and V buffers per layer, token indices
+        k = [torch.zeros(64, LAYOUT.num_kv_heads, LAYOUT.head_dim, dtype=torch.float16) for _ in range(2)]
+        v = [torch.zeros_like(x) for x in k]
+        idx = torch.randperm(64)[: len(toks)]
+        into = c.get_into(toks, PagedKV.sglang(k, v, idx))
+        assert into.matched_blocks == 7
+        for layer in range(LAYOUT.num_layers):
+            assert torch.equal(k[layer][idx], want[layer, 0]) and torch.equal(v[layer][idx], want[layer, 1])
+        assert shm_stats(c)["staging_used"] == 0
+
+
+def test_a_lapsed_lease_is_a_miss_never_a_wrong_block(daemons: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, server=SHM, policy={"pin_lease": "300ms"})
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(3)
+    a, b = random_tokens(rng, 6), random_tokens(rng, 6)
+    with attached(ep) as c, attached(ep) as other:
+        assert c.put(a, prefix_kv(a)).stored == 6
+        m = c._shared()
+        assert m is not None
+        reply = c._conn.call(Locate(ns=NS.id, tokens=a, tiers=m.tiers), idempotent=True)
+        assert isinstance(reply, LocateOk) and len(reply.blocks) == 6
+        time.sleep(0.6)  # the client is paused: its lease lapses
+        other.evict(all=True)
+        assert other.put(b, prefix_kv(b)).stored == 6  # the same pages, reused for other blocks
+        out = torch.zeros(LAYOUT.shape(6 * T), dtype=torch.float16)
+        good = m.read_blocks(reply.blocks, LAYOUT, out, 0)
+        assert good == 0, "blocks whose pages were reused must not be served"
+        c._conn.call(Finish(handle=reply.handle, used=good), idempotent=True)
+        assert shm_stats(c)["leases"] == 0
+
+
+def test_reads_racing_evictions_and_reused_pages_are_exact_or_short(daemons: Any, tmp_path: Path) -> None:
+    # leases far shorter than a read: pages are freed and rewritten while clients copy them
+    cfg = write_config(tmp_path, server=SHM, policy={"pin_lease": "1ms"}, hbm={"capacity": "24KiB"})
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(4)
+    prompts = [random_tokens(rng, 8) for _ in range(6)]
+
+    def churn(stop: Any) -> int:
+        n = 0
+        with attached(ep) as w:
+            while not stop.is_set():
+                p = prompts[n % len(prompts)]
+                w.put(p, prefix_kv(p))
+                if n % 3 == 0:
+                    w.evict(all=True)
+                n += 1
+        return n
+
+    bg = Background(churn)
+    served = short = 0
+    with attached(ep) as c:
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            for p in prompts:
+                got = c.get(p)
+                assert_exact(p, got.kv, got.matched_tokens)  # a wrong byte fails here
+                served += got.matched_blocks
+                short += got.matched_blocks < 8
+        m = c._shared()
+        assert m is not None
+        print(f"served {served} blocks, {short} short reads, {m.moved} moved, {m.torn} torn")
+    assert bg.join() > 10
+    assert served > 0
+
+
+CHILD = """
+import os, signal, sys
+import numpy as np
+from tests.hardening.conftest import LAYOUT, MODEL, NS, T, client
+from kvstore.wire.messages import Locate, Reserve
+c = client(sys.argv[1])
+c.lookup([])
+m = c._shared()
+assert m is not None
+if sys.argv[2] == "reserve":
+    r = c._conn.call(Reserve(nbytes=64 * 1024), idempotent=True)
+    m.staging_view(r.path, r.size, r.offset, r.nbytes).fill_(1)  # written, never committed
+else:
+    toks = np.frombuffer(bytes.fromhex(sys.argv[3]), dtype="<u4")
+    r = c._conn.call(Locate(ns=NS.id, tokens=toks, tiers=m.tiers), idempotent=True)
+    assert len(r.blocks) > 0, r
+print("ready", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("when", ["reserve", "locate"])
+def test_a_client_killed_mid_put_or_mid_get_leaks_nothing(daemons: Any, tmp_path: Path, when: str) -> None:
+    cfg = write_config(tmp_path, server=SHM, policy={"pin_lease": "500ms"}, nvme={"enabled": False})
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(5)
+    a = random_tokens(rng, 40)  # 40 nvme-less blocks: some will be pushed from hbm to ram
+    with attached(ep) as c:
+        assert c.put(a, prefix_kv(a)).stored == 40
+        before = {k: (t["used"], t["blocks"]) for k, t in c.stats()["store"]["tiers"].items()}
+        p = subprocess.run(
+            [sys.executable, "-c", CHILD, ep, when, np.ascontiguousarray(a, dtype="<u4").tobytes().hex()],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == -signal.SIGKILL and "ready" in p.stdout, p.stderr
+        assert c.stats()["store"]["pinned"] > 0 or when == "reserve" or shm_stats(c)["leases"] > 0
+        time.sleep(0.7)  # past the lease
+        assert wait_until(lambda: shm_stats(c)["leases"] == 0, 5)
+        shm = shm_stats(c)
+        assert shm["staging_used"] == 0 and shm["lapsed"] >= 1
+        store = c.stats()["store"]
+        assert store["pinned"] == 0
+        assert {k: (t["used"], t["blocks"]) for k, t in store["tiers"].items()} == before
+        got = c.get(a)  # and everything still reads back
+        assert got.matched_blocks == 40
+        assert_exact(a, got.kv, got.matched_tokens)
+
+
+def test_segments_are_private_and_a_mapped_pool_cannot_be_written(daemons: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, server=SHM)
+    ep = endpoint_of(cfg)
+    d = daemons(cfg)
+    rng = np.random.default_rng(6)
+    a = random_tokens(rng, 3)
+    with attached(ep) as c:
+        assert c.put(a, prefix_kv(a)).stored == 3
+        shm = shm_stats(c)
+        assert len(shm["segments"]) == 3  # hbm, ram, and this client's staging
+        directory = Path(shm["directory"])
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        for path in shm["segments"]:
+            st = os.stat(path)
+            assert Path(path).parent == directory
+            assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+        # a client that writes into the pool it mapped faults; the daemon is unaffected
+        writer = (
+            "import sys; from tests.hardening.conftest import client\n"
+            "c = client(sys.argv[1]); c.lookup([]); m = c._shared()\n"
+            "print('mapped', flush=True); m.mapped[0].arena[0] = 1\n"
+            "print('wrote', flush=True)\n"
+        )
+        p = subprocess.run(
+            [sys.executable, "-c", writer, ep], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert p.returncode == -signal.SIGSEGV and "mapped" in p.stdout and "wrote" not in p.stdout, p.stderr
+        got = c.get(a)
+        assert got.matched_blocks == 3
+        assert_exact(a, got.kv, got.matched_tokens)
+    assert d.proc.poll() is None
+
+
+def test_tcp_clients_and_a_daemon_with_shared_memory_off_use_the_socket(daemons: Any, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "tcp").mkdir()
+    (tmp_path / "off").mkdir()
+    tcp = write_config(
+        tmp_path / "tcp", server={**SHM, "endpoint": f"tcp://127.0.0.1:{port}", "allow_insecure_tcp": True}
+    )
+    off = write_config(tmp_path / "off", server={**SHM, "shared_memory": "off"})
+    rng = np.random.default_rng(7)
+    a = random_tokens(rng, 3)
+    for cfg in (tcp, off):
+        ep = endpoint_of(cfg)
+        daemons(cfg)
+        with client(ep) as c:
+            assert c.put(a, prefix_kv(a)).stored == 3
+            got = c.get(a)
+            assert_exact(a, got.kv, got.matched_tokens)
+            assert not c.shared_memory and c.stats()["server"]["shm"] is None
+        raw = Raw(ep)  # asking for it explicitly gets nothing either, and the shm ops are refused
+        try:
+            hello = raw.ask(header("hello", namespace=NS.to_dict(), shm=True))
+            assert hello["op"] == "hello" and hello.get("shm") is None
+            r = raw.ask(header("reserve", rid=2, nbytes=4096))
+            assert r["op"] == "error" and r["code"] == "invalid_argument"
+        finally:
+            raw.close()
+
+
+def test_clients_survive_a_restart_and_a_kill_and_dead_segments_are_removed(
+    daemons: Any, tmp_path: Path
+) -> None:
+    cfg = write_config(tmp_path, server=SHM)
+    ep = endpoint_of(cfg)
+    d = daemons(cfg)
+    rng = np.random.default_rng(8)
+    a, b = random_tokens(rng, 5), random_tokens(rng, 5)
+    with attached(ep, retries=5) as c:
+        assert c.put(a, prefix_kv(a)).stored == 5
+        first = c._shared()
+        assert first is not None
+        segments = [Path(p) for p in shm_stats(c)["segments"]]
+        assert c.flush(30)
+        d.stop()  # a clean stop removes its segments
+        assert not any(p.exists() for p in segments)
+        d = daemons(cfg)
+        got = c.get(a)  # the same client: a new hello, the new daemon's segments mapped
+        assert got.matched_blocks == 5
+        assert_exact(a, got.kv, got.matched_tokens)
+        second = c._shared()
+        assert second is not None and second.instance != first.instance
+        segments = [Path(p) for p in shm_stats(c)["segments"]]
+        assert c.put(b, prefix_kv(b)).stored == 5
+        assert c.flush(30)
+        d.stop(signal.SIGKILL)  # a crash leaves its segments behind ...
+        assert all(p.exists() for p in segments)
+        daemons(cfg)  # ... and the next daemon removes them
+        assert not any(p.exists() for p in segments)
+        for toks in (a, b):
+            got = c.get(toks)
+            assert got.matched_blocks == 5
+        assert_exact(toks, got.kv, got.matched_tokens)
+        assert c.shared_memory
+
+
+def test_segments_that_cannot_be_mapped_mean_the_socket(daemons: Any, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, server=SHM)
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(9)
+    a = random_tokens(rng, 3)
+    with socket_client(ep) as s:
+        assert s.put(a, prefix_kv(a)).stored == 3
+        for path in s.stats()["server"]["shm"]["segments"]:
+            os.chmod(path, 0o644)  # not a private segment any more: a client must not trust it
+    with client(ep) as c:
+        got = c.get(a)
+        assert got.matched_blocks == 3
+        assert_exact(a, got.kv, got.matched_tokens)
+        assert not c.shared_memory
+
+
+def test_a_hello_for_shared_memory_over_the_raw_socket_is_answered_with_the_offer(
+    daemons: Any, tmp_path: Path
+) -> None:
+    cfg = write_config(tmp_path, server=SHM)
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    raw = Raw(ep)
+    try:
+        hello = raw.ask(header("hello", namespace=NS.to_dict(), shm=True))
+        offer = hello["shm"]
+        assert [s["role"] for s in offer["segments"]] == ["hbm", "ram"]
+        assert offer["per_client"] == 512 * 1024
+        plain = raw.ask(header("hello", rid=2, namespace=NS.to_dict()))
+        assert plain.get("shm") is None  # only for a client that asks
+        big = raw.ask(header("reserve", rid=3, nbytes=2**20))
+        assert big["code"] == "invalid_argument" and "shm_staging_per_client" in big["message"]
+        ok = raw.ask(header("reserve", rid=4, nbytes=4096))
+        assert ok["op"] == "reserve" and ok["nbytes"] == 4096
+        commit = raw.ask(
+            header(
+                "commit",
+                rid=5,
+                ns=hello["ns"],
+                tokens=list(range(T)),
+                shape=list(LAYOUT.shape(2 * T)),
+                dtype="float16",
+                handle=ok["handle"],
+            )
+        )
+        assert commit["code"] == "invalid_argument"  # 2 blocks of tokens needed: nothing stored
+        done = raw.ask(header("finish", rid=6, handle=ok["handle"], used=0))
+        assert done["op"] == "finish" and done["released"] is True
+        unknown = raw.ask(header("finish", rid=7, handle=12345, used=3))
+        assert unknown["released"] is False
+    finally:
+        raw.close()
