@@ -488,14 +488,19 @@ class KVStoreClient:
                     return self._commit_loop(m, tokens, src, total, session)
                 except _Stale:
                     continue
+
                 except ShmUnavailable as e:
                     log.warning("shared-memory put failed (%s); using the socket", e)
                     self._refused.add(m.instance)
                     break
-            if isinstance(src, PagedKV):
-                kv = empty_kv(layout.shape(total * T), layout.torch_dtype, "cpu")
-                src = src.read(0, kv)
-            return self._socket_put(tokens, src, total, session)
+            return self._socket_put(tokens, self._as_tensor(src, total), total, session)
+
+    def _as_tensor(self, src: KVTarget, total: int) -> torch.Tensor:
+        """``src``'s first ``total`` blocks as a tensor (a PagedKV is gathered into one)."""
+        if isinstance(src, torch.Tensor):
+            return src
+        layout = self._ns().layout
+        return src.read(0, empty_kv(layout.shape(total * layout.block_tokens), layout.torch_dtype, "cpu"))
 
     def _commit_loop(
         self, m: SharedMapping, tokens: Any, src: KVTarget, total: int, session: str | None
@@ -506,7 +511,21 @@ class KVStoreClient:
         failed: list[FailedBlock] = []
         for s in range(0, total, chunk):
             e = min(s + chunk, total)
-            reply = self._commit_chunk(m, tokens, src, s, e, session)
+            try:
+                reply = self._commit_chunk(m, tokens, src, s, e, session)
+            except ServerError as err:
+                if err.code != "no_staging":
+                    raise
+                log.debug(
+                    "no shared-memory staging room now (%s); the rest of this put goes over the socket", err
+                )
+                rest = self._socket_put(tokens, self._as_tensor(src, total), total, session, first=s)
+                return PutResult(
+                    stored + rest.stored,
+                    present + rest.present,
+                    sorted(failed + rest.failed),
+                    deferred + rest.deferred,
+                )
             assert isinstance(reply, PutOk)
             stored, present, deferred = (
                 stored + reply.stored,
@@ -573,14 +592,16 @@ class KVStoreClient:
                 return self.put_from(tokens, kv, session)
             return self._socket_put(self._tokens(tokens[: total * T]), kv, total, session)
 
-    def _socket_put(self, tokens: Any, kv: torch.Tensor, total: int, session: str | None) -> PutResult:
-        """Blocks ``0 .. total-1`` of ``kv`` over the socket, one chunk at a time (lock held)."""
+    def _socket_put(
+        self, tokens: Any, kv: torch.Tensor, total: int, session: str | None, first: int = 0
+    ) -> PutResult:
+        """Blocks ``first .. total-1`` of ``kv`` over the socket, one chunk at a time (lock held)."""
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         stored = present = deferred = 0
         failed: list[FailedBlock] = []
         chunk = self._chunk(len(tokens))
-        starts = list(range(0, total, chunk))
+        starts = list(range(first, total, chunk))
 
         def make(i: int) -> Message:
             s, e = starts[i], min(starts[i] + chunk, total)

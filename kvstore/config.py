@@ -127,8 +127,8 @@ class ServerConfig:
     # clients of the daemon's user map read-only, and K/V never crosses the socket. "off": socket only.
     shared_memory: str = "auto"
     shm_dir: Path | None = None  # None: /dev/shm/kvstore-<uid>
-    shm_staging: int = 256 * 2**20  # staging for puts and for blocks read from nvme, all clients
-    shm_staging_per_client: int = 128 * 2**20
+    shm_staging: int = 1 * 2**30  # staging for puts and for blocks read from nvme, all clients
+    shm_staging_per_client: int = 64 * 2**20  # one client's segment, made on its first need
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,10 @@ MIN_RESERVE_LEASE = 1.0  # a put's reservation lasts at least this long, whateve
 
 
 class StagingFull(KVStoreError):
-    """No staging room now (others hold it): back-pressure, the client waits and retries."""
+    """No staging room for this client now (all clients' segments are made, or its own ranges are
+    held): nothing was done; the client uses the socket for this request."""
 
-    code = "busy"
+    code = "no_staging"
 
 
 @dataclass

@@ -97,6 +97,12 @@ plausible = {  # values of the right type for the fields that matter, so validat
     "namespace": st.just(NS.to_dict()) | st.dictionaries(st.sampled_from(sorted(NS.to_dict())), values),
     "shape": st.lists(st.integers(-1, 9), min_size=5, max_size=5) | values,
     "dtype": st.sampled_from(["float16", "bfloat16", "float32", "int8", "nope"]) | values,
+    # the shared-memory ops (locate, finish, reserve, commit) and the hello that asks for them
+    "shm": st.booleans() | values,
+    "nbytes": st.integers(0, 2**21) | values,
+    "handle": st.integers(0, 2**63) | values,
+    "used": st.integers(0, 64) | values,
+    "tiers": st.lists(st.sampled_from(["hbm", "ram", "nvme", "", "x" * 40]), max_size=20) | values,
 }
 headers = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6).flatmap(
     lambda extra: st.fixed_dictionaries({k: plausible.get(k, values) for k in ("v", "op", "id")}).map(
@@ -130,6 +136,59 @@ def test_random_bytes_get_an_error_reply(daemon: Daemon, frames: list[bytes]) ->
     try:
         r.sock.send_multipart(frames)
         check_reply(r.recv(), None)
+    finally:
+        r.close()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    nbytes=st.integers(0, 2**21),
+    shape=st.lists(st.integers(0, 40), min_size=5, max_size=5),
+    blocks=st.integers(0, 12),
+    start=st.integers(0, 20),
+    used=st.integers(0, 2**32),
+    tiers=st.lists(st.sampled_from(["hbm", "ram", "nvme", "?"]), max_size=4),
+    own_handle=st.booleans(),
+    handle=st.integers(0, 2**63),
+)
+def test_shared_memory_exchanges_with_any_values_get_well_formed_replies(
+    daemon: Daemon,
+    nbytes: int,
+    shape: list[int],
+    blocks: int,
+    start: int,
+    used: int,
+    tiers: list[str],
+    own_handle: bool,
+    handle: int,
+) -> None:
+    # hello with shm, reserve, commit into it (or into a handle never given), locate, finish
+    r = Raw(daemon.endpoint)
+    rng = np.random.default_rng(blocks)
+    toks = random_tokens(rng, blocks).tobytes()
+    try:
+        hello = r.ask(header("hello", rid=1, namespace=NS.to_dict(), shm=True))
+        check_reply(hello, 1)
+        reserve = r.ask(header("reserve", rid=2, nbytes=nbytes))
+        check_reply(reserve, 2)
+        h = reserve.get("handle", handle) if own_handle else handle
+        commit = r.ask(
+            header(
+                "commit",
+                rid=3,
+                ns=NS.id,
+                tokens=toks,
+                shape=shape,
+                dtype="float16",
+                handle=h,
+                start_block=start,
+            )
+        )
+        check_reply(commit, 3)
+        locate = r.ask(header("locate", rid=4, ns=NS.id, tokens=toks, start_block=start, tiers=tiers))
+        check_reply(locate, 4)
+        done = r.ask(header("finish", rid=5, handle=locate.get("handle", handle), used=used))
+        check_reply(done, 5)
     finally:
         r.close()
 

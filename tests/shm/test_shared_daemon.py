@@ -412,3 +412,30 @@ def test_a_hello_for_shared_memory_over_the_raw_socket_is_answered_with_the_offe
         assert unknown["released"] is False
     finally:
         raw.close()
+
+
+def test_a_client_without_staging_room_puts_and_reads_nvme_blocks_over_the_socket(
+    daemons: Any, tmp_path: Path
+) -> None:
+    # room for one client's 64 KiB staging segment: the second client finds none
+    cfg = write_config(tmp_path, server={"shm_staging": "64KiB", "shm_staging_per_client": "64KiB"})
+    ep = endpoint_of(cfg)
+    d = daemons(cfg)
+    rng = np.random.default_rng(10)
+    a, b = random_tokens(rng, 150), random_tokens(rng, 20)  # a: 150 KiB, more than one staging segment
+    with attached(ep) as first, attached(ep) as second:
+        r = first.put(a, prefix_kv(a), session="a")
+        assert (r.stored, r.failed) == (150, [])
+        r = second.put(b, prefix_kv(b), session="b")
+        assert (r.stored, r.failed) == (20, [])  # over the socket
+        assert shm_stats(first)["staging_clients"] == 1
+        assert first.flush(30)
+    d.stop()
+    daemons(cfg)
+    with attached(ep) as first, attached(ep) as second:
+        got = first.get(a)  # nvme blocks, staged 64 at a time
+        assert got.matched_blocks == 150 and got.tiers == ["nvme"] * 150
+        assert_exact(a, got.kv, got.matched_tokens)
+        got = second.get(b)  # no staging room left: the socket brings them
+        assert got.matched_blocks == 20
+        assert_exact(b, got.kv, got.matched_tokens)
