@@ -531,9 +531,17 @@ def serve(config: Config) -> int:
     def open_store() -> Store:
         from kvstore.store.engine import Store
 
+        from kvstore.shm.segment import NoRoom
+
         plane = open_plane(config)
         try:
             store = Store.from_config(config, memory=None if plane is None else plane.pool_memory)
+        except NoRoom as e:
+            assert plane is not None
+            plane.close()
+            log.warning("shared memory off: %s; clients use the socket", e)
+            plane = None
+            store = Store.from_config(config)
         except BaseException:
             if plane is not None:
                 plane.close()
@@ -570,19 +578,27 @@ def serve(config: Config) -> int:
 
 def open_plane(config: Config) -> SharedPlane | None:
     """The shared-memory data plane for an ``ipc://`` endpoint with ``shared_memory = "auto"``; None
-    otherwise (tcp clients are on other hosts, or confined by CURVE: they use the socket)."""
+    otherwise (tcp clients are on other hosts, or confined by CURVE: they use the socket). "auto"
+    degrades to the socket, with a warning, where shared memory cannot be had (no /dev/shm, or one
+    too small for the pools: a container's 64 MiB default); a ``shm_dir`` the operator set must work."""
     cfg = config.server
     if cfg.shared_memory == "off" or not cfg.endpoint.startswith("ipc://"):
         return None
     from kvstore.shm.plane import SharedPlane
     from kvstore.shm.segment import default_dir
 
-    plane = SharedPlane(
-        cfg.shm_dir or default_dir(),
-        staging_bytes=cfg.shm_staging,
-        per_client=min(cfg.shm_staging_per_client, cfg.shm_staging),
-        lease=config.policy.pin_lease,
-    )
+    try:
+        plane = SharedPlane(
+            cfg.shm_dir or default_dir(),
+            staging_bytes=cfg.shm_staging,
+            per_client=min(cfg.shm_staging_per_client, cfg.shm_staging),
+            lease=config.policy.pin_lease,
+        )
+    except KVStoreError as e:
+        if cfg.shm_dir is not None:  # a directory the operator named must be usable
+            raise
+        log.warning("shared memory off: %s; clients use the socket", e)
+        return None
     log.info(
         "shared memory: segments in %s, staging %d bytes (%d per client)",
         plane.directory,

@@ -41,6 +41,10 @@ _NAME = re.compile(r"kvs-\d+-[0-9a-f]{24}-[a-z]+")
 ALIGN = 4096
 
 
+class NoRoom(ConfigError):
+    """The shared-memory filesystem cannot hold a segment of the size asked for."""
+
+
 class ShmUnavailable(KVStoreError):
     """Shared memory cannot be used here (another host, another user, a segment gone): use the socket."""
 
@@ -124,7 +128,7 @@ class Segment:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EFBIG):
-                    raise ConfigError(
+                    raise NoRoom(
                         f"a {size}-byte {role} segment cannot be allocated in {directory} (no room); lower "
                         'the tier\'s capacity, enlarge /dev/shm, or set [server] shared_memory = "off"'
                     ) from None

@@ -439,3 +439,27 @@ def test_a_client_without_staging_room_puts_and_reads_nvme_blocks_over_the_socke
         got = second.get(b)  # no staging room left: the socket brings them
         assert got.matched_blocks == 20
         assert_exact(b, got.kv, got.matched_tokens)
+
+
+def test_a_shared_memory_filesystem_too_small_for_the_pools_means_the_socket(
+    daemons: Any, tmp_path: Path
+) -> None:
+    from tests.hardening.conftest import mounted
+
+    small = tmp_path / "small"
+    with mounted(small, "size=128k", "mode=0700") as ok:
+        if not ok:
+            pytest.skip("needs root to mount a small tmpfs")
+        cfg = write_config(tmp_path, server={**SHM, "shm_dir": str(small)})
+        ep = endpoint_of(cfg)
+        d = daemons(cfg)
+        rng = np.random.default_rng(11)
+        a = random_tokens(rng, 4)
+        with client(ep) as c:
+            assert c.put(a, prefix_kv(a)).stored == 4
+            got = c.get(a)
+            assert got.matched_blocks == 4
+            assert_exact(a, got.kv, got.matched_tokens)
+            assert not c.shared_memory and c.stats()["server"]["shm"] is None
+        assert "shared memory off" in d.output() and "cannot be allocated" in d.output()
+        assert not [p for p in small.iterdir() if p.name.startswith("kvs-")]
