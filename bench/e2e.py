@@ -20,6 +20,11 @@ repeated reads stay in the tier measured) serves all three tiers in turn:
            are empty, every block is read from LMDB (int4 + zstd); the OS page cache still holds
            the file, as it would for a conversation resumed on a host with free memory
 
+Bandwidth beside each time: fetching beats recomputing while the K/V arrives faster than the
+model could compute it. The break-even bandwidth is (bytes of K/V per token, in the stored
+dtype) x (prefill tokens per second of the recompute run at that size); beside it, each tier's
+fetch bandwidth: the prefix's K/V bytes / the fetch time (get and cache building, as in TTFT).
+
 Quality beside each time, from the same runs: at every tail position (each
 attends to the whole prefix) the next-token distribution through the cache
 from that tier is compared with recomputing: KL(recompute || tier), mean over
@@ -115,8 +120,16 @@ class Daemon:
         self.proc = None
         return code
 
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+    def close(self) -> None:
+        """Stop the daemon if it still runs: SIGTERM first, so that it removes its shared-memory
+        segments (a killed daemon leaves them in /dev/shm until the next one starts), SIGKILL if that
+        takes over a minute."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
 
@@ -272,9 +285,10 @@ def main() -> int:
                             flush=True,
                         )
         finally:
-            daemon.kill()
+            daemon.close()
     load_after = os.getloadavg()
     report(sizes, scratch, cells, load_before, load_after)
+    report_bandwidth(sizes, scratch, cells, layout.bytes_per_token, args.tail)
     return 0
 
 
@@ -320,6 +334,30 @@ def report(
         f"\nload average (1, 5, 15 min): before {', '.join(f'{x:.1f}' for x in load_before)}; "
         f"after {', '.join(f'{x:.1f}' for x in load_after)}; {os.cpu_count()} CPUs"
     )
+
+
+def report_bandwidth(
+    sizes: list[int], scratch: dict[int, float], cells: dict[tuple[str, int], Cell], per_token: int, tail: int
+) -> None:
+    """Per size: the bandwidth at which fetching the prefix costs what recomputing it does, beside the
+    bandwidth each tier's fetch reached (x: fetch / break-even; above 1, fetching wins)."""
+    print(
+        f"\nbreak-even bandwidth = {per_token} B of K/V per token x prefill tokens/s of recomputing "
+        "(prefix + tail tokens / recompute time); fetch MB/s = prefix K/V bytes / fetch time"
+    )
+    head = f"{'prefix':>6} | {'prefill tok/s':>13} {'break-even MB/s':>15} |" + "|".join(
+        f" {t + ' MB/s':>9} {'x':>6} " for t in TIERS
+    )
+    print(head)
+    print("-" * len(head))
+    for p in sizes:
+        rate = (p + tail) / scratch[p]
+        even = per_token * rate / 1e6
+        row = f"{p:>6} | {rate:>13.0f} {even:>15.2f} |"
+        for t in TIERS:
+            got = p * per_token / cells[t, p].fetch / 1e6
+            row += f" {got:>9.0f} {got / even:>5.0f}x |"
+        print(row.rstrip("|"))
 
 
 if __name__ == "__main__":
