@@ -281,10 +281,10 @@ class KVStoreClient:
     def get(self, token_ids: TokenInput, *, device: torch.device | str = "cpu") -> GetResult:
         """The K/V of the longest stored prefix of ``token_ids``: ``kv`` is ``[L, 2, matched, H, D]`` or None.
 
-        Same host, the match is looked up, then copied or decoded from shared memory into one tensor on
-        ``device`` (``get_into`` a fresh tensor). Over the socket a prefix longer than one chunk is
-        looked up first, then fetched chunk by chunk. A block evicted between the lookup and its read
-        shortens the result to the blocks before it.
+        Same host, the blocks are copied or decoded from shared memory into one tensor on ``device``
+        (``get_into`` a fresh tensor; a match shorter than the prompt is a view of it). Over the
+        socket a prefix longer than one chunk is looked up first, then fetched chunk by chunk. A block
+        evicted between the lookup and its read shortens the result to the blocks before it.
         """
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
@@ -292,7 +292,9 @@ class KVStoreClient:
             self._conn.ensure_hello()
             tokens = self._tokens(token_ids)
             if self._shared() is not None:
-                total = self.lookup(tokens).matched_blocks
+                # host memory is reserved, not touched, until written: no lookup needed to size it
+                on_cpu = torch.device(device).type == "cpu"
+                total = len(tokens) // T if on_cpu else self.lookup(tokens).matched_blocks
                 if total == 0:
                     return GetResult(0, 0, None, [])
                 out = empty_kv(layout.shape(total * T), layout.torch_dtype, device)
@@ -301,7 +303,7 @@ class KVStoreClient:
                     matched, tiers = read
                     if matched == 0:
                         return GetResult(0, 0, None, [])
-                    kv = out if matched == total else out[:, :, : matched * T].contiguous()
+                    kv = out if matched == total else out[:, :, : matched * T]
                     return GetResult(matched, matched * T, kv, tiers)
             return self._socket_get(tokens, device)
 

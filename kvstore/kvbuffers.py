@@ -69,7 +69,9 @@ class PagedKV:
         if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= size):
             raise LayoutError(f"slots must lie in 0..{size - 1}, got {int(idx.min())}..{int(idx.max())}")
         self.slots = idx.to(first.device)
-        self._cpu_slots = idx
+        # vLLM's layout also as whole pages: (page size, page ids, per layer [2, pages, page*H*D]),
+        # so that page-aligned runs move a page per row instead of a token per row
+        self._pages: tuple[int, torch.Tensor, list[torch.Tensor]] | None = None
 
     @classmethod
     def vllm(
@@ -87,7 +89,11 @@ class PagedKV:
         p = torch.arange(num_tokens, dtype=torch.int64)
         slots = ids[p // bs] * bs + p % bs
         flat = [c.view(2, nb * bs, *c.shape[3:]) for c in kv_caches]
-        return cls([f[0] for f in flat], [f[1] for f in flat], slots, kv=flat)
+        paged = cls([f[0] for f in flat], [f[1] for f in flat], slots, kv=flat)
+        if all(c.is_contiguous() for c in kv_caches):
+            rows = [c.view(2, nb, -1) for c in kv_caches]
+            paged._pages = (bs, ids[: -(-num_tokens // bs)].to(c0.device), rows)
+        return paged
 
     @classmethod
     def sglang(
@@ -123,8 +129,14 @@ class PagedKV:
     def write(self, t0: int, src: torch.Tensor) -> None:
         """Scatter ``src`` (``[L, 2, n, H, D]``, any device) into the slots of tokens ``t0 .. t0+n-1``."""
         n = src.shape[2]
-        idx = self.slots[t0 : t0 + n]
         src = src.to(self.device, non_blocking=True)
+        if self._pages is not None and t0 % self._pages[0] == 0 and n % self._pages[0] == 0:
+            bs, ids, rows = self._pages
+            pids = ids[t0 // bs : (t0 + n) // bs]
+            for layer, r in enumerate(rows):
+                r.index_copy_(1, pids, src[layer].reshape(2, n // bs, -1))
+            return
+        idx = self.slots[t0 : t0 + n]
         for layer in range(len(self.k)):
             if self.kv is not None:
                 self.kv[layer].index_copy_(1, idx, src[layer])
@@ -136,6 +148,12 @@ class PagedKV:
         """Gather tokens ``t0 .. t0+n-1`` into ``out`` (``[L, 2, n, H, D]``; a CPU ``out`` is filled
         from a gathered copy on the buffers' device). Returns ``out``."""
         n = out.shape[2]
+        if self._pages is not None and t0 % self._pages[0] == 0 and n % self._pages[0] == 0:
+            bs, ids, rows = self._pages
+            pids = ids[t0 // bs : (t0 + n) // bs]
+            for layer, r in enumerate(rows):
+                out[layer].copy_(r.index_select(1, pids).view(2, n, *out.shape[3:]))
+            return out
         idx = self.slots[t0 : t0 + n]
         same = out.device == self.device
         for layer in range(len(self.k)):

@@ -51,8 +51,8 @@ class HbmTier(PagedTier):
 
     def put(self, key: bytes, block: torch.Tensor) -> int:
         """Copy ``block`` (any shape, any device) into the pool under ``key``. TierFull: nothing changed."""
-        data = block.detach().contiguous().view(-1).view(torch.uint8)
-        return self._store(key, data, _BlockMeta(shape=tuple(block.shape), dtype=block.dtype))
+        # the block as it is (a strided slice of a put's K/V): one copy into the pool, not two
+        return self._store(key, block.detach(), _BlockMeta(shape=tuple(block.shape), dtype=block.dtype))
 
     def get(
         self, key: bytes, device: torch.device | str | None = None, *, out: torch.Tensor | None = None

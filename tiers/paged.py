@@ -72,14 +72,15 @@ class PagedTier(Tier):
 
     # -- storing ------------------------------------------------------------------------
     def _store(self, key: bytes, data: torch.Tensor, meta: Any) -> int:
-        """Put 1-D uint8 ``data`` under ``key``; returns bytes occupied. TierFull leaves all as it was.
+        """Put the bytes of ``data`` (any shape and strides) under ``key``; returns bytes occupied.
+        TierFull leaves all as it was.
 
         A replacement may use the old entry's room: then the old entry is
         unpublished before the new one is written (the key is briefly absent).
         """
         if not isinstance(key, bytes):
             raise TypeError(f"tier keys are bytes, got {type(key).__name__}")
-        n = data.numel()
+        n = data.numel() * data.element_size()
         need = self._pool.pages_for(n)
         with self._lock:
             old = self._entries.get(key)
@@ -93,7 +94,7 @@ class PagedTier(Tier):
                 self._unpublish(key)
             span = self._pool.alloc(n)
         try:
-            self._pool.write(span, data)
+            self._pool.write_tensor(span, data)
         except BaseException:
             self._pool.free(span)
             raise

@@ -204,6 +204,16 @@ class PagePool:
         if rest:
             self._pages[span.pages[full], :rest].copy_(data[full * self.page_bytes :])
 
+    def write_tensor(self, span: PageSpan, data: torch.Tensor) -> None:
+        """Copy ``data`` (any shape, dtype, strides and device) into the span as its contiguous bytes:
+        one copy straight from a strided ``data`` when the span's pages are contiguous."""
+        n = data.numel() * data.element_size()
+        if span.contiguous and n <= span.count * self.page_bytes:
+            start = span.first * self.page_bytes
+            self._flat[start : start + n].view(data.dtype).view(data.shape).copy_(data)
+            return
+        self.write(span, data.detach().contiguous().view(-1).view(torch.uint8))
+
     def read(self, span: PageSpan, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` bytes of the span as a fresh 1-D uint8 tensor on the pool's device."""
         if span.contiguous:

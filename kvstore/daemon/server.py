@@ -502,6 +502,7 @@ def serve(config: Config) -> int:
     ``starting``; the lock is released last, after the socket file is gone.
     """
     _setup_logging(config.server.log_level)
+    _share_cores(config.server.workers)
     ctx = zmq.Context()
     cfg = config.server
     try:
@@ -529,9 +530,8 @@ def serve(config: Config) -> int:
     server = Server(config, None, ctx, auth=auth)
 
     def open_store() -> Store:
-        from kvstore.store.engine import Store
-
         from kvstore.shm.segment import NoRoom
+        from kvstore.store.engine import Store
 
         plane = open_plane(config)
         try:
@@ -574,6 +574,14 @@ def serve(config: Config) -> int:
         ", store flushed and closed" if server.store is not None else "",
     )
     return code
+
+
+def _share_cores(workers: int) -> None:
+    """Give each worker thread its share of the cores for torch's own threads: ``workers`` threads
+    each running a multi-threaded copy or codec on the same cores stall one another."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
 
 
 def open_plane(config: Config) -> SharedPlane | None:

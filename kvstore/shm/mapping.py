@@ -150,55 +150,104 @@ class SharedMapping:
         """Copy or decode located ``blocks`` into ``target`` from token ``t0``; returns how many leading
         blocks are good (unchanged generations, sound frames). Blocks past that may have been written
         into ``target`` and must be ignored. ``staging``: ``[path, size]`` of this client's staging
-        segment, where blocks of segment -1 are."""
-        T = layout.block_tokens
+        segment, where blocks of segment -1 are.
+
+        Raw blocks laid out at a constant stride in one segment (the usual case: fixed-size blocks
+        take the same runs of pages) are copied as one strided copy per run, not one per block."""
+        T, nb = layout.block_tokens, layout.block_nbytes
         device = target.device
         self._pin_for(device)
-        checks: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = []
-        good = len(blocks)
-        for j, blk in enumerate(blocks):
+        located = [self._parse(j, blk, staging) for j, blk in enumerate(blocks)]
+        good = len(located)
+        j = 0
+        while j < len(located):
+            m, extents, _, _ = located[j]
             try:
-                seg, ext, pages, gens = int(blk[0]), blk[1], blk[2], blk[3]
-                if seg == -1 and staging is not None:
-                    m: _Mapped | None = self.staging(str(staging[0]), int(staging[1]))
-                else:
-                    m = self.mapped[seg] if 0 <= seg < len(self.mapped) else None
-                if m is None:
-                    raise ShmUnavailable(f"block {j} is located in segment {seg}, which is not mapped")
-                extents = np.frombuffer(ext, dtype="<i8").reshape(-1, 2)
-                data = self._bytes(m, extents)
-                slot = target_view(target, t0 + j * T, T)
-                if m.kind == "frames":
-                    frame = data if data.device.type == "cpu" else data.cpu()
-                    block = decode_frame(frame.numpy().data, layout=layout, device=device, out=slot)
-                else:
-                    if data.numel() != layout.block_nbytes:
-                        raise ShmUnavailable(
-                            f"block {j} is {data.numel()} bytes, the layout's are {layout.block_nbytes}"
-                        )
-                    block = data.view(layout.torch_dtype).view(layout.shape(T))
-                    if slot is not None:
-                        slot.copy_(block, non_blocking=True)
-                if slot is None:
-                    write_target(target, t0 + j * T, block)
+                if m.kind == "frames" or len(extents) != 1:  # one at a time: decoded, or gathered
+                    data = self._bytes(m, extents)
+                    slot = target_view(target, t0 + j * T, T)
+                    if m.kind == "frames":
+                        frame = data if data.device.type == "cpu" else data.cpu()
+                        block = decode_frame(frame.numpy().data, layout=layout, device=device, out=slot)
+                    else:
+                        if data.numel() != nb:
+                            raise ShmUnavailable(f"raw block {j} is {data.numel()} bytes, not {nb}")
+                        block = data.view(layout.torch_dtype).view(layout.shape(T))
+                        if slot is not None:
+                            slot.copy_(block, non_blocking=True)
+                    if slot is None:
+                        write_target(target, t0 + j * T, block)
+                    j += 1
+                    continue
             except FrameError:  # torn by a reuse (the generations will say) or damaged: not served
                 self.torn += 1
                 good = j
                 break
-            if m.gens is None:
-                checks.append(None)
+            k, stride = self._run(located, j, nb)
+            src = torch.as_strided(m.arena, (k - j, nb), (stride, 1), int(extents[0][0]))
+            src = src.view(layout.torch_dtype).view(k - j, *layout.shape(T))
+            if isinstance(target, torch.Tensor):
+                dst = target[:, :, t0 + j * T : t0 + k * T].unflatten(2, (k - j, T)).permute(2, 0, 1, 3, 4, 5)
+                dst.copy_(src, non_blocking=True)
             else:
-                p = np.frombuffer(pages, dtype="<i8")
-                if len(p) and (p.min() < 0 or p.max() >= len(m.gens)):
-                    raise ShmUnavailable(f"block {j} names pages outside the {m.role} pool")
-                checks.append((m.gens, p, np.frombuffer(gens, dtype="<u8")))
+                for b in range(k - j):
+                    write_target(target, t0 + (j + b) * T, src[b])
+            j = k
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        for j, c in enumerate(checks[:good]):  # after every copy has finished
-            if c is not None and not np.array_equal(c[0][c[1]], c[2]):
+        for j, (m, _, pages, gens) in enumerate(located[:good]):  # after every copy has finished
+            if m.gens is not None and not np.array_equal(m.gens[pages], gens):
                 self.moved += 1
                 return j
         return good
+
+    def _parse(
+        self, j: int, blk: list[Any], staging: list[Any] | None
+    ) -> tuple[_Mapped, np.ndarray, np.ndarray, np.ndarray]:
+        """(mapping, extents, pages, generations) of located block ``j``; ShmUnavailable if malformed."""
+        try:
+            seg, ext, pages, gens = int(blk[0]), blk[1], blk[2], blk[3]
+            m = self.staging(str(staging[0]), int(staging[1])) if seg == -1 and staging else None
+            if m is None and 0 <= seg < len(self.mapped):
+                m = self.mapped[seg]
+            extents = np.frombuffer(ext, dtype="<i8").reshape(-1, 2)
+            p = np.frombuffer(pages, dtype="<i8")
+            g = np.frombuffer(gens, dtype="<u8")
+        except (TypeError, ValueError, IndexError) as e:
+            raise ShmUnavailable(f"located block {j} is malformed: {e}") from None
+        if m is None:
+            raise ShmUnavailable(f"block {j} is located in segment {seg}, which is not mapped")
+        size = m.arena.numel()
+        if len(extents) == 0 or (extents < 0).any() or (extents[:, 0] + extents[:, 1] > size).any():
+            raise ShmUnavailable(f"block {j}'s extents are outside the {m.role} segment")
+        if m.gens is not None and (len(p) != len(g) or (len(p) and (p.min() < 0 or p.max() >= len(m.gens)))):
+            raise ShmUnavailable(f"block {j} names pages outside the {m.role} pool")
+        return m, extents, p, g
+
+    @staticmethod
+    def _run(
+        located: list[tuple[_Mapped, np.ndarray, np.ndarray, np.ndarray]], j: int, nb: int
+    ) -> tuple[int, int]:
+        """The raw blocks ``j .. k-1`` that one strided copy reads: in one segment, each one run of
+        ``nb`` bytes, at a constant stride. Returns (k, stride). ShmUnavailable for a raw block that is
+        not ``nb`` bytes in one run (a pool's blocks always are)."""
+        m, ext = located[j][0], located[j][1]
+        if len(ext) != 1 or int(ext[0][1]) != nb:
+            raise ShmUnavailable(f"raw block {j} is not {nb} bytes in one run")
+        k, stride = j + 1, nb
+        while k < len(located):
+            mk, ek = located[k][0], located[k][1]
+            if mk is not m or mk.kind != "raw" or len(ek) != 1 or int(ek[0][1]) != nb:
+                break
+            step = int(ek[0][0]) - int(located[k - 1][1][0][0])
+            if k == j + 1:
+                if step < nb:
+                    break
+                stride = step
+            elif step != stride:
+                break
+            k += 1
+        return k, stride
 
     def close(self) -> None:
         for m in [*self.mapped, self._staging]:

@@ -21,6 +21,7 @@ segments read-only (a write faults in the client; the daemon is unaffected).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -39,6 +40,7 @@ log = logging.getLogger("kvstore.shm")
 
 _NAME = re.compile(r"kvs-\d+-[0-9a-f]{24}-[a-z]+")
 ALIGN = 4096
+_MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 
 
 class NoRoom(ConfigError):
@@ -133,7 +135,9 @@ class Segment:
                         'the tier\'s capacity, enlarge /dev/shm, or set [server] shared_memory = "off"'
                     ) from None
                 raise
-            return cls(path, fd, size, writable=True, owner=True)
+            seg = cls(path, fd, size, writable=True, owner=True)
+            seg._populate()
+            return seg
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -165,6 +169,15 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
+
+    def _populate(self) -> None:
+        """Map every page now (the memory is reserved already), so that the first writes into the pool
+        do not fault page by page. Called through ctypes, which lets go of the GIL: populating a pool
+        of gigabytes takes a while, and the daemon's loop answers clients meanwhile. Kernels before
+        5.14 lack the advice: then the pages map on use."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise(self._array.ctypes.data, self.size, _MADV_POPULATE_WRITE)
 
     def array(self, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
         end = self.size if nbytes is None else offset + nbytes

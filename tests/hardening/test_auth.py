@@ -235,6 +235,7 @@ def test_a_listed_key_puts_and_gets_over_curve(curve: CurveDaemon) -> None:
     with curve.client("alice") as c:
         assert c.put(tokens, prefix_kv(tokens), session="conv").stored == 3
         got = c.get(tokens)
+        assert not c.shared_memory  # a CURVE client is never offered shared memory
     assert got.matched_tokens == 3 * T
     assert_exact(tokens, got.kv, got.matched_tokens)
 

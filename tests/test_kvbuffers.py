@@ -1,0 +1,57 @@
+"""Engine KV buffers as destinations and sources: vLLM's and SGLang's layouts, page-aligned or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.errors import LayoutError
+from kvstore.kvbuffers import PagedKV
+from kvstore.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=8)
+
+
+def kv(tokens: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(LAYOUT.shape(tokens), generator=torch.Generator().manual_seed(seed)).half()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 8, 16])
+def test_vllm_pages_take_what_was_written_at_every_alignment(block_size: int) -> None:
+    tokens = 24
+    blocks = -(-tokens // block_size)
+    caches = [torch.zeros(2, 2 * blocks + 3, block_size, 2, 8, dtype=torch.float16) for _ in range(3)]
+    ids = torch.randperm(2 * blocks + 3, generator=torch.Generator().manual_seed(block_size))[:blocks]
+    paged = PagedKV.vllm(caches, ids, tokens)
+    paged.check(LAYOUT)
+    data = kv(tokens)
+    paged.write(0, data[:, :, :8])  # page-aligned runs (for block sizes dividing 8) ...
+    paged.write(8, data[:, :, 8:13])  # ... and one that is not
+    paged.write(13, data[:, :, 13:])
+    for t in range(tokens):  # every token in its slot: block_ids[t // bs], offset t % bs
+        page, off = int(ids[t // block_size]), t % block_size
+        for layer in range(3):
+            assert torch.equal(caches[layer][:, page, off], data[layer, :, t])
+    out = torch.empty(LAYOUT.shape(tokens), dtype=torch.float16)
+    paged.read(0, out[:, :, :16])
+    paged.read(16, out[:, :, 16:])
+    assert torch.equal(out, data)
+
+
+def test_sglang_token_buffers_and_bad_buffers() -> None:
+    k = [torch.zeros(40, 2, 8, dtype=torch.float16) for _ in range(3)]
+    v = [torch.zeros_like(x) for x in k]
+    idx = torch.randperm(40)[:16]
+    paged = PagedKV.sglang(k, v, idx)
+    data = kv(16, seed=1)
+    paged.write(0, data)
+    assert all(torch.equal(k[layer][idx], data[layer, 0]) for layer in range(3))
+    assert all(torch.equal(v[layer][idx], data[layer, 1]) for layer in range(3))
+    with pytest.raises(LayoutError, match="slots must lie"):
+        PagedKV.sglang(k, v, torch.tensor([0, 40]))
+    with pytest.raises(LayoutError, match="every buffer must be"):
+        PagedKV.sglang(k, [torch.zeros(40, 3, 8, dtype=torch.float16)] * 3, idx)
+    with pytest.raises(LayoutError, match="namespace is"):
+        PagedKV.sglang(k[:2], v[:2], idx).check(LAYOUT)
+    with pytest.raises(LayoutError, match="need"):
+        PagedKV.vllm([torch.zeros(2, 4, 4, 2, 8, dtype=torch.float16)] * 3, [0, 1], 9)
