@@ -507,27 +507,20 @@ class KVStoreClient:
     def _commit_loop(
         self, m: SharedMapping, tokens: Any, src: KVTarget, total: int, session: str | None
     ) -> PutResult:
+        """Blocks ``0 .. total-1`` through staging. More than one chunk: two staging ranges taken in
+        turn, and the next chunk written while the daemon stores the last (its commits run in order),
+        so that this process's copy and the daemon's overlap."""
         nb = self._ns().layout.block_nbytes
         chunk = max(1, min(self._chunk(len(tokens)), m.per_client // nb))
+        if total > chunk:
+            chunk = max(1, min(chunk, m.per_client // (2 * nb)))
+        starts = list(range(0, total, chunk))
         stored = present = deferred = 0
         failed: list[FailedBlock] = []
-        for s in range(0, total, chunk):
-            e = min(s + chunk, total)
-            try:
-                reply = self._commit_chunk(m, tokens, src, s, e, session)
-            except ServerError as err:
-                if err.code != "no_staging":
-                    raise
-                log.debug(
-                    "no shared-memory staging room now (%s); the rest of this put goes over the socket", err
-                )
-                rest = self._socket_put(tokens, self._as_tensor(src, total), total, session, first=s)
-                return PutResult(
-                    stored + rest.stored,
-                    present + rest.present,
-                    sorted(failed + rest.failed),
-                    deferred + rest.deferred,
-                )
+        done = 0  # chunks answered
+
+        def count(reply: Message) -> None:
+            nonlocal stored, present, deferred, done
             assert isinstance(reply, PutOk)
             stored, present, deferred = (
                 stored + reply.stored,
@@ -535,9 +528,75 @@ class KVStoreClient:
                 deferred + reply.deferred,
             )
             failed.extend(FailedBlock(int(b), str(c), str(msg)) for b, c, msg in reply.failed)
-            if reply.failed:
-                break
-        return PutResult(stored, present, sorted(failed), deferred)
+            done += 1
+
+        try:
+            if len(starts) > 1:
+                self._pipelined_commits(m, tokens, src, starts, chunk, total, session, count)
+            else:
+                count(self._commit_chunk(m, tokens, src, 0, total, session))
+        except ServerError as err:
+            if err.code not in ("no_staging", "not_found"):
+                raise
+            # no staging room now, or a range lapsed under a paused client: the rest one way or another
+            s = starts[done] if done < len(starts) else total
+            if s < total and not failed:
+                log.debug("shared-memory put stopped at block %d (%s); the rest goes over the socket", s, err)
+                rest = self._socket_put(tokens, self._as_tensor(src, total), total, session, first=s)
+                stored, present, deferred = (
+                    stored + rest.stored,
+                    present + rest.present,
+                    deferred + rest.deferred,
+                )
+                failed.extend(rest.failed)
+        return PutResult(stored, present, sorted(set(failed)), deferred)
+
+    def _pipelined_commits(
+        self,
+        m: SharedMapping,
+        tokens: Any,
+        src: KVTarget,
+        starts: list[int],
+        chunk: int,
+        total: int,
+        session: str | None,
+        count: Any,
+    ) -> None:
+        ns = self._ns()
+        layout, T = ns.layout, ns.layout.block_tokens
+        ranges = []
+        try:
+            for _ in range(2):
+                r = self._conn.call(Reserve(nbytes=chunk * layout.block_nbytes), idempotent=True)
+                assert isinstance(r, ReserveOk)
+                if r.instance != m.instance:
+                    raise _Stale
+                ranges.append(r)
+
+            def make(i: int) -> Message:
+                s, e = starts[i], min(starts[i] + chunk, total)
+                r = ranges[i % 2]  # free: the commit that used it two chunks ago is answered
+                view = m.staging_view(r.path, r.size, r.offset, (e - s) * layout.block_nbytes)
+                view = view.view(layout.torch_dtype).view(layout.shape((e - s) * T))
+                if isinstance(src, PagedKV):
+                    src.read(s * T, view)
+                else:
+                    view.copy_(src[:, :, s * T : e * T])
+                return Commit(
+                    ns=ns.id,
+                    tokens=tokens[: e * T],
+                    start_block=s,
+                    shape=tuple(view.shape),
+                    dtype=layout.dtype,
+                    handle=r.handle,
+                    session=session,
+                    keep=True,
+                )
+
+            self._conn.pipeline(len(starts), make, lambda _, reply: count(reply), idempotent=True, window=2)
+        finally:
+            for r in ranges:
+                self._conn.call(Finish(handle=r.handle, used=0), idempotent=True)
 
     def _commit_chunk(
         self, m: SharedMapping, tokens: Any, src: KVTarget, s: int, e: int, session: str | None

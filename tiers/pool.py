@@ -166,9 +166,11 @@ class PagePool:
                 )
             taken = self._free[self._top - need : self._top][::-1].copy()
             self._top -= need
-        pages = tuple(int(p) for p in taken)
-        contiguous = bool(np.all(np.diff(taken) == 1))
-        index = torch.from_numpy(taken).to(self.device)
+        pages = tuple(taken.tolist())
+        contiguous = pages[-1] - pages[0] == need - 1 and pages == tuple(range(pages[0], pages[0] + need))
+        index = torch.from_numpy(taken)
+        if self.device.type != "cpu":
+            index = index.to(self.device)
         return PageSpan(index=index, pages=pages, first=pages[0], contiguous=contiguous)
 
     def free(self, span: PageSpan) -> None:

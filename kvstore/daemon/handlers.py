@@ -415,7 +415,10 @@ class Handlers:
                 kv=kv,
             )
         finally:
-            plane.take(msg.handle)
+            if msg.keep:
+                plane.arm(lease)  # the client writes its next chunk there
+            else:
+                plane.take(msg.handle)
 
     def _release(self, msg: Release, ns: Namespace | None) -> Message:
         with self._pins_lock:

@@ -45,6 +45,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -63,7 +64,7 @@ from kvstore.daemon.tenancy import admit
 from kvstore.daemon.zap import ZapHandler, peer_tenant
 from kvstore.errors import KVStoreError
 from kvstore.wire.errors import RemoteProtocolError
-from kvstore.wire.messages import ErrorReply, Get, Hello, Message, Ping, Pong
+from kvstore.wire.messages import Commit, ErrorReply, Get, Hello, Message, Ping, Pong
 from kvstore.wire.protocol import (
     PROTOCOL_VERSION,
     Limits,
@@ -142,6 +143,11 @@ class Server:
             cfg.max_inflight_bytes, cfg.max_inflight_bytes_per_tenant, cfg.max_queued_requests
         )
         self._charges: dict[int, Charge] = {}  # per request on a worker, by a number it carries
+        # A client's commits run one at a time, in the order they came (each needs the blocks of
+        # the one before it): those behind the running one wait here, by peer.
+        self._in_order: dict[bytes, deque[tuple[Request, float, int]]] = {}
+        self._ordered: dict[int, bytes] = {}  # charge of a running commit -> its peer
+        self._workers: ThreadPoolExecutor | None = None
         self._next_charge = 0
         self._store_ref = _LateStore()
         self.metrics = Metrics(self._store_ref, usage=self._store_ref.usage)
@@ -230,6 +236,7 @@ class Server:
         workers = ThreadPoolExecutor(
             self.config.server.workers, thread_name_prefix="kvstore-worker", initializer=self._init_worker
         )
+        self._workers = workers
         try:
             if self.store is None:
                 assert open_store is not None
@@ -391,6 +398,13 @@ class Server:
                     self._next_charge += 1
                     self._charges[self._next_charge] = self.budget.take(tenant, cost)
                     self.outstanding += 1
+                    if isinstance(request.msg, Commit):
+                        waiting = self._in_order.get(peer)
+                        if waiting is not None:  # another commit of this client runs: after it
+                            waiting.append((request, arrived, self._next_charge))
+                            return
+                        self._in_order[peer] = deque()
+                        self._ordered[self._next_charge] = peer
                     workers.submit(self._work, self.handlers, request, arrived, self._next_charge)
                     return
                 reply = ErrorReply(code="busy", message=refusal)  # the frames are let go right here
@@ -445,12 +459,34 @@ class Server:
                 frames = pull.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
-            charge = self._charges.pop(int.from_bytes(frames[0].bytes, "little"))
+            number = int.from_bytes(frames[0].bytes, "little")
+            charge = self._charges.pop(number)
             router.send_multipart(frames[1:], copy=False)
+            self._next_in_order(number)
             self.budget.release(charge)
             self.proto.done(frames[1].bytes)
             self.outstanding -= 1
         return BATCH
+
+    def _next_in_order(self, number: int) -> None:
+        """The commit with charge ``number`` is answered: start its client's next one, if any."""
+        peer = self._ordered.pop(number, None)
+        if peer is None:
+            return
+        waiting = self._in_order[peer]
+        if not waiting:
+            del self._in_order[peer]
+            return
+        request, arrived, charge = waiting.popleft()
+        self._ordered[charge] = peer
+        assert self._workers is not None and self.handlers is not None
+        try:
+            self._workers.submit(self._work, self.handlers, request, arrived, charge)
+        except RuntimeError:  # the workers are gone (the daemon is stopping): no answer; it lapses
+            self.budget.release(self._charges.pop(charge))
+            self.proto.done(request.peer)
+            self.outstanding -= 1
+            self._next_in_order(charge)
 
     def _log_start(self, metrics_url: str | None) -> None:
         cfg = self.config

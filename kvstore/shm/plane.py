@@ -302,7 +302,10 @@ class SharedPlane:
     def arm(self, lease: Lease, seconds: float | None = None) -> None:
         """Start ``lease``'s clock now (one taken with ``reserve(..., armed=False)``)."""
         with self._lock:
-            lease.expires = self.clock() + (self.lease if seconds is None else min(seconds, self.lease))
+            span = self.lease if seconds is None else min(seconds, self.lease)
+            if lease.held is None:  # a put's reservation
+                span = max(span, MIN_RESERVE_LEASE)
+            lease.expires = self.clock() + span
 
     def staging_tensor(self, lease: Lease) -> torch.Tensor:
         """The lease's staging range as uint8 (empty for a lease without one)."""

@@ -267,7 +267,9 @@ class Reserve(Message):
 class Commit(Message):
     """Shared memory, phase two of a put: store the ``shape`` K/V the client wrote at the start of
     the staging range ``handle`` as blocks ``start_block ..`` of ``tokens`` (a put without payload);
-    the range is given back. The reply is a put's."""
+    the range is given back, or with ``keep`` kept for the client's next chunk (its lease starts
+    again; ``finish`` gives it back). A client's commits run one at a time, in the order sent. The
+    reply is a put's."""
 
     op = "commit"
     schema = {
@@ -278,6 +280,7 @@ class Commit(Message):
         "dtype": F.text,
         "session": F.opt_session,
         "handle": F.nonneg_int,
+        "keep": F.boolean,
     }
     ns: str
     tokens: np.ndarray
@@ -286,6 +289,7 @@ class Commit(Message):
     handle: int
     start_block: int = 0
     session: str | None = None
+    keep: bool = False
 
 
 REQUESTS: dict[str, type[Message]] = {
