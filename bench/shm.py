@@ -24,11 +24,10 @@ measured in the same rounds as its limit (interleaved):
 One daemon subprocess (ipc endpoint in a temp dir; hbm on the CPU; nvme off, so no writer
 thread competes for the cores; ``promote_on_hit = false``, so repeated reads stay in the
 tier measured). GB/s count the K/V's native (bfloat16) bytes; the clock is wall time.
-This process runs torch with ``--threads`` threads (default 1, limits included): a client
-copies block by block, and each copy with two threads on two shared cores may wait for a
-descheduled thread (on this kind of machine, medians 20x slower); the hbm section prints
-memcpy and ``get_into`` at torch's own thread count beside, to show it. The daemon runs as
-shipped (torch's own thread count).
+This process runs torch with ``--threads`` threads (default 1, limits included): with two
+processes on a few shared cores, a copy split over two threads may wait for a descheduled
+one; the hbm section prints memcpy and ``get_into`` at torch's own thread count beside. The
+daemon runs as shipped (its workers share the cores' torch threads).
 
 GPU section (only where CUDA is available; the daemon needs cupy for its hbm pool on
 ``cuda:0``): hbm ``get_into`` a CUDA tensor through CUDA IPC beside a device-to-device copy

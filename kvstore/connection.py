@@ -113,6 +113,15 @@ class Connection:
             raise
         return rid
 
+    def notify(self, msg: Message) -> None:
+        """Send ``msg`` without waiting for its reply (dropped when it comes): for a request whose
+        outcome changes nothing for the caller (a lease given back early lapses anyway if lost)."""
+        try:
+            rid = self._send(msg)
+        except zmq.Again:
+            return
+        self.proto.forget(rid)
+
     def _recv(self, deadline: float) -> tuple[int, Message] | None:
         """The next awaited reply, or None at ``deadline``. Raises RemoteProtocolError for a malformed one."""
         sock = self._open()
