@@ -8,7 +8,9 @@ Prints, in one run on one machine:
      head_dim 64, bf16: 94 MB) vs raw ZeroMQ moving the same bytes in one message;
   3. get throughput with 1, 4 and 16 concurrent client processes;
   4. the same blocks stored in and fetched from a Redis server (unix socket, no persistence).
-Ratios are what to read: the machine is shared and noisy.
+Ratios are what to read: the machine is shared and noisy. Every client here uses the socket
+(``shared_memory=False``): this is the path of tcp clients and the limit it chases is ZeroMQ's;
+same-host clients move K/V through shared memory instead (bench/shm.py).
 
     .venv/bin/python bench/protocol.py [--quick]
 """
@@ -136,7 +138,7 @@ def start_redis(root: Path) -> tuple[subprocess.Popen, str] | None:
 
 
 def concurrent_worker(endpoint: str, tokens: list[int], seconds: float, barrier: Any, out: Any) -> None:
-    with KVStoreClient(endpoint, model=MODEL, layout=LAYOUT, timeout=60) as c:
+    with KVStoreClient(endpoint, model=MODEL, layout=LAYOUT, timeout=60, shared_memory=False) as c:
         c.get(tokens)
         barrier.wait()
         n, t0 = 0, time.perf_counter()
@@ -177,7 +179,7 @@ def main() -> None:
         "daemon: hbm tier on CPU, nvme off"
     )
     try:
-        with KVStoreClient(endpoint, model=MODEL, layout=LAYOUT, timeout=60) as c:
+        with KVStoreClient(endpoint, model=MODEL, layout=LAYOUT, timeout=60, shared_memory=False) as c:
             c.ping()
             print("\n-- lookup latency (us; ours and raw interleaved) --")
             print(
@@ -225,7 +227,9 @@ def main() -> None:
             back = c.get(tokens).kv
             assert back is not None and torch.equal(back, kv)
             payload = kv.view(-1).view(torch.uint8).numpy()
-            one = KVStoreClient(endpoint, model=MODEL, layout=LAYOUT, timeout=60, chunk_blocks=16)
+            one = KVStoreClient(
+                endpoint, model=MODEL, layout=LAYOUT, timeout=60, chunk_blocks=16, shared_memory=False
+            )
             t_get, t_get16, t_put, t_put16, t_rget, t_rput, t_echo = [], [], [], [], [], [], []
             for i in range(moves):
                 t_get += timed(lambda: c.get(tokens), 1)
