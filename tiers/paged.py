@@ -133,10 +133,16 @@ class PagedTier(Tier):
         (a pin) for as long as it is read, and checks the generations afterwards."""
         with self._lock:
             entry = self._entries[key]
-            pages = np.asarray(entry.span.pages, dtype=np.int64)
-            gens = self._pool.gens[pages]
+            span = entry.span
+            pages = span.index if span.index.device.type == "cpu" else None
+            pages_np = pages.numpy() if pages is not None else np.asarray(span.pages, dtype=np.int64)
+            gens = self._pool.gens[pages_np]
             nbytes = entry.nbytes
-        return Place(extents(pages, self.page_bytes, nbytes), nbytes, pages, gens)
+        if span.contiguous:
+            runs = [(span.first * self.page_bytes, nbytes)]
+        else:
+            runs = extents(pages_np, self.page_bytes, nbytes)
+        return Place(runs, nbytes, pages_np, gens)
 
     # -- Tier -------------------------------------------------------------------------
     def drop(self, key: bytes) -> int:
