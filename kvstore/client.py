@@ -417,8 +417,12 @@ class KVStoreClient:
             good = 0
             try:
                 good = m.read_blocks(reply.blocks, ns.layout, out, start * T, reply.staging)
-            finally:  # not awaited: the blocks are read; a lost finish only lets the lease run out
-                self._conn.notify(Finish(handle=reply.handle, used=good))
+            finally:
+                done = Finish(handle=reply.handle, used=good)
+                if reply.staging is None:  # not awaited: a lost finish only lets the lease run out
+                    self._conn.notify(done)
+                else:  # awaited: the staging range must be free for this client's next request
+                    self._conn.call(done, idempotent=True)
             tiers.extend(str(t) for t in reply.tiers[:good])
             start += good
             if good < len(reply.blocks):
