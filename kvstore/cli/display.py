@@ -147,7 +147,21 @@ def render_stats(data: Mapping[str, Any]) -> str:
         f"matched {format_count(c('tokens_matched'))} ({format_ratio(c('tokens_matched'), c('tokens_asked'))}), "
         f"served {format_count(c('tokens_served'))}",
     ]
+    if "shm" in server:
+        lines.append(_shm_line(server["shm"]))
     return "\n".join(lines)
+
+
+def _shm_line(shm: Any) -> str:
+    """Same-host clients' shared memory (kvstore.shm): where, staging in use, leases."""
+    if not isinstance(shm, Mapping):
+        return "shared memory: off (clients use the socket)"
+    return (
+        f"shared memory: {shm.get('directory', '?')}, {format_count(len(shm.get('segments') or []))} segments; "
+        f"staging {format_bytes(shm.get('staging_used'))} in use of {format_bytes(shm.get('staging_bytes'))} "
+        f"({format_count(shm.get('staging_clients'))} clients); leases {format_count(shm.get('leases'))}, "
+        f"lapsed {format_count(shm.get('lapsed'))}"
+    )
 
 
 def _tier_counts(tiers: Mapping[str, int] | None) -> list[str]:

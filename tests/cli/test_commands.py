@@ -251,6 +251,23 @@ def test_render_stats() -> None:
     assert "matched 64 (64.0%)" in out[-1]
     # a daemon that sends fewer counters still renders
     assert "blocks -" in display.render_stats({"store": {}, "server": {}})
+    # same-host clients' shared memory: on, or off
+    shm = {
+        "directory": "/dev/shm/kvstore-0",
+        "segments": ["a", "b", "c"],
+        "staging_bytes": 2**30,
+        "staging_used": 3 * 2**20,
+        "staging_clients": 2,
+        "leases": 1,
+        "lapsed": 4,
+    }
+    on = display.render_stats({**STATS, "server": {**STATS["server"], "shm": shm}}).splitlines()[-1]
+    assert on == (
+        "shared memory: /dev/shm/kvstore-0, 3 segments; staging 3.0 MiB in use of 1.0 GiB (2 clients); "
+        "leases 1, lapsed 4"
+    )
+    off = display.render_stats({**STATS, "server": {**STATS["server"], "shm": None}}).splitlines()[-1]
+    assert off == "shared memory: off (clients use the socket)"
 
 
 def test_render_sessions_most_recent_first() -> None:
