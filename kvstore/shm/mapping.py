@@ -184,6 +184,8 @@ class SharedMapping:
                 good = j
                 break
             k, stride = self._run(located, j, nb)
+            if stride != nb and m.arena.device != device:
+                k = j + 1  # across PCIe each block goes as it is (a gapped run would be gathered first)
             src = torch.as_strided(m.arena, (k - j, nb), (stride, 1), int(extents[0][0]))
             src = src.view(layout.torch_dtype).view(k - j, *layout.shape(T))
             if isinstance(target, torch.Tensor):
@@ -193,8 +195,10 @@ class SharedMapping:
                 for b in range(k - j):
                     write_target(target, t0 + (j + b) * T, src[b])
             j = k
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        # every copy has finished (on either side of PCIe) before the generations are read
+        for dev in {m.arena.device for m, _, _, _ in located} | {device}:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
         for j, (m, _, pages, gens) in enumerate(located[:good]):  # after every copy has finished
             if m.gens is not None and not np.array_equal(m.gens[pages], gens):
                 self.moved += 1
