@@ -106,6 +106,28 @@ WINDOW = 2  # get chunks in flight
 STALE_RETRIES = 2  # times a shared-memory call starts over on a restarted daemon's new segments
 
 
+class _Tally:
+    """A put's replies, added up."""
+
+    def __init__(self) -> None:
+        self.stored = self.present = self.deferred = self.replies = 0
+        self.failed: list[FailedBlock] = []
+
+    def add(self, reply: Message | PutResult) -> None:
+        if isinstance(reply, PutResult):
+            self.failed.extend(reply.failed)
+        else:
+            assert isinstance(reply, PutOk)
+            self.failed.extend(FailedBlock(int(b), str(c), str(m)) for b, c, m in reply.failed)
+            self.replies += 1
+        self.stored += reply.stored
+        self.present += reply.present
+        self.deferred += reply.deferred
+
+    def result(self) -> PutResult:
+        return PutResult(self.stored, self.present, sorted(set(self.failed)), self.deferred)
+
+
 class _Stale(Exception):
     """A reply refers to segments other than the ones mapped (the daemon restarted meanwhile)."""
 
@@ -519,41 +541,21 @@ class KVStoreClient:
         if total > chunk:
             chunk = max(1, min(chunk, m.per_client // (2 * nb)))
         starts = list(range(0, total, chunk))
-        stored = present = deferred = 0
-        failed: list[FailedBlock] = []
-        done = 0  # chunks answered
-
-        def count(reply: Message) -> None:
-            nonlocal stored, present, deferred, done
-            assert isinstance(reply, PutOk)
-            stored, present, deferred = (
-                stored + reply.stored,
-                present + reply.present,
-                deferred + reply.deferred,
-            )
-            failed.extend(FailedBlock(int(b), str(c), str(msg)) for b, c, msg in reply.failed)
-            done += 1
-
+        tally = _Tally()
         try:
             if len(starts) > 1:
-                self._pipelined_commits(m, tokens, src, starts, chunk, total, session, count)
+                self._pipelined_commits(m, tokens, src, starts, chunk, total, session, tally)
             else:
-                count(self._commit_chunk(m, tokens, src, 0, total, session))
+                tally.add(self._commit_chunk(m, tokens, src, 0, total, session))
         except ServerError as err:
             if err.code not in ("no_staging", "not_found"):
                 raise
             # no staging room now, or a range lapsed under a paused client: the rest one way or another
-            s = starts[done] if done < len(starts) else total
-            if s < total and not failed:
+            s = starts[tally.replies] if tally.replies < len(starts) else total
+            if s < total and not tally.failed:
                 log.debug("shared-memory put stopped at block %d (%s); the rest goes over the socket", s, err)
-                rest = self._socket_put(tokens, self._as_tensor(src, total), total, session, first=s)
-                stored, present, deferred = (
-                    stored + rest.stored,
-                    present + rest.present,
-                    deferred + rest.deferred,
-                )
-                failed.extend(rest.failed)
-        return PutResult(stored, present, sorted(set(failed)), deferred)
+                tally.add(self._socket_put(tokens, self._as_tensor(src, total), total, session, first=s))
+        return tally.result()
 
     def _pipelined_commits(
         self,
@@ -564,10 +566,9 @@ class KVStoreClient:
         chunk: int,
         total: int,
         session: str | None,
-        count: Any,
+        tally: _Tally,
     ) -> None:
-        ns = self._ns()
-        layout, T = ns.layout, ns.layout.block_tokens
+        layout = self._ns().layout
         ranges = []
         try:
             for _ in range(2):
@@ -579,25 +580,12 @@ class KVStoreClient:
 
             def make(i: int) -> Message:
                 s, e = starts[i], min(starts[i] + chunk, total)
-                r = ranges[i % 2]  # free: the commit that used it two chunks ago is answered
-                view = m.staging_view(r.path, r.size, r.offset, (e - s) * layout.block_nbytes)
-                view = view.view(layout.torch_dtype).view(layout.shape((e - s) * T))
-                if isinstance(src, PagedKV):
-                    src.read(s * T, view)
-                else:
-                    view.copy_(src[:, :, s * T : e * T])
-                return Commit(
-                    ns=ns.id,
-                    tokens=tokens[: e * T],
-                    start_block=s,
-                    shape=tuple(view.shape),
-                    dtype=layout.dtype,
-                    handle=r.handle,
-                    session=session,
-                    keep=True,
-                )
+                # free: the commit that used it two chunks ago is answered
+                return self._stage(m, ranges[i % 2], tokens, src, s, e, session, keep=True)
 
-            self._conn.pipeline(len(starts), make, lambda _, reply: count(reply), idempotent=True, window=2)
+            self._conn.pipeline(
+                len(starts), make, lambda _, reply: tally.add(reply), idempotent=True, window=2
+            )
         finally:
             for r in ranges:
                 self._conn.call(Finish(handle=r.handle, used=0), idempotent=True)
@@ -607,35 +595,50 @@ class KVStoreClient:
     ) -> Message:
         """Blocks ``s .. e-1``: reserve staging, write them there, commit. A reservation that lapsed
         before the commit (a paused client) is made again."""
-        ns = self._ns()
-        layout, T = ns.layout, ns.layout.block_tokens
-        nbytes = (e - s) * layout.block_nbytes
+        nbytes = (e - s) * self._ns().layout.block_nbytes
         for attempt in range(STALE_RETRIES + 1):
             r = self._conn.call(Reserve(nbytes=nbytes), idempotent=True)
             assert isinstance(r, ReserveOk)
             if r.instance != m.instance:
                 raise _Stale
-            view = m.staging_view(r.path, r.size, r.offset, nbytes).view(layout.torch_dtype)
-            view = view.view(layout.shape((e - s) * T))
-            if isinstance(src, PagedKV):
-                src.read(s * T, view)
-            else:
-                view.copy_(src[:, :, s * T : e * T])
-            commit = Commit(
-                ns=ns.id,
-                tokens=tokens[: e * T],
-                start_block=s,
-                shape=tuple(view.shape),
-                dtype=layout.dtype,
-                handle=r.handle,
-                session=session,
-            )
             try:
-                return self._conn.call(commit, idempotent=True)
+                return self._conn.call(self._stage(m, r, tokens, src, s, e, session), idempotent=True)
             except ServerError as err:
                 if err.code != "not_found" or attempt == STALE_RETRIES:
                     raise
         raise AssertionError("unreachable")
+
+    def _stage(
+        self,
+        m: SharedMapping,
+        r: ReserveOk,
+        tokens: Any,
+        src: KVTarget,
+        s: int,
+        e: int,
+        session: str | None,
+        *,
+        keep: bool = False,
+    ) -> Commit:
+        """Write blocks ``s .. e-1`` of ``src`` into the staging range ``r``; the commit that stores them."""
+        ns = self._ns()
+        layout, T = ns.layout, ns.layout.block_tokens
+        view = m.staging_view(r.path, r.size, r.offset, (e - s) * layout.block_nbytes)
+        view = view.view(layout.torch_dtype).view(layout.shape((e - s) * T))
+        if isinstance(src, PagedKV):
+            src.read(s * T, view)
+        else:
+            view.copy_(src[:, :, s * T : e * T])
+        return Commit(
+            ns=ns.id,
+            tokens=tokens[: e * T],
+            start_block=s,
+            shape=tuple(view.shape),
+            dtype=layout.dtype,
+            handle=r.handle,
+            session=session,
+            keep=keep,
+        )
 
     def put(self, token_ids: TokenInput, kv: torch.Tensor, session: str | None = None) -> PutResult:
         """Store the full blocks of ``token_ids`` whose K/V ``kv`` (``[L, 2, T, H, D]``, T >= their tokens) holds.
@@ -663,8 +666,7 @@ class KVStoreClient:
         """Blocks ``first .. total-1`` of ``kv`` over the socket, one chunk at a time (lock held)."""
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
-        stored = present = deferred = 0
-        failed: list[FailedBlock] = []
+        tally = _Tally()
         chunk = self._chunk(len(tokens))
         starts = list(range(first, total, chunk))
 
@@ -681,19 +683,9 @@ class KVStoreClient:
                 session=session,
             )
 
-        def on_reply(i: int, reply: Message) -> None:
-            nonlocal stored, present, deferred
-            assert isinstance(reply, PutOk)
-            stored, present, deferred = (
-                stored + reply.stored,
-                present + reply.present,
-                deferred + reply.deferred,
-            )
-            failed.extend(FailedBlock(int(b), str(c), str(m)) for b, c, m in reply.failed)
-
         # one chunk at a time: the store refuses a chunk whose parent block is not stored yet
-        self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=1)
-        return PutResult(stored, present, sorted(failed), deferred)
+        self._conn.pipeline(len(starts), make, lambda _, reply: tally.add(reply), idempotent=True, window=1)
+        return tally.result()
 
     # ------------------------------------------------------------------ operator calls
 
