@@ -50,7 +50,7 @@ import zmq
 
 from kvstore.connection import Connection
 from kvstore.daemon.auth import ClientKeys
-from kvstore.errors import InvalidNamespace
+from kvstore.errors import InvalidNamespace, LayoutError
 from kvstore.keys import Namespace, TokenInput, as_tokens
 from kvstore.kvbuffers import KVTarget, PagedKV, check_target, empty_kv, target_tokens, write_target
 from kvstore.layout import KVLayout
@@ -377,12 +377,16 @@ class KVStoreClient:
             kv = kv.to(device)
         return GetResult(matched, matched * T, kv, [t for ts in tiers for t in ts][:matched])
 
-    def get_into(self, token_ids: TokenInput, out: KVTarget) -> GetResult:
+    def get_into(self, token_ids: TokenInput, out: KVTarget, *, start: int = 0) -> GetResult:
         """Fill ``out`` with the K/V of the longest stored prefix of ``token_ids`` (at most as many
         tokens as ``out`` holds): a tensor ``[L, 2, T, H, D]`` on any device, or a PagedKV (an
         engine's paged buffers and the slots of this sequence's tokens). Returns the match; ``kv`` is
         the filled part of a tensor ``out`` (None for a PagedKV). Tokens past the match may have been
         written and hold nothing meaningful.
+
+        ``start``: the caller holds tokens before it already; they are neither fetched (whole blocks)
+        nor written, and the match counts them as held (it is never shorter than the block holding
+        ``start``). A tensor ``out`` needs a block-aligned ``start``.
 
         Same host, the blocks are copied or decoded straight from shared memory into ``out`` (on a GPU
         ``out``, frames cross PCIe compressed and are decoded there); otherwise they come over the
@@ -390,27 +394,34 @@ class KVStoreClient:
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         check_target(out, layout, "get_into out")
+        if start < 0 or (start % T and not isinstance(out, PagedKV)):
+            raise LayoutError(f"start {start} must be >= 0, and a multiple of {T} for a tensor out")
+        first = start // T
+        if isinstance(out, PagedKV) and start > out.floor:
+            out = out.above(start)
         with self._lock:
             self._conn.ensure_hello()
             tokens = self._tokens(token_ids)
             total = min(len(tokens), target_tokens(out)) // T
-            if total == 0:
-                return GetResult(0, 0, None, [])
-            got = self._read_into(tokens, out, total) if self._shared() is not None else None
+            if total <= first:
+                return GetResult(min(first, total), min(first, total) * T, None, [])
+            got = self._read_into(tokens, out, total, first) if self._shared() is not None else None
             if got is None:
-                got = self._socket_read_into(tokens, out, total)
+                got = self._socket_read_into(tokens, out, total, first)
         matched, tiers = got
         kv = out[:, :, : matched * T] if isinstance(out, torch.Tensor) and matched else None
         return GetResult(matched, matched * T, kv, tiers)
 
-    def _read_into(self, tokens: Any, out: KVTarget, total: int) -> tuple[int, list[str]] | None:
-        """Blocks ``0 .. total-1`` through shared memory into ``out`` (lock held); None: use the socket."""
+    def _read_into(
+        self, tokens: Any, out: KVTarget, total: int, first: int = 0
+    ) -> tuple[int, list[str]] | None:
+        """Blocks ``first .. total-1`` through shared memory into ``out`` (lock held); None: use the socket."""
         for _ in range(STALE_RETRIES + 1):
             m = self._shared()
             if m is None:
                 return None
             try:
-                return self._locate_loop(m, tokens, out, total)
+                return self._locate_loop(m, tokens, out, total, first)
             except _Stale:
                 continue  # the daemon restarted: map its new segments and start over
             except ShmUnavailable as e:
@@ -419,10 +430,12 @@ class KVStoreClient:
                 return None
         return None
 
-    def _locate_loop(self, m: SharedMapping, tokens: Any, out: KVTarget, total: int) -> tuple[int, list[str]]:
+    def _locate_loop(
+        self, m: SharedMapping, tokens: Any, out: KVTarget, total: int, first: int
+    ) -> tuple[int, list[str]]:
         ns = self._ns()
         T = ns.layout.block_tokens
-        start = 0
+        start = first
         tiers: list[str] = []
         while start < total:
             msg = Locate(
@@ -494,16 +507,22 @@ class KVStoreClient:
                 break
         return matched, [t for ts in tiers for t in ts][: matched - first]
 
-    def put_from(self, token_ids: TokenInput, src: KVTarget, session: str | None = None) -> PutResult:
+    def put_from(
+        self, token_ids: TokenInput, src: KVTarget, session: str | None = None, *, start: int = 0
+    ) -> PutResult:
         """Store the full blocks of ``token_ids`` whose K/V ``src`` holds: a tensor ``[L, 2, T, H, D]``
         on any device, or a PagedKV (an engine's paged buffers and this sequence's slots). Same host,
-        the K/V is written once into shared staging and committed; otherwise it goes over the socket."""
+        the K/V is written once into shared staging and committed; otherwise it goes over the socket.
+
+        ``start``: blocks wholly before it were stored already (an engine saving as it computes);
+        they are neither read nor sent. Their parents must be in the store for the rest to match."""
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         check_target(src, layout, "put_from src")
         tokens = as_tokens(token_ids)
         total = min(len(tokens), target_tokens(src)) // T
-        if total == 0:
+        first = max(0, start) // T
+        if total <= first:
             return PutResult(0, 0, [])
         with self._lock:
             self._conn.ensure_hello()
@@ -513,7 +532,7 @@ class KVStoreClient:
                 if m is None:
                     break
                 try:
-                    return self._commit_loop(m, tokens, src, total, session)
+                    return self._commit_loop(m, tokens, src, total, session, first)
                 except _Stale:
                     continue
 
@@ -521,32 +540,36 @@ class KVStoreClient:
                     log.warning("shared-memory put failed (%s); using the socket", e)
                     self._refused.add(m.instance)
                     break
-            return self._socket_put(tokens, self._as_tensor(src, total), total, session)
+            return self._socket_put(tokens, self._as_tensor(src, total, first), total, session, first=first)
 
-    def _as_tensor(self, src: KVTarget, total: int) -> torch.Tensor:
-        """``src``'s first ``total`` blocks as a tensor (a PagedKV is gathered into one)."""
+    def _as_tensor(self, src: KVTarget, total: int, first: int = 0) -> torch.Tensor:
+        """``src``'s first ``total`` blocks as a tensor (a PagedKV's blocks from ``first`` on are
+        gathered into one; those before are left unset)."""
         if isinstance(src, torch.Tensor):
             return src
         layout = self._ns().layout
-        return src.read(0, empty_kv(layout.shape(total * layout.block_tokens), layout.torch_dtype, "cpu"))
+        T = layout.block_tokens
+        out = empty_kv(layout.shape(total * T), layout.torch_dtype, "cpu")
+        src.read(first * T, out[:, :, first * T :])
+        return out
 
     def _commit_loop(
-        self, m: SharedMapping, tokens: Any, src: KVTarget, total: int, session: str | None
+        self, m: SharedMapping, tokens: Any, src: KVTarget, total: int, session: str | None, first: int
     ) -> PutResult:
         """Blocks ``0 .. total-1`` through staging. More than one chunk: two staging ranges taken in
         turn, and the next chunk written while the daemon stores the last (its commits run in order),
         so that this process's copy and the daemon's overlap."""
         nb = self._ns().layout.block_nbytes
         chunk = max(1, min(self._chunk(len(tokens)), m.per_client // nb))
-        if total > chunk:
+        if total - first > chunk:
             chunk = max(1, min(chunk, m.per_client // (2 * nb)))
-        starts = list(range(0, total, chunk))
+        starts = list(range(first, total, chunk))
         tally = _Tally()
         try:
             if len(starts) > 1:
                 self._pipelined_commits(m, tokens, src, starts, chunk, total, session, tally)
             else:
-                tally.add(self._commit_chunk(m, tokens, src, 0, total, session))
+                tally.add(self._commit_chunk(m, tokens, src, first, total, session))
         except ServerError as err:
             if err.code not in ("no_staging", "not_found"):
                 raise
@@ -554,7 +577,7 @@ class KVStoreClient:
             s = starts[tally.replies] if tally.replies < len(starts) else total
             if s < total and not tally.failed:
                 log.debug("shared-memory put stopped at block %d (%s); the rest goes over the socket", s, err)
-                tally.add(self._socket_put(tokens, self._as_tensor(src, total), total, session, first=s))
+                tally.add(self._socket_put(tokens, self._as_tensor(src, total, s), total, session, first=s))
         return tally.result()
 
     def _pipelined_commits(

@@ -1,23 +1,24 @@
 """An inference engine's own KV buffers, as a destination of ``get_into`` and a source of ``put_from``.
 
 A plain tensor ``[L, 2, T, H, D]`` (any device) is one; ``PagedKV`` is the
-other: per layer a K and a V buffer of token slots ``[slots, H, D]`` and, for
-the sequence at hand, the slot of each of its tokens. The engines' layouts
-map onto it without copying::
+other: per layer a K and a V buffer of blocks ``[num_blocks, block_size, H, D]``
+(views of any strides into what the engine allocated) and, for the sequence at
+hand, its block ids. The engines' layouts map onto it without copying::
 
-    vLLM    kv_caches[l]: [2, num_blocks, block_size, H, D], block ids of the request
-            -> K = kv_caches[l][0] as [num_blocks*block_size, H, D], slot of token p =
-               block_ids[p // block_size] * block_size + p % block_size
-    SGLang  k_buffer[l], v_buffer[l]: [size, H, D], the request's token indices (out_cache_loc)
-            -> slots = the indices
+    vLLM < 0.32  kv_caches[l]: [2, num_blocks, block_size, H, D]   -> PagedKV.vllm
+    vLLM 0.32+   kv_caches[l]: [num_blocks, H, block_size, 2*D], K and V split per attention
+                 backend (kvstore.integrations.vllm)                 -> PagedKV.blocks
+    SGLang       k_buffer[l], v_buffer[l]: [size, H, D] and the request's token indices
+                 (block_size 1)                                      -> PagedKV.sglang
 
-Writes scatter a block's ``[T, H, D]`` per layer into the slots with one
-``index_copy_`` per layer (K and V together when they share a tensor, as in
-vLLM); reads gather with ``index_select``.
+Block-aligned runs move a block per row (``index_copy_``/``index_select`` on
+the block dimension, K and V together when they share a tensor); other runs
+move a token per row.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 
@@ -29,10 +30,17 @@ from kvstore.layout import KVLayout
 
 
 class PagedKV:
-    """Per-layer K and V slot buffers (``[slots, H, D]`` each) and the slots of one sequence's tokens.
+    """An engine's paged K/V buffers and where one sequence's tokens live in them.
 
-    ``kv``: per layer a ``[2, slots, H, D]`` tensor whose [0] and [1] are K and V, when the engine
-    keeps them together (one scatter per layer instead of two).
+    Per layer a K and a V buffer of blocks ``[num_blocks, block_size, H, D]`` (any strides: a view
+    into whatever the engine allocated), and the sequence's block ids: token ``p`` lives at block
+    ``block_ids[p // block_size]``, offset ``p % block_size``. A token-slot buffer ``[slots, H, D]``
+    is the case ``block_size == 1``.
+
+    ``kv``: per layer a ``[2, num_blocks, block_size, H, D]`` tensor whose [0] and [1] are K and V,
+    when the engine keeps them in one tensor (one scatter per layer instead of two).
+    ``floor``: tokens before it are never written (they may live in blocks the engine shares with
+    other sequences); reads are not affected.
     """
 
     def __init__(
@@ -43,57 +51,67 @@ class PagedKV:
         *,
         kv: Sequence[torch.Tensor] | None = None,
     ) -> None:
-        if len(k) != len(v) or not k:
-            raise LayoutError(
-                f"PagedKV needs as many K as V buffers (at least one), got {len(k)} and {len(v)}"
-            )
-        first = k[0]
-        for name, bufs in (("k", k), ("v", v)):
-            for i, b in enumerate(bufs):
-                if (
-                    b.dim() != 3
-                    or b.shape[1:] != first.shape[1:]
-                    or b.dtype != first.dtype
-                    or b.device != first.device
-                ):
-                    raise LayoutError(
-                        f"PagedKV {name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}; every buffer must be "
-                        f"[slots, {first.shape[1]}, {first.shape[2]}] {first.dtype} on {first.device}"
-                    )
-        self.k, self.v = list(k), list(v)
-        self.kv = None if kv is None else list(kv)
+        """Token-slot buffers ``[slots, H, D]`` per layer and the slot of each token."""
         idx = torch.as_tensor(slots, dtype=torch.int64)
         if idx.dim() != 1:
             raise LayoutError(f"slots must be one index per token, got shape {tuple(idx.shape)}")
-        size = min(b.shape[0] for b in (*self.k, *self.v))
-        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= size):
-            raise LayoutError(f"slots must lie in 0..{size - 1}, got {int(idx.min())}..{int(idx.max())}")
-        self.slots = idx.to(first.device)
-        # vLLM's layout also as whole pages: (page size, page ids, per layer [2, pages, page*H*D]),
-        # so that page-aligned runs move a page per row instead of a token per row
-        self._pages: tuple[int, torch.Tensor, list[torch.Tensor]] | None = None
+        for name, bufs in (("k", k), ("v", v)):
+            for i, b in enumerate(bufs):
+                if b.dim() != 3:
+                    raise LayoutError(
+                        f"PagedKV {name}[{i}] is {tuple(b.shape)}; slot buffers are [slots, H, D]"
+                    )
+        self._setup(
+            [b.unsqueeze(1) for b in k],
+            [b.unsqueeze(1) for b in v],
+            idx,
+            len(idx),
+            None if kv is None else [x.unsqueeze(2) for x in kv],
+            what="slots",
+        )
+
+    @classmethod
+    def blocks(
+        cls,
+        k: Sequence[torch.Tensor],
+        v: Sequence[torch.Tensor],
+        block_ids: Sequence[int] | torch.Tensor,
+        num_tokens: int,
+        *,
+        kv: Sequence[torch.Tensor] | None = None,
+    ) -> PagedKV:
+        """Block buffers ``[num_blocks, block_size, H, D]`` per layer (views of any strides) and a
+        sequence's block ids, for its first ``num_tokens`` tokens."""
+        for name, bufs in (("k", k), ("v", v)):
+            for i, b in enumerate(bufs):
+                if b.dim() != 4:
+                    raise LayoutError(
+                        f"PagedKV {name}[{i}] is {tuple(b.shape)}; block buffers are [num_blocks, block_size, H, D]"
+                    )
+        self = cls.__new__(cls)
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        if ids.dim() != 1:
+            raise LayoutError(f"block ids must be one id per block, got shape {tuple(ids.shape)}")
+        bs = k[0].shape[1] if k else 1
+        if num_tokens < 0 or num_tokens > len(ids) * bs:
+            raise LayoutError(f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks, {len(ids)} given")
+        self._setup(list(k), list(v), ids[: -(-num_tokens // bs)], num_tokens, kv, what="block ids")
+        return self
 
     @classmethod
     def vllm(
         cls, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int] | torch.Tensor, num_tokens: int
     ) -> PagedKV:
-        """vLLM's per-layer caches ``[2, num_blocks, block_size, H, D]`` and a request's block ids,
-        for its first ``num_tokens`` tokens."""
+        """Per-layer caches ``[2, num_blocks, block_size, H, D]`` (vLLM's layout before 0.32) and a
+        request's block ids, for its first ``num_tokens`` tokens. Later vLLM layouts (one tensor
+        ``[num_blocks, H, block_size, 2*D]`` per layer, read per attention backend) are mapped onto
+        ``blocks`` by ``kvstore.integrations.vllm``."""
         c0 = kv_caches[0]
         if c0.dim() != 5 or c0.shape[0] != 2:
             raise LayoutError(f"a vLLM KV cache is [2, num_blocks, block_size, H, D], got {tuple(c0.shape)}")
-        nb, bs = c0.shape[1], c0.shape[2]
-        ids = torch.as_tensor(block_ids, dtype=torch.int64)
-        if num_tokens > len(ids) * bs:
-            raise LayoutError(f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks, {len(ids)} given")
-        p = torch.arange(num_tokens, dtype=torch.int64)
-        slots = ids[p // bs] * bs + p % bs
-        flat = [c.view(2, nb * bs, *c.shape[3:]) for c in kv_caches]
-        paged = cls([f[0] for f in flat], [f[1] for f in flat], slots, kv=flat)
-        if all(c.is_contiguous() for c in kv_caches):
-            rows = [c.view(2, nb, -1) for c in kv_caches]
-            paged._pages = (bs, ids[: -(-num_tokens // bs)].to(c0.device), rows)
-        return paged
+        return cls.blocks(
+            [c[0] for c in kv_caches], [c[1] for c in kv_caches], block_ids, num_tokens, kv=kv_caches
+        )
 
     @classmethod
     def sglang(
@@ -102,10 +120,48 @@ class PagedKV:
         """SGLang's per-layer ``k_buffer``/``v_buffer`` (``[size, H, D]``) and a request's token indices."""
         return cls(k_buffers, v_buffers, indices)
 
+    def _setup(
+        self,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        ids: torch.Tensor,
+        num_tokens: int,
+        kv: Sequence[torch.Tensor] | None,
+        *,
+        what: str,
+    ) -> None:
+        if len(k) != len(v) or not k:
+            raise LayoutError(
+                f"PagedKV needs as many K as V buffers (at least one), got {len(k)} and {len(v)}"
+            )
+        first = k[0]
+        for name, bufs in (("k", k), ("v", v)):
+            for i, b in enumerate(bufs):
+                if b.shape[1:] != first.shape[1:] or b.dtype != first.dtype or b.device != first.device:
+                    raise LayoutError(
+                        f"PagedKV {name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}; every buffer must be "
+                        f"[.., {', '.join(map(str, first.shape[1:]))}] {first.dtype} on {first.device}"
+                    )
+        size = min(b.shape[0] for b in (*k, *v))
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            raise LayoutError(f"{what} must lie in 0..{size - 1}, got {int(ids.min())}..{int(ids.max())}")
+        self.k, self.v = k, v
+        self.kv = None if kv is None else list(kv)
+        self.block_size = int(first.shape[1])
+        self.ids = ids.to(first.device)
+        self.num_tokens = num_tokens
+        self.floor = 0
+
+    def above(self, floor: int) -> PagedKV:
+        """The same buffers, with tokens before ``floor`` never written."""
+        other = copy.copy(self)
+        other.floor = max(0, floor)
+        return other
+
     # -- shape ----------------------------------------------------------------------------
     @property
     def tokens(self) -> int:
-        return len(self.slots)
+        return self.num_tokens
 
     @property
     def device(self) -> torch.device:
@@ -116,52 +172,59 @@ class PagedKV:
         b = self.k[0]
         if (
             len(self.k) != layout.num_layers
-            or tuple(b.shape[1:]) != (layout.num_kv_heads, layout.head_dim)
+            or tuple(b.shape[2:]) != (layout.num_kv_heads, layout.head_dim)
             or b.dtype != layout.torch_dtype
         ):
             raise LayoutError(
-                f"PagedKV has {len(self.k)} layers of [slots, {b.shape[1]}, {b.shape[2]}] {b.dtype}; the "
-                f"namespace is {layout.num_layers} layers of [slots, {layout.num_kv_heads}, "
+                f"PagedKV has {len(self.k)} layers of [.., {b.shape[2]}, {b.shape[3]}] {b.dtype}; the "
+                f"namespace is {layout.num_layers} layers of [.., {layout.num_kv_heads}, "
                 f"{layout.head_dim}] {layout.dtype}"
             )
 
+    def _where(self, t0: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens ``t0 .. t0+n-1``: their block ids, whole (offset None) when the run is block-aligned,
+        else per token with the offsets."""
+        bs = self.block_size
+        if t0 % bs == 0 and n % bs == 0:
+            return self.ids[t0 // bs : (t0 + n) // bs], None
+        p = torch.arange(t0, t0 + n, dtype=torch.int64, device=self.ids.device)
+        return self.ids[p // bs], p % bs
+
     # -- data -----------------------------------------------------------------------------
     def write(self, t0: int, src: torch.Tensor) -> None:
-        """Scatter ``src`` (``[L, 2, n, H, D]``, any device) into the slots of tokens ``t0 .. t0+n-1``."""
+        """Scatter ``src`` (``[L, 2, n, H, D]``, any device) into tokens ``t0 .. t0+n-1`` (those from
+        ``floor`` on)."""
+        if t0 < self.floor:
+            src = src[:, :, self.floor - t0 :]
+            t0 = self.floor
         n = src.shape[2]
-        src = src.to(self.device, non_blocking=True)
-        if self._pages is not None and t0 % self._pages[0] == 0 and n % self._pages[0] == 0:
-            bs, ids, rows = self._pages
-            pids = ids[t0 // bs : (t0 + n) // bs]
-            for layer, r in enumerate(rows):
-                r.index_copy_(1, pids, src[layer].reshape(2, n // bs, -1))
+        if n <= 0:
             return
-        idx = self.slots[t0 : t0 + n]
+        src = src.to(self.device, non_blocking=True)
+        blk, off = self._where(t0, n)
         for layer in range(len(self.k)):
-            if self.kv is not None:
-                self.kv[layer].index_copy_(1, idx, src[layer])
+            s = src[layer]
+            if off is None:  # whole blocks: one row per block
+                rows = s.reshape(2, len(blk), self.block_size, *s.shape[2:])
+                if self.kv is not None:
+                    self.kv[layer].index_copy_(1, blk, rows)
+                else:
+                    self.k[layer].index_copy_(0, blk, rows[0])
+                    self.v[layer].index_copy_(0, blk, rows[1])
+            elif self.kv is not None:
+                self.kv[layer][:, blk, off] = s
             else:
-                self.k[layer].index_copy_(0, idx, src[layer, 0])
-                self.v[layer].index_copy_(0, idx, src[layer, 1])
+                self.k[layer][blk, off] = s[0]
+                self.v[layer][blk, off] = s[1]
 
     def read(self, t0: int, out: torch.Tensor) -> torch.Tensor:
-        """Gather tokens ``t0 .. t0+n-1`` into ``out`` (``[L, 2, n, H, D]``; a CPU ``out`` is filled
-        from a gathered copy on the buffers' device). Returns ``out``."""
+        """Gather tokens ``t0 .. t0+n-1`` into ``out`` (``[L, 2, n, H, D]``, any device). Returns ``out``."""
         n = out.shape[2]
-        if self._pages is not None and t0 % self._pages[0] == 0 and n % self._pages[0] == 0:
-            bs, ids, rows = self._pages
-            pids = ids[t0 // bs : (t0 + n) // bs]
-            for layer, r in enumerate(rows):
-                out[layer].copy_(r.index_select(1, pids).view(2, n, *out.shape[3:]))
-            return out
-        idx = self.slots[t0 : t0 + n]
-        same = out.device == self.device
+        blk, off = self._where(t0, n)
         for layer in range(len(self.k)):
             for j, buf in ((0, self.k[layer]), (1, self.v[layer])):
-                if same and out[layer, j].is_contiguous():
-                    torch.index_select(buf, 0, idx, out=out[layer, j])
-                else:
-                    out[layer, j].copy_(buf.index_select(0, idx))
+                part = buf.index_select(0, blk) if off is None else buf[blk, off]
+                out[layer, j].copy_(part.reshape(n, *part.shape[-2:]))
         return out
 
 

@@ -55,3 +55,64 @@ def test_sglang_token_buffers_and_bad_buffers() -> None:
         PagedKV.sglang(k[:2], v[:2], idx).check(LAYOUT)
     with pytest.raises(LayoutError, match="need"):
         PagedKV.vllm([torch.zeros(2, 4, 4, 2, 8, dtype=torch.float16)] * 3, [0, 1], 9)
+
+
+def vllm032_views(caches: list[torch.Tensor], rows: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """K and V views ``[num_blocks, block_size, H, D]`` of vLLM 0.32+ caches ``[num_blocks, H, block_size,
+    2*D]``: K|V side by side in the last dim (FlashAttention), or K's rows then V's per head (CPU)."""
+    k, v = [], []
+    for c in caches:
+        nb, h, bs, d2 = c.shape
+        if rows:
+            x = c.view(nb, h, 2, bs, d2 // 2)
+            k.append(x[:, :, 0].permute(0, 2, 1, 3))
+            v.append(x[:, :, 1].permute(0, 2, 1, 3))
+        else:
+            k.append(c[..., : d2 // 2].permute(0, 2, 1, 3))
+            v.append(c[..., d2 // 2 :].permute(0, 2, 1, 3))
+    return k, v
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["content-split", "row-split"])
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_strided_block_views_take_every_token_where_the_backend_reads_it(rows: bool, block_size: int) -> None:
+    tokens, nb = 24, 9
+    caches = [torch.zeros(nb, 2, block_size, 16, dtype=torch.float16) for _ in range(3)]
+    ids = torch.randperm(nb, generator=torch.Generator().manual_seed(block_size))[: -(-tokens // block_size)]
+    k, v = vllm032_views(caches, rows)
+    paged = PagedKV.blocks(k, v, ids, tokens)
+    paged.check(LAYOUT)
+    data = kv(tokens, seed=3)
+    paged.write(0, data[:, :, :8])
+    paged.write(8, data[:, :, 8:13])
+    paged.write(13, data[:, :, 13:])
+    for t in range(tokens):  # read back the way the attention backend reads its cache
+        page, off = int(ids[t // block_size]), t % block_size
+        for layer in range(3):
+            c = caches[layer][page]  # [H, bs, 2D]
+            if rows:
+                kk, vv = (
+                    c.reshape(2, 2 * block_size, 8)[:, :block_size],
+                    c.reshape(2, 2 * block_size, 8)[:, block_size:],
+                )
+                got_k, got_v = kk[:, off], vv[:, off]
+            else:
+                got_k, got_v = c[:, off, :8], c[:, off, 8:]
+            assert torch.equal(got_k, data[layer, 0, t]) and torch.equal(got_v, data[layer, 1, t])
+    out = torch.empty(LAYOUT.shape(tokens), dtype=torch.float16)
+    paged.read(0, out[:, :, :block_size])
+    paged.read(block_size, out[:, :, block_size:])
+    assert torch.equal(out, data)
+
+
+def test_tokens_below_the_floor_are_never_written() -> None:
+    caches = [torch.zeros(2, 6, 4, 2, 8, dtype=torch.float16) for _ in range(3)]
+    paged = PagedKV.vllm(caches, [5, 0, 3, 1], 16).above(6)
+    data = kv(16, seed=4)
+    paged.write(0, data[:, :, :8])
+    paged.write(8, data[:, :, 8:])
+    out = paged.read(0, torch.empty(LAYOUT.shape(16), dtype=torch.float16))
+    assert torch.equal(out[:, :, 6:], data[:, :, 6:])
+    assert not out[:, :, :6].any()  # block 5 and half of block 0 untouched
+    with pytest.raises(LayoutError, match="block ids must lie"):
+        PagedKV.vllm(caches, [5, 6], 8)

@@ -148,6 +148,41 @@ def test_put_from_a_paged_source_and_get_into_a_gpu_shaped_destination(daemons: 
         assert wait_until(lambda: shm_stats(c)["staging_used"] == 0, 5)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shm", "socket"])
+def test_gets_and_puts_from_a_start_leave_the_tokens_before_it_alone(
+    daemons: Any, tmp_path: Path, shared: bool
+) -> None:
+    """What an engine does with a prefix it holds in part already: load from where its own cache
+    ends, never writing the tokens before (they may be shared); save only what it just computed."""
+    cfg = write_config(tmp_path, server=SHM)
+    daemons(cfg)
+    rng = np.random.default_rng(4)
+    toks = random_tokens(rng, 6)
+    want = prefix_kv(toks)
+    caches, ids = vllm_buffers(len(toks) // 2, seed=9)
+    src = PagedKV.vllm(caches, ids, len(toks))
+    src.write(0, want)
+    ep = endpoint_of(cfg)
+    with attached(ep) if shared else socket_client(ep) as c:
+        assert c.put_from(toks, src, start=2 * T).stored == 0  # parents missing: refused
+        assert c.put_from(toks[: 2 * T], src).stored == 2
+        # token 2T+3 is inside block 2: blocks 2.. are sent, blocks 0 and 1 are not read
+        assert c.put_from(toks, src, start=2 * T + 3).stored == 4
+        assert c.put_from(toks, src, start=2 * T).present == 4
+        assert c.lookup(toks).matched_blocks == 6
+        caches2, ids2 = vllm_buffers(len(toks) // 2, seed=10)
+        dst = PagedKV.vllm(caches2, ids2, len(toks))
+        got = c.get_into(toks, dst, start=T + 1)
+        assert got.matched_blocks == 6 and got.tiers == ["hbm"] * 5  # blocks 1..5 fetched
+        back = dst.read(0, torch.empty(LAYOUT.shape(6 * T), dtype=torch.float16))
+        assert torch.equal(back[:, :, T + 1 :], want[:, :, T + 1 :])
+        assert not back[:, :, : T + 1].any()
+        out = torch.zeros(LAYOUT.shape(6 * T), dtype=torch.float16)
+        assert c.get_into(toks, out, start=6 * T).matched_blocks == 6 and not out.any()
+        with pytest.raises(Exception, match="multiple of"):
+            c.get_into(toks, out, start=3)
+
+
 def test_a_lapsed_lease_is_a_miss_never_a_wrong_block(daemons: Any, tmp_path: Path) -> None:
     cfg = write_config(tmp_path, server=SHM, policy={"pin_lease": "300ms"})
     ep = endpoint_of(cfg)
