@@ -1,0 +1,599 @@
+"""kvstore as vLLM's KV connector (the v1 connector API of vLLM 0.32 and 0.33), loaded by module path::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "kvstore.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"endpoint": "ipc:///run/kvstore/kvstore.sock"}}'
+
+Scheduler side: ``get_num_new_matched_tokens`` asks the daemon how much of a request's prompt it
+holds (a lookup: no side effects, asked once per request; the last prompt token is always left to
+compute). The step's metadata then tells the workers which tokens to load into which of vLLM's
+blocks, and which newly computed full blocks to save.
+
+Worker side: loads run before the forward pass, straight into vLLM's paged caches (``get_into``
+with the request's block ids, from the first token vLLM does not hold itself, never writing a block
+it shares). A block that vanished between the lookup and the load is reported through
+``get_block_ids_with_load_errors``; with ``kv_load_failure_policy = "recompute"`` vLLM recomputes
+it. Saves are queued after the step and run on a thread (a copy out of vLLM's blocks into shared
+staging, then the daemon stores them); a finished request's blocks are kept until its saves are
+done (``request_finished`` returns True, ``get_finished`` reports it).
+
+The namespace holds everything that changes K/V: the model and its revision, the KV layout
+(layers, KV heads per rank, head size, dtype, kvstore's block size), the tensor- and
+pipeline-parallel rank and size, the LoRA adapter and vLLM's ``cache_salt`` (hashed). Requests
+with multimodal inputs or prompt embeddings are neither looked up nor saved: their token ids do not
+name their K/V.
+
+vLLM's block size and kvstore's ``block_tokens`` are independent: loads start at any token (the
+block holding it is fetched and written from that token on), saves cover whole kvstore blocks.
+K and V are read out of each layer's cache by attention backend: vLLM's per-layer
+``[num_blocks, H, block_size, 2*head_size]`` holds K and V side by side in the last dimension
+(FlashAttention, FlashInfer, Triton, FlexAttention), or K's rows then V's rows per head (CPU); the
+older ``[2, num_blocks, block_size, H, head_size]`` is read as it is.
+
+``kv_connector_extra_config`` (all optional):
+    endpoint        the daemon (default: kvstore's default ipc endpoint)
+    tenant          kvstore tenant (default "default")
+    model           the model's name in the namespace (default: vLLM's model name or path)
+    block_tokens    kvstore's block size (default 64)
+    timeout         seconds per daemon call (default 5)
+    load, save      false switches that direction off (default both on)
+    save_outputs    also save generated tokens' blocks, for the next turn of a conversation (default true)
+    shared_memory   false: always the socket (default: shared memory when the daemon offers it)
+A request's ``kv_transfer_params`` may name a kvstore session: ``{"kvstore_session": "conv-42"}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.client import KVStoreClient
+from kvstore.errors import ConfigError, KVStoreError, LayoutError
+from kvstore.kvbuffers import PagedKV
+from kvstore.layout import KVLayout, dtype_name
+
+log = logging.getLogger(__name__)
+
+MAX_CLIENTS = 16  # distinct (LoRA, cache salt) namespaces kept connected per process
+
+
+# ---------------------------------------------------------------------- settings and namespace
+
+
+@dataclass(frozen=True)
+class Settings:
+    endpoint: str | None = None
+    tenant: str = "default"
+    model: str | None = None
+    block_tokens: int = 64
+    timeout: float = 5.0
+    load: bool = True
+    save: bool = True
+    save_outputs: bool = True
+    shared_memory: bool | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config has unknown keys {unknown}; kvstore takes {sorted(known)}"
+            )
+        try:
+            s = cls(**extra)
+        except TypeError as e:
+            raise ConfigError(f"kv_connector_extra_config: {e}") from None
+        if not isinstance(s.block_tokens, int) or s.block_tokens < 1:
+            raise ConfigError(f"block_tokens must be a positive integer, got {s.block_tokens!r}")
+        return s
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What, besides the model, changes a request's K/V: its LoRA adapter and cache salt."""
+
+    lora: str = ""
+    salt: str = ""  # sha256 of vLLM's cache_salt: the salt itself is never sent nor logged
+
+    @classmethod
+    def of(cls, request: Any) -> Variant:
+        lora = getattr(request, "lora_request", None)
+        salt = getattr(request, "cache_salt", None)
+        return cls(
+            lora="" if lora is None else f"{lora.lora_name}#{lora.lora_int_id}",
+            salt="" if not salt else hashlib.sha256(str(salt).encode()).hexdigest()[:32],
+        )
+
+
+def model_layout(vllm_config: Any, block_tokens: int) -> KVLayout:
+    """The K/V layout of this vLLM instance's share of the model (its pipeline stage's layers, its
+    tensor-parallel rank's KV heads), in the dtype vLLM keeps K/V in."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if getattr(mc, "use_mla", False):
+        raise LayoutError("kvstore's vLLM connector keeps per-head K and V; MLA models are not supported")
+    cache_dtype = str(getattr(cc, "cache_dtype", "auto"))
+    if cache_dtype not in ("auto", str(mc.dtype).removeprefix("torch.")):
+        raise LayoutError(
+            f"kvstore keeps K/V in the model's dtype ({mc.dtype}); --kv-cache-dtype {cache_dtype} is not supported"
+        )
+    return KVLayout(
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        dtype=dtype_name(mc.dtype),
+        block_tokens=block_tokens,
+    )
+
+
+def namespace_revision(vllm_config: Any, ranks: tuple[int, int], variant: Variant) -> str:
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    parts = [
+        f"rev={mc.revision or ''}",
+        f"tp={ranks[0]}/{pc.tensor_parallel_size}",
+        f"pp={ranks[1]}/{pc.pipeline_parallel_size}",
+    ]
+    if variant.lora:
+        parts.append(f"lora={variant.lora}")
+    if variant.salt:
+        parts.append(f"salt={variant.salt}")
+    return ";".join(parts)
+
+
+def model_name(vllm_config: Any, settings: Settings) -> str:
+    name = settings.model or str(vllm_config.model_config.model)
+    if len(name.encode()) > 200:  # a namespace field holds 256 bytes
+        name = "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+    return name
+
+
+class Clients:
+    """Connected clients, one per namespace variant (and purpose), made on first use."""
+
+    def __init__(
+        self, vllm_config: Any, settings: Settings, layout: KVLayout, ranks: tuple[int, int]
+    ) -> None:
+        self._cfg, self._settings, self._layout, self._ranks = vllm_config, settings, layout, ranks
+        self._clients: dict[tuple[Variant, str], KVStoreClient] = {}
+        self._lock = threading.Lock()
+
+    def get(self, variant: Variant, purpose: str) -> KVStoreClient:
+        with self._lock:
+            c = self._clients.pop((variant, purpose), None)
+            if c is None:
+                if len(self._clients) >= MAX_CLIENTS:
+                    oldest = next(iter(self._clients))
+                    self._clients.pop(oldest).close()
+                s = self._settings
+                c = KVStoreClient(
+                    s.endpoint,
+                    model=model_name(self._cfg, s),
+                    layout=self._layout,
+                    tenant=s.tenant,
+                    timeout=s.timeout,
+                    revision=namespace_revision(self._cfg, self._ranks, variant),
+                    shared_memory=s.shared_memory,
+                )
+            self._clients[(variant, purpose)] = c  # most recently used last
+            return c
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()
+
+
+# ---------------------------------------------------------------------- metadata
+
+
+@dataclass
+class Transfer:
+    """One request's load or save: tokens ``start .. end-1`` of ``tokens`` (its first ``end``), in
+    vLLM's blocks ``block_ids`` (those of the request, from its first token)."""
+
+    req_id: str
+    variant: Variant
+    tokens: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
+    session: str | None = None
+
+
+@dataclass
+class KVStoreMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """A scheduled request, on the scheduler side."""
+
+    request: Any
+    variant: Variant
+    block_ids: list[int]
+    saved: int  # tokens [0, saved) are in kvstore, or on their way
+    session: str | None
+    saving: bool = False  # a save was scheduled: its blocks are freed only when the workers say
+
+
+def _token_ids(request: Any) -> list[int] | None:
+    """The request's prompt token ids, or None when they do not name its K/V."""
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return None
+    return getattr(request, "prompt_token_ids", None)
+
+
+def _session(request: Any) -> str | None:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    s = params.get("kvstore_session") if isinstance(params, dict) else None
+    return s if isinstance(s, str) and s else None
+
+
+# ---------------------------------------------------------------------- K and V in vLLM's caches
+
+
+def split_kv(
+    cache: torch.Tensor, backend: str, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer's cache as ``[num_blocks, block_size, H, D]`` views (no copy)."""
+    H, D = num_kv_heads, head_dim
+    shape = tuple(cache.shape)
+    if cache.dim() == 5 and shape[0] == 2 and shape[3:] == (H, D):  # [2, nb, bs, H, D]
+        return cache[0], cache[1]
+    if cache.dim() == 5 and shape[1] == 2 and shape[3:] == (H, D):  # [nb, 2, bs, H, D]
+        return cache[:, 0], cache[:, 1]
+    if cache.dim() == 4 and shape[1] == H and shape[3] == 2 * D:  # [nb, H, bs, 2D]
+        if backend.upper().startswith("CPU"):
+            # the CPU kernels read each head's [bs, 2D] as [2*bs, D]: bs rows of K, then bs of V
+            nb, _, bs, _ = shape
+            try:
+                rows = cache.view(nb, H, 2, bs, D)
+            except RuntimeError:
+                raise LayoutError(f"a {backend} cache {shape} must be contiguous per head") from None
+            return rows[:, :, 0].permute(0, 2, 1, 3), rows[:, :, 1].permute(0, 2, 1, 3)
+        return cache[..., :D].permute(0, 2, 1, 3), cache[..., D:].permute(0, 2, 1, 3)
+    if cache.dim() == 4 and shape[1] == 2 * H and shape[3] == D:  # [nb, 2H, bs, D]: K heads, then V heads
+        return cache[:, :H].permute(0, 2, 1, 3), cache[:, H:].permute(0, 2, 1, 3)
+    raise LayoutError(
+        f"cannot find K and V of {H} heads x {D} in a {backend} KV cache of shape {shape}; "
+        "kvstore reads [num_blocks, H, block_size, 2*D] and [2, num_blocks, block_size, H, D]"
+    )
+
+
+def _layer_index(name: str) -> int:
+    found = re.findall(r"\.(\d+)\.", f".{name}.")
+    return int(found[0]) if found else 0
+
+
+def _backends(vllm_config: Any) -> dict[str, str]:
+    """Attention backend name per layer name (empty when vLLM cannot say)."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
+        return {name: layer.get_attn_backend().get_name() for name, layer in layers.items()}
+    except Exception as e:  # an older or newer vLLM: fall back to reading the shapes
+        log.debug("attention backends not found (%s)", e)
+        return {}
+
+
+def _ranks() -> tuple[int, int]:
+    """This worker's tensor- and pipeline-parallel ranks."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
+    except Exception:  # not initialised: a single process
+        return 0, 0
+
+
+# ---------------------------------------------------------------------- worker-side saving
+
+
+class _Saver:
+    """Saves run one after another on a thread; counts what each request still has queued."""
+
+    def __init__(self, clients: Clients) -> None:
+        self._clients = clients
+        self._jobs: deque[tuple[Transfer, PagedKV]] = deque()
+        self._pending: dict[str, int] = {}
+        self._cv = threading.Condition()
+        self._stop = False
+        self.saved_blocks = 0
+        self.failed_saves = 0
+        self._thread = threading.Thread(target=self._run, name="kvstore-save", daemon=True)
+        self._thread.start()
+
+    def submit(self, t: Transfer, paged: PagedKV) -> None:
+        with self._cv:
+            self._jobs.append((t, paged))
+            self._pending[t.req_id] = self._pending.get(t.req_id, 0) + 1
+            self._cv.notify_all()
+
+    def pending(self, req_id: str) -> int:
+        with self._cv:
+            return self._pending.get(req_id, 0)
+
+    def drain(self) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: not self._pending)
+
+    def close(self) -> None:
+        self.drain()
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._stop)
+                if not self._jobs:
+                    return
+                t, paged = self._jobs.popleft()
+            try:
+                r = self._clients.get(t.variant, "save").put_from(t.tokens, paged, t.session, start=t.start)
+                self.saved_blocks += r.stored
+                if r.failed:
+                    self.failed_saves += 1
+                    log.debug("kvstore refused blocks of %s: %s", t.req_id, r.failed[0])
+            except Exception as e:  # never the engine's problem: the blocks are simply not cached
+                self.failed_saves += 1
+                log.warning("kvstore save of %s failed: %s", t.req_id, e)
+            finally:
+                with self._cv:
+                    n = self._pending[t.req_id] - 1
+                    if n:
+                        self._pending[t.req_id] = n
+                    else:
+                        del self._pending[t.req_id]
+                    self._cv.notify_all()
+
+
+# ---------------------------------------------------------------------- the connector
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.settings = Settings.from_extra(extra)
+        self.layout = model_layout(vllm_config, self.settings.block_tokens)
+        self._worker = role == KVConnectorRole.WORKER
+        # the scheduler looks up what rank 0 of the first stage holds; each worker loads and saves its own
+        self._clients = Clients(vllm_config, self.settings, self.layout, _ranks() if self._worker else (0, 0))
+        T = self.layout.block_tokens
+        self._T = T
+        # scheduler side
+        self._hits: dict[str, tuple[int, int]] = {}  # request -> (kvstore's tokens, vLLM's own)
+        self._loads: dict[str, tuple[int, int]] = {}  # request -> (start, end) to load this step
+        self._requests: dict[str, Any] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._lookup_failures = 0
+        # worker side
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+        self._saving: set[str] = set()  # requests with saves queued at some point
+        self._finishing: set[str] = set()  # finished requests whose saves are still running
+        self._saver: _Saver | None = None
+        self.loaded_tokens = 0
+        log.info(
+            "kvstore connector (%s): %s, namespace %s",
+            "worker" if self._worker else "scheduler",
+            self.settings.endpoint or "default endpoint",
+            self.layout,
+        )
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        self._requests[rid] = request
+        if not self.settings.load:
+            return 0, False
+        held = self._hits.get(rid)
+        if held is None:  # asked once per request: the scheduler asks again while it waits
+            tokens = _token_ids(request)
+            hit = 0
+            if tokens is not None and len(tokens) > self._T:
+                try:  # the last prompt token is always computed: its logits start the answer
+                    hit = self._clients.get(Variant.of(request), "lookup").lookup(tokens[:-1]).matched_tokens
+                except KVStoreError as e:
+                    self._lookup_failures += 1
+                    if self._lookup_failures == 1 or self._lookup_failures % 1000 == 0:
+                        log.warning("kvstore lookup failed (%s); serving without it", e)
+            held = (hit, num_computed_tokens)
+        held = (held[0], num_computed_tokens)
+        self._hits[rid] = held
+        return max(0, held[0] - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if num_external_tokens > 0 and rid in self._hits:
+            local = self._hits[rid][1]
+            self._loads[rid] = (local, local + num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVStoreMetadata:
+        meta = KVStoreMetadata()
+        so = scheduler_output
+        for nr in so.scheduled_new_reqs:
+            rid = nr.req_id
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            t = _Tracked(
+                request,
+                Variant.of(request),
+                list(nr.block_ids[0]),
+                saved=self._hits.get(rid, (0, 0))[0],
+                session=_session(request),
+            )
+            self._tracked[rid] = t
+            self._plan_load(meta, t)
+            self._plan_save(meta, t, nr.num_computed_tokens + so.num_scheduled_tokens[rid])
+        cached = so.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for i, rid in enumerate(cached.req_ids):
+            known = self._tracked.get(rid)
+            if known is None:
+                continue
+            new = cached.new_block_ids[i]
+            if rid in resumed:  # back from preemption: these are all its blocks now
+                known.block_ids = list(new[0]) if new else []
+                self._plan_load(meta, known)
+            elif new:
+                known.block_ids.extend(new[0])
+            self._plan_save(meta, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid])
+        meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
+        self._loads.clear()
+        for rid in list(self._hits):  # asked again only if it goes back to waiting
+            if rid in self._tracked:
+                del self._hits[rid]
+        return meta
+
+    def _plan_load(self, meta: KVStoreMetadata, t: _Tracked) -> None:
+        rid = t.request.request_id
+        span = self._loads.get(rid)
+        tokens = _token_ids(t.request)
+        if span is None or tokens is None:
+            return
+        start, end = span
+        meta.loads.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), start, end))
+
+    def _plan_save(self, meta: KVStoreMetadata, t: _Tracked, computed: int) -> None:
+        if not self.settings.save or _token_ids(t.request) is None:
+            return
+        tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
+        end = min(computed, len(tokens)) // self._T * self._T
+        if end <= t.saved:
+            return
+        rid = t.request.request_id
+        meta.saves.append(
+            Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), t.saved, end, t.session)
+        )
+        t.saved = end
+        t.saving = True
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._hits.pop(rid, None)
+        self._loads.pop(rid, None)
+        t = self._tracked.pop(rid, None)
+        # saves read the request's blocks on the workers' thread: keep them until they are done
+        return (t is not None and t.saving), None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        backends = _backends(self._vllm_config)
+        names = sorted(kv_caches, key=_layer_index)
+        L = self.layout
+        k, v = [], []
+        for name in names:
+            kk, vv = split_kv(kv_caches[name], backends.get(name, ""), L.num_kv_heads, L.head_dim)
+            k.append(kk)
+            v.append(vv)
+        if len(k) != L.num_layers or k[0].dtype != L.torch_dtype:
+            raise LayoutError(
+                f"vLLM registered {len(k)} KV caches of {k[0].dtype if k else None}; kvstore expects "
+                f"{L.num_layers} of {L.dtype}"
+            )
+        self._k, self._v = k, v
+        self._saver = _Saver(self._clients)
+        log.info(
+            "kvstore connector: %d layers, blocks of %d tokens, %s",
+            len(k),
+            k[0].shape[1],
+            sorted(set(backends.values())) or "backend unknown",
+        )
+
+    def _paged(self, t: Transfer) -> PagedKV:
+        return PagedKV.blocks(self._k, self._v, t.block_ids, t.end)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVStoreMetadata) or not self._k:
+            return
+        for t in meta.loads:
+            got = t.start
+            try:
+                r = self._clients.get(t.variant, "load").get_into(t.tokens, self._paged(t), start=t.start)
+                got = r.matched_tokens
+            except Exception as e:  # the blocks are recomputed, never read as garbage
+                log.warning("kvstore load of %s failed: %s", t.req_id, e)
+            self.loaded_tokens += max(0, min(got, t.end) - t.start)
+            if got < t.end:
+                bs = self._k[0].shape[1]
+                first = max(got, t.start) // bs
+                self._load_errors.update(t.block_ids[first : -(-t.end // bs)])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # saved after the step, from the caches, by wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVStoreMetadata) or self._saver is None:
+            return
+        for t in meta.saves:
+            self._saving.add(t.req_id)
+            self._saver.submit(t, self._paged(t))
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # a preempted request's blocks are free again: no queued save may read them after this
+        if self._saver is not None and getattr(kv_connector_metadata, "preempted", None):
+            self._saver.drain()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._saver is None:
+            return None, None
+        self._finishing |= finished_req_ids & self._saving
+        done = {rid for rid in self._finishing if self._saver.pending(rid) == 0}
+        self._finishing -= done
+        self._saving -= done
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+            log.info(
+                "kvstore connector: loaded %d tokens, saved %d blocks, %d saves failed",
+                self.loaded_tokens,
+                self._saver.saved_blocks,
+                self._saver.failed_saves,
+            )
+        self._clients.close()
+
+
+__all__: Sequence[str] = ["KVStoreConnector", "KVStoreMetadata", "Settings", "Transfer", "split_kv"]
