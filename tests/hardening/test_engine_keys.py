@@ -172,7 +172,7 @@ def test_bad_engine_keys_get_a_clear_error_and_change_nothing(daemons: Any, tmp_
         try:
             hello = raw.ask(header("hello", rid=1, namespace=ns.to_dict()))
             nsid = hello["ns"]
-            bad = [
+            bad: list[tuple[dict[str, Any], str]] = [
                 ({"keys": b"x" * 33}, "invalid_tokens"),  # not whole keys
                 ({"keys": b""}, "invalid_tokens"),  # no key at all
                 ({"keys": b"x" * 32, "tokens": b"\0" * 16}, "bad_header"),  # both ways at once
