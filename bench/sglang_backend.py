@@ -145,7 +145,9 @@ def main() -> int:
     torch.set_num_threads(1)
     n = TOKENS // PAGE
     nbytes = 2 * L * TOKENS * H * D * 2
-    print(f"SGLang HiCache L3 on kvstore: {TOKENS} tokens = {n} pages of {PAGE}, {nbytes / 1e6:.0f} MB (bf16)")
+    print(
+        f"SGLang HiCache L3 on kvstore: {TOKENS} tokens = {n} pages of {PAGE}, {nbytes / 1e6:.0f} MB (bf16)"
+    )
     a = torch.randn(nbytes // 2).to(torch.bfloat16)
     b = torch.empty_like(a)
     b.copy_(a)
