@@ -42,16 +42,18 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
 import torch
 import zmq
 
+from kvstore.chains import Chain, KeyChain, TokenChain, as_chain
 from kvstore.connection import Connection
 from kvstore.daemon.auth import ClientKeys
 from kvstore.errors import InvalidNamespace, LayoutError
-from kvstore.keys import Namespace, TokenInput, as_tokens
+from kvstore.keys import Namespace, TokenInput
 from kvstore.kvbuffers import KVTarget, PagedKV, check_target, empty_kv, target_tokens, write_target
 from kvstore.layout import KVLayout
 from kvstore.results import (
@@ -259,27 +261,31 @@ class KVStoreClient:
             raise InvalidNamespace("this client has no namespace; pass model= and layout= to KVStoreClient")
         return self.namespace
 
-    def _tokens(self, token_ids: TokenInput) -> Any:
-        tokens = as_tokens(token_ids)
+    def _names(self, token_ids: TokenInput | Chain) -> Chain:
+        """Token ids (or a chain of engine keys) as a chain, within the daemon's limits."""
+        names = as_chain(token_ids)
         limits = self._conn.limits
-        if limits is not None and len(tokens) > limits.max_tokens:
+        n = names.tokens_named(self._ns().layout.block_tokens)
+        if limits is not None and n > limits.max_tokens:
+            what = "token ids" if isinstance(names, TokenChain) else "tokens' worth of engine keys"
             raise LocalProtocolError(
                 "too_many_tokens",
-                f"{len(tokens)} token ids, over the daemon's max_tokens_per_request {limits.max_tokens}",
+                f"{n} {what}, over the daemon's max_tokens_per_request {limits.max_tokens}",
             )
-        return tokens
+        return names
 
     def _call(self, msg: Message, *, idempotent: bool = True) -> Message:
         with self._lock:
             return self._conn.call(msg, idempotent=idempotent)
 
-    def _chunk(self, ntokens: int) -> int:
+    def _chunk(self, names: Chain) -> int:
         """Blocks per message: ``chunk_blocks`` (or CHUNK_BYTES worth), fewer if the daemon's limit says so."""
         limits, layout = self._conn.limits, self._ns().layout
         blocks = self.chunk_blocks or max(1, CHUNK_BYTES // layout.block_nbytes)
         if limits is None:
             return blocks
-        room = (limits.max_message_bytes - 4 * ntokens - 4096) // layout.block_nbytes  # 4096: header fields
+        named = 4 * len(names.tokens) if isinstance(names, TokenChain) else len(names.keys_raw)
+        room = (limits.max_message_bytes - named - 4096) // layout.block_nbytes  # 4096: header fields
         return max(1, min(blocks, room))
 
     # ------------------------------------------------------------------ data path
@@ -291,16 +297,19 @@ class KVStoreClient:
         assert isinstance(reply, Pong)
         return {"server": reply.server, "pid": reply.pid, "rtt": time.perf_counter() - t0}
 
-    def lookup(self, token_ids: TokenInput) -> LookupResult:
-        """How many leading tokens of ``token_ids`` the daemon holds (whole blocks). Changes nothing."""
+    def lookup(self, token_ids: TokenInput | Chain) -> LookupResult:
+        """How many leading tokens of ``token_ids`` the daemon holds (whole blocks). Changes nothing.
+
+        Every data call takes, in place of token ids, a KeyChain: blocks named by an engine's own
+        chained page keys (``lookup_keys``, ``get_into_keys``, ``put_from_keys``)."""
         ns = self._ns()
         with self._lock:
             self._conn.ensure_hello()
-            reply = self._conn.call(Lookup(ns=ns.id, tokens=self._tokens(token_ids)), idempotent=True)
+            reply = self._conn.call(Lookup(ns=ns.id, **self._names(token_ids).fields()), idempotent=True)
         assert isinstance(reply, LookupOk)
         return LookupResult(reply.matched_blocks, reply.matched_tokens, list(reply.tiers))
 
-    def get(self, token_ids: TokenInput, *, device: torch.device | str = "cpu") -> GetResult:
+    def get(self, token_ids: TokenInput | Chain, *, device: torch.device | str = "cpu") -> GetResult:
         """The K/V of the longest stored prefix of ``token_ids``: ``kv`` is ``[L, 2, matched, H, D]`` or None.
 
         Same host, the blocks are copied or decoded from shared memory into one tensor on ``device``
@@ -312,11 +321,11 @@ class KVStoreClient:
         layout, T = ns.layout, ns.layout.block_tokens
         with self._lock:
             self._conn.ensure_hello()
-            tokens = self._tokens(token_ids)
+            tokens = self._names(token_ids)
             if self._shared() is not None:
                 # host memory is reserved, not touched, until written: no lookup needed to size it
                 on_cpu = torch.device(device).type == "cpu"
-                total = len(tokens) // T if on_cpu else self.lookup(tokens).matched_blocks
+                total = tokens.blocks(T) if on_cpu else self.lookup(tokens).matched_blocks
                 if total == 0:
                     return GetResult(0, 0, None, [])
                 out = empty_kv(layout.shape(total * T), layout.torch_dtype, device)
@@ -329,12 +338,12 @@ class KVStoreClient:
                     return GetResult(matched, matched * T, kv, tiers)
             return self._socket_get(tokens, device)
 
-    def _socket_get(self, tokens: Any, device: torch.device | str) -> GetResult:
+    def _socket_get(self, tokens: Chain, device: torch.device | str) -> GetResult:
         """``get`` over the socket (lock held): chunks in flight, one tensor filled as they arrive."""
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
-        chunk = self._chunk(len(tokens))
-        total = len(tokens) // T
+        chunk = self._chunk(tokens)
+        total = tokens.blocks(T)
         if total > chunk:
             total = self.lookup(tokens).matched_blocks
         if total == 0:
@@ -347,7 +356,7 @@ class KVStoreClient:
         def make(i: int) -> Message:
             s = starts[i]
             n = min(chunk, total - s)
-            return Get(ns=ns.id, tokens=tokens[: (s + n) * T], start_block=s, max_blocks=n)
+            return Get(ns=ns.id, **tokens.head(s + n, T).fields(), start_block=s, max_blocks=n)
 
         def on_reply(i: int, reply: Message) -> None:
             nonlocal out
@@ -377,7 +386,7 @@ class KVStoreClient:
             kv = kv.to(device)
         return GetResult(matched, matched * T, kv, [t for ts in tiers for t in ts][:matched])
 
-    def get_into(self, token_ids: TokenInput, out: KVTarget, *, start: int = 0) -> GetResult:
+    def get_into(self, token_ids: TokenInput | Chain, out: KVTarget, *, start: int = 0) -> GetResult:
         """Fill ``out`` with the K/V of the longest stored prefix of ``token_ids`` (at most as many
         tokens as ``out`` holds): a tensor ``[L, 2, T, H, D]`` on any device, or a PagedKV (an
         engine's paged buffers and the slots of this sequence's tokens). Returns the match; ``kv`` is
@@ -401,8 +410,8 @@ class KVStoreClient:
             out = out.above(start)
         with self._lock:
             self._conn.ensure_hello()
-            tokens = self._tokens(token_ids)
-            total = min(len(tokens), target_tokens(out)) // T
+            tokens = self._names(token_ids)
+            total = min(tokens.blocks(T), target_tokens(out) // T)
             if total <= first:
                 return GetResult(min(first, total), min(first, total) * T, None, [])
             got = self._read_into(tokens, out, total, first) if self._shared() is not None else None
@@ -413,7 +422,7 @@ class KVStoreClient:
         return GetResult(matched, matched * T, kv, tiers)
 
     def _read_into(
-        self, tokens: Any, out: KVTarget, total: int, first: int = 0
+        self, tokens: Chain, out: KVTarget, total: int, first: int = 0
     ) -> tuple[int, list[str]] | None:
         """Blocks ``first .. total-1`` through shared memory into ``out`` (lock held); None: use the socket."""
         for _ in range(STALE_RETRIES + 1):
@@ -431,7 +440,7 @@ class KVStoreClient:
         return None
 
     def _locate_loop(
-        self, m: SharedMapping, tokens: Any, out: KVTarget, total: int, first: int
+        self, m: SharedMapping, tokens: Chain, out: KVTarget, total: int, first: int
     ) -> tuple[int, list[str]]:
         ns = self._ns()
         T = ns.layout.block_tokens
@@ -440,7 +449,7 @@ class KVStoreClient:
         while start < total:
             msg = Locate(
                 ns=ns.id,
-                tokens=tokens[: total * T],
+                **tokens.head(total, T).fields(),
                 start_block=start,
                 max_blocks=total - start,
                 tiers=m.tiers,
@@ -470,13 +479,13 @@ class KVStoreClient:
         return start, tiers
 
     def _socket_read_into(
-        self, tokens: Any, out: KVTarget, total: int, first: int = 0
+        self, tokens: Chain, out: KVTarget, total: int, first: int = 0
     ) -> tuple[int, list[str]]:
         """Blocks ``first .. total-1`` over the socket, each chunk written into ``out`` (lock held).
         Returns the blocks matched from block 0 and the tiers of those from ``first``."""
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
-        chunk = self._chunk(len(tokens))
+        chunk = self._chunk(tokens)
         if total - first > chunk:
             total = min(total, self.lookup(tokens).matched_blocks)
         if total <= first:
@@ -488,7 +497,7 @@ class KVStoreClient:
         def make(i: int) -> Message:
             s = starts[i]
             n = min(chunk, total - s)
-            return Get(ns=ns.id, tokens=tokens[: (s + n) * T], start_block=s, max_blocks=n)
+            return Get(ns=ns.id, **tokens.head(s + n, T).fields(), start_block=s, max_blocks=n)
 
         def on_reply(i: int, reply: Message) -> None:
             assert isinstance(reply, GetOk)
@@ -508,7 +517,7 @@ class KVStoreClient:
         return matched, [t for ts in tiers for t in ts][: matched - first]
 
     def put_from(
-        self, token_ids: TokenInput, src: KVTarget, session: str | None = None, *, start: int = 0
+        self, token_ids: TokenInput | Chain, src: KVTarget, session: str | None = None, *, start: int = 0
     ) -> PutResult:
         """Store the full blocks of ``token_ids`` whose K/V ``src`` holds: a tensor ``[L, 2, T, H, D]``
         on any device, or a PagedKV (an engine's paged buffers and this sequence's slots). Same host,
@@ -519,14 +528,14 @@ class KVStoreClient:
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         check_target(src, layout, "put_from src")
-        tokens = as_tokens(token_ids)
-        total = min(len(tokens), target_tokens(src)) // T
+        names = as_chain(token_ids)
+        total = min(names.blocks(T), target_tokens(src) // T)
         first = max(0, start) // T
         if total <= first:
             return PutResult(0, 0, [])
         with self._lock:
             self._conn.ensure_hello()
-            tokens = self._tokens(tokens[: total * T])
+            tokens = self._names(names.head(total, T))
             for _ in range(STALE_RETRIES + 1):
                 m = self._shared()
                 if m is None:
@@ -554,13 +563,13 @@ class KVStoreClient:
         return out
 
     def _commit_loop(
-        self, m: SharedMapping, tokens: Any, src: KVTarget, total: int, session: str | None, first: int
+        self, m: SharedMapping, tokens: Chain, src: KVTarget, total: int, session: str | None, first: int
     ) -> PutResult:
         """Blocks ``0 .. total-1`` through staging. More than one chunk: two staging ranges taken in
         turn, and the next chunk written while the daemon stores the last (its commits run in order),
         so that this process's copy and the daemon's overlap."""
         nb = self._ns().layout.block_nbytes
-        chunk = max(1, min(self._chunk(len(tokens)), m.per_client // nb))
+        chunk = max(1, min(self._chunk(tokens), m.per_client // nb))
         if total - first > chunk:
             chunk = max(1, min(chunk, m.per_client // (2 * nb)))
         starts = list(range(first, total, chunk))
@@ -583,7 +592,7 @@ class KVStoreClient:
     def _pipelined_commits(
         self,
         m: SharedMapping,
-        tokens: Any,
+        tokens: Chain,
         src: KVTarget,
         starts: list[int],
         chunk: int,
@@ -614,7 +623,7 @@ class KVStoreClient:
                 self._conn.call(Finish(handle=r.handle, used=0), idempotent=True)
 
     def _commit_chunk(
-        self, m: SharedMapping, tokens: Any, src: KVTarget, s: int, e: int, session: str | None
+        self, m: SharedMapping, tokens: Chain, src: KVTarget, s: int, e: int, session: str | None
     ) -> Message:
         """Blocks ``s .. e-1``: reserve staging, write them there, commit. A reservation that lapsed
         before the commit (a paused client) is made again."""
@@ -635,7 +644,7 @@ class KVStoreClient:
         self,
         m: SharedMapping,
         r: ReserveOk,
-        tokens: Any,
+        tokens: Chain,
         src: KVTarget,
         s: int,
         e: int,
@@ -654,7 +663,7 @@ class KVStoreClient:
             view.copy_(src[:, :, s * T : e * T])
         return Commit(
             ns=ns.id,
-            tokens=tokens[: e * T],
+            **tokens.head(e, T).fields(),
             start_block=s,
             shape=tuple(view.shape),
             dtype=layout.dtype,
@@ -663,7 +672,7 @@ class KVStoreClient:
             keep=keep,
         )
 
-    def put(self, token_ids: TokenInput, kv: torch.Tensor, session: str | None = None) -> PutResult:
+    def put(self, token_ids: TokenInput | Chain, kv: torch.Tensor, session: str | None = None) -> PutResult:
         """Store the full blocks of ``token_ids`` whose K/V ``kv`` (``[L, 2, T, H, D]``, T >= their tokens) holds.
 
         Returns how many blocks were stored, were already present, and which
@@ -672,25 +681,63 @@ class KVStoreClient:
         """
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
-        tokens = as_tokens(token_ids)
+        names = as_chain(token_ids)
         layout.check_tensor(kv)
-        total = min(len(tokens), kv.shape[2]) // T
+        total = min(names.blocks(T), kv.shape[2] // T)
         if total == 0:
             return PutResult(0, 0, [])
         with self._lock:
             self._conn.ensure_hello()
             if self._shared() is not None:
-                return self.put_from(tokens, kv, session)
-            return self._socket_put(self._tokens(tokens[: total * T]), kv, total, session)
+                return self.put_from(names, kv, session)
+            return self._socket_put(self._names(names.head(total, T)), kv, total, session)
+
+    # ------------------------------------------------------------------ engine page keys
+
+    def lookup_keys(self, keys: Sequence[bytes | str], prefix: Sequence[bytes | str] = ()) -> LookupResult:
+        """How many leading pages of ``keys`` the daemon holds: an engine's own chained page keys
+        (SGLang's page hashes: 64 hex digits or 32 bytes each), one block each, walked from the
+        first and stopping at the first miss. ``prefix``: the keys of the pages before them (only the
+        last matters, and only to a put: a page's identity is its key). Namespaced like token blocks:
+        the same key in another namespace or tenant is another block. Raises InvalidTokens for a
+        malformed key. Changes nothing."""
+        return self.lookup(KeyChain.of(keys, prefix))
+
+    def get_into_keys(
+        self,
+        keys: Sequence[bytes | str],
+        out: KVTarget,
+        prefix: Sequence[bytes | str] = (),
+        *,
+        start: int = 0,
+    ) -> GetResult:
+        """``get_into`` for the pages named by ``keys`` (see ``lookup_keys``): block ``i`` of ``out``
+        gets page ``keys[i]``, as far as the leading pages are held."""
+        return self.get_into(KeyChain.of(keys, prefix), out, start=start)
+
+    def put_from_keys(
+        self,
+        keys: Sequence[bytes | str],
+        src: KVTarget,
+        prefix: Sequence[bytes | str] = (),
+        session: str | None = None,
+        *,
+        start: int = 0,
+    ) -> PutResult:
+        """``put_from`` for the pages named by ``keys`` (see ``lookup_keys``): block ``i`` of ``src`` is
+        stored as page ``keys[i]``, the child of page ``keys[i - 1]``, and the first the child of the
+        last of ``prefix`` (which must be stored: else the put fails ``missing_parent``) or of the
+        namespace root."""
+        return self.put_from(KeyChain.of(keys, prefix), src, session, start=start)
 
     def _socket_put(
-        self, tokens: Any, kv: torch.Tensor, total: int, session: str | None, first: int = 0
+        self, tokens: Chain, kv: torch.Tensor, total: int, session: str | None, first: int = 0
     ) -> PutResult:
         """Blocks ``first .. total-1`` of ``kv`` over the socket, one chunk at a time (lock held)."""
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         tally = _Tally()
-        chunk = self._chunk(len(tokens))
+        chunk = self._chunk(tokens)
         starts = list(range(first, total, chunk))
 
         def make(i: int) -> Message:
@@ -698,7 +745,7 @@ class KVStoreClient:
             part = kv[:, :, s * T : e * T]
             return Put(
                 ns=ns.id,
-                tokens=tokens[: e * T],
+                **tokens.head(e, T).fields(),
                 start_block=s,
                 shape=tuple(part.shape),
                 dtype=layout.dtype,
@@ -756,7 +803,10 @@ class KVStoreClient:
         if token_ids is not None:
             with self._lock:
                 self._conn.ensure_hello()
-                reply = self._call(Inspect(ns=self._ns().id, tokens=self._tokens(token_ids)))
+                names = self._names(token_ids)
+                if not isinstance(names, TokenChain):
+                    raise LocalProtocolError("invalid_argument", "inspect takes token ids, not engine keys")
+                reply = self._call(Inspect(ns=self._ns().id, tokens=names.tokens))
             assert isinstance(reply, DataOk)
             return reply.data
         if session is None:
@@ -810,10 +860,16 @@ class KVStoreClient:
         with self._lock:
             self._conn.ensure_hello()
             reply = self._conn.call(
-                Pin(ns=ns.id, tokens=self._tokens(token_ids), lease=lease), idempotent=False
+                Pin(ns=ns.id, tokens=self._pin_tokens(token_ids), lease=lease), idempotent=False
             )
         assert isinstance(reply, PinOk)
         return reply.handle, reply.blocks
+
+    def _pin_tokens(self, token_ids: TokenInput) -> Any:
+        names = self._names(token_ids)
+        if not isinstance(names, TokenChain):
+            raise LocalProtocolError("invalid_argument", "pin takes token ids, not engine keys")
+        return names.tokens
 
     def release(self, handle: int) -> bool:
         """End a pin from ``pin``; False when its lease had already ended (or the handle is unknown)."""

@@ -31,6 +31,7 @@ from kvstore.errors import InvalidNamespace, InvalidTokens
 from kvstore.layout import KVLayout
 
 KEY_BYTES = 32
+ENGINE_KEY_TAG = b"kvstore/engine-key"  # 18 bytes, not a multiple of 4: see kvstore.chains
 MAX_TOKEN_ID = 2**32 - 1
 _U32 = np.dtype("<u4")
 _MAX_FIELD = 256
@@ -88,6 +89,14 @@ class Namespace:
         ):
             h.update(_lp(field))
         return h.digest()
+
+    def engine_root(self) -> bytes:
+        """The digest engine-supplied page keys are hashed under (kvstore.chains.KeyChain)."""
+        return self._engine_root
+
+    @cached_property
+    def _engine_root(self) -> bytes:
+        return hashlib.sha256(self._root + ENGINE_KEY_TAG).digest()
 
     @cached_property
     def id(self) -> str:

@@ -17,6 +17,7 @@ from kvstore.errors import FrameError
 from kvstore.keys import KEY_BYTES
 
 RECORD_VERSION = 1
+ENGINE_KEY = "engine_key"  # the ``extra`` field of a block named by an engine's page key (kvstore.chains)
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class BlockRecord:
     ``parent`` is the previous block's key, or the namespace root for block 0;
     ``position`` is the block's index in its prefix (block ``i`` covers tokens
     ``[i*T, (i+1)*T)``); ``tokens`` are its token ids (little-endian uint32
-    bytes) so that a hit can be verified and ``inspect`` can show the text.
+    bytes) so that a hit can be verified and ``inspect`` can show the text. A block
+    named by an engine's page key (kvstore.chains.KeyChain) keeps that key in
+    ``extra`` instead, and no tokens.
     """
 
     key: bytes
@@ -41,6 +44,18 @@ class BlockRecord:
 
     def token_ids(self) -> np.ndarray:
         return np.frombuffer(self.tokens, dtype="<u4")
+
+    @property
+    def engine_key(self) -> bytes:
+        """The engine's page key naming this block; empty for a block named by tokens."""
+        k = self.extra.get(ENGINE_KEY, b"")
+        return bytes(k) if isinstance(k, (bytes, bytearray)) and len(k) == KEY_BYTES else b""
+
+    def describe(self) -> str:
+        """What the block holds, for people: its tokens' count, or its engine key."""
+        if self.engine_key:
+            return f"engine key {self.engine_key.hex()[:16]}"
+        return f"{len(self.tokens) // 4} tokens"
 
     def with_session(self, session: str | None) -> BlockRecord:
         if session is None or session in self.sessions:

@@ -154,7 +154,7 @@ class Handlers:
         if not isinstance(request.msg, Lookup) or request.namespace is None:
             return None
         try:
-            r = self.store.try_lookup(request.namespace, request.msg.tokens)
+            r = self.store.try_lookup(request.namespace, request.msg.chain)
         except Exception:
             return None  # let a worker run it and turn the error into a reply
         if r is None:
@@ -163,13 +163,13 @@ class Handlers:
 
     def _lookup(self, msg: Lookup, ns: Namespace | None) -> Message:
         assert ns is not None
-        r = self.store.lookup(ns, msg.tokens)
+        r = self.store.lookup(ns, msg.chain)
         return LookupOk(matched_blocks=r.matched_blocks, matched_tokens=r.matched_tokens, tiers=list(r.tiers))
 
     def _get(self, msg: Get, ns: Namespace | None) -> Message:
         assert ns is not None
         r = self.store.get(
-            ns, msg.tokens, start_block=msg.start_block, max_blocks=msg.max_blocks, device="cpu"
+            ns, msg.chain, start_block=msg.start_block, max_blocks=msg.max_blocks, device="cpu"
         )
         if r.kv is None or r.matched_blocks == 0:
             return GetOk(start_block=msg.start_block, blocks=0, tiers=[])
@@ -185,8 +185,8 @@ class Handlers:
         if kv is None:
             kv = payload_tensor(msg.kv, msg.shape, ns.layout.torch_dtype)
         end = msg.start_block + msg.shape[2] // ns.layout.block_tokens
-        tokens = msg.tokens[: end * ns.layout.block_tokens]
-        r = self.store.put(ns, tokens, kv, session=msg.session, start_block=msg.start_block)
+        chain = msg.chain.head(end, ns.layout.block_tokens)
+        r = self.store.put(ns, chain, kv, session=msg.session, start_block=msg.start_block)
         if r.failed:
             log.warning(
                 "put of blocks %d..%d failed from block %d: %s",
@@ -333,7 +333,7 @@ class Handlers:
         names = self.store.tiers.names
         shared = {t for t, name in enumerate(names) if name in msg.tiers and plane.shares(name)}
         located = self.store.locate(
-            ns, msg.tokens, shared, start_block=msg.start_block, max_blocks=msg.max_blocks, lease=plane.lease
+            ns, msg.chain, shared, start_block=msg.start_block, max_blocks=msg.max_blocks, lease=plane.lease
         )
         blocks: list[list[Any]] = []
         tiers: list[str] = []
@@ -363,7 +363,7 @@ class Handlers:
                 per = nb // layout.torch_dtype.itemsize
                 outs = [buf[b * per : (b + 1) * per].view(shape) for b in range(k)]  # block-major
                 r = self.store.get(
-                    ns, msg.tokens, start_block=msg.start_block + len(located.places), max_blocks=k, out=outs
+                    ns, msg.chain, start_block=msg.start_block + len(located.places), max_blocks=k, out=outs
                 )
                 for j in range(r.matched_blocks):
                     extent = np.asarray([[lease.offset + j * nb, nb]], dtype="<i8").tobytes()
@@ -406,6 +406,8 @@ class Handlers:
                 Put(
                     ns=msg.ns,
                     tokens=msg.tokens,
+                    keys=msg.keys,
+                    parent=msg.parent,
                     shape=msg.shape,
                     dtype=msg.dtype,
                     start_block=msg.start_block,

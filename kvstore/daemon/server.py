@@ -433,7 +433,7 @@ class Server:
         cost = sum(nbytes(f) for f in frames)
         msg = request.msg
         if isinstance(msg, Get) and ns is not None:
-            blocks = max(0, len(msg.tokens) // ns.layout.block_tokens - msg.start_block)
+            blocks = max(0, msg.chain.blocks(ns.layout.block_tokens) - msg.start_block)
             if msg.max_blocks is not None:
                 blocks = min(blocks, msg.max_blocks)
             cost += blocks * ns.layout.block_nbytes

@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstore.chains import Chain, KeyChain, as_chain
 from kvstore.errors import KVStoreError, LayoutError
-from kvstore.keys import Namespace, as_tokens, block_keys, iter_block_keys
+from kvstore.keys import Namespace
 from kvstore.kvbuffers import empty_kv
 from kvstore.results import (
     MISSING_PARENT,
@@ -66,7 +67,7 @@ from kvstore.results import (
 from kvstore.store.admin import AdminOps
 from kvstore.store.counts import StoreCounts
 from kvstore.store.datapath import DataPath, Read
-from kvstore.store.index import BlockIndex, Entry
+from kvstore.store.index import BlockIndex, Entry, Pending
 from kvstore.store.journal import Journal
 from kvstore.store.movement import Frames, Mover
 from kvstore.store.namespaces import NamespaceTable
@@ -210,7 +211,9 @@ class Store:
         """Store the full blocks of ``kv`` (``[L, 2, n*T(+tail), H, D]``) as blocks ``start_block ..``.
 
         ``tokens`` is the whole prefix (at least up to the last full block of
-        ``kv``). Blocks already held are not rewritten: their access time
+        ``kv``): token ids, or a chain (kvstore.chains: a KeyChain names the
+        blocks by an engine's page keys, after its ``parent`` page, which must
+        be held like block ``start_block - 1``). Blocks already held are not rewritten: their access time
         updates. A new block is tagged with ``session`` (the session that
         stored it; a block other sessions reuse keeps that one tag), and the
         session's tail moves to the last block of the put. When block ``start_block - 1`` is not held, the
@@ -220,20 +223,20 @@ class Store:
         Raises LayoutError / InvalidTokens / InvalidRequest for malformed input.
         """
         T = ns.layout.block_tokens
-        arr = as_tokens(tokens)
+        chain = as_chain(tokens)
         start = _index_arg("start_block", start_block)
         if session is not None:
             check_session_name(session)
         ns.layout.check_tensor(kv)
         n = kv.shape[2] // T
-        if start + n > len(arr) // T:
+        if start + n > chain.blocks(T):
             raise LayoutError(
-                f"kv holds {kv.shape[2]} tokens for blocks from {start}, but tokens has only "
-                f"{len(arr) // T} full blocks ({len(arr)} ids): pass the whole prefix as tokens"
+                f"kv holds {kv.shape[2]} tokens for blocks from {start}, but the request names only "
+                f"{chain.blocks(T)} full blocks: pass the whole prefix"
             )
-        job = _PutJob(
-            ns, block_keys(ns, arr[: (start + n) * T]), arr.tobytes(), kv, start, start + n, session
-        )
+        keys = chain.keys(ns, start + n)
+        tail = keys[start - 1] if start > 0 else chain.parent_key(ns)
+        job = _PutJob(ns, keys, chain, kv, start, start + n, session, tail=tail)
         hold: PinHandle | None = None  # keeps the last chunk's last block in place for the next chunk
         try:
             for c0 in range(start, job.end, _CHUNK):  # chunks bound how long the lock is held
@@ -258,8 +261,8 @@ class Store:
 
     def lookup(self, ns: Namespace, tokens: Any) -> LookupResult:
         """How many leading blocks of ``tokens`` are held (and the uppermost tier of each). Reads nothing."""
-        arr = as_tokens(tokens)
-        keys = iter_block_keys(ns, arr)
+        chain = as_chain(tokens)
+        keys = chain.iter_keys(ns)
         tiers: list[str] = []
         with self._lock:
             self._check_open()
@@ -269,7 +272,7 @@ class Store:
                     break
                 tiers.append(self.tiers.names[e.highest()])
             self._counts.lookups += 1
-            self._counts.tokens_asked += len(arr)
+            self._counts.tokens_asked += chain.tokens_named(ns.layout.block_tokens)
             self._counts.tokens_matched += len(tiers) * ns.layout.block_tokens
         return LookupResult(len(tiers), len(tiers) * ns.layout.block_tokens, tiers)
 
@@ -307,8 +310,8 @@ class Store:
         """
         T = ns.layout.block_tokens
         start = _index_arg("start_block", start_block)
-        arr = as_tokens(tokens)
-        want = max(0, len(arr) // T - start)
+        names = as_chain(tokens)
+        want = max(0, names.blocks(T) - start)
         if max_blocks is not None:
             want = min(want, _index_arg("max_blocks", max_blocks))
         blocks_out: Sequence[torch.Tensor] | None = None
@@ -320,9 +323,9 @@ class Store:
         if out is not None:
             ns.layout.check_tensor(out, what="get out")
             want = min(want, out.shape[2] // T)
-        keys = iter_block_keys(ns, arr)
-        for _ in islice(keys, start if want else 0):  # the chain up to start_block: hashed before the lock
-            pass
+        keys = names.iter_keys(
+            ns, start if want else 0
+        )  # the chain up to start_block: hashed before the lock
         dev = torch.device("cpu" if device is None else device)
         if out is not None:
             dev = out.device
@@ -338,7 +341,7 @@ class Store:
                 chain.append(e)
             handle = self._pins.pin([e.key for e in chain], self._lease)
             self._counts.lookups += 1
-            self._counts.tokens_asked += max(0, len(arr) - start * T)
+            self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
         # each block is decoded or copied straight into its place in the result: one copy, not two
         given = out is not None
         if out is None and blocks_out is None and chain:
@@ -385,13 +388,11 @@ class Store:
         copy is elsewhere: read them with ``get``). End it with ``finish``."""
         T = ns.layout.block_tokens
         start = _index_arg("start_block", start_block)
-        arr = as_tokens(tokens)
-        want = max(0, len(arr) // T - start)
+        names = as_chain(tokens)
+        want = max(0, names.blocks(T) - start)
         if max_blocks is not None:
             want = min(want, _index_arg("max_blocks", max_blocks))
-        keys = iter_block_keys(ns, arr)
-        for _ in islice(keys, start if want else 0):
-            pass
+        keys = names.iter_keys(ns, start if want else 0)
         lease = self._lease if lease is None else min(lease, self._lease)
         places: list[tuple[Entry, int, Place]] = []
         rest = 0
@@ -409,7 +410,7 @@ class Store:
                 places.append((e, t, tier.locate(k)))
             handle = self._pins.pin([e.key for e, _, _ in places], lease)
             self._counts.lookups += 1
-            self._counts.tokens_asked += max(0, len(arr) - start * T)
+            self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
         return Located(ns, start, handle, places, rest)
 
     def finish(self, located: Located, used: int) -> None:
@@ -523,9 +524,13 @@ class Store:
                 c0,
                 MISSING_PARENT,
                 f"block {c0 - 1} before block {c0} is not stored; put from "
-                "block 0 (or the first missing block) instead",
+                "block 0 (or the first missing block) instead"
+                if c0 > 0
+                else "the page before the first engine key (its parent) is not stored; put it first",
             )
             return []
+        if job.base is None:  # an engine chain's positions continue its parent's (the tree depth)
+            job.base = parent.position() + 1 - c0 if isinstance(job.chain, KeyChain) and parent else 0
         new: list[bytes] = []
         T = job.ns.layout.block_tokens
         for i in range(c0, c1):
@@ -534,7 +539,9 @@ class Store:
                 self._touch(e, now)
                 job.present += 1
             else:
-                pending = (i, job.raw[i * T * 4 : (i + 1) * T * 4]) if self.tiers.nvme is not None else None
+                pending = (
+                    Pending(job.base + i, *job.chain.identity(i, T)) if self.tiers.nvme is not None else None
+                )
                 e = Entry(job.keys[i], parent, job.ns.id, job.tags, now, now, pending)
                 block = job.kv[:, :, (i - job.start) * T : (i - job.start + 1) * T]
                 try:
@@ -550,7 +557,9 @@ class Store:
             parent, job.last, job.tail = e, i, e.key
         if job.session is not None and job.tail is not None and job.last >= job.start:
             if job.failed or c1 == job.end:
-                s = self._sessions.record_put(job.session, job.ns.id, job.tail, (job.last + 1) * T, now)
+                s = self._sessions.record_put(
+                    job.session, job.ns.id, job.tail, (job.base + job.last + 1) * T, now
+                )
                 self._journal.session(s)
         return new
 
@@ -588,22 +597,22 @@ class _PutJob:
 
     ns: Namespace
     keys: list[bytes]
-    raw: bytes  # the token ids, little-endian uint32
+    chain: Chain  # what names the blocks (what each record keeps: tokens or engine key)
     kv: torch.Tensor
     start: int
     end: int
     session: str | None
+    tail: bytes | None  # the key of the block before block ``start`` (None: the namespace root)
+    base: int | None = None  # block i's position is base + i (set at the first chunk)
     tags: tuple[str, ...] = ()  # the new blocks' tags: the session that stores them (one tuple for all)
     stored: int = 0
     present: int = 0
     deferred: int = 0
     failed: list[FailedBlock] = field(default_factory=list)
     last: int = -1
-    tail: bytes | None = None
 
     def __post_init__(self) -> None:
         self.last = self.start - 1
-        self.tail = self.keys[self.start - 1] if self.start > 0 else None
         self.tags = () if self.session is None else (self.session,)
 
     def fail(self, i: int, code: str, message: str) -> None:

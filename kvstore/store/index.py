@@ -8,7 +8,7 @@
                                                kept as blocks come and go: per-namespace and per-tenant
                                                figures never walk the entries
     Entry:   key, parent (Entry), children, tier bits, namespace id, session tags,
-             created, last_access, pending (position, token bytes) while no nvme copy exists
+             created, last_access, pending (position, token bytes or engine key) while no nvme copy exists
 
 The tree is prefix-closed: an entry's parent is always in the index (block 0
 has none), so every indexed block is reachable by a lookup from its root.
@@ -24,10 +24,19 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from operator import attrgetter
+from typing import NamedTuple
 
 SEEN = 1 << 6  # flag in Entry.tiers: hit once already (nvme admission on second use)
 LOSSY = 1 << 7  # flag in Entry.tiers: its copies in lossless tiers were decoded from a lossy one
 TIER_MASK = (1 << 6) - 1
+
+
+class Pending(NamedTuple):
+    """What a block's nvme record will say, kept while no nvme copy exists."""
+
+    position: int
+    tokens: bytes  # its token ids (little-endian uint32); empty for a block named by an engine key
+    engine_key: bytes = b""  # the engine's page key (kvstore.chains.KeyChain); empty for token blocks
 
 
 class Entry:
@@ -43,7 +52,7 @@ class Entry:
         sessions: tuple[str, ...],
         created: float,
         last_access: float,
-        pending: tuple[int, bytes] | None = None,
+        pending: Pending | None = None,
         tiers: int = 0,
     ) -> None:
         self.key = key

@@ -24,9 +24,9 @@ import torch
 
 from kvstore.codecs.frame import Buffer
 from kvstore.errors import FrameError, KVStoreError
-from kvstore.record import BlockRecord
+from kvstore.record import ENGINE_KEY, BlockRecord
 from kvstore.store.counts import TierCounters
-from kvstore.store.index import LOSSY, TIER_MASK, Entry
+from kvstore.store.index import LOSSY, TIER_MASK, Entry, Pending
 from kvstore.store.parts import StoreParts
 from kvstore.store.sessions import SessionState
 from kvstore.tiers.base import TierFull, TierIOError
@@ -209,7 +209,7 @@ class Mover:
         """The block's full record; needs ``pending`` (kept while no nvme copy exists)."""
         if e.pending is None:
             raise KVStoreError(f"block {e.key.hex()[:16]} has no record in memory to write to nvme")
-        position, tokens = e.pending
+        position, tokens, engine_key = e.pending
         parent = e.parent.key if e.parent is not None else self.namespaces.root(e.ns)
         return BlockRecord(
             key=e.key,
@@ -217,6 +217,7 @@ class Mover:
             namespace=e.ns,
             position=position,
             tokens=tokens,
+            extra={ENGINE_KEY: engine_key} if engine_key else {},
             sessions=e.sessions,
             created=e.created,
             last_access=e.last_access,
@@ -236,7 +237,7 @@ class Mover:
             rec = nvme.record(e.key)
         except (KeyError, FrameError, TierIOError):
             return False
-        e.pending = (rec.position, rec.tokens)
+        e.pending = Pending(rec.position, rec.tokens, rec.engine_key)
         if rec.position == 0:
             self.namespaces.note_root(e.ns, rec.parent)
         return True

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import InvalidNamespace, InvalidTokens, KVStoreError, LayoutError
-from kvstore.keys import Namespace, as_tokens
+from kvstore.keys import KEY_BYTES, Namespace, as_tokens
 from kvstore.results import InvalidRequest
 from kvstore.store.sessions import MAX_SESSION_BYTES, check_session_name
 from kvstore.wire.errors import RemoteProtocolError
@@ -123,6 +123,31 @@ def tokens(name: str, v: Any) -> np.ndarray:
         except InvalidTokens as e:
             raise RemoteProtocolError("invalid_tokens", str(e)) from None
     raise bad(name, "bytes (uint32 little-endian) or a list of ints", v)
+
+
+def opt_engine_keys(name: str, v: Any) -> bytes | None:
+    """Engine page keys (kvstore.chains.KeyChain): a ``bin`` of 32 bytes per key, at least one."""
+    if v is None:
+        return None
+    if not isinstance(v, (bytes, bytearray, memoryview)):
+        raise bad(name, f"bytes ({KEY_BYTES} per engine key)", v)
+    if not len(v) or len(v) % KEY_BYTES:
+        raise RemoteProtocolError(
+            "invalid_tokens",
+            f"field {name!r} holds {len(v)} bytes; engine keys take {KEY_BYTES} bytes each (at least one)",
+        )
+    return bytes(v)
+
+
+def opt_key(name: str, v: Any) -> bytes | None:
+    """One engine key (32 bytes), or absent."""
+    if v is None:
+        return None
+    if not isinstance(v, (bytes, bytearray, memoryview)) or len(v) != KEY_BYTES:
+        raise RemoteProtocolError(
+            "invalid_tokens", f"field {name!r} must be {KEY_BYTES} bytes (one engine key)"
+        )
+    return bytes(v)
 
 
 def opt_tokens(name: str, v: Any) -> np.ndarray | None:

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvstore.chains import Chain, KeyChain, TokenChain
 from kvstore.keys import Namespace
 from kvstore.wire import fields as F
 from kvstore.wire.errors import RemoteProtocolError
@@ -74,6 +75,26 @@ class Message:
         return cls(**values)
 
 
+class Named:
+    """A request that names blocks: by ``tokens`` (token ids of the whole prefix), or by ``keys``
+    (an engine's chained page keys, 32 bytes each, after the page whose key is ``parent``; see
+    kvstore.chains). Exactly one of the two (ServerProtocol checks it)."""
+
+    tokens: np.ndarray | None
+    keys: bytes | None
+    parent: bytes | None
+
+    @property
+    def chain(self) -> Chain:
+        if self.keys is not None:
+            return KeyChain(self.keys, self.parent)
+        assert self.tokens is not None
+        return TokenChain(self.tokens)
+
+
+NAMED = {"tokens": F.opt_tokens, "keys": F.opt_engine_keys, "parent": F.opt_key}
+
+
 # ---------------------------------------------------------------- requests
 
 
@@ -93,33 +114,37 @@ class Ping(Message):
 
 
 @dataclass(frozen=True)
-class Lookup(Message):
+class Lookup(Message, Named):
     op = "lookup"
-    schema = {"ns": F.text, "tokens": F.tokens}
+    schema = {"ns": F.text, **NAMED}
     ns: str
-    tokens: np.ndarray
+    tokens: np.ndarray | None = None
+    keys: bytes | None = None
+    parent: bytes | None = None
 
 
 @dataclass(frozen=True)
-class Get(Message):
+class Get(Message, Named):
     """Blocks ``start_block .. start_block+max_blocks-1`` of the prefix, as far as they match."""
 
     op = "get"
-    schema = {"ns": F.text, "tokens": F.tokens, "start_block": F.nonneg_int, "max_blocks": F.opt_int}
+    schema = {"ns": F.text, **NAMED, "start_block": F.nonneg_int, "max_blocks": F.opt_int}
     ns: str
-    tokens: np.ndarray
+    tokens: np.ndarray | None = None
     start_block: int = 0
     max_blocks: int | None = None
+    keys: bytes | None = None
+    parent: bytes | None = None
 
 
 @dataclass(frozen=True)
-class Put(Message):
-    """Blocks ``start_block ..`` of the prefix ``tokens``; ``kv`` is ``shape`` in ``dtype``."""
+class Put(Message, Named):
+    """Blocks ``start_block ..`` of the prefix ``tokens`` (or ``keys``); ``kv`` is ``shape`` in ``dtype``."""
 
     op = "put"
     schema = {
         "ns": F.text,
-        "tokens": F.tokens,
+        **NAMED,
         "start_block": F.nonneg_int,
         "shape": F.shape,
         "dtype": F.text,
@@ -127,12 +152,14 @@ class Put(Message):
     }
     payload = "kv"
     ns: str
-    tokens: np.ndarray
     shape: tuple[int, ...]
     dtype: str
+    tokens: np.ndarray | None = None
     kv: Buffer = None
     start_block: int = 0
     session: str | None = None
+    keys: bytes | None = None
+    parent: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -221,7 +248,7 @@ class Release(Message):
 
 
 @dataclass(frozen=True)
-class Locate(Message):
+class Locate(Message, Named):
     """Shared memory, phase one of a get: pin blocks ``start_block ..`` of the prefix (at most
     ``max_blocks``) and say where their bytes are. Blocks in ``tiers`` (the shared pools the client
     mapped) are located in place; others are decoded by the daemon into a staging range. End it with
@@ -230,16 +257,18 @@ class Locate(Message):
     op = "locate"
     schema = {
         "ns": F.text,
-        "tokens": F.tokens,
+        **NAMED,
         "start_block": F.nonneg_int,
         "max_blocks": F.opt_int,
         "tiers": F.text_list,
     }
     ns: str
-    tokens: np.ndarray
     tiers: list[str]
+    tokens: np.ndarray | None = None
     start_block: int = 0
     max_blocks: int | None = None
+    keys: bytes | None = None
+    parent: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -264,7 +293,7 @@ class Reserve(Message):
 
 
 @dataclass(frozen=True)
-class Commit(Message):
+class Commit(Message, Named):
     """Shared memory, phase two of a put: store the ``shape`` K/V the client wrote at the start of
     the staging range ``handle`` as blocks ``start_block ..`` of ``tokens`` (a put without payload);
     the range is given back, or with ``keep`` kept for the client's next chunk (its lease starts
@@ -274,7 +303,7 @@ class Commit(Message):
     op = "commit"
     schema = {
         "ns": F.text,
-        "tokens": F.tokens,
+        **NAMED,
         "start_block": F.nonneg_int,
         "shape": F.shape,
         "dtype": F.text,
@@ -283,13 +312,15 @@ class Commit(Message):
         "keep": F.boolean,
     }
     ns: str
-    tokens: np.ndarray
     shape: tuple[int, ...]
     dtype: str
     handle: int
+    tokens: np.ndarray | None = None
     start_block: int = 0
     session: str | None = None
     keep: bool = False
+    keys: bytes | None = None
+    parent: bytes | None = None
 
 
 REQUESTS: dict[str, type[Message]] = {

@@ -38,6 +38,7 @@ from kvstore.wire.messages import (
     HelloOk,
     Locate,
     Message,
+    Named,
     Put,
 )
 
@@ -144,6 +145,16 @@ def _check_put_payload(msg: Put, exc: type[LocalProtocolError] | type[RemoteProt
         )
 
 
+def _check_named(msg: Named) -> None:
+    """A request names its blocks by tokens or by engine keys: exactly one; ``parent`` only with keys."""
+    if (msg.tokens is None) == (msg.keys is None):
+        raise RemoteProtocolError(
+            "bad_header", "give exactly one of 'tokens' (token ids) and 'keys' (engine page keys)"
+        )
+    if msg.parent is not None and msg.keys is None:
+        raise RemoteProtocolError("bad_header", "'parent' (an engine page key) goes only with 'keys'")
+
+
 def reply_frames(request: Request, msg: Message) -> list[Buffer]:
     """Frames answering ``request`` with ``msg`` (a reply of its op, or an ErrorReply). Pure: safe on any thread.
 
@@ -228,6 +239,8 @@ class ServerProtocol:
                 "too_many_tokens",
                 f"{len(tokens)} token ids, over max_tokens_per_request {self.limits.max_tokens}",
             )
+        if isinstance(msg, Named):
+            _check_named(msg)
         ns_id = getattr(msg, "ns", None)
         if ns_id is None:
             return None
@@ -252,11 +265,19 @@ class ServerProtocol:
             if isinstance(msg, Put):
                 _check_put_payload(msg, RemoteProtocolError)
             blocks = msg.shape[2] // layout.block_tokens
-            if blocks == 0 or msg.start_block + blocks > len(msg.tokens) // layout.block_tokens:
+            if blocks == 0 or msg.start_block + blocks > msg.chain.blocks(layout.block_tokens):
                 raise RemoteProtocolError(
                     "invalid_argument",
                     f"put of {blocks} block(s) from block "
-                    f"{msg.start_block} needs that many full blocks of tokens",
+                    f"{msg.start_block} needs that many full blocks of tokens (or engine keys)",
+                )
+        if isinstance(msg, Named) and msg.keys is not None:
+            named = msg.chain.tokens_named(layout.block_tokens)
+            if named > self.limits.max_tokens:
+                raise RemoteProtocolError(
+                    "too_many_tokens",
+                    f"{len(msg.keys) // 32} engine keys name {named} tokens, over "
+                    f"max_tokens_per_request {self.limits.max_tokens}; send fewer keys per request",
                 )
         if isinstance(msg, (Get, Locate)) and msg.max_blocks == 0:
             raise RemoteProtocolError(

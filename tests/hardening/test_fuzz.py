@@ -94,6 +94,9 @@ plausible = {  # values of the right type for the fields that matter, so validat
     "id": st.integers(0, 2**64 - 1) | values,
     "ns": st.just(NS.id) | values,
     "tokens": st.binary(max_size=64) | st.lists(st.integers(-5, 2**33), max_size=12) | values,
+    # engine page keys (kvstore.chains.KeyChain): 32 bytes each, and the parent page's key
+    "keys": st.binary(min_size=32, max_size=32) | st.binary(max_size=100) | values,
+    "parent": st.binary(min_size=31, max_size=33) | values,
     "namespace": st.just(NS.to_dict()) | st.dictionaries(st.sampled_from(sorted(NS.to_dict())), values),
     "shape": st.lists(st.integers(-1, 9), min_size=5, max_size=5) | values,
     "dtype": st.sampled_from(["float16", "bfloat16", "float32", "int8", "nope"]) | values,
@@ -150,6 +153,7 @@ def test_random_bytes_get_an_error_reply(daemon: Daemon, frames: list[bytes]) ->
     tiers=st.lists(st.sampled_from(["hbm", "ram", "nvme", "?"]), max_size=4),
     own_handle=st.booleans(),
     handle=st.integers(0, 2**63),
+    by_keys=st.booleans(),
 )
 def test_shared_memory_exchanges_with_any_values_get_well_formed_replies(
     daemon: Daemon,
@@ -161,11 +165,13 @@ def test_shared_memory_exchanges_with_any_values_get_well_formed_replies(
     tiers: list[str],
     own_handle: bool,
     handle: int,
+    by_keys: bool,
 ) -> None:
-    # hello with shm, reserve, commit into it (or into a handle never given), locate, finish
+    # hello with shm, reserve, commit into it (or into a handle never given), locate, finish; the
+    # blocks named by token ids or by engine page keys (none at all when blocks is 0: an error)
     r = Raw(daemon.endpoint)
     rng = np.random.default_rng(blocks)
-    toks = random_tokens(rng, blocks).tobytes()
+    names = {"keys": rng.bytes(32 * blocks)} if by_keys else {"tokens": random_tokens(rng, blocks).tobytes()}
     try:
         hello = r.ask(header("hello", rid=1, namespace=NS.to_dict(), shm=True))
         check_reply(hello, 1)
@@ -177,7 +183,7 @@ def test_shared_memory_exchanges_with_any_values_get_well_formed_replies(
                 "commit",
                 rid=3,
                 ns=NS.id,
-                tokens=toks,
+                **names,
                 shape=shape,
                 dtype="float16",
                 handle=h,
@@ -185,7 +191,7 @@ def test_shared_memory_exchanges_with_any_values_get_well_formed_replies(
             )
         )
         check_reply(commit, 3)
-        locate = r.ask(header("locate", rid=4, ns=NS.id, tokens=toks, start_block=start, tiers=tiers))
+        locate = r.ask(header("locate", rid=4, ns=NS.id, **names, start_block=start, tiers=tiers))
         check_reply(locate, 4)
         done = r.ask(header("finish", rid=5, handle=locate.get("handle", handle), used=used))
         check_reply(done, 5)
@@ -206,6 +212,7 @@ def templates(rng: np.random.Generator) -> list[list[bytes]]:
     tokens = random_tokens(rng, 8)
     kv = prefix_kv(tokens[: 2 * T])
     tok = tokens.tobytes()
+    keys = rng.bytes(32 * 8)
     valid = [
         [header("hello", 1, namespace=NS.to_dict())],
         [header("ping", 1)],
@@ -221,6 +228,14 @@ def templates(rng: np.random.Generator) -> list[list[bytes]]:
         [header("flush", 1, timeout=0.01)],
         [
             header("put", 1, ns=NS.id, tokens=tok[: 8 * T], shape=list(kv.shape), dtype="float16"),
+            kv.numpy().tobytes(),
+        ],
+        [header("lookup", 1, ns=NS.id, keys=keys)],
+        [header("get", 1, ns=NS.id, keys=keys, start_block=1, max_blocks=3)],
+        [
+            header(
+                "put", 1, ns=NS.id, keys=keys[:64], parent=keys[64:96], shape=list(kv.shape), dtype="float16"
+            ),
             kv.numpy().tobytes(),
         ],
     ]

@@ -99,7 +99,7 @@ def test_lookup_round_trip_keeps_tokens_and_matches_reply_by_id() -> None:
     tokens = np.arange(10, dtype="<u4")
     req = roundtrip(client, server, Lookup(ns=ns, tokens=tokens))
     # the server sees the same tokens and the namespace resolved from the ns id
-    assert isinstance(req.msg, Lookup) and req.namespace == NS
+    assert isinstance(req.msg, Lookup) and req.namespace == NS and req.msg.tokens is not None
     assert np.array_equal(req.msg.tokens, tokens)
     assert server.inflight == {PEER: 1}
     rid, reply = answer(
@@ -400,3 +400,30 @@ def test_prefetch_slice_round_trip_and_old_style_request() -> None:
                 PEER, raw({"v": PROTOCOL_VERSION, "op": "prefetch", "id": 10, "session": "s", **bad})
             )
         assert info.value.code == "bad_header"
+
+
+def test_engine_keys_travel_as_raw_bytes_in_place_of_tokens() -> None:
+    client, server, ns = joined(Limits(max_message_bytes=1 << 20, max_tokens=16, max_inflight=8))
+    keys = bytes(range(32)) * 3
+    req = roundtrip(client, server, Lookup(ns=ns, keys=keys, parent=b"p" * 32))
+    assert isinstance(req.msg, Lookup) and req.msg.tokens is None
+    assert req.msg.keys == keys and req.msg.parent == b"p" * 32 and req.msg.chain.blocks(4) == 3
+    # a put names as many blocks as it carries: 1 block of payload, 3 keys
+    put = Put(ns=ns, keys=keys, shape=LAYOUT.shape(4), dtype="float16", kv=kv_bytes(1), start_block=2)
+    assert isinstance(roundtrip(client, server, put).msg, Put)
+    # exactly one of tokens and keys; a parent only with keys; whole keys; max_tokens counts T per key
+    for bad, code in [
+        (Lookup(ns=ns), "bad_header"),
+        (Lookup(ns=ns, tokens=np.arange(4, dtype="<u4"), keys=keys), "bad_header"),
+        (Lookup(ns=ns, tokens=np.arange(4, dtype="<u4"), parent=b"p" * 32), "bad_header"),
+        (Lookup(ns=ns, keys=keys[:33]), "invalid_tokens"),
+        (Lookup(ns=ns, keys=keys, parent=b"p"), "invalid_tokens"),
+        (Lookup(ns=ns, keys=bytes(32) * 5), "too_many_tokens"),  # 5 keys * 4 tokens > 16
+        (
+            Put(ns=ns, keys=keys, shape=LAYOUT.shape(4), dtype="float16", kv=kv_bytes(1), start_block=3),
+            "invalid_argument",
+        ),
+    ]:
+        with pytest.raises(RemoteProtocolError) as info:
+            roundtrip(client, server, bad)
+        assert info.value.code == code, bad

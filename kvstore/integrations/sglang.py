@@ -1,0 +1,252 @@
+"""An SGLang HiCache storage backend (L3), loaded by SGLang's dynamic loader.
+
+::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
+        "module_path": "kvstore.integrations.sglang", "class_name": "KVStoreHiCache",
+        "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
+        "endpoint": "ipc:///run/user/1000/kvstore/kv.sock", "tenant": "default"}'
+
+SGLang names each page by its own chained page hash (64 hex digits); kvstore
+stores the page under that key (kvstore.chains.KeyChain), namespaced by the
+model, this rank's shard (tp, pp, attention-cp and dcp rank and size), the
+host pool's layout (layers, kv heads, head_dim, dtype, page size) and the
+tenant. Pages move between the store and SGLang's host pool in place: the
+pool's ``kv_buffer`` is viewed per layer as K and V pages ``[pages,
+page_size, H, D]`` (``layer_first``, ``page_first``, ``page_first_direct``)
+and filled or read through kvstore's shared memory (or its socket), never
+through Python bytes.
+
+``interface_v1`` must be set: the legacy calls (``get``, ``set``,
+``batch_get``, ``batch_set``) raise NotImplementedError saying so; ``exists``
+and ``batch_exists`` work either way. A page that is missing, evicted or
+fails its checksum is reported False (never filled with wrong data).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvstore.chains import KeyChain
+from kvstore.client import KVStoreClient
+from kvstore.errors import KVStoreError, LayoutError
+from kvstore.kvbuffers import PagedKV
+from kvstore.layout import KVLayout, dtype_name
+from kvstore.results import MISSING_PARENT
+
+log = logging.getLogger("kvstore.integrations.sglang")
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+_OPTIONS = {"endpoint", "tenant", "model", "revision", "timeout"}
+
+
+class KVStoreHiCache(HiCacheStorage):
+    """SGLang's L3 in a kvstore daemon. Built by SGLang as ``cls(storage_config, kwargs)``; the host
+    pool arrives through ``register_mem_pool_host``. Thread-safe (the client's calls take turns)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        """Reads ``endpoint``, ``tenant``, ``model`` (default: the config's model_name), ``revision``
+        and ``timeout`` from the config's ``extra_config``. Raises ValueError for an MLA model."""
+        if storage_config.is_mla_model:
+            raise ValueError(
+                "kvstore's SGLang backend does not support MLA models (one latent per token, replicated "
+                "over tp ranks); use it with MHA/GQA models"
+            )
+        extra = dict(storage_config.extra_config or {})
+        model = extra.get("model") or storage_config.model_name
+        if not model:
+            raise ValueError(
+                "kvstore: no model name; SGLang passes model_name, or set 'model' in extra_config"
+            )
+        self.config = storage_config
+        self.model = str(model)
+        self.tenant = str(extra.get("tenant", "default"))
+        self.endpoint: str | None = extra.get("endpoint")
+        self.timeout = float(extra.get("timeout", 10.0))
+        c = storage_config
+        shard = f"tp{c.tp_rank}of{c.tp_size}/pp{c.pp_rank}of{c.pp_size}/cp{c.attn_cp_rank}of{c.attn_cp_size}"
+        if c.dcp_size > 1:
+            shard += f"/dcp{c.dcp_rank}of{c.dcp_size}"
+        rev = str(extra.get("revision", ""))
+        self.revision = f"{rev}/{shard}" if rev else shard
+        self.client: KVStoreClient | None = None
+        self._pages: _HostPages | None = None
+
+    # -- the host pool ------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Map the host pool's pages and connect (lazily: the first call says hello)."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._pages = _HostPages(mem_pool_host)
+        self.client = KVStoreClient(
+            self.endpoint,
+            model=self.model,
+            layout=self._pages.layout,
+            tenant=self.tenant,
+            revision=self.revision,
+            timeout=self.timeout,
+        )
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+    # -- the v1 (zero-copy) interface ---------------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of ``keys`` the store holds."""
+        if not keys:
+            return 0
+        try:
+            return self._client().lookup_keys(keys).matched_blocks
+        except KVStoreError as e:
+            log.warning("kvstore: batch_exists of %d pages failed: %s", len(keys), e)
+            return 0
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Fill the host pages at ``host_indices`` (``page_size`` token slots per key) with the leading
+        held pages of ``keys``; True for each page filled. Pages after the first miss are False."""
+        if not keys:
+            return []
+        try:
+            dst = self._host().paged(host_indices, len(keys))
+            got = self._client().get_into(KeyChain.of(keys), dst).matched_blocks
+        except KVStoreError as e:
+            log.warning("kvstore: batch_get_v1 of %d pages failed: %s", len(keys), e)
+            got = 0
+        return [i < got for i in range(len(keys))]
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Store the host pages at ``host_indices`` under ``keys``, each the child of the one before
+        (the first, of the last of ``extra_info.prefix_keys`` when SGLang passes them and the store
+        holds it; else it starts a chain of its own). True for each page stored or already held."""
+        if not keys:
+            return []
+        prefix = (extra_info.prefix_keys if extra_info is not None else None) or ()
+        try:
+            src = self._host().paged(host_indices, len(keys))
+            r = self._client().put_from(KeyChain.of(keys, prefix), src)
+            if prefix and r.failed and r.failed[0].block == 0 and r.failed[0].code == MISSING_PARENT:
+                # the prefix pages are not in the store (evicted, or never written): the pages are
+                # still findable by their keys, which name their whole prefix; store them as a chain
+                r = self._client().put_from(KeyChain.of(keys), src)
+        except KVStoreError as e:
+            log.warning("kvstore: batch_set_v1 of %d pages failed: %s", len(keys), e)
+            return [False] * len(keys)
+        failed = {f.block for f in r.failed}
+        return [i not in failed for i in range(len(keys))]
+
+    # -- the legacy interface ------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        raise NotImplementedError(_V1)
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
+        raise NotImplementedError(_V1)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        raise NotImplementedError(_V1)
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        raise NotImplementedError(_V1)
+
+    def clear(self) -> None:
+        """Drop every page of this namespace (this model, shard and tenant) from the store."""
+        client = self._client()
+        ns = client.namespace
+        if ns is not None:
+            client.evict(namespace=ns.id)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _client(self) -> KVStoreClient:
+        if self.client is None:
+            raise LayoutError("kvstore: register_mem_pool_host was not called; SGLang calls it on attach")
+        return self.client
+
+    def _host(self) -> _HostPages:
+        if self._pages is None:
+            raise LayoutError("kvstore: register_mem_pool_host was not called; SGLang calls it on attach")
+        return self._pages
+
+
+_V1 = (
+    "kvstore's SGLang backend implements the zero-copy v1 calls only: "
+    'set "interface_v1": 1 in --hicache-storage-backend-extra-config'
+)
+
+
+class _HostPages:
+    """SGLang's host pool (MHATokenToKVPoolHost) as per-layer K and V pages ``[pages, page_size, H, D]``:
+    views of its ``kv_buffer``, whatever its layout, for kvstore.kvbuffers.PagedKV."""
+
+    def __init__(self, pool: Any) -> None:
+        layout = getattr(pool, "layout", None)
+        if layout not in LAYOUTS:
+            raise ValueError(
+                f"kvstore: the host pool layout {layout!r} is not supported; use --hicache-mem-layout "
+                f"one of {', '.join(LAYOUTS)}"
+            )
+        kv = pool.kv_buffer
+        if not isinstance(kv, torch.Tensor) or not hasattr(pool, "head_num"):
+            raise ValueError(f"kvstore: {type(pool).__name__} is not an MHA host pool (MLA is not supported)")
+        ps, n_layers = int(pool.page_size), int(pool.layer_num)
+        pages = int(pool.size) // ps
+        H, D = int(pool.head_num), int(pool.head_dim)
+        if getattr(pool, "v_head_dim", D) != D:
+            raise ValueError("kvstore: K and V head dims differ; kvstore blocks need one head_dim")
+        per_layer: list[torch.Tensor] = []  # [2, pages, ps, H, D] per layer
+        for layer in range(n_layers):
+            if layout == "layer_first":  # [2, L, size, H, D]
+                x = kv[:, layer, : pages * ps].unflatten(1, (pages, ps))
+            elif layout == "page_first":  # [2, size, L, H, D]
+                x = kv[:, : pages * ps, layer].unflatten(1, (pages, ps))
+            else:  # page_first_direct: [2, pages, L, ps, H, D]
+                x = kv[:, :pages, layer]
+            per_layer.append(x)
+        self.kv = per_layer
+        self.k = [x[0] for x in per_layer]
+        self.v = [x[1] for x in per_layer]
+        self.page_size = ps
+        self.layout = KVLayout(
+            num_layers=n_layers,
+            num_kv_heads=H,
+            head_dim=D,
+            dtype=dtype_name(kv.dtype),
+            block_tokens=ps,
+        )
+
+    def paged(self, host_indices: torch.Tensor, n: int) -> PagedKV:
+        """The pages holding ``host_indices`` (``n`` pages of ``page_size`` consecutive slots, as
+        SGLang's host allocator hands them out). Raises LayoutError otherwise."""
+        ps = self.page_size
+        idx = torch.as_tensor(host_indices, dtype=torch.int64).view(-1)
+        if idx.numel() != n * ps:
+            raise LayoutError(f"{n} pages need {n * ps} host indices, got {idx.numel()}")
+        rows = idx.view(n, ps)
+        first = rows[:, 0]
+        if bool((first % ps).any()) or not torch.equal(rows - first[:, None], _offsets(ps).expand(n, ps)):
+            raise LayoutError("host indices are not whole pages (page_size consecutive, aligned slots)")
+        return PagedKV.blocks(self.k, self.v, first // ps, n * ps, kv=self.kv)
+
+
+def _offsets(ps: int) -> torch.Tensor:
+    return torch.arange(ps, dtype=torch.int64)[None, :]
+
+
+__all__: Sequence[str] = ["KVStoreHiCache"]
