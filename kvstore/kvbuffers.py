@@ -223,8 +223,13 @@ class PagedKV:
         blk, off = self._where(t0, n)
         for layer in range(len(self.k)):
             for j, buf in ((0, self.k[layer]), (1, self.v[layer])):
+                dst = out[layer, j]
+                if off is None and dst.is_contiguous() and dst.device == buf.device:
+                    # whole blocks gathered straight into ``out``: one pass over the bytes
+                    torch.index_select(buf, 0, blk, out=dst.view(len(blk), *buf.shape[1:]))
+                    continue
                 part = buf.index_select(0, blk) if off is None else buf[blk, off]
-                out[layer, j].copy_(part.reshape(n, *part.shape[-2:]))
+                dst.copy_(part.reshape(n, *part.shape[-2:]))
         return out
 
 

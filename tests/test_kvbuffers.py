@@ -59,21 +59,21 @@ def test_sglang_token_buffers_and_bad_buffers() -> None:
 
 def vllm032_views(caches: list[torch.Tensor], rows: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """K and V views ``[num_blocks, block_size, H, D]`` of vLLM 0.32+ caches ``[num_blocks, H, block_size,
-    2*D]``: K|V side by side in the last dim (FlashAttention), or K's rows then V's per head (CPU)."""
+    2*D]``: K|V side by side in the last dim (FlashAttention), or per head K transposed then V (CPU)."""
     k, v = [], []
     for c in caches:
         nb, h, bs, d2 = c.shape
         if rows:
-            x = c.view(nb, h, 2, bs, d2 // 2)
-            k.append(x[:, :, 0].permute(0, 2, 1, 3))
-            v.append(x[:, :, 1].permute(0, 2, 1, 3))
+            x = c.view(nb, h, 2, bs * d2 // 2)
+            k.append(x[:, :, 0].view(nb, h, d2 // 2, bs).permute(0, 3, 1, 2))
+            v.append(x[:, :, 1].view(nb, h, bs, d2 // 2).permute(0, 2, 1, 3))
         else:
             k.append(c[..., : d2 // 2].permute(0, 2, 1, 3))
             v.append(c[..., d2 // 2 :].permute(0, 2, 1, 3))
     return k, v
 
 
-@pytest.mark.parametrize("rows", [False, True], ids=["content-split", "row-split"])
+@pytest.mark.parametrize("rows", [False, True], ids=["content-split", "cpu-vec"])
 @pytest.mark.parametrize("block_size", [4, 8, 16])
 def test_strided_block_views_take_every_token_where_the_backend_reads_it(rows: bool, block_size: int) -> None:
     tokens, nb = 24, 9
@@ -91,11 +91,9 @@ def test_strided_block_views_take_every_token_where_the_backend_reads_it(rows: b
         for layer in range(3):
             c = caches[layer][page]  # [H, bs, 2D]
             if rows:
-                kk, vv = (
-                    c.reshape(2, 2 * block_size, 8)[:, :block_size],
-                    c.reshape(2, 2 * block_size, 8)[:, block_size:],
-                )
-                got_k, got_v = kk[:, off], vv[:, off]
+                halves = c.reshape(2, 2, block_size * 8)
+                got_k = halves[:, 0].reshape(2, 8, block_size)[:, :, off]
+                got_v = halves[:, 1].reshape(2, block_size, 8)[:, off]
             else:
                 got_k, got_v = c[:, off, :8], c[:, off, 8:]
             assert torch.equal(got_k, data[layer, 0, t]) and torch.equal(got_v, data[layer, 1, t])

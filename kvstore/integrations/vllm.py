@@ -28,8 +28,9 @@ vLLM's block size and kvstore's ``block_tokens`` are independent: loads start at
 block holding it is fetched and written from that token on), saves cover whole kvstore blocks.
 K and V are read out of each layer's cache by attention backend: vLLM's per-layer
 ``[num_blocks, H, block_size, 2*head_size]`` holds K and V side by side in the last dimension
-(FlashAttention, FlashInfer, Triton, FlexAttention), or K's rows then V's rows per head (CPU); the
-older ``[2, num_blocks, block_size, H, head_size]`` is read as it is.
+(FlashAttention, FlashInfer, Triton, FlexAttention), or per head K transposed then V (the CPU
+backend's "vec" kernels; its AMX and Arm kernels pack K otherwise and are refused); the older
+``[2, num_blocks, block_size, H, head_size]`` is read as it is.
 
 ``kv_connector_extra_config`` (all optional):
     endpoint        the daemon (default: kvstore's default ipc endpoint)
@@ -49,6 +50,7 @@ import hashlib
 import logging
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -69,6 +71,7 @@ from kvstore.layout import KVLayout, dtype_name
 log = logging.getLogger(__name__)
 
 MAX_CLIENTS = 16  # distinct (LoRA, cache salt) namespaces kept connected per process
+BACKOFF = 10.0  # seconds a daemon that did not answer is left alone: lookups are on the scheduler's path
 
 
 # ---------------------------------------------------------------------- settings and namespace
@@ -171,6 +174,22 @@ class Clients:
         self._cfg, self._settings, self._layout, self._ranks = vllm_config, settings, layout, ranks
         self._clients: dict[tuple[Variant, str], KVStoreClient] = {}
         self._lock = threading.Lock()
+        self._down_until = 0.0
+
+    def available(self) -> bool:
+        """False for BACKOFF seconds after the daemon failed to answer (see ``failed``)."""
+        return time.monotonic() >= self._down_until
+
+    def failed(self, what: str, err: Exception) -> None:
+        """A call failed; a daemon that does not answer is skipped for a while, and said so once."""
+        if isinstance(err, TimeoutError):
+            if self.available():
+                log.warning(
+                    "kvstore did not answer a %s (%s); not asked again for %.0f s", what, err, BACKOFF
+                )
+            self._down_until = time.monotonic() + BACKOFF
+        else:
+            log.warning("kvstore %s failed: %s", what, err)
 
     def get(self, variant: Variant, purpose: str) -> KVStoreClient:
         with self._lock:
@@ -188,6 +207,7 @@ class Clients:
                     timeout=s.timeout,
                     revision=namespace_revision(self._cfg, self._ranks, variant),
                     shared_memory=s.shared_memory,
+                    retries=0 if purpose == "lookup" else 2,  # the scheduler does not wait twice
                 )
             self._clients[(variant, purpose)] = c  # most recently used last
             return c
@@ -251,10 +271,17 @@ def _session(request: Any) -> str | None:
 # ---------------------------------------------------------------------- K and V in vLLM's caches
 
 
+CPU_LAYOUTS = ("vec",)  # vLLM CPU attention flavours whose block interior kvstore reads (checked against HF)
+
+
 def split_kv(
-    cache: torch.Tensor, backend: str, num_kv_heads: int, head_dim: int
+    cache: torch.Tensor, backend: str, num_kv_heads: int, head_dim: int, cpu_isa: str = ""
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer's cache as ``[num_blocks, block_size, H, D]`` views (no copy)."""
+    """K and V of one layer's cache as ``[num_blocks, block_size, H, D]`` views (no copy).
+
+    ``cpu_isa``: for vLLM's CPU backend, the kernel flavour it picked (``_get_attn_isa``): its
+    blocks hold, per head, K transposed (``[D, block_size]``) then V (``[block_size, D]``) for
+    "vec"; other flavours pack K for their instructions and are refused."""
     H, D = num_kv_heads, head_dim
     shape = tuple(cache.shape)
     if cache.dim() == 5 and shape[0] == 2 and shape[3:] == (H, D):  # [2, nb, bs, H, D]
@@ -263,13 +290,19 @@ def split_kv(
         return cache[:, 0], cache[:, 1]
     if cache.dim() == 4 and shape[1] == H and shape[3] == 2 * D:  # [nb, H, bs, 2D]
         if backend.upper().startswith("CPU"):
-            # the CPU kernels read each head's [bs, 2D] as [2*bs, D]: bs rows of K, then bs of V
+            if cpu_isa not in CPU_LAYOUTS:
+                raise LayoutError(
+                    f"vLLM's CPU attention packs K for {cpu_isa or 'an unknown instruction set'} in a way "
+                    f"kvstore does not read; supported: {', '.join(CPU_LAYOUTS)}"
+                )
             nb, _, bs, _ = shape
             try:
-                rows = cache.view(nb, H, 2, bs, D)
+                halves = cache.view(nb, H, 2, bs * D)
             except RuntimeError:
                 raise LayoutError(f"a {backend} cache {shape} must be contiguous per head") from None
-            return rows[:, :, 0].permute(0, 2, 1, 3), rows[:, :, 1].permute(0, 2, 1, 3)
+            k = halves[:, :, 0].view(nb, H, D, bs).permute(0, 3, 1, 2)
+            v = halves[:, :, 1].view(nb, H, bs, D).permute(0, 2, 1, 3)
+            return k, v
         return cache[..., :D].permute(0, 2, 1, 3), cache[..., D:].permute(0, 2, 1, 3)
     if cache.dim() == 4 and shape[1] == 2 * H and shape[3] == D:  # [nb, 2H, bs, D]: K heads, then V heads
         return cache[:, :H].permute(0, 2, 1, 3), cache[:, H:].permute(0, 2, 1, 3)
@@ -295,6 +328,17 @@ def _backends(vllm_config: Any) -> dict[str, str]:
     except Exception as e:  # an older or newer vLLM: fall back to reading the shapes
         log.debug("attention backends not found (%s)", e)
         return {}
+
+
+def _cpu_isa(vllm_config: Any, cache: torch.Tensor, head_dim: int) -> str:
+    """The kernel flavour vLLM's CPU attention picks for these caches ("" when it cannot say)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(cache.dtype, cache.shape[2], head_dim, vllm_config.cache_config.cache_dtype))
+    except Exception as e:
+        log.debug("CPU attention flavour not found (%s)", e)
+        return ""
 
 
 def _ranks() -> tuple[int, int]:
@@ -353,6 +397,9 @@ class _Saver:
                     return
                 t, paged = self._jobs.popleft()
             try:
+                if not self._clients.available():
+                    self.failed_saves += 1
+                    continue
                 r = self._clients.get(t.variant, "save").put_from(t.tokens, paged, t.session, start=t.start)
                 self.saved_blocks += r.stored
                 if r.failed:
@@ -360,7 +407,7 @@ class _Saver:
                     log.debug("kvstore refused blocks of %s: %s", t.req_id, r.failed[0])
             except Exception as e:  # never the engine's problem: the blocks are simply not cached
                 self.failed_saves += 1
-                log.warning("kvstore save of %s failed: %s", t.req_id, e)
+                self._clients.failed(f"save of {t.req_id}", e)
             finally:
                 with self._cv:
                     n = self._pending[t.req_id] - 1
@@ -399,6 +446,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._finishing: set[str] = set()  # finished requests whose saves are still running
         self._saver: _Saver | None = None
         self.loaded_tokens = 0
+        # seconds spent in this connector's hooks, on the engine's own thread (what it adds to a step)
+        self.hook_seconds: dict[str, float] = {"lookup": 0.0, "meta": 0.0, "load": 0.0, "save": 0.0}
         log.info(
             "kvstore connector (%s): %s, namespace %s",
             "worker" if self._worker else "scheduler",
@@ -409,6 +458,13 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        t0 = time.perf_counter()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            self.hook_seconds["lookup"] += time.perf_counter() - t0
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
         self._requests[rid] = request
         if not self.settings.load:
@@ -417,13 +473,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         if held is None:  # asked once per request: the scheduler asks again while it waits
             tokens = _token_ids(request)
             hit = 0
-            if tokens is not None and len(tokens) > self._T:
+            if tokens is not None and len(tokens) > self._T and self._clients.available():
                 try:  # the last prompt token is always computed: its logits start the answer
                     hit = self._clients.get(Variant.of(request), "lookup").lookup(tokens[:-1]).matched_tokens
                 except KVStoreError as e:
                     self._lookup_failures += 1
-                    if self._lookup_failures == 1 or self._lookup_failures % 1000 == 0:
-                        log.warning("kvstore lookup failed (%s); serving without it", e)
+                    self._clients.failed("lookup", e)
             held = (hit, num_computed_tokens)
         held = (held[0], num_computed_tokens)
         self._hits[rid] = held
@@ -436,6 +491,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._loads[rid] = (local, local + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreMetadata:
+        t0 = time.perf_counter()
+        try:
+            return self._build_meta(scheduler_output)
+        finally:
+            self.hook_seconds["meta"] += time.perf_counter() - t0
+
+    def _build_meta(self, scheduler_output: Any) -> KVStoreMetadata:
         meta = KVStoreMetadata()
         so = scheduler_output
         for nr in so.scheduled_new_reqs:
@@ -512,8 +574,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         names = sorted(kv_caches, key=_layer_index)
         L = self.layout
         k, v = [], []
+        isa = ""
+        if any(b.upper().startswith("CPU") for b in backends.values()):
+            isa = _cpu_isa(self._vllm_config, kv_caches[names[0]], L.head_dim)
         for name in names:
-            kk, vv = split_kv(kv_caches[name], backends.get(name, ""), L.num_kv_heads, L.head_dim)
+            kk, vv = split_kv(kv_caches[name], backends.get(name, ""), L.num_kv_heads, L.head_dim, isa)
             k.append(kk)
             v.append(vv)
         if len(k) != L.num_layers or k[0].dtype != L.torch_dtype:
@@ -535,20 +600,22 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVStoreMetadata) or not self._k:
+        if not isinstance(meta, KVStoreMetadata) or not self._k or not meta.loads:
             return
+        t0 = time.perf_counter()
         for t in meta.loads:
             got = t.start
             try:
                 r = self._clients.get(t.variant, "load").get_into(t.tokens, self._paged(t), start=t.start)
                 got = r.matched_tokens
             except Exception as e:  # the blocks are recomputed, never read as garbage
-                log.warning("kvstore load of %s failed: %s", t.req_id, e)
+                self._clients.failed(f"load of {t.req_id}", e)
             self.loaded_tokens += max(0, min(got, t.end) - t.start)
             if got < t.end:
                 bs = self._k[0].shape[1]
                 first = max(got, t.start) // bs
                 self._load_errors.update(t.block_ids[first : -(-t.end // bs)])
+        self.hook_seconds["load"] += time.perf_counter() - t0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
@@ -560,11 +627,13 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVStoreMetadata) or self._saver is None:
+        if not isinstance(meta, KVStoreMetadata) or self._saver is None or not meta.saves:
             return
+        t0 = time.perf_counter()
         for t in meta.saves:
             self._saving.add(t.req_id)
             self._saver.submit(t, self._paged(t))
+        self.hook_seconds["save"] += time.perf_counter() - t0
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # a preempted request's blocks are free again: no queued save may read them after this
