@@ -5,6 +5,9 @@ ${KVSTORE_ENGINES:-.engines}/          (a relative path is taken from the reposi
     NAME/.kvstore-engine   written last: the hash of the files it was built from
     NAME.failed            the tail of the log of a build that failed
     NAME.log               the log of the last build
+    vllm/vllm_kv_connector_utils.py
+                           vLLM's KV-connector unit-test helpers, from its sdist; in that environment
+                           it is Path(sys.prefix) / "vllm_kv_connector_utils.py", for importlib to load
     models/                converted models, shared by the environments (tests/engines/models.py)
 """
 

@@ -42,7 +42,7 @@ def test_engine(name: str, engine_summaries: dict[str, str]) -> None:
     if env.failure.is_file():
         pytest.fail(f"./dev engines could not build {env.path}; its log ends:\n{env.failure.read_text()}")
     if not env.built():
-        pytest.skip(f"no engine environment {env.path}: run ./dev engines")
+        pytest.skip(f"no engine environment {env.path}: run ./dev engines (it builds none on a GPU host)")
     if not env.tests():
         pytest.skip(f"tests/engines/{name}/ holds no test files yet")
     command = [str(env.python), "-m", "pytest", f"tests/engines/{name}", *PYTEST_ARGS]
