@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvstore.chains import KeyChain
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError, LayoutError
+from kvstore.integrations.backoff import Backoff
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout, dtype_name
 from kvstore.results import MISSING_PARENT
@@ -81,6 +82,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.revision = f"{rev}/{shard}" if rev else shard
         self.client: KVStoreClient | None = None
         self._pages: _HostPages | None = None
+        self.backoff = Backoff(log)  # a daemon that does not answer is left alone a while
 
     # -- the host pool ------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -103,12 +105,12 @@ class KVStoreHiCache(HiCacheStorage):
     # -- the v1 (zero-copy) interface ---------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """How many leading pages of ``keys`` the store holds."""
-        if not keys:
+        if not keys or not self.backoff.available():
             return 0
         try:
             return self._client().lookup_keys(keys).matched_blocks
         except KVStoreError as e:
-            log.warning("kvstore: batch_exists of %d pages failed: %s", len(keys), e)
+            self.backoff.failed(f"batch_exists of {len(keys)} pages", e)
             return 0
 
     def batch_get_v1(
@@ -118,12 +120,13 @@ class KVStoreHiCache(HiCacheStorage):
         held pages of ``keys``; True for each page filled. Pages after the first miss are False."""
         if not keys:
             return []
-        try:
-            dst = self._host().paged(host_indices, len(keys))
-            got = self._client().get_into(KeyChain.of(keys), dst).matched_blocks
-        except KVStoreError as e:
-            log.warning("kvstore: batch_get_v1 of %d pages failed: %s", len(keys), e)
-            got = 0
+        got = 0
+        if self.backoff.available():
+            try:
+                dst = self._host().paged(host_indices, len(keys))
+                got = self._client().get_into(KeyChain.of(keys), dst).matched_blocks
+            except KVStoreError as e:
+                self.backoff.failed(f"batch_get_v1 of {len(keys)} pages", e)
         return [i < got for i in range(len(keys))]
 
     def batch_set_v1(
@@ -134,6 +137,8 @@ class KVStoreHiCache(HiCacheStorage):
         holds it; else it starts a chain of its own). True for each page stored or already held."""
         if not keys:
             return []
+        if not self.backoff.available():
+            return [False] * len(keys)
         prefix = (extra_info.prefix_keys if extra_info is not None else None) or ()
         try:
             src = self._host().paged(host_indices, len(keys))
@@ -143,7 +148,7 @@ class KVStoreHiCache(HiCacheStorage):
                 # still findable by their keys, which name their whole prefix; store them as a chain
                 r = self._client().put_from(KeyChain.of(keys), src)
         except KVStoreError as e:
-            log.warning("kvstore: batch_set_v1 of %d pages failed: %s", len(keys), e)
+            self.backoff.failed(f"batch_set_v1 of {len(keys)} pages", e)
             return [False] * len(keys)
         failed = {f.block for f in r.failed}
         return [i not in failed for i in range(len(keys))]

@@ -65,13 +65,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError, KVStoreError, LayoutError
+from kvstore.integrations.backoff import Backoff
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout, dtype_name
 
 log = logging.getLogger(__name__)
 
 MAX_CLIENTS = 16  # distinct (LoRA, cache salt) namespaces kept connected per process
-BACKOFF = 10.0  # seconds a daemon that did not answer is left alone: lookups are on the scheduler's path
 
 
 # ---------------------------------------------------------------------- settings and namespace
@@ -174,22 +174,9 @@ class Clients:
         self._cfg, self._settings, self._layout, self._ranks = vllm_config, settings, layout, ranks
         self._clients: dict[tuple[Variant, str], KVStoreClient] = {}
         self._lock = threading.Lock()
-        self._down_until = 0.0
-
-    def available(self) -> bool:
-        """False for BACKOFF seconds after the daemon failed to answer (see ``failed``)."""
-        return time.monotonic() >= self._down_until
-
-    def failed(self, what: str, err: Exception) -> None:
-        """A call failed; a daemon that does not answer is skipped for a while, and said so once."""
-        if isinstance(err, TimeoutError):
-            if self.available():
-                log.warning(
-                    "kvstore did not answer a %s (%s); not asked again for %.0f s", what, err, BACKOFF
-                )
-            self._down_until = time.monotonic() + BACKOFF
-        else:
-            log.warning("kvstore %s failed: %s", what, err)
+        # lookups are on the scheduler's path: a daemon that did not answer is left alone a while
+        self.backoff = Backoff(log)
+        self.available, self.failed = self.backoff.available, self.backoff.failed
 
     def get(self, variant: Variant, purpose: str) -> KVStoreClient:
         with self._lock:

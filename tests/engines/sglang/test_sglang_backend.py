@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from kvstore.integrations.sglang import KVStoreHiCache
-from tests.engines.sglang.conftest import PAGE, backend, host_pool
+from tests.engines.sglang.conftest import PAGE, backend, host_pool, storage_config
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
@@ -124,3 +125,68 @@ def test_legacy_calls_say_to_set_interface_v1_and_mla_is_refused(daemon: Any) ->
     cfg.is_mla_model = True
     with pytest.raises(ValueError, match="MLA"):
         KVStoreHiCache(cfg, {})
+
+
+def test_a_daemon_that_is_not_there_costs_one_timeout_and_then_nothing(tmp_path: Any) -> None:
+    import time
+
+    pool = host_pool("page_first")
+    config = storage_config(f"ipc://{tmp_path}/nobody.sock", layout=pool.layout)
+    config.extra_config["timeout"] = 0.3
+    store = StorageBackendFactory.create_backend("dynamic", config, pool)
+    store.register_mem_pool_host(pool)
+    assert isinstance(store, KVStoreHiCache)
+    keys = page_hashes(3)
+    t0 = time.monotonic()
+    assert store.batch_exists(keys) == 0
+    assert store.batch_set_v1(keys, slots([0, 1, 2])) == [False] * 3
+    assert store.batch_get_v1(keys, slots([3, 4, 5])) == [False] * 3
+    assert store.backoff.timeouts == 1 and time.monotonic() - t0 < 2.0
+
+
+def test_a_page_damaged_on_disk_is_false_and_the_pages_before_it_are_served(
+    daemons: Any, tmp_path: Any
+) -> None:
+    import lmdb
+
+    from kvstore.chains import KeyChain
+    from kvstore.tiers.lmdb_env import DB_NAMES
+    from tests.hardening.conftest import write_config
+
+    cfg = write_config(
+        tmp_path,
+        hbm={"device": "cpu", "capacity": "4MiB"},
+        ram={"capacity": "4MiB", "codec": "raw"},
+        policy={"page_bytes": "1KiB"},
+    )
+    d = daemons(cfg)
+    pool = host_pool("layer_first")
+    store = backend(d.endpoint, pool)
+    keys = page_hashes(4, salt=7)
+    want = fill(pool, [0, 1, 2, 3], seed=7)
+    assert all(store.batch_set_v1(keys, slots([0, 1, 2, 3])))
+    assert store.client is not None and store.client.flush(30)
+    ns = store.client.namespace
+    assert ns is not None
+    store.close()
+    assert d.stop() == 0
+    env = lmdb.open(str(tmp_path / "nvme"), max_dbs=len(DB_NAMES), map_size=1 << 30)
+    with env.begin(write=True) as txn:
+        frames = env.open_db(b"blocks", txn=txn)
+        key = KeyChain.of(keys).keys(ns, 4)[2]
+        frame = txn.get(key, db=frames)
+        assert frame is not None
+        damaged = bytearray(frame)
+        damaged[len(damaged) // 2] ^= 0xFF
+        txn.put(key, bytes(damaged), db=frames)
+    env.close()
+    d = daemons(cfg)
+    store = backend(d.endpoint, pool)
+    before = [pool.get_data_page(p * PAGE, flat=False).clone() for p in (10, 11)]
+    got = store.batch_get_v1(keys, slots([8, 9, 10, 11]))
+    assert got == [True, True, False, False]
+    for p, w in zip([8, 9], want[:2], strict=True):
+        assert torch.equal(pool.get_data_page(p * PAGE, flat=False).view(torch.int16), w.view(torch.int16))
+    for p, b in zip([10, 11], before, strict=True):  # never filled with the damaged page
+        assert torch.equal(pool.get_data_page(p * PAGE, flat=False).view(torch.int16), b.view(torch.int16))
+    assert store.batch_exists(keys) == 2

@@ -1,0 +1,316 @@
+"""kvstore's vLLM connector under vLLM 0.33's real Scheduler, Request and ModelRunnerOutput, with a
+real daemon. The "forward pass" writes known K/V into worker caches laid out the way vLLM's CPU
+("vec" kernels: per head K transposed, then V) and FlashAttention backends lay them out, so every
+loaded token is checked where the kernels read it, and what kvstore holds is checked as K and V."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.integrations import vllm as connector
+from tests.hardening.conftest import endpoint_of, wait_until, write_config
+
+T = 32  # kvstore's block size; vLLM's is 16 here
+BS = 16
+NUM_BLOCKS = 96
+
+
+def expected(tokens: list[int], start: int, end: int, layers: int, heads: int, dim: int) -> torch.Tensor:
+    """What the fake forward pass computes for positions start..end-1: [L, 2, n, H, D], bf16."""
+    tok = torch.tensor(tokens[start:end], dtype=torch.float32)
+    pos = torch.arange(start, end, dtype=torch.float32)
+    layer = torch.arange(layers, dtype=torch.float32).view(-1, 1)
+    base = (tok * 31 + pos * 17 + layer * 13) % 251  # [L, n]
+    k = base.view(layers, -1, 1, 1) + torch.arange(heads).view(1, 1, -1, 1) * 0.5 + torch.zeros(dim)
+    return torch.stack([k, -k], dim=1).to(torch.bfloat16)
+
+
+class Worker:
+    """The worker side of one engine: per-layer caches shaped like vLLM 0.33's, a worker connector."""
+
+    def __init__(
+        self, vllm_config: Any, backend: str, monkeypatch: pytest.MonkeyPatch, isa: str = "vec"
+    ) -> None:
+        kv_config = None
+        self.c = connector.KVStoreConnector(vllm_config, connector.KVConnectorRole.WORKER, kv_config)
+        L = self.c.layout
+        self.layout = L
+        self.backend = backend
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(L.num_layers)]
+        self.caches = {
+            n: torch.zeros(NUM_BLOCKS, L.num_kv_heads, BS, 2 * L.head_dim, dtype=torch.bfloat16)
+            for n in names
+        }
+        monkeypatch.setattr(connector, "_backends", lambda _cfg: dict.fromkeys(names, backend))
+        monkeypatch.setattr(connector, "_cpu_isa", lambda *_: isa)
+        self.c.register_kv_caches(self.caches)
+        self.loads: list[tuple[str, int, int]] = []
+
+    def kv_at(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Tokens start..end-1 as the attention kernels would read them: [L, 2, n, H, D]."""
+        L = self.layout
+        pos = torch.arange(start, end)
+        blk = torch.tensor(block_ids)[pos // BS]
+        off = pos % BS
+        out = []
+        for name in sorted(self.caches, key=connector._layer_index):
+            c = self.caches[name]
+            if self.backend == "CPU_ATTN":  # per head: K transposed [D, bs], then V [bs, D]
+                halves = c.view(NUM_BLOCKS, L.num_kv_heads, 2, BS * L.head_dim)
+                k = halves[:, :, 0].view(NUM_BLOCKS, L.num_kv_heads, L.head_dim, BS)[blk, :, :, off]
+                v = halves[:, :, 1].view(NUM_BLOCKS, L.num_kv_heads, BS, L.head_dim)[blk, :, off]
+            else:  # FlashAttention: K and V side by side in the last dimension
+                k, v = c[blk, :, off, : L.head_dim], c[blk, :, off, L.head_dim :]
+            out.append(torch.stack([k, v]))
+        return torch.stack(out)
+
+    def forward(self, block_ids: list[int], tokens: list[int], start: int, end: int) -> None:
+        L = self.layout
+        want = expected(tokens, start, end, L.num_layers, L.num_kv_heads, L.head_dim)
+        pos = torch.arange(start, end)
+        blk = torch.tensor(block_ids)[pos // BS]
+        off = pos % BS
+        for i, name in enumerate(sorted(self.caches, key=connector._layer_index)):
+            c = self.caches[name]
+            if self.backend == "CPU_ATTN":
+                halves = c.view(NUM_BLOCKS, L.num_kv_heads, 2, BS * L.head_dim)
+                halves[:, :, 0].view(NUM_BLOCKS, L.num_kv_heads, L.head_dim, BS)[blk, :, :, off] = want[i, 0]
+                halves[:, :, 1].view(NUM_BLOCKS, L.num_kv_heads, BS, L.head_dim)[blk, :, off] = want[i, 1]
+            else:
+                c[blk, :, off, : L.head_dim] = want[i, 0]
+                c[blk, :, off, L.head_dim :] = want[i, 1]
+
+
+class Engine:
+    """vLLM's scheduler and one worker, stepped the way the engine core steps them."""
+
+    def __init__(self, U: Any, vllm_config: Any, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.U = U
+        self.sched = U.create_scheduler(vllm_config, num_blocks=NUM_BLOCKS)
+        self.worker = Worker(vllm_config, backend, monkeypatch)
+        self.requests: dict[str, Any] = {}
+        self.before_load: Any = None  # a hook run between scheduling and loading
+
+    def add(self, req: Any) -> None:
+        self.requests[req.request_id] = req
+        self.sched.add_request(req)
+
+    def step(self) -> Any:
+        so = self.sched.schedule()
+        w = self.worker.c
+        meta = so.kv_connector_metadata
+        w.bind_connector_metadata(meta)
+        w.handle_preemptions(meta)
+        if self.before_load is not None and meta.loads:
+            self.before_load()
+        w.start_load_kv(None)
+        errors = w.get_block_ids_with_load_errors()
+        for t in meta.loads:
+            self.worker.loads.append((t.req_id, t.start, t.end))
+            bad = set(t.block_ids) & errors
+            if not bad:  # every loaded token where the kernels read it
+                got = self.worker.kv_at(t.block_ids, t.start, t.end)
+                L = self.worker.layout
+                assert torch.equal(
+                    got, expected(t.tokens, t.start, t.end, L.num_layers, L.num_kv_heads, L.head_dim)
+                )
+        scheduled = []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            ids = list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+            start = req.num_computed_tokens - n  # the scheduler has counted this step's tokens already
+            self.worker.forward(ids, list(req.all_token_ids), start, start + n)
+            scheduled.append(req)
+        w.wait_for_save()
+        sending, _ = w.get_finished(so.finished_req_ids)
+        w.clear_connector_metadata()
+        out = self.U.create_model_runner_output(
+            scheduled, finished_sending=sending, invalid_block_ids=errors or None
+        )
+        self.sched.update_from_output(so, out)
+        return meta
+
+    def run(self, timeout: float = 60.0) -> None:
+        """Step until every request is done and its blocks are back (saves still running keep a
+        finished request's blocks: the engine core keeps stepping until the workers report them)."""
+        deadline = time.monotonic() + timeout
+        while self.sched.has_unfinished_requests() or self.sched.has_finished_requests():
+            if time.monotonic() > deadline:
+                reqs = {r: (q.status, q.num_computed_tokens) for r, q in self.requests.items()}
+                raise AssertionError(f"the engine did not finish its requests: {reqs}")
+            if not self.step().loads and not self.sched.has_unfinished_requests():
+                time.sleep(0.01)
+        self.U.assert_scheduler_empty(self.sched)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+def request(U: Any, tokens: list[int], rid: str, max_tokens: int = 3, salt: str | None = None) -> Any:
+    """A vLLM Request for ``tokens``, made the way the helpers make theirs (its block hashes are
+    vLLM's own prefix-cache keys)."""
+    U.create_request(num_tokens=1)  # the helpers' one-time hashing set-up
+    params = U.SamplingParams(max_tokens=max_tokens)
+    params.update_from_generation_config({}, U.EOS_TOKEN_ID)
+    return U.Request(
+        request_id=rid,
+        prompt_token_ids=list(tokens),
+        sampling_params=params,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=U.get_request_block_hasher(BS, U.sha256),
+        cache_salt=salt,
+    )
+
+
+@pytest.fixture
+def setup(daemons: Any, tmp_path: Path, vllm_utils: Any, model_dir: Path) -> Any:
+    cfg = write_config(
+        tmp_path,
+        hbm={"capacity": "128MiB"},
+        ram={"capacity": "64MiB", "codec": "raw"},
+        nvme={"capacity": "1GiB", "codec": "raw"},
+        policy={"page_bytes": "512KiB"},
+    )
+    daemons(cfg)
+    ep = endpoint_of(cfg)
+    vcfg = vllm_utils.create_vllm_config(
+        model=str(model_dir),
+        block_size=BS,
+        max_num_batched_tokens=96,  # chunked prefill: a prompt takes several steps
+        dtype="bfloat16",
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"endpoint": ep, "block_tokens": T},
+    )
+    return vllm_utils, vcfg, ep
+
+
+def operator(ep: str) -> KVStoreClient:
+    return KVStoreClient(ep, timeout=10.0)
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
+def test_prompts_saved_by_one_engine_load_into_another_where_the_kernels_read_them(
+    setup: Any, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    U, vcfg, ep = setup
+    a = prompt(150, 1)
+    e1 = Engine(U, vcfg, backend, monkeypatch)
+    e1.add(request(U, a, "a"))
+    e1.run()
+    assert not e1.worker.loads  # nothing held yet
+    ns_client = e1.worker.c._clients.get(connector.Variant(), "check")
+    # prompt and the generated tokens fed back: 152 computed -> 4 blocks of 32
+    assert wait_until(lambda: ns_client.lookup(a + [0, 0]).matched_tokens == 128, 10)
+    stored = ns_client.get(a)  # kvstore's own [L, 2, T, H, D]: K and V as the model computed them
+    L = ns_client._ns().layout
+    assert stored.kv is not None
+    assert torch.equal(stored.kv, expected(a, 0, 128, L.num_layers, L.num_kv_heads, L.head_dim))
+
+    # vLLM's own prefix cache dropped: the same prompt comes back from kvstore
+    assert e1.sched.reset_prefix_cache()
+    e1.add(request(U, a, "a2"))
+    e1.run()
+    assert e1.worker.loads == [("a2", 0, 128)]
+
+    # a second engine process shares a 100-token prefix: 3 blocks (96 tokens) come from kvstore
+    e2 = Engine(U, vcfg, backend, monkeypatch)
+    b = a[:100] + prompt(60, 2)
+    e2.add(request(U, b, "b"))
+    e2.run()
+    assert e2.worker.loads == [("b", 0, 96)]
+
+    # vLLM holds 6 blocks of 16 itself (b's prefix): kvstore adds from token 96, b's first 4 blocks
+    # of 32 end at 128, so nothing more; a's 150 tokens: vLLM holds 96 of them (b), kvstore 128
+    e2.add(request(U, a, "a3"))
+    e2.run()
+    assert e2.worker.loads == [("b", 0, 96), ("a3", 96, 128)]
+
+    # another cache salt is another namespace: no hit, and its save is its own
+    e2.add(request(U, a, "salted", salt="tenant-x"))
+    e2.sched.reset_prefix_cache()
+    e2.run()
+    assert [x for x in e2.worker.loads if x[0] == "salted"] == []
+    salted = e2.worker.c._clients.get(connector.Variant.of(request(U, a, "s", salt="tenant-x")), "check")
+    assert wait_until(lambda: salted.lookup(a).matched_tokens == 128, 10)
+    e1.worker.c.shutdown()
+    e2.worker.c.shutdown()
+
+
+def test_blocks_gone_between_lookup_and_load_are_recomputed_not_read(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    U, vcfg, ep = setup
+    a = prompt(150, 3)
+    e = Engine(U, vcfg, "CPU_ATTN", monkeypatch)
+    e.add(request(U, a, "a"))
+    e.run()
+    assert e.sched.reset_prefix_cache()
+    with operator(ep) as op:
+        e.before_load = lambda: op.evict(all=True)  # after the scheduler counted on them
+        e.add(request(U, a, "again"))
+        e.run()
+    assert e.worker.loads[-1] == ("again", 0, 128)
+    # the scheduler was told, recomputed those tokens, and the request ran to its end
+    req = e.requests["again"]
+    assert req.is_finished() and req.num_computed_tokens >= 150
+    e.worker.c.shutdown()
+
+
+def test_a_daemon_that_is_not_there_costs_one_timeout_and_then_nothing(
+    vllm_utils: Any, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vcfg = vllm_utils.create_vllm_config(
+        model=str(model_dir),
+        block_size=BS,
+        max_num_batched_tokens=96,
+        dtype="bfloat16",
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"endpoint": f"ipc://{tmp_path}/nobody.sock", "timeout": 0.5},
+    )
+    e = Engine(vllm_utils, vcfg, "CPU_ATTN", monkeypatch)
+    for i in range(3):
+        e.add(request(vllm_utils, prompt(100, 4 + i), f"lonely-{i}"))
+    e.run()
+    assert e.worker.loads == [] and all(r.is_finished() for r in e.requests.values())
+    scheduler = e.sched.connector
+    assert scheduler._lookup_failures == 1  # the first lookup timed out once; the others were not sent
+    assert scheduler.hook_seconds["lookup"] < 1.0
+    e.worker.c.shutdown()
+
+
+def test_bad_settings_are_refused_with_the_keys_it_takes(vllm_utils: Any, model_dir: Path) -> None:
+    vcfg = vllm_utils.create_vllm_config(
+        model=str(model_dir),
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"endpiont": "ipc:///x"},
+    )
+    with pytest.raises(Exception, match="unknown keys \\['endpiont'\\].*endpoint"):
+        connector.KVStoreConnector(vcfg, connector.KVConnectorRole.SCHEDULER, None)
+
+
+def test_cpu_kernels_that_pack_k_otherwise_are_refused_at_start(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    U, vcfg, _ = setup
+    with pytest.raises(connector.LayoutError, match="packs K for amx"):
+        Worker(vcfg, "CPU_ATTN", monkeypatch, isa="amx")
+    with pytest.raises(connector.LayoutError, match="packs K for neon"):
+        connector.split_kv(torch.zeros(4, 3, 16, 128), "CPU_ATTN", 3, 64, "neon")
+    with pytest.raises(connector.LayoutError, match="cannot find K and V"):
+        connector.split_kv(torch.zeros(4, 5, 16, 128), "FLASH_ATTN", 3, 64)
