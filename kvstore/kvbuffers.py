@@ -217,6 +217,25 @@ class PagedKV:
                 self.k[layer][blk, off] = s[0]
                 self.v[layer][blk, off] = s[1]
 
+    def write_blocks(self, t0: int, blocks: torch.Tensor) -> None:
+        """Scatter whole kvstore blocks ``[n, L, 2, T, H, D]`` (block-major, as they lie in a pool; any
+        device) into tokens ``t0 .. t0+n*T-1``. When a kvstore block is one engine block, each layer
+        takes all of them in one ``index_copy_``; otherwise block by block."""
+        n, T = blocks.shape[0], blocks.shape[3]
+        if T != self.block_size or t0 % T or t0 < self.floor:
+            for b in range(n):
+                self.write(t0 + b * T, blocks[b])
+            return
+        blocks = blocks.to(self.device, non_blocking=True)
+        ids = self.ids[t0 // T : t0 // T + n]
+        for layer in range(len(self.k)):
+            rows = blocks[:, layer].transpose(0, 1)  # [2, n, T, H, D], strided: no copy
+            if self.kv is not None:
+                self.kv[layer].index_copy_(1, ids, rows)
+            else:
+                self.k[layer].index_copy_(0, ids, rows[0])
+                self.v[layer].index_copy_(0, ids, rows[1])
+
     def read(self, t0: int, out: torch.Tensor) -> torch.Tensor:
         """Gather tokens ``t0 .. t0+n-1`` into ``out`` (``[L, 2, n, H, D]``, any device). Returns ``out``."""
         n = out.shape[2]

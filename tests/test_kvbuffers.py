@@ -114,3 +114,32 @@ def test_tokens_below_the_floor_are_never_written() -> None:
     assert not out[:, :, :6].any()  # block 5 and half of block 0 untouched
     with pytest.raises(LayoutError, match="block ids must lie"):
         PagedKV.vllm(caches, [5, 6], 8)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("combined", [True, False])
+def test_whole_blocks_land_where_token_writes_put_them(block_size: int, combined: bool) -> None:
+    """``write_blocks`` (kvstore blocks as they lie in a pool) equals writing them token range by range."""
+    tokens, nb = 32, 12
+    ids = torch.randperm(nb, generator=torch.Generator().manual_seed(3))[: tokens // block_size]
+    data = kv(tokens, seed=6)
+    pool_blocks = data.unflatten(2, (tokens // 8, 8)).permute(2, 0, 1, 3, 4, 5)  # [n, L, 2, 8, H, D]
+
+    def target() -> tuple[PagedKV, list[torch.Tensor]]:
+        caches = [torch.zeros(2, nb, block_size, 2, 8, dtype=torch.float16) for _ in range(3)]
+        if combined:
+            return PagedKV.vllm(caches, ids, tokens), caches
+        return PagedKV.blocks([c[0] for c in caches], [c[1] for c in caches], ids, tokens), caches
+
+    a, ca = target()
+    a.write_blocks(0, pool_blocks[:2])
+    a.write_blocks(16, pool_blocks[2:])
+    b, cb = target()
+    b.write(0, data)
+    assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
+    c, cc = target()
+    c.above(12).write_blocks(0, pool_blocks)
+    assert not torch.cat([x.flatten() for x in cc]).eq(0).all()
+    assert torch.equal(
+        c.read(0, torch.empty(LAYOUT.shape(tokens), dtype=torch.float16))[:, :, 12:], data[:, :, 12:]
+    )

@@ -192,8 +192,7 @@ class SharedMapping:
                 dst = target[:, :, t0 + j * T : t0 + k * T].unflatten(2, (k - j, T)).permute(2, 0, 1, 3, 4, 5)
                 dst.copy_(src, non_blocking=True)
             else:
-                for b in range(k - j):
-                    write_target(target, t0 + (j + b) * T, src[b])
+                target.write_blocks(t0 + j * T, src)
             j = k
         # every copy has finished (on either side of PCIe) before the generations are read
         for dev in {m.arena.device for m, _, _, _ in located} | {device}:
