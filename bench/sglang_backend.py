@@ -39,6 +39,9 @@ import torch
 from kvstore.client import KVStoreClient
 
 L, H, D, PAGE, TOKENS = 30, 3, 64, 64, 4096
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # SGLang's objects: tests/engines/sglang/pools.py
 
 
 @contextmanager
@@ -75,60 +78,15 @@ def daemon(root: Path) -> Iterator[str]:
 
 
 def host_pool(layout: str) -> Any:
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from tests.engines.sglang.pools import host_pool as make
 
-    dev = MHATokenToKVPool(
-        size=2 * TOKENS,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        head_num=H,
-        head_dim=D,
-        layer_num=L,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    info = dev.get_device_pool_infos()[0].buffer_info
-    return MHATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=dev.size,
-        start_layer=dev.start_layer,
-        end_layer=dev.end_layer,
-    )
+    return make(layout, tokens=2 * TOKENS, page=PAGE, layers=L, heads=H, head_dim=D)
 
 
 def backend(endpoint: str, pool: Any) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from tests.engines.sglang.pools import attach, storage_config
 
-    cfg = HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=pool.layout.startswith("page_first"),
-        model_name="smollm2-135m-instruct",
-        extra_config={
-            "backend_name": "kvstore",
-            "module_path": "kvstore.integrations.sglang",
-            "class_name": "KVStoreHiCache",
-            "interface_v1": 1,
-            "endpoint": endpoint,
-        },
-    )
-    store = StorageBackendFactory.create_backend("dynamic", cfg, pool)
-    store.register_mem_pool_host(pool)
-    return store
+    return attach(storage_config(endpoint, model="smollm2-135m-instruct", layout=pool.layout), pool)
 
 
 def timed(fn: Callable[[], Any]) -> float:

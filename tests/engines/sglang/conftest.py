@@ -15,14 +15,11 @@ from typing import Any
 import pytest
 
 if os.environ.get("KVSTORE_ENGINE") != "sglang":
-    collect_ignore_glob = ["test_*.py"]  # the main suite has no SGLang
+    collect_ignore_glob = ["test_*.py", "pools.py"]  # the main suite has no SGLang
 else:
     import torch
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+    from tests.engines.sglang import pools
     from tests.hardening.conftest import daemons, write_config  # noqa: F401 - a fixture
 
 PAGE, LAYERS, HEADS, HDIM = 4, 3, 2, 8
@@ -30,61 +27,19 @@ MODEL = "sglang-test-model"
 
 
 def host_pool(layout: str, dtype: Any = None) -> Any:
-    """A real MHATokenToKVPoolHost over a CPU device pool (page size PAGE)."""
-    dev = MHATokenToKVPool(
-        size=64,
-        page_size=PAGE,
-        dtype=dtype or torch.bfloat16,
-        head_num=HEADS,
-        head_dim=HDIM,
-        layer_num=LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    info = dev.get_device_pool_infos()[0].buffer_info
-    return MHATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        PAGE,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=dev.size,
-        start_layer=dev.start_layer,
-        end_layer=dev.end_layer,
+    """A real MHATokenToKVPoolHost over a CPU device pool of 64 slots (page size PAGE)."""
+    return pools.host_pool(
+        layout, tokens=64, page=PAGE, layers=LAYERS, heads=HEADS, head_dim=HDIM, dtype=dtype or torch.bfloat16
     )
 
 
 def storage_config(endpoint: str, *, tp_rank: int = 0, model: str = MODEL, layout: str = "page_first") -> Any:
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=2,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=False,
-        enable_storage_metrics=False,
-        is_page_first_layout=layout.startswith("page_first"),
-        model_name=model,
-        extra_config={
-            "backend_name": "kvstore",
-            "module_path": "kvstore.integrations.sglang",
-            "class_name": "KVStoreHiCache",
-            "interface_v1": 1,
-            "endpoint": endpoint,
-        },
-    )
+    return pools.storage_config(endpoint, model=model, layout=layout, tp_rank=tp_rank, tp_size=2)
 
 
 def backend(endpoint: str, pool: Any, **kw: Any) -> Any:
     """The backend as SGLang's cache controller builds it: the dynamic factory, then the host pool."""
-    store = StorageBackendFactory.create_backend(
-        "dynamic", storage_config(endpoint, layout=pool.layout, **kw), pool
-    )
-    store.register_mem_pool_host(pool)
-    return store
+    return pools.attach(storage_config(endpoint, layout=pool.layout, **kw), pool)
 
 
 @pytest.fixture

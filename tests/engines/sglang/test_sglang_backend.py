@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from kvstore.integrations.sglang import KVStoreHiCache
 from tests.engines.sglang.conftest import PAGE, backend, host_pool, storage_config
+from tests.engines.sglang.pools import attach
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
@@ -133,8 +133,7 @@ def test_a_daemon_that_is_not_there_costs_one_timeout_and_then_nothing(tmp_path:
     pool = host_pool("page_first")
     config = storage_config(f"ipc://{tmp_path}/nobody.sock", layout=pool.layout)
     config.extra_config["timeout"] = 0.3
-    store = StorageBackendFactory.create_backend("dynamic", config, pool)
-    store.register_mem_pool_host(pool)
+    store = attach(config, pool)
     assert isinstance(store, KVStoreHiCache)
     keys = page_hashes(3)
     t0 = time.monotonic()
