@@ -46,9 +46,7 @@ A request's ``kv_transfer_params`` may name a kvstore session: ``{"kvstore_sessi
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import threading
 import time
 from collections import deque
@@ -63,147 +61,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore.client import KVStoreClient
-from kvstore.errors import ConfigError, KVStoreError, LayoutError
-from kvstore.integrations.backoff import Backoff
+from kvstore.errors import KVStoreError, LayoutError
+from kvstore.integrations import vllm_layout
+from kvstore.integrations.vllm_layout import split_kv
+from kvstore.integrations.vllm_settings import Clients, Settings, Variant, model_layout, worker_ranks
 from kvstore.kvbuffers import PagedKV
-from kvstore.layout import KVLayout, dtype_name
 
 log = logging.getLogger(__name__)
-
-MAX_CLIENTS = 16  # distinct (LoRA, cache salt) namespaces kept connected per process
-
-
-# ---------------------------------------------------------------------- settings and namespace
-
-
-@dataclass(frozen=True)
-class Settings:
-    endpoint: str | None = None
-    tenant: str = "default"
-    model: str | None = None
-    block_tokens: int = 64
-    timeout: float = 5.0
-    load: bool = True
-    save: bool = True
-    save_outputs: bool = True
-    shared_memory: bool | None = None
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
-        extra = dict(extra or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(
-                f"kv_connector_extra_config has unknown keys {unknown}; kvstore takes {sorted(known)}"
-            )
-        try:
-            s = cls(**extra)
-        except TypeError as e:
-            raise ConfigError(f"kv_connector_extra_config: {e}") from None
-        if not isinstance(s.block_tokens, int) or s.block_tokens < 1:
-            raise ConfigError(f"block_tokens must be a positive integer, got {s.block_tokens!r}")
-        return s
-
-
-@dataclass(frozen=True)
-class Variant:
-    """What, besides the model, changes a request's K/V: its LoRA adapter and cache salt."""
-
-    lora: str = ""
-    salt: str = ""  # sha256 of vLLM's cache_salt: the salt itself is never sent nor logged
-
-    @classmethod
-    def of(cls, request: Any) -> Variant:
-        lora = getattr(request, "lora_request", None)
-        salt = getattr(request, "cache_salt", None)
-        return cls(
-            lora="" if lora is None else f"{lora.lora_name}#{lora.lora_int_id}",
-            salt="" if not salt else hashlib.sha256(str(salt).encode()).hexdigest()[:32],
-        )
-
-
-def model_layout(vllm_config: Any, block_tokens: int) -> KVLayout:
-    """The K/V layout of this vLLM instance's share of the model (its pipeline stage's layers, its
-    tensor-parallel rank's KV heads), in the dtype vLLM keeps K/V in."""
-    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if getattr(mc, "use_mla", False):
-        raise LayoutError("kvstore's vLLM connector keeps per-head K and V; MLA models are not supported")
-    cache_dtype = str(getattr(cc, "cache_dtype", "auto"))
-    if cache_dtype not in ("auto", str(mc.dtype).removeprefix("torch.")):
-        raise LayoutError(
-            f"kvstore keeps K/V in the model's dtype ({mc.dtype}); --kv-cache-dtype {cache_dtype} is not supported"
-        )
-    return KVLayout(
-        num_layers=mc.get_num_layers(pc),
-        num_kv_heads=mc.get_num_kv_heads(pc),
-        head_dim=mc.get_head_size(),
-        dtype=dtype_name(mc.dtype),
-        block_tokens=block_tokens,
-    )
-
-
-def namespace_revision(vllm_config: Any, ranks: tuple[int, int], variant: Variant) -> str:
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    parts = [
-        f"rev={mc.revision or ''}",
-        f"tp={ranks[0]}/{pc.tensor_parallel_size}",
-        f"pp={ranks[1]}/{pc.pipeline_parallel_size}",
-    ]
-    if variant.lora:
-        parts.append(f"lora={variant.lora}")
-    if variant.salt:
-        parts.append(f"salt={variant.salt}")
-    return ";".join(parts)
-
-
-def model_name(vllm_config: Any, settings: Settings) -> str:
-    name = settings.model or str(vllm_config.model_config.model)
-    if len(name.encode()) > 200:  # a namespace field holds 256 bytes
-        name = "sha256:" + hashlib.sha256(name.encode()).hexdigest()
-    return name
-
-
-class Clients:
-    """Connected clients, one per namespace variant (and purpose), made on first use."""
-
-    def __init__(
-        self, vllm_config: Any, settings: Settings, layout: KVLayout, ranks: tuple[int, int]
-    ) -> None:
-        self._cfg, self._settings, self._layout, self._ranks = vllm_config, settings, layout, ranks
-        self._clients: dict[tuple[Variant, str], KVStoreClient] = {}
-        self._lock = threading.Lock()
-        # lookups are on the scheduler's path: a daemon that did not answer is left alone a while
-        self.backoff = Backoff(log)
-        self.available, self.failed = self.backoff.available, self.backoff.failed
-
-    def get(self, variant: Variant, purpose: str) -> KVStoreClient:
-        with self._lock:
-            c = self._clients.pop((variant, purpose), None)
-            if c is None:
-                if len(self._clients) >= MAX_CLIENTS:
-                    oldest = next(iter(self._clients))
-                    self._clients.pop(oldest).close()
-                s = self._settings
-                c = KVStoreClient(
-                    s.endpoint,
-                    model=model_name(self._cfg, s),
-                    layout=self._layout,
-                    tenant=s.tenant,
-                    timeout=s.timeout,
-                    revision=namespace_revision(self._cfg, self._ranks, variant),
-                    shared_memory=s.shared_memory,
-                    retries=0 if purpose == "lookup" else 2,  # the scheduler does not wait twice
-                )
-            self._clients[(variant, purpose)] = c  # most recently used last
-            return c
-
-    def close(self) -> None:
-        with self._lock:
-            for c in self._clients.values():
-                c.close()
-            self._clients.clear()
 
 
 # ---------------------------------------------------------------------- metadata
@@ -253,89 +117,6 @@ def _session(request: Any) -> str | None:
     params = getattr(request, "kv_transfer_params", None) or {}
     s = params.get("kvstore_session") if isinstance(params, dict) else None
     return s if isinstance(s, str) and s else None
-
-
-# ---------------------------------------------------------------------- K and V in vLLM's caches
-
-
-CPU_LAYOUTS = ("vec",)  # vLLM CPU attention flavours whose block interior kvstore reads (checked against HF)
-
-
-def split_kv(
-    cache: torch.Tensor, backend: str, num_kv_heads: int, head_dim: int, cpu_isa: str = ""
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer's cache as ``[num_blocks, block_size, H, D]`` views (no copy).
-
-    ``cpu_isa``: for vLLM's CPU backend, the kernel flavour it picked (``_get_attn_isa``): its
-    blocks hold, per head, K transposed (``[D, block_size]``) then V (``[block_size, D]``) for
-    "vec"; other flavours pack K for their instructions and are refused."""
-    H, D = num_kv_heads, head_dim
-    shape = tuple(cache.shape)
-    if cache.dim() == 5 and shape[0] == 2 and shape[3:] == (H, D):  # [2, nb, bs, H, D]
-        return cache[0], cache[1]
-    if cache.dim() == 5 and shape[1] == 2 and shape[3:] == (H, D):  # [nb, 2, bs, H, D]
-        return cache[:, 0], cache[:, 1]
-    if cache.dim() == 4 and shape[1] == H and shape[3] == 2 * D:  # [nb, H, bs, 2D]
-        if backend.upper().startswith("CPU"):
-            if cpu_isa not in CPU_LAYOUTS:
-                raise LayoutError(
-                    f"vLLM's CPU attention packs K for {cpu_isa or 'an unknown instruction set'} in a way "
-                    f"kvstore does not read; supported: {', '.join(CPU_LAYOUTS)}"
-                )
-            nb, _, bs, _ = shape
-            try:
-                halves = cache.view(nb, H, 2, bs * D)
-            except RuntimeError:
-                raise LayoutError(f"a {backend} cache {shape} must be contiguous per head") from None
-            k = halves[:, :, 0].view(nb, H, D, bs).permute(0, 3, 1, 2)
-            v = halves[:, :, 1].view(nb, H, bs, D).permute(0, 2, 1, 3)
-            return k, v
-        return cache[..., :D].permute(0, 2, 1, 3), cache[..., D:].permute(0, 2, 1, 3)
-    if cache.dim() == 4 and shape[1] == 2 * H and shape[3] == D:  # [nb, 2H, bs, D]: K heads, then V heads
-        return cache[:, :H].permute(0, 2, 1, 3), cache[:, H:].permute(0, 2, 1, 3)
-    raise LayoutError(
-        f"cannot find K and V of {H} heads x {D} in a {backend} KV cache of shape {shape}; "
-        "kvstore reads [num_blocks, H, block_size, 2*D] and [2, num_blocks, block_size, H, D]"
-    )
-
-
-def _layer_index(name: str) -> int:
-    found = re.findall(r"\.(\d+)\.", f".{name}.")
-    return int(found[0]) if found else 0
-
-
-def _backends(vllm_config: Any) -> dict[str, str]:
-    """Attention backend name per layer name (empty when vLLM cannot say)."""
-    try:
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
-        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)
-        return {name: layer.get_attn_backend().get_name() for name, layer in layers.items()}
-    except Exception as e:  # an older or newer vLLM: fall back to reading the shapes
-        log.debug("attention backends not found (%s)", e)
-        return {}
-
-
-def _cpu_isa(vllm_config: Any, cache: torch.Tensor, head_dim: int) -> str:
-    """The kernel flavour vLLM's CPU attention picks for these caches ("" when it cannot say)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        return str(_get_attn_isa(cache.dtype, cache.shape[2], head_dim, vllm_config.cache_config.cache_dtype))
-    except Exception as e:
-        log.debug("CPU attention flavour not found (%s)", e)
-        return ""
-
-
-def _ranks() -> tuple[int, int]:
-    """This worker's tensor- and pipeline-parallel ranks."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
-    except Exception:  # not initialised: a single process
-        return 0, 0
 
 
 # ---------------------------------------------------------------------- worker-side saving
@@ -416,7 +197,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.layout = model_layout(vllm_config, self.settings.block_tokens)
         self._worker = role == KVConnectorRole.WORKER
         # the scheduler looks up what rank 0 of the first stage holds; each worker loads and saves its own
-        self._clients = Clients(vllm_config, self.settings, self.layout, _ranks() if self._worker else (0, 0))
+        self._clients = Clients(
+            vllm_config, self.settings, self.layout, worker_ranks() if self._worker else (0, 0)
+        )
         T = self.layout.block_tokens
         self._T = T
         # scheduler side
@@ -557,13 +340,13 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        backends = _backends(self._vllm_config)
-        names = sorted(kv_caches, key=_layer_index)
+        backends = vllm_layout.attention_backends(self._vllm_config)
+        names = sorted(kv_caches, key=vllm_layout.layer_index)
         L = self.layout
         k, v = [], []
         isa = ""
         if any(b.upper().startswith("CPU") for b in backends.values()):
-            isa = _cpu_isa(self._vllm_config, kv_caches[names[0]], L.head_dim)
+            isa = vllm_layout.cpu_isa(self._vllm_config, kv_caches[names[0]], L.head_dim)
         for name in names:
             kk, vv = split_kv(kv_caches[name], backends.get(name, ""), L.num_kv_heads, L.head_dim, isa)
             k.append(kk)

@@ -14,6 +14,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.integrations import vllm as connector
+from kvstore.integrations import vllm_layout
 from tests.hardening.conftest import endpoint_of, wait_until, write_config
 
 T = 32  # kvstore's block size; vLLM's is 16 here
@@ -47,8 +48,8 @@ class Worker:
             n: torch.zeros(NUM_BLOCKS, L.num_kv_heads, BS, 2 * L.head_dim, dtype=torch.bfloat16)
             for n in names
         }
-        monkeypatch.setattr(connector, "_backends", lambda _cfg: dict.fromkeys(names, backend))
-        monkeypatch.setattr(connector, "_cpu_isa", lambda *_: isa)
+        monkeypatch.setattr(vllm_layout, "attention_backends", lambda _cfg: dict.fromkeys(names, backend))
+        monkeypatch.setattr(vllm_layout, "cpu_isa", lambda *_: isa)
         self.c.register_kv_caches(self.caches)
         self.loads: list[tuple[str, int, int]] = []
 
@@ -59,7 +60,7 @@ class Worker:
         blk = torch.tensor(block_ids)[pos // BS]
         off = pos % BS
         out = []
-        for name in sorted(self.caches, key=connector._layer_index):
+        for name in sorted(self.caches, key=vllm_layout.layer_index):
             c = self.caches[name]
             if self.backend == "CPU_ATTN":  # per head: K transposed [D, bs], then V [bs, D]
                 halves = c.view(NUM_BLOCKS, L.num_kv_heads, 2, BS * L.head_dim)
@@ -76,7 +77,7 @@ class Worker:
         pos = torch.arange(start, end)
         blk = torch.tensor(block_ids)[pos // BS]
         off = pos % BS
-        for i, name in enumerate(sorted(self.caches, key=connector._layer_index)):
+        for i, name in enumerate(sorted(self.caches, key=vllm_layout.layer_index)):
             c = self.caches[name]
             if self.backend == "CPU_ATTN":
                 halves = c.view(NUM_BLOCKS, L.num_kv_heads, 2, BS * L.head_dim)
