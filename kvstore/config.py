@@ -193,6 +193,41 @@ class NvmeConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The shared tier below nvme on a Redis Cluster or Valkey (kvstore.tiers.cluster); off by default."""
+
+    enabled: bool = False
+    nodes: tuple[str, ...] = ()  # seed nodes: "redis://host:port" (or rediss:// for TLS)
+    username: str | None = None  # the ACL user; None: the default user
+    password: str | None = field(default=None, repr=False)
+    password_env: str | None = None  # read the password from this environment variable instead
+    codec: str | None = None  # None: the nvme codecs (int4 + zstd, the head blocks at head_codec)
+    ttl: float | None = None  # None: the nvme ttl
+    timeout: float = 0.5  # every call to the cluster, connecting included
+    retry_after: float = 5.0  # after a failure, calls go to the local tiers only for this long
+    write_queue: int = 1024  # blocks waiting to be written; more are dropped (and counted)
+    prefix: str = "kvstore"  # of every key kvstore writes in the cluster
+    required: bool = False  # refuse to start when the cluster cannot be used (default: start local-only)
+
+    def resolved_password(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The password: ``password``, else the variable ``password_env`` names (ConfigError when unset)."""
+        if self.password is not None or self.password_env is None:
+            return self.password
+        value = (os.environ if env is None else env).get(self.password_env)
+        if value is None:
+            raise ConfigError(
+                f"[cluster] password_env = {self.password_env!r}, but that environment variable is not set"
+            )
+        return value
+
+    def codecs(self, nvme: NvmeConfig) -> tuple[Codec, Codec | None]:
+        """The codec and head codec of cluster frames: nvme's, or ``codec`` (zstd as nvme) with nvme's head."""
+        if self.codec is None:
+            return nvme.codecs()
+        return replace(nvme, codec=self.codec).codecs()
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     promote_on_hit: bool = True
     pin_lease: float = 30.0
@@ -207,6 +242,7 @@ class Config:
     ram: RamConfig = field(default_factory=RamConfig)
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     source: Path | None = None  # the TOML file read, if any
 
     def to_dict(self) -> dict[str, Any]:
@@ -214,6 +250,9 @@ class Config:
         d = asdict(self)
         d["nvme"]["path"] = str(self.nvme.path)
         d["source"] = None if self.source is None else str(self.source)
+        c = d["cluster"]  # never a secret in a log or on a screen
+        c["password"] = None if c["password"] is None else "***"
+        c["nodes"] = [re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", n) for n in c["nodes"]]
         return d
 
 
@@ -326,6 +365,17 @@ def _pin(v: Any) -> bool | None:
         raise _Invalid("true, false or 'auto'") from e
 
 
+def _nodes(v: Any) -> tuple[str, ...]:
+    allowed = "cluster node URLs like 'redis://cache-1:7000', a list or comma-separated"
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise _Invalid(allowed)
+    urls = tuple(i.strip() for i in items if i.strip())
+    if not urls or not all(re.fullmatch(r"(redis|rediss|valkey|valkeys)://\S+", u) for u in urls):
+        raise _Invalid(allowed)
+    return urls
+
+
 def _path(v: Any) -> Path:
     if isinstance(v, Path):
         v = str(v)
@@ -377,6 +427,23 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "ttl": _duration(never=True),
             "durability": _choice(*Durability),
             "enabled": _bool,
+        },
+    ),
+    "cluster": (
+        ClusterConfig,
+        {
+            "enabled": _bool,
+            "nodes": _nodes,
+            "username": _optional(_text),
+            "password": _optional(_text),
+            "password_env": _optional(_text),
+            "codec": _optional(_choice("int4", "int8", "fp8", "raw")),
+            "ttl": _optional(_duration(never=True)),
+            "timeout": _duration(never=False),
+            "retry_after": _duration(never=False),
+            "write_queue": _int(1, 2**24),
+            "prefix": _text,
+            "required": _bool,
         },
     ),
     "policy": (

@@ -208,6 +208,7 @@ class StoreStats:
     tokens_matched: int
     tokens_served: int
     write_failures: int = 0  # write-through attempts that failed (full disk, I/O error); retried
+    cluster: dict[str, Any] | None = None  # the cluster tier's state and counters (None: not configured)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for ``--json`` and the protocol)."""

@@ -5,6 +5,8 @@
     evict(filter)            select (AND of criteria) -> plan -> (dry run: report | act)
       no tier:               drop each selected block and its descendants from every tier
       tier = T:              each selected block held in T goes down one tier (from the last: dropped)
+      tier = cluster:        the cluster's copies of the selected blocks are deleted (local ones stay)
+      session = S:           also S's own blocks and record in the cluster (cluster.py)
     prefetch(session, to)    copy the session's chain up into tier ``to`` (reads outside the lock);
                              start_block/max_blocks: one slice of the chain, for chunked progress
 
@@ -29,6 +31,7 @@ from kvstore.results import (
     StoreStats,
     TierStats,
 )
+from kvstore.store.cluster import ClusterLink
 from kvstore.store.datapath import DataPath
 from kvstore.store.index import TIER_MASK, Entry
 from kvstore.store.journal import Journal
@@ -53,6 +56,7 @@ class AdminOps:
         writeback: WriteBack | None,
         *,
         lease: float,
+        cluster: ClusterLink | None = None,
     ) -> None:
         self._lock, self._clock, self._tiers, self._index = parts.lock, parts.clock, parts.tiers, parts.index
         self._pins, self._sessions, self._namespaces = parts.pins, parts.sessions, parts.namespaces
@@ -62,6 +66,7 @@ class AdminOps:
         self._journal = journal
         self._writeback = writeback
         self._lease = lease
+        self._cluster = cluster
 
     def evict(self, flt: EvictFilter, *, dry_run: bool = False) -> EvictResult:
         """Drop (or, with ``flt.tier``, move down) the blocks ``flt`` selects, descendants included.
@@ -77,8 +82,15 @@ class AdminOps:
                 "the filter selects nothing; give session, older_than, tier, namespace, "
                 "model or tenant, or all=True to evict everything"
             )
-        if flt.tier is not None and flt.tier not in self._tiers.names:
-            raise InvalidFilter(f"unknown tier {flt.tier!r}; tiers are {', '.join(self._tiers.names)}")
+        names = (*self._tiers.names, *(("cluster",) if self._cluster is not None else ()))
+        if flt.tier is not None and flt.tier not in names:
+            raise InvalidFilter(f"unknown tier {flt.tier!r}; tiers are {', '.join(names)}")
+        if flt.tier == "cluster":
+            assert self._cluster is not None
+            with self._lock:
+                now = self._clock()
+                chosen_keys = [e.key for e in self._index.entries() if self._selected(e, flt, None, now)]
+            return self._cluster.evict(chosen_keys, flt.session, dry_run=dry_run)
         t = None if flt.tier is None else self._tiers.names.index(flt.tier)
         with self._lock:
             now = self._clock()
@@ -122,13 +134,23 @@ class AdminOps:
                         self._mover.evict_from(t, e)
                 if flt.session is not None and t is None and self._sessions.remove(flt.session):
                     self._journal.forget_session(flt.session)
-        return EvictResult(
+        result = EvictResult(
             blocks=len(keys),
             bytes_freed={k: v for k, v in freed.items() if v},
             moved=moved,
             keys=keys,
             dry_run=dry_run,
         )
+        if flt.session is not None and t is None and self._cluster is not None:
+            remote = self._cluster.evict([], flt.session, dry_run=dry_run)
+            result = EvictResult(
+                blocks=result.blocks + remote.blocks,
+                bytes_freed={**result.bytes_freed, **remote.bytes_freed},
+                moved=moved,
+                keys=[*keys, *remote.keys],
+                dry_run=dry_run,
+            )
+        return result
 
     def prefetch(
         self, session: str, to: str = "ram", *, start_block: int = 0, max_blocks: int | None = None
@@ -240,7 +262,14 @@ class AdminOps:
             return out
 
     def session(self, name: str) -> SessionDetail:
-        """One session and its cached blocks, root first. KeyError when unknown."""
+        """One session and its cached blocks, root first; a session this host does not know but the
+        cluster recorded (another host stored it) with the blocks the cluster holds. KeyError when unknown."""
+        with self._lock:
+            known = self._sessions.get(name) is not None
+        if not known and self._cluster is not None:  # the round trip without the lock
+            detail = self._cluster.session_detail(name)
+            if detail is not None:
+                return detail
         with self._lock:
             s = self._sessions.get(name)
             if s is None:
@@ -289,6 +318,7 @@ class AdminOps:
                 tokens_matched=self._counts.tokens_matched,
                 tokens_served=self._counts.tokens_served,
                 write_failures=self._counts.write_failures,
+                cluster=None if self._cluster is None else self._cluster.status(),
             )
 
     def check_integrity(self) -> list[str]:

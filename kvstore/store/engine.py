@@ -18,6 +18,7 @@
            ├─ DataPath     placing and reading blocks      (datapath.py)
            ├─ WriteBack    write-through, TTL, flush       (writeback.py, writer.py; with nvme)
            ├─ AdminOps     evict, prefetch, stats          (admin.py)
+           ├─ ClusterLink  the shared tier below nvme      (cluster.py; with [cluster] enabled)
            └─ PinTable, SessionTable, NamespaceTable, Journal
 
 One RLock, shared by the parts, guards the index and what each tier holds.
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,7 @@ from kvstore.results import (
     StoreStats,
 )
 from kvstore.store.admin import AdminOps
+from kvstore.store.cluster import ClusterLink
 from kvstore.store.counts import StoreCounts
 from kvstore.store.datapath import DataPath, Read
 from kvstore.store.index import BlockIndex, Entry, Pending
@@ -79,6 +81,7 @@ from kvstore.store.tierset import TierSet
 from kvstore.store.writeback import WriteBack
 from kvstore.store.writer import Admission, WriteThrough
 from kvstore.tiers.base import Tier
+from kvstore.tiers.cluster import ClusterTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.paged import PagedTier, Place
 
@@ -104,10 +107,13 @@ class Store:
         clock: Callable[[], float] = time.time,
         tick: float = 1.0,
         backpressure: float = 2.0,
+        cluster: ClusterTier | None = None,
+        cluster_queue: int = 1024,
     ) -> None:
         """On an nvme path that already holds blocks, the index, namespaces and sessions are
         rebuilt from it. ``admit``: see Admission. ``backpressure``: the longest a put waits for
-        room in the write-through queue (see writer.py)."""
+        room in the write-through queue (see writer.py). ``cluster``: the shared tier below the
+        local ones (cluster.py), written through from a queue of ``cluster_queue`` blocks."""
         try:
             self._admit = Admission(admit)
         except ValueError:
@@ -153,8 +159,17 @@ class Store:
         self._data = DataPath(
             parts, self._mover, self._touch, admit_later if second_use else None, promote=promote
         )
+        self._cluster = (
+            None if cluster is None else ClusterLink(parts, cluster, queue=cluster_queue, tick=tick)
+        )
         self._admin = AdminOps(
-            parts, self._mover, self._data, self._journal, self._writeback, lease=self._lease
+            parts,
+            self._mover,
+            self._data,
+            self._journal,
+            self._writeback,
+            lease=self._lease,
+            cluster=self._cluster,
         )
 
     @classmethod
@@ -164,6 +179,7 @@ class Store:
         ``memory(role, kind)``: where the hbm and ram pools live (kvstore.shm.plane shares them with
         same-host clients); default: private memory."""
         from kvstore.codecs import get_codec
+        from kvstore.store.cluster import cluster_from_config
         from kvstore.tiers.hbm import HbmTier
         from kvstore.tiers.ram import RamTier
 
@@ -196,6 +212,8 @@ class Store:
             write_through=config.nvme.write_through,
             admit=config.nvme.admit,
             ttl=config.nvme.ttl,
+            cluster=cluster_from_config(config),  # connected (or retrying) before the daemon serves
+            cluster_queue=config.cluster.write_queue,
         )
 
     # -- data path --------------------------------------------------------------------
@@ -207,6 +225,7 @@ class Store:
         *,
         session: str | None = None,
         start_block: int = 0,
+        _adopted: bool = False,
     ) -> PutResult:
         """Store the full blocks of ``kv`` (``[L, 2, n*T(+tail), H, D]``) as blocks ``start_block ..``.
 
@@ -221,6 +240,8 @@ class Store:
         A block a tier fails to take is reported in ``failed`` with those after
         it; the blocks before it stay stored and queued for nvme.
         Raises LayoutError / InvalidTokens / InvalidRequest for malformed input.
+        New blocks also go to the cluster tier, if any, in the background (``_adopted``: they came
+        from it, and are not sent back).
         """
         T = ns.layout.block_tokens
         chain = as_chain(tokens)
@@ -251,41 +272,78 @@ class Store:
                     hold = self._pins.pin([job.tail], self._lease) if more and job.tail is not None else None
                 if self._write_through and self._admit is Admission.ALWAYS and self._writeback is not None:
                     job.deferred += self._writeback.submit(new)
+                if self._cluster is not None:
+                    if _adopted:
+                        with self._lock:
+                            self._cluster.adopt(new)
+                    else:
+                        self._cluster.submit(new)
                 if job.failed:
                     break
         finally:
             if hold is not None:
                 with self._lock:
                     self._pins.release(hold)
+        if self._cluster is not None and session is not None and job.last >= job.start:
+            last = job.last + 1
+            tokens = chain.head(last, T).fields().get("tokens")
+            self._cluster.session(
+                session, ns, job.keys[:last], None if tokens is None else tokens.tobytes(), self._clock()
+            )
         return PutResult(stored=job.stored, present=job.present, failed=job.failed, deferred=job.deferred)
 
     def lookup(self, ns: Namespace, tokens: Any) -> LookupResult:
-        """How many leading blocks of ``tokens`` are held (and the uppermost tier of each). Reads nothing."""
-        chain = as_chain(tokens)
-        keys = chain.iter_keys(ns)
-        tiers: list[str] = []
-        with self._lock:
-            self._check_open()
-            for k in keys:  # hashed as the walk goes: a miss at block i costs i + 1 hashes, not one per block
-                e = self._index.get(k)
-                if e is None:
-                    break
-                tiers.append(self.tiers.names[e.highest()])
-            self._counts.lookups += 1
-            self._counts.tokens_asked += chain.tokens_named(ns.layout.block_tokens)
-            self._counts.tokens_matched += len(tiers) * ns.layout.block_tokens
-        return LookupResult(len(tiers), len(tiers) * ns.layout.block_tokens, tiers)
+        """How many leading blocks of ``tokens`` are held (and the uppermost tier of each). Reads nothing.
+
+        Where the local tiers end, the cluster tier (if any) is asked about the blocks after, in one
+        round trip; those it holds are reported as tier ``cluster``."""
+        r = self._lookup(ns, tokens, remote=True)
+        assert r is not None
+        return r
 
     def try_lookup(self, ns: Namespace, tokens: Any) -> LookupResult | None:
-        """``lookup`` if the store's lock is free this instant, else None (nothing done).
+        """``lookup`` if the store's lock is free this instant and the answer needs no cluster round
+        trip, else None (nothing done, nothing counted).
 
         For the daemon's event loop, which must never wait behind a put's tier or codec work."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            return self.lookup(ns, tokens)
+            return self._lookup(ns, tokens, remote=False)
         finally:
             self._lock.release()
+
+    def _lookup(self, ns: Namespace, tokens: Any, *, remote: bool) -> LookupResult | None:
+        T = ns.layout.block_tokens
+        chain = as_chain(tokens)
+        keys = chain.iter_keys(ns)
+        tiers: list[str] = []
+        missed: bytes | None = None
+        with self._lock:
+            self._check_open()
+            for k in keys:  # hashed as the walk goes: a miss at block i costs i + 1 hashes, not one per block
+                e = self._index.get(k)
+                if e is None:
+                    missed = k
+                    break
+                tiers.append(self.tiers.names[e.highest()])
+            if missed is not None and self._cluster is not None and self._cluster.cluster.available():
+                if not remote:
+                    return None
+            else:
+                missed = None
+                self._count_lookup(chain.tokens_named(T), len(tiers) * T)
+        if missed is not None and self._cluster is not None:  # no lock held during the round trip
+            held = self._cluster.leading([missed, *islice(keys, chain.blocks(T) - len(tiers) - 1)])
+            tiers += ["cluster"] * held
+            with self._lock:
+                self._count_lookup(chain.tokens_named(T), len(tiers) * T)
+        return LookupResult(len(tiers), len(tiers) * T, tiers)
+
+    def _count_lookup(self, asked: int, matched: int) -> None:
+        self._counts.lookups += 1
+        self._counts.tokens_asked += asked
+        self._counts.tokens_matched += matched
 
     def get(
         self,
@@ -306,7 +364,8 @@ class Store:
         The blocks are pinned (a lease) while read, then touched and promoted
         one tier up (``promote_on_hit``). A block whose frame fails its checks
         is deleted and counted; the result stops before it unless another tier
-        holds a good copy.
+        holds a good copy. Blocks after the last local one are read from the
+        cluster tier (if any) and stored locally as a put would (tier ``cluster``).
         """
         T = ns.layout.block_tokens
         start = _index_arg("start_block", start_block)
@@ -331,12 +390,14 @@ class Store:
             dev = out.device
         elif blocks_out:
             dev = blocks_out[0].device
+        missed: bytes | None = None
         with self._lock:
             self._check_open()
             chain: list[Entry] = []
             for k in islice(keys, want):  # hashed as the walk goes, like lookup
                 e = self._index.get(k)
                 if e is None:
+                    missed = k
                     break
                 chain.append(e)
             handle = self._pins.pin([e.key for e in chain], self._lease)
@@ -344,8 +405,9 @@ class Store:
             self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
         # each block is decoded or copied straight into its place in the result: one copy, not two
         given = out is not None
-        if out is None and blocks_out is None and chain:
-            out = empty_kv(ns.layout.shape(len(chain) * T), ns.layout.torch_dtype, dev)
+        remote = missed is not None and self._cluster is not None and self._cluster.cluster.available()
+        if out is None and blocks_out is None and (chain or remote):
+            out = empty_kv(ns.layout.shape((want if remote else len(chain)) * T), ns.layout.torch_dtype, dev)
         read: list[Read] = []
         try:
             for j, e in enumerate(chain):
@@ -365,11 +427,55 @@ class Store:
                 self._pins.release(handle)  # before promoting: the chain itself may need to make room
                 self._data.after_get(read, len(read) < want, self._clock(), ready)
                 self._counts.tokens_served += len(read) * T
-        if out is not None and out.shape[2] != len(read) * T:
-            out = out[:, :, : len(read) * T] if given else out[:, :, : len(read) * T].contiguous()
-        return GetResult(
-            len(read), len(read) * T, out if read else None, [self.tiers.names[t] for _, _, t in read]
-        )
+        tiers = [self.tiers.names[t] for _, _, t in read]
+        if remote and missed is not None and len(read) == len(chain):
+            n = self._from_cluster(ns, names, start, len(read), want, missed, keys, out, blocks_out)
+            tiers += ["cluster"] * n
+        blocks = len(tiers)
+        if out is not None and out.shape[2] != blocks * T:
+            out = out[:, :, : blocks * T] if given else out[:, :, : blocks * T].contiguous()
+        return GetResult(blocks, blocks * T, out if blocks else None, tiers)
+
+    def _from_cluster(
+        self,
+        ns: Namespace,
+        names: Chain,
+        start: int,
+        local: int,
+        want: int,
+        missed: bytes,
+        keys: Iterator[bytes],
+        out: torch.Tensor | None,
+        blocks_out: Sequence[torch.Tensor] | None,
+    ) -> int:
+        """(No lock held.) Blocks ``start + local ..`` (at most ``want - local``; ``missed`` is the first's
+        key, ``keys`` yields the rest) from the cluster into ``out`` or ``blocks_out``, then stored here
+        as a put of them would (best effort: a block before them that went meanwhile stops that).
+        Returns how many came."""
+        assert self._cluster is not None
+        T = ns.layout.block_tokens
+        first = start + local
+        rest = [missed, *islice(keys, want - local - 1)]
+        if first > 0:
+            parents: tuple[bytes, ...] = (names.keys(ns, first)[-1],)
+        else:
+            root = names.parent_key(ns)
+            parents = (ns.root(),) if root is None else (root, ns.root())
+        if blocks_out is not None:
+            dsts = list(blocks_out[local:want])
+        else:
+            assert out is not None
+            dsts = [out[:, :, j * T : (j + 1) * T] for j in range(local, want)]
+        n = self._cluster.read(ns, rest, parents, dsts)
+        if n:
+            kv = torch.cat(dsts[:n], dim=2) if out is None else out[:, :, local * T : (local + n) * T]
+            try:
+                self.put(ns, names, kv, start_block=first, _adopted=True)
+            except StoreClosed:
+                pass
+            with self._lock:
+                self._counts.tokens_served += n * T
+        return n
 
     def locate(
         self,
@@ -385,7 +491,7 @@ class Store:
         copy is in one of ``tiers`` (paged tiers another process can read: kvstore.shm) and say where
         their bytes are, for ``lease`` seconds (default and cap: the pin lease). The walk stops at the
         first block not held; ``rest`` counts the held blocks after the located ones (whose uppermost
-        copy is elsewhere: read them with ``get``). End it with ``finish``."""
+        copy is elsewhere, the cluster tier included: read them with ``get``). End it with ``finish``."""
         T = ns.layout.block_tokens
         start = _index_arg("start_block", start_block)
         names = as_chain(tokens)
@@ -396,11 +502,13 @@ class Store:
         lease = self._lease if lease is None else min(lease, self._lease)
         places: list[tuple[Entry, int, Place]] = []
         rest = 0
+        missed: bytes | None = None
         with self._lock:
             self._check_open()
             for k in islice(keys, want):
                 e = self._index.get(k)
                 if e is None:
+                    missed = k
                     break
                 t = e.highest()
                 tier = self.tiers[t]
@@ -411,6 +519,9 @@ class Store:
             handle = self._pins.pin([e.key for e, _, _ in places], lease)
             self._counts.lookups += 1
             self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
+        if missed is not None and self._cluster is not None and self._cluster.cluster.available():
+            held = len(places) + rest
+            rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])
         return Located(ns, start, handle, places, rest)
 
     def finish(self, located: Located, used: int) -> None:
@@ -457,9 +568,48 @@ class Store:
     def prefetch(
         self, session: str, to: str = "ram", *, start_block: int = 0, max_blocks: int | None = None
     ) -> PrefetchResult:
-        """See AdminOps.prefetch."""
+        """See AdminOps.prefetch. A session this host does not know, but the cluster recorded (another
+        host stored it), is read from the cluster into this host's tiers and becomes known here."""
         self._check_open()
-        return self._admin.prefetch(session, to, start_block=start_block, max_blocks=max_blocks)
+        try:
+            return self._admin.prefetch(session, to, start_block=start_block, max_blocks=max_blocks)
+        except KeyError:
+            found = None if self._cluster is None else self._cluster.find_session(session)
+            if found is None:
+                raise
+        return self._prefetch_remote(session, found, to, start_block, max_blocks)
+
+    def _prefetch_remote(
+        self, session: str, found: dict[str, Any], to: str, start_block: int, max_blocks: int | None
+    ) -> PrefetchResult:
+        ns, keys, tokens = found["ns"], found["keys"], found["tokens"]
+        if tokens is None:
+            raise InvalidRequest(
+                f"session {session!r} was stored by engine page keys on another host; the engine's own "
+                "lookups read it from the cluster, prefetch cannot"
+            )
+        T = ns.layout.block_tokens
+        r = self.get(ns, tokens[: len(keys) * T], start_block=start_block, max_blocks=max_blocks)
+        end = start_block + r.matched_blocks
+        if r.matched_blocks and start_block + r.matched_blocks == len(keys):
+            with self._lock:
+                if self._namespaces.add(ns):
+                    self._journal.namespace(ns)
+                s = self._sessions.record_put(session, ns.id, keys[end - 1], end * T, self._clock())
+                self._journal.session(s)
+        moved = r.tiers.count("cluster")
+        want = len(keys) - start_block if max_blocks is None else min(max_blocks, len(keys) - start_block)
+        return PrefetchResult(
+            session=session,
+            to=to,
+            moved=moved,
+            present=r.matched_blocks - moved,
+            failed=0 if r.matched_blocks == want else 1,
+            start_block=start_block,
+            blocks=len(keys),
+            remaining=0 if r.matched_blocks < want else len(keys) - end,
+            bytes_moved=moved * ns.layout.block_nbytes,
+        )
 
     def sessions(self, tenant: str | None = None) -> list[SessionInfo]:
         """See AdminOps.sessions."""
@@ -493,13 +643,16 @@ class Store:
         return True if self._writeback is None else self._writeback.drain(timeout)
 
     def close(self) -> None:
-        """Flush, stop the writer thread and close the tiers. Further calls raise StoreClosed."""
+        """Flush, stop the writer threads and close the tiers. Further calls raise StoreClosed.
+        What waits for the cluster is written for up to 5 s more (it is a copy: nothing is lost)."""
         with self._lock:
             if self._closed:
                 return
         self.flush()
         with self._lock:
             self._closed = True
+        if self._cluster is not None:
+            self._cluster.close()
         if self._writeback is not None:
             self._writeback.close()
         for tier in self.tiers:

@@ -207,10 +207,15 @@ class Mover:
     # -- records (what nvme stores beside the frame) ------------------------------------
     def record(self, e: Entry) -> BlockRecord:
         """The block's full record; needs ``pending`` (kept while no nvme copy exists)."""
+        return self.record_of(e, self.namespaces.root(e.ns))
+
+    @staticmethod
+    def record_of(e: Entry, root: bytes) -> BlockRecord:
+        """(Lock held.) ``record`` of ``e``, whose namespace's root (block 0's parent) is ``root``."""
         if e.pending is None:
             raise KVStoreError(f"block {e.key.hex()[:16]} has no record in memory to write to nvme")
         position, tokens, engine_key = e.pending
-        parent = e.parent.key if e.parent is not None else self.namespaces.root(e.ns)
+        parent = e.parent.key if e.parent is not None else root
         return BlockRecord(
             key=e.key,
             parent=parent,

@@ -1,0 +1,131 @@
+"""The cluster tier on its own, against a real Redis Cluster: values, TTLs, sessions, faults."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvstore.errors import ConfigError, FrameError
+from kvstore.record import BlockRecord
+from kvstore.tiers.cluster import ClusterNodes, ClusterUnavailable, pack_value, record_of, unpack_value
+from tests.cluster.conftest import ClusterFactory
+from tests.cluster.rediscluster import LocalCluster
+
+NS = "ns-1"
+PARENT = b"p" * 32
+
+
+def rec(i: int, parent: bytes = PARENT, ns: str = NS) -> BlockRecord:
+    return BlockRecord(key=bytes([i]) * 32, parent=parent, namespace=ns, position=i, tokens=b"\x01\0\0\0" * 4)
+
+
+def test_a_value_is_served_only_under_its_own_key_namespace_and_parent() -> None:
+    r = rec(1)
+    value = pack_value(r, b"frame-bytes")
+    got, frame = unpack_value(r.key, value, NS, PARENT)
+    assert got == r and bytes(frame) == b"frame-bytes"
+    assert record_of(r.key, value) == r
+    with pytest.raises(FrameError, match="names block"):
+        unpack_value(b"\x02" * 32, value, NS, PARENT)  # copied under another key
+    with pytest.raises(FrameError, match="another prefix or namespace"):
+        unpack_value(r.key, value, "ns-2", PARENT)
+    with pytest.raises(FrameError, match="another prefix or namespace"):
+        unpack_value(r.key, value, NS, b"q" * 32)
+    with pytest.raises(FrameError):
+        unpack_value(r.key, value[:20], NS, PARENT)
+    with pytest.raises(FrameError):
+        unpack_value(r.key, b"XXXX" + value[4:], NS, PARENT)
+    assert record_of(b"\x02" * 32, value) is None
+
+
+def test_node_urls_are_checked_and_secrets_never_shown() -> None:
+    n = ClusterNodes.parse(["redis://app:s3cret@cache-1:7000", "redis://cache-2"], None, None)
+    assert n.hosts == (("cache-1", 7000), ("cache-2", 6379)) and not n.tls
+    assert (n.username, n.password) == ("app", "s3cret")
+    assert "s3cret" not in n.describe()
+    assert ClusterNodes.parse(["rediss://h:1"], "u", "p").tls
+    with pytest.raises(ConfigError, match="not a cluster node"):
+        ClusterNodes.parse(["http://h:1"], None, None)
+    with pytest.raises(ConfigError, match="mix of TLS"):
+        ClusterNodes.parse(["rediss://h:1", "redis://h:2"], None, None)
+
+
+def test_blocks_round_trip_with_a_ttl_refreshed_on_read(
+    rc: LocalCluster, cluster_tier: ClusterFactory
+) -> None:
+    c = cluster_tier(ttl=60.0)
+    c.connect()
+    items = [(rec(i).key, pack_value(rec(i), bytes([i]) * 100)) for i in range(5)]
+    assert c.store(items) == 5
+    keys = [k for k, _ in items]
+    assert c.leading(keys) == 5
+    assert c.leading([keys[0], b"\x09" * 32, keys[2]]) == 1  # stops at the first block the cluster lacks
+    node = rc.node(rc.master_of(c.block_key(keys[0])))
+    ttl = node.pttl(c.block_key(keys[0]))
+    assert 0 < ttl <= 60_000
+    node.pexpire(c.block_key(keys[0]), 5_000)
+    assert c.fetch(keys[:1] + [b"\x09" * 32]) == [items[0][1], None]
+    assert node.pttl(c.block_key(keys[0])) > 50_000  # the read refreshed it
+    assert c.delete(keys[:2]) == 2 and c.leading(keys) == 0
+    # the key names a block by its hash alone: no token id, no session name in the clear
+    assert all(k.startswith(b"kvstore:b:") and len(k) == len("kvstore:b:") + 64 for k in rc.keys())
+
+
+def test_sessions_are_recorded_under_the_hash_of_their_name(
+    rc: LocalCluster, cluster_tier: ClusterFactory
+) -> None:
+    c = cluster_tier()
+    c.connect()
+    c.put_session("tenant-a/conv-42", {"keys": b"k" * 64, "tokens": None})
+    assert c.get_session("tenant-a/conv-42")["keys"] == b"k" * 64  # type: ignore[index]
+    assert c.get_session("tenant-a/conv-43") is None
+    assert not any(b"conv-42" in k for k in rc.keys())
+    assert c.drop_session("tenant-a/conv-42") and c.get_session("tenant-a/conv-42") is None
+
+
+def test_a_wrong_password_is_a_clear_refusal(rc: LocalCluster, cluster_tier: ClusterFactory) -> None:
+    rc.set_password("the-password")
+    try:
+        c = cluster_tier(password="not-the-password")
+        with pytest.raises(ClusterUnavailable, match="refused the credentials"):
+            c.connect()
+        assert c.status()["state"] == "down" and "not-the-password" not in str(c.status())
+        good = cluster_tier(password="the-password")
+        good.connect()
+        assert good.status()["state"] == "up"
+    finally:
+        rc.set_password(None)
+
+
+def test_an_unreachable_cluster_costs_one_timeout_then_none_until_the_retry(
+    cluster_tier: ClusterFactory,
+) -> None:
+    c = cluster_tier(urls=["redis://127.0.0.1:1"], timeout=0.3, retry_after=30.0)
+    with pytest.raises(ClusterUnavailable):
+        c.connect()
+    t = time.monotonic()
+    assert c.leading([b"\x01" * 32]) == 0
+    with pytest.raises(ClusterUnavailable):
+        c.fetch([b"\x01" * 32])
+    assert time.monotonic() - t < 0.1  # marked down: no call is tried
+    assert not c.available() and c.status()["errors"] == 1
+
+
+def test_a_full_cluster_refuses_writes_counted_not_fatal(
+    rc: LocalCluster, cluster_tier: ClusterFactory
+) -> None:
+    c = cluster_tier()
+    c.connect()
+    masters = list(rc.live_masters())
+    try:
+        for p in masters:
+            rc.node(p).config_set("maxmemory", "1")
+        items = [(rec(i).key, pack_value(rec(i), b"x" * 1000)) for i in range(3)]
+        assert c.store(items) == 0
+        assert c.counters.write_refused == 3 and c.available()  # the cluster is up, only full
+        assert c.leading([k for k, _ in items]) == 0
+    finally:
+        for p in masters:
+            rc.node(p).config_set("maxmemory", "0")
+    assert c.store(items) == 3

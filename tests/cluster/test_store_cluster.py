@@ -1,0 +1,164 @@
+"""Two stores standing for two hosts, each with its own tiers and LMDB, sharing one Redis Cluster.
+
+host A: put blocks 0..3 --(write-through, background)--> cluster
+host B: lookup -> cluster tiers; get -> from the cluster, checked, decoded, stored locally
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvstore.keys import Namespace
+from kvstore.results import EvictFilter, GetResult
+from kvstore.store.engine import Store
+from tests.cluster.conftest import HostFactory
+from tests.cluster.rediscluster import LocalCluster
+from tests.store.storekit import LAYOUT, NS, T, close_to, kv, same, tokens
+
+
+def got(r: GetResult) -> torch.Tensor:
+    assert r.kv is not None
+    return r.kv
+
+
+def written(s: Store, n: int, timeout: float = 10.0) -> None:
+    """Wait until ``n`` blocks of ``s`` reached the cluster."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if s.stats().cluster["written"] >= n:  # type: ignore[index]
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the cluster got {s.stats().cluster} blocks, not {n}")
+
+
+def test_host_b_serves_what_host_a_stored_then_from_its_own_tiers(host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(4, tail=2), kv(18)
+    a.put(NS, toks, x, session="conv-1")
+    written(a, 4)
+    # B has never seen these tokens: its local tiers miss at block 0, the cluster holds all four
+    assert b.lookup(NS, toks).tiers == ["cluster"] * 4
+    r = b.get(NS, toks)
+    assert r.matched_blocks == 4 and r.tiers == ["cluster"] * 4
+    assert same(got(r), x[:, :, : 4 * T])  # raw codec in the cluster: bit-exact
+    # B stored them locally as a put would: the next lookup and get stay on this host
+    assert b.lookup(NS, toks).tiers == ["hbm"] * 4
+    assert same(got(b.get(NS, toks)), x[:, :, : 4 * T])
+    st = b.stats().cluster
+    assert st is not None and st["hits"] == 4 and st["state"] == "up"
+    time.sleep(0.3)
+    assert b.stats().cluster["written"] == 0  # type: ignore[index]  # what came from the cluster is not sent back
+
+
+def test_local_blocks_then_cluster_blocks_in_one_get(host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(6), kv(24, seed=3)
+    a.put(NS, toks, x)
+    written(a, 6)
+    b.put(NS, toks[: 2 * T], x[:, :, : 2 * T])  # B computed the first two blocks itself
+    assert b.lookup(NS, toks).tiers == ["hbm", "hbm"] + ["cluster"] * 4
+    r = b.get(NS, toks, start_block=1)
+    assert r.tiers == ["hbm"] + ["cluster"] * 4 and same(got(r), x[:, :, T:])
+    out = torch.zeros(LAYOUT.shape(6 * T), dtype=torch.bfloat16)
+    assert b.get(NS, toks, out=out).matched_blocks == 6 and same(out, x)
+
+
+def test_int4_in_the_cluster_is_served_within_its_error(host: HostFactory) -> None:
+    a, b = host("a", codec="int4"), host("b", codec="int4")
+    toks, x = tokens(3), kv(12, seed=5)
+    a.put(NS, toks, x)
+    written(a, 3)
+    r = b.get(NS, toks)
+    assert r.tiers == ["cluster"] * 3 and close_to(got(r), x)
+
+
+def test_a_value_damaged_in_redis_is_deleted_and_a_miss(rc: LocalCluster, host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(16, seed=7)
+    a.put(NS, toks, x)
+    written(a, 4)
+    key = b._cluster.cluster.block_key(_keys(toks)[2])  # type: ignore[union-attr]
+    node = rc.node(rc.master_of(key))
+    value = bytearray(node.get(key))
+    value[-100] ^= 0xFF  # a flipped bit in the frame's payload
+    node.set(key, bytes(value))
+    r = b.get(NS, toks)
+    assert r.matched_blocks == 2 and same(got(r), x[:, :, : 2 * T])  # served up to the damaged block
+    assert node.exists(key) == 0  # deleted from the cluster
+    assert b.stats().cluster["corrupt"] == 1  # type: ignore[index]
+    # a value moved under another block's key is caught by its header too
+    k0, k3 = (b._cluster.cluster.block_key(k) for k in (_keys(toks)[0], _keys(toks)[3]))  # type: ignore[union-attr]
+    rc.node(rc.master_of(k3)).set(k3, rc.node(rc.master_of(k0)).get(k0))
+    c = host("c")
+    assert c.get(NS, toks).matched_blocks == 2  # 0, 1 from the cluster; 2 gone; 3 never reached
+
+
+def _keys(toks: list[int]) -> list[bytes]:
+    from kvstore.keys import block_keys
+
+    return block_keys(NS, toks)
+
+
+def test_another_tenant_never_sees_the_blocks(rc: LocalCluster, host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(3), kv(12)
+    a.put(NS, toks, x)
+    written(a, 3)
+    other = Namespace(NS.model, LAYOUT, tenant="other-tenant")
+    assert b.lookup(other, toks).matched_blocks == 0
+    assert b.get(other, toks).matched_blocks == 0
+    # no token id appears in a key: each is the hash of a chain
+    assert all(len(k.split(b":")[-1]) == 64 for k in rc.keys())
+
+
+def test_sessions_are_seen_and_warmed_up_on_another_host(host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(16, seed=2)
+    a.put(NS, toks, x, session="conv-9")
+    written(a, 4)
+    time.sleep(0.2)  # the session record follows on the cluster thread
+    d = b.session("conv-9")
+    assert d.info.tiers == {"cluster": 4} and d.info.tokens == 4 * T and d.info.namespace == NS.id
+    assert [blk.tiers for blk in d.blocks] == [["cluster"]] * 4
+    p = b.prefetch("conv-9", to="ram")
+    assert (p.moved, p.failed, p.remaining) == (4, 0, 0)
+    assert b.session("conv-9").info.tiers["hbm"] == 4  # known here now, from this host's tiers
+    assert b.lookup(NS, toks).tiers == ["hbm"] * 4
+
+
+def test_evict_reaches_the_cluster_copies(host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(16)
+    a.put(NS, toks, x, session="conv-1")
+    shared, y = toks[: 2 * T] + tokens(2, seed=9), torch.cat([x[:, :, : 2 * T], kv(8, seed=9)], dim=2)
+    a.put(NS, shared, y, session="conv-2")  # builds on conv-1's first two blocks
+    written(a, 6)
+    time.sleep(0.2)
+    dry = b.evict(EvictFilter(session="conv-1", tier="cluster"), dry_run=True)
+    assert dry.blocks == 2 and b.lookup(NS, toks).matched_blocks == 4
+    # B holds none of it; the cluster's copies of conv-1's own blocks go, those conv-2 builds on stay
+    r = b.evict(EvictFilter(session="conv-1"))
+    assert r.blocks == 2 and b.lookup(NS, toks).tiers == ["cluster"] * 2
+    assert b.session("conv-2").info.tiers == {"cluster": 4}
+    with pytest.raises(KeyError):
+        b.session("conv-1")
+    r = a.evict(EvictFilter(all=True, tier="cluster"))  # A's copies of everything it holds
+    assert (
+        r.blocks == 4 and a.lookup(NS, shared).tiers == ["hbm"] * 4
+    )  # the cluster held 4; local copies stay
+
+
+def test_a_dead_cluster_degrades_to_local_tiers(host: HostFactory) -> None:
+    b = host("b", urls=["redis://127.0.0.1:1"], connect=False, timeout=0.3, retry_after=60.0)
+    toks, x = tokens(3), kv(12)
+    b.put(NS, toks[:T], x[:, :, :T])
+    t = time.monotonic()
+    assert b.lookup(NS, toks).matched_blocks == 1  # one time-out at most, then local only
+    assert b.get(NS, toks).matched_blocks == 1
+    assert b.lookup(NS, toks).matched_blocks == 1
+    assert time.monotonic() - t < 2.0
+    st = b.stats().cluster
+    assert st is not None and st["state"] == "down" and st["errors"] >= 1

@@ -1,0 +1,475 @@
+"""The cluster tier: codec frames and block records on a Redis Cluster (or Valkey) shared by many hosts.
+
+::
+
+    <prefix>:b:<key hex>    block value: b"KVC1" | key (32) | record length (u32 LE) | record | frame
+    <prefix>:s:<sha256>     a session (msgpack map): namespace, block keys, token ids, time
+    <prefix>:sessions       the set of those session keys (what evict --session must leave alone)
+
+The block key is the store's chained key (namespace, tenant and prefix hashed
+in), so a cluster key names no token in the clear, and a session's key is the
+SHA-256 of its name. Every value carries its own key, its record (parent,
+namespace, position) and a self-checking frame: a value read is served only
+when all three agree with what was asked (``unpack``), else the caller deletes
+it and counts a miss. TTL: set on write, refreshed on every read (GETEX).
+
+Unlike the local tiers this one has no index in the daemon: the cluster is the
+index, asked in one pipelined round trip per request (redis-py groups the
+commands by node and writes to every node before reading any answer). It is
+also shared and can fail, so every call is guarded (``_call``): an error or a
+time-out marks the cluster *down* for ``retry_after`` seconds, during which
+calls return at once as misses (the daemon keeps serving from its local tiers),
+then the next call tries again, reconnecting when needed. A write the cluster
+refuses (``maxmemory``) is counted, not an outage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import msgpack
+
+from kvstore.codecs import Codec
+from kvstore.errors import ConfigError, FrameError, KVStoreError
+from kvstore.record import BlockRecord
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVC1"
+_HEAD = struct.Struct("<4s32sI")
+SESSION_VERSION = 1
+
+
+class ClusterUnavailable(KVStoreError):
+    """The cluster cannot be reached or refused the credentials (the message says which)."""
+
+    code = "cluster_unavailable"
+
+
+@dataclass
+class ClusterCounters:
+    """What the cluster tier did since start (``stats`` and the metrics)."""
+
+    written: int = 0  # blocks stored
+    write_dropped: int = 0  # not written: the write queue was full, or the cluster was down
+    write_refused: int = 0  # refused by the cluster (maxmemory)
+    hits: int = 0  # blocks served from the cluster
+    misses: int = 0  # blocks asked for and not there
+    corrupt: int = 0  # values that failed a check (deleted)
+    errors: int = 0  # calls that failed (connection, time-out, cluster down)
+    deleted: int = 0  # values deleted on request (evict)
+
+
+@dataclass(frozen=True)
+class ClusterNodes:
+    """Seed nodes and credentials parsed from ``redis://`` / ``rediss://`` URLs (``valkey://`` alike)."""
+
+    hosts: tuple[tuple[str, int], ...]
+    tls: bool
+    username: str | None
+    password: str | None = field(repr=False)
+
+    @classmethod
+    def parse(cls, urls: Sequence[str], username: str | None, password: str | None) -> ClusterNodes:
+        """ConfigError for a URL of another scheme, without a host, or mixing TLS and plain nodes.
+        Credentials in a URL are used when the config gives none."""
+        hosts: list[tuple[str, int]] = []
+        schemes = set()
+        for url in urls:
+            u = urlsplit(url.strip())
+            if u.scheme not in ("redis", "rediss", "valkey", "valkeys") or not u.hostname:
+                raise ConfigError(
+                    f"[cluster] nodes: {_redact(url)!r} is not a cluster node; expected "
+                    "'redis://host:port' or 'rediss://host:port' (TLS)"
+                )
+            schemes.add(u.scheme in ("rediss", "valkeys"))
+            hosts.append((u.hostname, u.port or 6379))
+            username = username or (unquote(u.username) if u.username else None)
+            password = password or (unquote(u.password) if u.password else None)
+        if len(schemes) > 1:
+            raise ConfigError("[cluster] nodes: mix of TLS (rediss://) and plain (redis://) nodes")
+        if not hosts:
+            raise ConfigError("[cluster] nodes: give at least one seed node, like 'redis://cache-1:7000'")
+        return cls(tuple(hosts), schemes == {True}, username, password)
+
+    def describe(self) -> str:
+        """The nodes for logs: never the password."""
+        scheme = "rediss" if self.tls else "redis"
+        who = f"{self.username}@" if self.username else ""
+        return ", ".join(f"{scheme}://{who}{h}:{p}" for h, p in self.hosts)
+
+
+def _redact(url: str) -> str:
+    u = urlsplit(url)
+    return url if u.password is None else url.replace(f":{u.password}@", ":***@")
+
+
+def pack_value(record: BlockRecord, frame: Any) -> bytes:
+    """A block's value in the cluster: its key, its record, its frame."""
+    rec = record.pack()
+    return b"".join((_HEAD.pack(MAGIC, record.key, len(rec)), rec, memoryview(frame).cast("B")))
+
+
+def record_of(key: bytes, value: bytes) -> BlockRecord | None:
+    """The record in ``value`` if it is a well-formed value of block ``key``, else None."""
+    try:
+        magic, k, n = _HEAD.unpack_from(value)
+        if magic != MAGIC or k != key:
+            return None
+        rec = BlockRecord.unpack(memoryview(value)[_HEAD.size : _HEAD.size + n])
+    except (struct.error, FrameError):
+        return None
+    return rec if rec.key == key else None
+
+
+def unpack_value(key: bytes, value: bytes, namespace: str, parent: bytes) -> tuple[BlockRecord, memoryview]:
+    """The record and frame of ``value`` read under ``key``; FrameError unless the value names
+    ``key``, its record names ``key``, ``namespace`` and ``parent``. The frame is checked on decode."""
+    if len(value) < _HEAD.size:
+        raise FrameError(f"cluster value of block {key.hex()[:16]} is truncated ({len(value)} bytes)")
+    magic, k, n = _HEAD.unpack_from(value)
+    if magic != MAGIC:
+        raise FrameError(f"cluster value of block {key.hex()[:16]} has no kvstore header")
+    if k != key:
+        raise FrameError(f"cluster value under {key.hex()[:16]} names block {k.hex()[:16]}")
+    view = memoryview(value)
+    if _HEAD.size + n > len(value):
+        raise FrameError(f"cluster value of block {key.hex()[:16]} is truncated")
+    rec = BlockRecord.unpack(view[_HEAD.size : _HEAD.size + n])
+    if rec.key != key or rec.namespace != namespace or rec.parent != parent:
+        raise FrameError(f"cluster value of block {key.hex()[:16]} belongs to another prefix or namespace")
+    return rec, view[_HEAD.size + n :]
+
+
+class ClusterTier:
+    """Blocks and sessions on a Redis Cluster. Thread-safe; every call bounded by the time-outs.
+
+    ``client_factory(nodes)`` builds the redis-py client (a ``RedisCluster``
+    unless given), connecting as it is built; it is called again to reconnect.
+    """
+
+    name = "cluster"
+
+    def __init__(
+        self,
+        nodes: ClusterNodes,
+        codec: Codec,
+        *,
+        head_codec: Codec | None = None,
+        head_blocks: int = 1,
+        ttl: float = 7 * 86400.0,
+        timeout: float = 0.5,
+        retry_after: float = 5.0,
+        prefix: str = "kvstore",
+        client_factory: Callable[[ClusterNodes, float], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.nodes = nodes
+        self.codec = codec
+        self.head_codec = head_codec
+        self.head_blocks = head_blocks
+        self.ttl = ttl
+        self.timeout = timeout
+        self.retry_after = retry_after
+        self.prefix = prefix
+        self.counters = ClusterCounters()
+        self._factory = client_factory or _redis_cluster
+        self._clock = clock
+        self._lock = threading.Lock()  # guards the client, the state and the counters
+        self._client: Any = None
+        self._down_until = 0.0
+        self.state = "connecting"
+        self.last_error = ""
+
+    # -- connection -----------------------------------------------------------------
+    def connect(self) -> None:
+        """Connect now; ClusterUnavailable (saying why) when the cluster cannot be used. Later calls
+        retry by themselves, so a failed connect leaves the tier usable once the cluster is back."""
+        try:
+            client = self._factory(self.nodes, self.timeout)
+            client.ping()
+        except Exception as e:  # redis-py raises many types; all mean "not usable now"
+            self._failed(e)
+            raise ClusterUnavailable(self.last_error) from None
+        with self._lock:
+            self._client, self.state, self.last_error = client, "up", ""
+
+    def available(self) -> bool:
+        """Whether a call would be tried now (False while the cluster is marked down)."""
+        return self._clock() >= self._down_until
+
+    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        """``fn(client)``, or ClusterUnavailable at once while down; any failure marks it down."""
+        if not self.available():
+            raise ClusterUnavailable(f"the cluster is down ({self.last_error}); retrying soon")
+        with self._lock:
+            client = self._client
+        try:
+            if client is None:
+                client = self._factory(self.nodes, self.timeout)
+                with self._lock:
+                    self._client = client
+            result = fn(client)
+        except ClusterUnavailable:
+            raise
+        except Exception as e:
+            self._failed(e, what)
+            raise ClusterUnavailable(self.last_error) from None
+        if self.state != "up":
+            log.warning("cluster %s is reachable again; reads and writes resume", self.nodes.describe())
+            with self._lock:
+                self.state, self.last_error = "up", ""
+        return result
+
+    def _failed(self, err: Exception, what: str = "connect") -> None:
+        reason = _reason(err)
+        with self._lock:
+            was = self.state
+            self.counters.errors += 1
+            self.state, self.last_error = "down", reason
+            self._down_until = self._clock() + self.retry_after
+            stale, self._client = self._client, None  # reconnect on the next try: the topology may have moved
+        if was != "down":
+            log.warning(
+                "cluster %s failed (%s: %s); serving from the local tiers, retrying every %g s",
+                self.nodes.describe(),
+                what,
+                reason,
+                self.retry_after,
+            )
+        if stale is not None:
+            try:
+                stale.close()
+            except Exception:  # noqa: BLE001 - closing a broken client may fail too; nothing to do
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+            self.state = "closed"
+        if client is not None:
+            client.close()
+
+    # -- blocks -----------------------------------------------------------------------
+    def block_key(self, key: bytes) -> str:
+        return f"{self.prefix}:b:{key.hex()}"
+
+    def codec_for(self, position: int | None) -> Codec:
+        """``head_codec`` for the first ``head_blocks`` blocks of a prefix, ``codec`` otherwise."""
+        if self.head_codec is not None and position is not None and position < self.head_blocks:
+            return self.head_codec
+        return self.codec
+
+    def codecs(self) -> tuple[Codec, ...]:
+        return (self.codec,) if self.head_codec is None else (self.codec, self.head_codec)
+
+    def leading(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, the cluster holds: one pipelined round trip.
+        0 while the cluster is down or on any error (counted)."""
+        if not keys:
+            return 0
+        try:
+            found = self._call("lookup", lambda c: self._pipeline(c, "exists", keys))
+        except ClusterUnavailable:
+            return 0
+        n = 0
+        for f in found:
+            if f != 1:
+                break
+            n += 1
+        return n
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` the cluster holds. ClusterUnavailable on an outage."""
+        return (
+            [f == 1 for f in self._call("exists", lambda c: self._pipeline(c, "exists", keys))]
+            if keys
+            else []
+        )
+
+    def peek(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The values of ``keys`` (None where absent), TTL left alone (for operator calls)."""
+        if not keys:
+            return []
+        values = self._call("read", lambda c: self._pipeline(c, "get", keys))
+        return [v if isinstance(v, bytes) else None for v in values]
+
+    def fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The values of ``keys`` (None where absent), TTL refreshed; one pipelined round trip.
+        ClusterUnavailable when the cluster is down or the call fails."""
+        if not keys:
+            return []
+        ms = _ms(self.ttl)
+        values = self._call("get", lambda c: self._pipeline(c, "getex", keys, px=ms))
+        return [v if isinstance(v, bytes) else None for v in values]
+
+    def store(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """SET each ``(key, value)`` with the TTL; returns how many were stored. A refusal for
+        memory (maxmemory) is counted in ``write_refused``; ClusterUnavailable on an outage."""
+
+        def run(c: Any) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for k, v in items:
+                if self.ttl == float("inf"):
+                    pipe.set(self.block_key(k), v)
+                else:
+                    pipe.set(self.block_key(k), v, px=_ms(self.ttl))
+            return list(pipe.execute(raise_on_error=False))
+
+        results = self._call("write", run)
+        ok = sum(1 for r in results if r is True)
+        refused = sum(1 for r in results if _out_of_memory(r))
+        with self._lock:
+            self.counters.written += ok
+            self.counters.write_refused += refused
+            self.counters.errors += len(results) - ok - refused
+        return ok
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Delete the blocks under ``keys``; returns how many existed. ClusterUnavailable on an outage."""
+        if not keys:
+            return 0
+        found = self._call("delete", lambda c: self._pipeline(c, "delete", keys))
+        return sum(int(f) for f in found if isinstance(f, int))
+
+    def _pipeline(self, client: Any, op: str, keys: Sequence[bytes], **kw: Any) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            getattr(pipe, op)(self.block_key(k), **kw)
+        results = list(pipe.execute(raise_on_error=False))
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:  # a node of the slot is down or moving: the whole answer is not to be trusted
+            raise errors[0]
+        return results
+
+    def count(self, **changes: int) -> None:
+        with self._lock:
+            for name, n in changes.items():
+                setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    # -- sessions ---------------------------------------------------------------------
+    def session_key(self, name: str) -> str:
+        return f"{self.prefix}:s:{hashlib.sha256(name.encode()).hexdigest()}"
+
+    def put_session(self, name: str, info: dict[str, Any]) -> None:
+        """Record a session (its namespace, token ids or block keys); ClusterUnavailable on an outage."""
+        value = msgpack.packb({"v": SESSION_VERSION, "name": name, **info}, use_bin_type=True)
+        px = None if self.ttl == float("inf") else _ms(self.ttl)
+        key = self.session_key(name)
+
+        def write(c: Any) -> None:
+            c.set(key, value, px=px)
+            c.sadd(f"{self.prefix}:sessions", key)
+
+        self._call("session write", write)
+
+    def get_session(self, name: str) -> dict[str, Any] | None:
+        """The session recorded under ``name`` (None when absent or not a session of this name).
+        ClusterUnavailable on an outage."""
+        d = _session(self._call("session read", lambda c: c.get(self.session_key(name))))
+        return d if d is not None and d.get("name") == name else None
+
+    def drop_session(self, name: str) -> bool:
+        key = self.session_key(name)
+
+        def drop(c: Any) -> bool:
+            c.srem(f"{self.prefix}:sessions", key)
+            return bool(c.delete(key))
+
+        return bool(self._call("session delete", drop))
+
+    def sessions(self) -> list[dict[str, Any]]:
+        """Every session recorded (expired ones are forgotten as they are met). ClusterUnavailable on
+        an outage."""
+
+        def read(c: Any) -> list[dict[str, Any]]:
+            members = sorted(c.smembers(f"{self.prefix}:sessions"))
+            pipe = c.pipeline(transaction=False)
+            for m in members:
+                pipe.get(m)
+            out, gone = [], []
+            for m, raw in zip(members, pipe.execute(), strict=True):
+                d = _session(raw)
+                if d is None:
+                    gone.append(m)
+                else:
+                    out.append(d)
+            if gone:
+                c.srem(f"{self.prefix}:sessions", *gone)
+            return out
+
+        return list(self._call("session list", read))
+
+    # -- reporting --------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "state": self.state,
+                "nodes": self.nodes.describe(),
+                "last_error": self.last_error,
+                **asdict(self.counters),
+            }
+
+
+def _session(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        d = msgpack.unpackb(raw, raw=False)
+    except Exception:  # noqa: BLE001 - a damaged value is no session
+        return None
+    return d if isinstance(d, dict) and d.get("v") == SESSION_VERSION else None
+
+
+def _out_of_memory(result: object) -> bool:
+    """A write refused because the node is at its ``maxmemory``."""
+    return isinstance(result, Exception) and (
+        type(result).__name__ == "OutOfMemoryError" or "OOM" in str(result) or "maxmemory" in str(result)
+    )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _reason(err: Exception) -> str:
+    """One line a person can act on, for the log and ``stats``."""
+    name = type(err).__name__
+    text = str(err).splitlines()[0] if str(err) else ""
+    if any(w in text for w in ("WRONGPASS", "NOAUTH", "username-password", "Authentication required")) or (
+        name == "AuthenticationError"
+    ):
+        return "the cluster refused the credentials (check [cluster] username and password)"
+    if name in ("TimeoutError", "timeout"):
+        return f"no answer within the time-out ({text or name})"
+    return f"{name}: {text}" if text else name
+
+
+def _redis_cluster(nodes: ClusterNodes, timeout: float) -> Any:
+    """A redis-py RedisCluster over ``nodes``: one try per call (the tier retries later by itself)."""
+    try:
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+    except ImportError:  # pragma: no cover - a dependency of kvstore[cluster]
+        raise ClusterUnavailable(
+            "the cluster tier needs redis-py: pip install 'kvstore[cluster]' (or redis>=5)"
+        ) from None
+    return RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in nodes.hosts],
+        username=nodes.username,
+        password=nodes.password,
+        ssl=nodes.tls,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 1),
+        require_full_coverage=False,
+    )
