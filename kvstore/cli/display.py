@@ -96,13 +96,14 @@ def render_stats(data: Mapping[str, Any]) -> str:
         if t is None:
             continue
         lookups = (_g(t, "hits") or 0) + (_g(t, "misses") or 0)
+        shared = name == "cluster"  # no count or capacity of this host's own
         rows.append(
             [
                 name,
-                format_count(_g(t, "blocks")),
-                format_bytes(_g(t, "used")),
-                format_bytes(_g(t, "capacity")),
-                format_ratio(_g(t, "used"), _g(t, "capacity")),
+                "-" if shared else format_count(_g(t, "blocks")),
+                "-" if shared else format_bytes(_g(t, "used")),
+                "shared" if shared else format_bytes(_g(t, "capacity")),
+                "-" if shared else format_ratio(_g(t, "used"), _g(t, "capacity")),
                 format_count(_g(t, "hits")),
                 format_count(_g(t, "misses")),
                 format_ratio(_g(t, "hits"), lookups),
@@ -147,9 +148,24 @@ def render_stats(data: Mapping[str, Any]) -> str:
         f"matched {format_count(c('tokens_matched'))} ({format_ratio(c('tokens_matched'), c('tokens_asked'))}), "
         f"served {format_count(c('tokens_served'))}",
     ]
+    cluster = c("cluster")
+    if isinstance(cluster, Mapping):
+        lines.append(_cluster_line(cluster))
     if "shm" in server:
         lines.append(_shm_line(server["shm"]))
     return "\n".join(lines)
+
+
+def _cluster_line(cl: Mapping[str, Any]) -> str:
+    """The cluster tier: its state, what was written and dropped, the last error while it is down."""
+    line = (
+        f"cluster: {cl.get('state', '?')} ({cl.get('nodes', '?')}); written {format_count(cl.get('written'))}  "
+        f"queued {format_count(cl.get('queue'))}  dropped {format_count(cl.get('write_dropped'))}  "
+        f"refused (full) {format_count(cl.get('write_refused'))}  errors {format_count(cl.get('errors'))}"
+    )
+    if cl.get("last_error"):
+        line += f"\n  last error: {cl['last_error']}"
+    return line
 
 
 def _shm_line(shm: Any) -> str:
@@ -202,7 +218,7 @@ def render_session(detail: Mapping[str, Any], now: float) -> str:
         f"session {info.get('name', '?')}: model {info.get('model', '-')}, tenant {info.get('tenant', '-')}, "
         f"namespace {info.get('namespace', '-')}",
         f"{format_count(info.get('tokens'))} tokens, {format_count(info.get('blocks'))} blocks cached "
-        f"({', '.join(f'{t} {tiers.get(t, 0)}' for t in TIERS)}); last used "
+        f"({', '.join(f'{t} {tiers.get(t, 0)}' for t in [*TIERS, *sorted(set(tiers) - set(TIERS))])}); last used "
         f"{format_age(info.get('last_access'), now)}, created {format_age(info.get('created'), now)}",
     ]
     blocks = detail.get("blocks") or []

@@ -188,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--older-than", type=_duration_arg, metavar="DURATION", help="blocks unused this long, e.g. 2d"
     )
-    p.add_argument("--tier", choices=TIERS, help="blocks held in this tier move down one tier")
+    p.add_argument(
+        "--tier",
+        choices=(*TIERS, "cluster"),
+        help="blocks held in this tier move down one tier (cluster: the cluster's copies are deleted)",
+    )
     p.add_argument("--model", help="blocks of this model id")
     p.add_argument("--tenant", help="blocks of this tenant")
     p.add_argument("--namespace", metavar="ID", help="blocks of this namespace id (see inspect)")

@@ -172,6 +172,8 @@ class StoreCollector(Collector):
             )
         if "write_failures" in stats:
             yield _write_failures(stats["write_failures"])
+        if stats.get("cluster"):
+            yield from _cluster_families(stats["cluster"])
         if "by_namespace" in stats:
             yield from _namespace_families(stats["by_namespace"])
         if self._usage is not None:
@@ -333,6 +335,37 @@ def _tier_families(tiers: Mapping[str, Any]) -> Iterator[Metric]:
             if field in t:
                 c.add_metric([name], t[field])
         yield c
+
+
+_CLUSTER_COUNTERS = (
+    ("written", "kvstore_cluster_written_blocks", "Blocks written to the cluster tier"),
+    (
+        "write_dropped",
+        "kvstore_cluster_dropped_blocks",
+        "Blocks not written to the cluster: its queue was full or it was down (local tiers keep them)",
+    ),
+    ("write_refused", "kvstore_cluster_refused_blocks", "Writes the cluster refused for memory (maxmemory)"),
+    (
+        "errors",
+        "kvstore_cluster_errors",
+        "Calls to the cluster that failed (connection, time-out, cluster down)",
+    ),
+)
+
+
+def _cluster_families(cl: Mapping[str, Any]) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "kvstore_cluster_up",
+        "1 while the cluster tier answers, 0 while it is down",
+        value=int(cl.get("state") == "up"),
+    )
+    yield GaugeMetricFamily(
+        "kvstore_cluster_write_queue_blocks",
+        "Blocks waiting to be written to the cluster",
+        value=cl.get("queue", 0),
+    )
+    for field, name, doc in _CLUSTER_COUNTERS:
+        yield CounterMetricFamily(name, doc, value=cl.get(field, 0))
 
 
 def _write_failures(value: int | Mapping[str, int]) -> Metric:

@@ -303,6 +303,20 @@ class AdminOps:
                     c.promotions,
                     c.corrupt,
                 )
+            cluster = None if self._cluster is None else self._cluster.status()
+            if cluster is not None:  # shared by every host: no count or capacity of its own to report
+                tiers["cluster"] = TierStats(
+                    "cluster",
+                    0,
+                    0,
+                    0,
+                    cluster["hits"],
+                    cluster["misses"],
+                    cluster["deleted"],
+                    0,
+                    0,
+                    cluster["corrupt"],
+                )
             return StoreStats(
                 tiers=tiers,
                 blocks=len(self._index),
@@ -318,7 +332,7 @@ class AdminOps:
                 tokens_matched=self._counts.tokens_matched,
                 tokens_served=self._counts.tokens_served,
                 write_failures=self._counts.write_failures,
-                cluster=None if self._cluster is None else self._cluster.status(),
+                cluster=cluster,
             )
 
     def check_integrity(self) -> list[str]:
