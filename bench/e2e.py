@@ -65,7 +65,8 @@ AIM_SPEEDUP, AIM_NVME_VS_RAM, AIM_AT = 20.0, 3.0, 2048
 class Daemon:
     """``kvstore serve --config FILE`` as a subprocess; ``restart`` stops it with SIGTERM and starts it again."""
 
-    def __init__(self, root: Path, *, hbm: str, ram: str) -> None:
+    def __init__(self, root: Path, *, hbm: str, ram: str, extra: str = "") -> None:
+        """``extra``: TOML appended to the config (another section, e.g. bench/cluster.py's [cluster])."""
         self.endpoint = f"ipc://{root / 'run' / 'kv.sock'}"
         self.config = root / "kvstore.toml"
         self.config.write_text(
@@ -91,6 +92,7 @@ class Daemon:
                 ]
             )
             + "\n"
+            + extra
         )
         self.log = root / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None

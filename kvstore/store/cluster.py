@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,6 +66,7 @@ class ClusterLink:
         self._writer = WriteThrough(maxsize=queue, tick=tick, name="kvstore-cluster")
         self.adopted: set[bytes] = set()  # came from the cluster: not written back (lock held)
         self._writer.start(self._write, self._idle)
+        self._fetcher = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-fetch")
 
     # -- writes -----------------------------------------------------------------------
     def submit(self, keys: list[bytes]) -> None:
@@ -151,6 +153,7 @@ class ClusterLink:
         """Write what is queued for up to ``timeout`` seconds, then stop (the cluster is a copy)."""
         self._writer.drain(timeout)
         self._writer.close()
+        self._fetcher.shutdown(wait=True)
         self.cluster.close()
 
     # -- reads ------------------------------------------------------------------------
@@ -159,7 +162,12 @@ class ClusterLink:
         return self.cluster.leading(keys[:LOOKUP_LIMIT])
 
     def read(
-        self, ns: Namespace, keys: Sequence[bytes], parents: tuple[bytes, ...], outs: Sequence[torch.Tensor]
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        parents: tuple[bytes, ...],
+        outs: Sequence[torch.Tensor],
+        frames: dict[bytes, Any] | None = None,
     ) -> int:
         """Fetch blocks ``keys`` from the cluster into ``outs`` (one ``[L, 2, T, H, D]`` tensor each),
         stopping at the first absent or damaged one; returns how many were written.
@@ -167,36 +175,52 @@ class ClusterLink:
         The first block's record must name one of ``parents`` as its parent (the key before it, or the
         namespace root); each later one the key before it. A value that fails a check (its key,
         record, namespace, parent, CRC or layout) is deleted from the cluster and ends the read.
+        ``frames`` (if given) receives each served block's frame, by key (for nvme: WriteBack.offer).
         """
         n = 0
         accepted = parents
         codecs = self.cluster.codecs()
-        for b0 in range(0, min(len(keys), len(outs)), FETCH_BATCH):
-            batch = keys[b0 : b0 + FETCH_BATCH]
-            try:
-                values = self.cluster.fetch(batch)
-            except ClusterUnavailable:
-                return n
-            for k, v in zip(batch, values, strict=True):
-                if v is None:
-                    self.cluster.count(misses=1)
-                    return n
+        want = min(len(keys), len(outs))
+        batches = [keys[b0 : min(b0 + FETCH_BATCH, want)] for b0 in range(0, want, FETCH_BATCH)]
+        # the next batch is fetched while this one is decoded: the round trip hides behind the codec
+        ahead = self._fetcher.submit(self.cluster.fetch, batches[0]) if batches else None
+        try:
+            for i, batch in enumerate(batches):
+                assert ahead is not None
                 try:
-                    rec, frame = _unpack(k, v, ns.id, accepted)
-                    decode_frame(frame, layout=ns.layout, out=outs[n], codecs=codecs)
-                except FrameError as err:
-                    log.warning("cluster block %s failed its check (%s); deleted", k.hex()[:16], err)
-                    self.cluster.count(corrupt=1)
-                    try:
-                        self.cluster.delete([k])
-                    except ClusterUnavailable:
-                        pass
+                    values = ahead.result()
+                except ClusterUnavailable:
                     return n
-                self.cluster.count(hits=1)
-                accepted = (k,)
-                n += 1
-                del rec
-        return n
+                ahead = (
+                    self._fetcher.submit(self.cluster.fetch, batches[i + 1]) if i + 1 < len(batches) else None
+                )
+                for k, v in zip(batch, values, strict=True):
+                    if v is None:
+                        self.cluster.count(misses=1)
+                        return n
+                    try:
+                        _, frame = _unpack(k, v, ns.id, accepted)
+                        decode_frame(frame, layout=ns.layout, out=outs[n], codecs=codecs)
+                    except FrameError as err:
+                        log.warning("cluster block %s failed its check (%s); deleted", k.hex()[:16], err)
+                        self.cluster.count(corrupt=1)
+                        try:
+                            self.cluster.delete([k])
+                        except ClusterUnavailable:
+                            pass
+                        return n
+                    self.cluster.count(hits=1)
+                    if frames is not None:
+                        frames[k] = frame
+                    accepted = (k,)
+                    n += 1
+            return n
+        finally:
+            if ahead is not None:  # a read cut short: its prefetch is waited for, not left running
+                try:
+                    ahead.result()
+                except ClusterUnavailable:
+                    pass
 
     def adopt(self, keys: Sequence[bytes]) -> None:
         """(Lock held.) ``keys`` came from the cluster: the store holds them now; not written back."""

@@ -466,8 +466,11 @@ class Store:
         else:
             assert out is not None
             dsts = [out[:, :, j * T : (j + 1) * T] for j in range(local, want)]
-        n = self._cluster.read(ns, rest, parents, dsts)
+        frames: dict[bytes, Any] = {}
+        n = self._cluster.read(ns, rest, parents, dsts, frames)
         if n:
+            if self._writeback is not None:
+                self._writeback.offer(frames)  # nvme takes the cluster's frames as they are
             kv = torch.cat(dsts[:n], dim=2) if out is None else out[:, :, local * T : (local + n) * T]
             try:
                 self.put(ns, names, kv, start_block=first, _adopted=True)
@@ -692,9 +695,8 @@ class Store:
                 self._touch(e, now)
                 job.present += 1
             else:
-                pending = (
-                    Pending(job.base + i, *job.chain.identity(i, T)) if self.tiers.nvme is not None else None
-                )
+                keeps_record = self.tiers.nvme is not None or self._cluster is not None  # both store records
+                pending = Pending(job.base + i, *job.chain.identity(i, T)) if keeps_record else None
                 e = Entry(job.keys[i], parent, job.ns.id, job.tags, now, now, pending)
                 block = job.kv[:, :, (i - job.start) * T : (i - job.start + 1) * T]
                 try:

@@ -22,7 +22,9 @@ import math
 import time
 from dataclasses import replace
 
+from kvstore.codecs.frame import Buffer, read_header
 from kvstore.errors import FrameError, KVStoreError
+from kvstore.record import BlockRecord
 from kvstore.store.index import TIER_MASK, Entry
 from kvstore.store.movement import Mover
 from kvstore.store.parts import StoreParts
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 _EXPIRE_BATCH = 10000  # blocks dropped per tick at most, so the lock is never held for long
 _RECORD_BATCH = 4096
+_READY = 4096  # frames offered ahead of their write, at most
 
 
 class WriteBack:
@@ -69,6 +72,7 @@ class WriteBack:
         self.deferred: dict[bytes, None] = {}  # keys to write that the queue refused or that failed
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
+        self._ready: dict[bytes, Buffer] = {}  # frames in nvme's codec already (from the cluster tier)
         writer.start(self.write, self.idle)
 
     # -- callers' side ----------------------------------------------------------------
@@ -85,6 +89,15 @@ class WriteBack:
     def defer(self, keys: list[bytes]) -> None:
         """(Lock held.) Write ``keys`` from the writer's next tick, never on the caller's thread."""
         self.deferred.update(dict.fromkeys(keys))
+
+    def offer(self, frames: dict[bytes, Buffer]) -> None:
+        """Frames of blocks about to be stored (read from the cluster tier): a block whose frame is in
+        the codec nvme would use is written as it is, neither decoded nor encoded again (and never
+        quantized twice). At most ``_READY`` are kept; the oldest go first (then they are encoded)."""
+        with self._lock:
+            self._ready.update(frames)
+            while len(self._ready) > _READY:
+                del self._ready[next(iter(self._ready))]
 
     def record_changed(self, e: Entry, now: float) -> None:
         """(Lock held.) ``e`` is being touched at ``now``: its nvme record follows at the next idle
@@ -158,6 +171,10 @@ class WriteBack:
 
     def _write(self, key: bytes) -> None:
         t_n, nvme = self._t, self._nvme
+        with self._lock:
+            frame = self._ready.pop(key, None)
+        if frame is not None and self._write_frame(key, frame):
+            return
         block = None
         for _ in range(3):  # a demotion may move the copy between finding and reading it
             with self._lock:
@@ -197,6 +214,32 @@ class WriteBack:
             with self._lock:
                 self._failed(key)
             return
+        self._written(key, rec)
+
+    def _write_frame(self, key: bytes, frame: Buffer) -> bool:
+        """Store ``frame`` on nvme as it is when it is in the codec nvme picks for the block. False: it
+        was not (another codec, no room, an error): the caller writes the block the usual way."""
+        nvme = self._nvme
+        with self._lock:
+            e = self._index.get(key)
+            if e is None or e.tiers & (1 << self._t) or self._closed:
+                return True  # nothing to write
+            try:
+                rec = self._mover.record(e)
+            except KVStoreError:
+                return True
+        try:
+            if read_header(frame, verify=False).codec_id != nvme.codec_for(rec.position).codec_id:
+                return False
+            nvme.put_frame(key, frame, rec)
+        except (FrameError, TierFull, TierIOError, KVStoreError):
+            return False
+        self._written(key, rec)
+        return True
+
+    def _written(self, key: bytes, rec: BlockRecord) -> None:
+        """``key`` is on nvme now (``rec`` its record): tell the index, unless it went meanwhile."""
+        t_n, nvme = self._t, self._nvme
         with self._lock:
             now = self._index.get(key)
             if now is None or not now.tiers & TIER_MASK:

@@ -162,3 +162,21 @@ def test_a_dead_cluster_degrades_to_local_tiers(host: HostFactory) -> None:
     assert time.monotonic() - t < 2.0
     st = b.stats().cluster
     assert st is not None and st["state"] == "down" and st["errors"] >= 1
+
+
+def test_blocks_from_the_cluster_reach_nvme_as_the_cluster_framed_them(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # nvme and the cluster both store int4: B's disk gets the cluster's frames byte for byte (one
+    # quantization, no encode on B); a raw cluster copy is encoded for nvme as any new block
+    a, b = host("a", codec="int4"), host("b", codec="int4")
+    toks, x = tokens(3), kv(12, seed=11)
+    a.put(NS, toks, x)
+    written(a, 3)
+    assert b.get(NS, toks).tiers == ["cluster"] * 3
+    assert b.flush(timeout=10)
+    nvme = b.tiers.nvme
+    assert nvme is not None
+    for k in _keys(toks):
+        value = rc.node(rc.master_of(b._cluster.cluster.block_key(k))).get(b._cluster.cluster.block_key(k))  # type: ignore[union-attr]
+        assert value.endswith(nvme.get_frame(k))

@@ -74,7 +74,7 @@ def hosts(tmp_path: Path) -> Iterator[HostStarter]:
 
 
 def cluster_stats(c: KVStoreClient) -> dict[str, Any]:
-    return c.stats()["store"]["cluster"]  # type: ignore[no-any-return]
+    return c.stats()["store"]["cluster"]
 
 
 def wait_written(c: KVStoreClient, n: int, timeout: float = 60.0) -> None:
@@ -101,7 +101,7 @@ def test_a_conversation_moves_between_hosts_and_survives_a_day(
     model, layout = smollm2.model, smollm2.layout(dtype="float32")
     a, b = hosts("a", rc.urls), hosts("b", rc.urls)
     chat = Conversation(smollm2.tokenizer)
-    kw = {"model": smollm2.model_id, "layout": layout, "timeout": 60.0}
+    kw: dict[str, Any] = {"model": smollm2.model_id, "layout": layout, "timeout": 60.0}
     with KVStoreClient(a.endpoint, **kw) as ca:
         first = run_turn(model, ca, chat.ask(QUESTION_1), max_new_tokens=ANSWER_TOKENS, session="garden")
         chat.answer(first.output_ids)

@@ -1,0 +1,232 @@
+"""Cross-host reads through the cluster tier: SmolLM2's 2K-token prefix stored by host A, read by host B.
+
+    .venv/bin/python bench/cluster.py [--tokens 2048] [--tail 16] [--repeat 5] [--lookups 200]
+
+Setup (all on this machine, loopback only): a Redis Cluster of 3 masters from Debian's
+redis-server (tests/cluster/rediscluster.py), and two ``kvstore serve`` daemons A and B with
+their own sockets and LMDB paths, both on the cluster (``[cluster]`` with the default codecs: int4
++ zstd, block 0 at int8, as on nvme). A computes the prefix (the recompute baseline), stores it
+and writes it through to the cluster; B has never seen it.
+
+    --codecs   the cluster's codec: "default" (nvme's: int4 + zstd, block 0 int8) and "raw" (the
+               bytes as stored: what the store itself costs, with no codec work in the way)
+    get        B's ``get`` of the prefix with B's own tiers empty (``evict --all`` on B before each
+               run): one pipelined round trip per 16 blocks, every frame checked and decoded, and the
+               blocks stored on B. Beside it:
+      plain    a redis-py RedisCluster pipelined GET of the same keys: the same bytes, nothing done
+               with them (what a client of the cluster alone would pay to move them)
+      floor    plain + decoding the same frames here: what any get that serves K/V must pay
+    lookup     B's ``lookup`` of the prefix (a local miss the cluster answers), against one cluster
+               round trip (a pipelined EXISTS of the same keys from redis-py) and a lookup B answers
+               from its own tiers
+    TTFT       B's time to first token reading the prefix from the cluster (fetch, build the cache,
+               compute the tail) against recomputing the whole prompt, and the quality of that cache
+               (KL of the tail's next-token distributions vs recomputing, and top-1 agreement)
+
+Ratios, not absolute times, are the figures: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.e2e import Daemon, compare, recompute, reuse, text_tokens, timed  # noqa: E402
+from kvstore.client import KVStoreClient  # noqa: E402
+from kvstore.codecs import decode_frame  # noqa: E402
+from kvstore.integrations.models import load_smollm2  # noqa: E402
+from kvstore.integrations.quality import GATES  # noqa: E402
+from kvstore.integrations.transformers import save_cache  # noqa: E402
+from kvstore.keys import Namespace, block_keys  # noqa: E402
+from kvstore.tiers.cluster import unpack_value  # noqa: E402
+from tests.cluster.rediscluster import LocalCluster  # noqa: E402
+
+AIM_PLAIN, AIM_LOOKUP_RTT = 0.8, 2.0
+
+
+def cluster_section(urls: list[str], codec: str) -> str:
+    nodes = ", ".join(f'"{u}"' for u in urls)
+    text = f'[cluster]\nenabled = true\nnodes = [{nodes}]\ntimeout = "5s"\n'
+    return text + ("" if codec == "default" else f'codec = "{codec}"\n')
+
+
+def wait_written(c: KVStoreClient, n: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while c.stats()["store"]["cluster"]["written"] < n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"host A wrote {c.stats()['store']['cluster']} blocks to the cluster, not {n}")
+        time.sleep(0.05)
+
+
+def median_of(fn: Any, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(llm: Any, prompt: Any, n_prefix: int, codec: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of every figure with the cluster storing ``codec`` frames (fresh cluster and daemons)."""
+    import redis
+    from redis.cluster import ClusterNode, RedisCluster
+
+    model, layout = llm.model, llm.layout()
+    T = layout.block_tokens
+    prefix = prompt[:n_prefix]
+    blocks = n_prefix // T
+    f: dict[str, Any] = {"codec": codec, "blocks": blocks}
+    with tempfile.TemporaryDirectory(prefix="kvstore-cluster-bench-") as tmp:
+        root = Path(tmp)
+        with LocalCluster(root / "redis", replicas=0) as rc:
+            hosts = []
+            try:
+                for name in ("a", "b"):
+                    (root / name).mkdir()
+                    d = Daemon(root / name, hbm="1GiB", ram="1GiB", extra=cluster_section(rc.urls, codec))
+                    d.start()
+                    hosts.append(d)
+                a, b = hosts
+                kw: dict[str, Any] = {"model": llm.model_id, "layout": layout, "timeout": 120.0}
+                ns = Namespace(llm.model_id, layout)
+                raw_keys = block_keys(ns, prefix.tolist())
+                keys = [f"kvstore:b:{k.hex()}" for k in raw_keys]
+
+                # host A: the recompute baseline, then the prefix stored and written through
+                f["recompute"], runs = timed(
+                    lambda: recompute(model, prompt, args.tail), max(1, args.repeat // 2)
+                )
+                ref, cache = runs[-1]
+                with KVStoreClient(a.endpoint, **kw) as ca:
+                    save_cache(ca, prefix, cache)
+                    wait_written(ca, blocks)
+                seeds = [ClusterNode("127.0.0.1", int(u.rsplit(":", 1)[1])) for u in rc.urls]
+                plain = RedisCluster(startup_nodes=seeds)
+
+                def plain_get() -> list[bytes]:
+                    pipe = plain.pipeline(transaction=False)
+                    for k in keys:
+                        pipe.get(k)
+                    return list(pipe.execute())
+
+                values = plain_get()
+                f["bytes"] = sum(len(v) for v in values)
+                f["plain"] = median_of(plain_get, args.repeat)
+                parents = [ns.root(), *raw_keys[:-1]]
+
+                def decode_all() -> None:
+                    for k, v, p in zip(raw_keys, values, parents, strict=True):
+                        _, frame = unpack_value(k, v, ns.id, p)
+                        decode_frame(frame, layout=layout)
+
+                f["decode"] = median_of(decode_all, args.repeat)
+
+                def pipelined_exists() -> None:
+                    pipe = plain.pipeline(transaction=False)
+                    for k in keys:
+                        pipe.exists(k)
+                    pipe.execute()
+
+                f["rtt"] = median_of(pipelined_exists, args.lookups)
+                f["ping"] = median_of(redis.Redis("127.0.0.1", rc.ports[0]).ping, args.lookups)
+                plain.close()
+
+                with KVStoreClient(b.endpoint, **kw) as cb:
+                    get_times = []
+                    for _ in range(args.repeat + 1):
+                        cb.evict(all=True)
+                        t0 = time.perf_counter()
+                        r = cb.get(prefix)
+                        get_times.append(time.perf_counter() - t0)
+                        if r.tiers != ["cluster"] * blocks:
+                            raise SystemExit(f"host B read {r.tiers}, not {blocks} blocks from the cluster")
+                    f["get"] = statistics.median(get_times[1:])
+                    cb.evict(all=True)
+                    f["lookup"] = median_of(lambda: cb.lookup(prefix), args.lookups)
+                    assert cb.lookup(prefix).tiers == ["cluster"] * blocks
+                    cb.get(prefix)
+                    f["local_lookup"] = median_of(lambda: cb.lookup(prefix), args.lookups)
+                    ttfts, kls, top1s = [], [], []
+                    for _ in range(args.repeat):
+                        cb.evict(all=True)
+                        t0 = time.perf_counter()
+                        logp, got_tiers, _ = reuse(model, cb, prompt, n_prefix)
+                        ttfts.append(time.perf_counter() - t0)
+                        kl, top1 = compare(ref, logp)
+                        kls.append(kl)
+                        top1s.append(top1)
+                        assert got_tiers == ["cluster"] * blocks, got_tiers
+                    f["ttft"], f["kl"], f["top1"] = (statistics.median(v) for v in (ttfts, kls, top1s))
+            finally:
+                for d in hosts:
+                    d.close()
+    return f
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=2048, help="prefix length (whole 64-token blocks)")
+    parser.add_argument("--tail", type=int, default=16, help="tokens after the prefix (the new question)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--lookups", type=int, default=200)
+    parser.add_argument(
+        "--codecs", default="default,raw", help="cluster codecs to run: default, raw, int8, fp8"
+    )
+    args = parser.parse_args()
+    llm = load_smollm2()
+    layout = llm.layout()
+    n_prefix = args.tokens // layout.block_tokens * layout.block_tokens
+    prompt = text_tokens(llm, n_prefix + args.tail)
+    results = [measure(llm, prompt, n_prefix, codec, args) for codec in args.codecs.split(",")]
+    kv_mb = n_prefix // layout.block_tokens * layout.block_nbytes / 1e6
+    print(
+        f"cross-host reads through a Redis Cluster (3 masters, loopback); SmolLM2-135M-Instruct, {layout.dtype}"
+    )
+    print(f"prefix {n_prefix} tokens = {results[0]['blocks']} blocks, K/V {kv_mb:.1f} MB")
+    for f in results:
+        mb = f["bytes"] / 1e6
+        floor = f["plain"] + f["decode"]
+        print()
+        print(f"== cluster codec {f['codec']}: {mb:.1f} MB in the cluster")
+        print(f"{'':36}{'seconds':>9}{'MB/s of cluster bytes':>23}")
+        for label, t in (
+            ("host B get (from the cluster)", f["get"]),
+            ("plain RedisCluster pipelined GET", f["plain"]),
+            ("floor: that GET + decoding here", floor),
+        ):
+            print(f"{label:36}{t:>9.4f}{mb / t:>23.0f}")
+        print(f"{'  (decoding alone)':36}{f['decode']:>9.4f}")
+        print(
+            f"get vs plain GET: {f['plain'] / f['get']:.2f}x the throughput (aim >= {AIM_PLAIN}x); "
+            f"vs the GET + decode floor: {floor / f['get']:.2f}x"
+        )
+        print(
+            f"lookup, a local miss the cluster answers: {f['lookup'] * 1e3:.2f} ms = "
+            f"{f['lookup'] / f['rtt']:.2f}x one round trip (aim <= {AIM_LOOKUP_RTT}x; pipelined EXISTS of "
+            f"the keys {f['rtt'] * 1e3:.2f} ms, one PING {f['ping'] * 1e3:.2f} ms)"
+        )
+        print(
+            f"  a lookup B answers itself: {f['local_lookup'] * 1e3:.2f} ms; what the cluster adds: "
+            f"{(f['lookup'] - f['local_lookup']) / f['rtt']:.2f}x one round trip"
+        )
+        print(
+            f"TTFT on host B from the cluster {f['ttft']:.3f} s vs recomputing {f['recompute']:.3f} s: "
+            f"{f['recompute'] / f['ttft']:.1f}x faster; KL {f['kl']:.2e} (int4 gate {GATES['int4'].max_kl:.0e}), "
+            f"top-1 {f['top1']:.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
