@@ -15,7 +15,8 @@ and writes it through to the cluster; B has never seen it.
                blocks stored on B. Beside it:
       plain    a redis-py RedisCluster pipelined GET of the same keys: the same bytes, nothing done
                with them (what a client of the cluster alone would pay to move them)
-      floor    plain + decoding the same frames here: what any get that serves K/V must pay
+      floor    plain + checking and decoding the same frames here (two at a time, on two threads, as
+               the daemon does): what any get that serves K/V must pay
     lookup     B's ``lookup`` of the prefix (a local miss the cluster answers), against one cluster
                round trip (a pipelined EXISTS of the same keys from redis-py) and a lookup B answers
                from its own tiers
@@ -33,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -123,10 +125,13 @@ def measure(llm: Any, prompt: Any, n_prefix: int, codec: str, args: argparse.Nam
                 f["plain"] = median_of(plain_get, args.repeat)
                 parents = [ns.root(), *raw_keys[:-1]]
 
-                def decode_all() -> None:
-                    for k, v, p in zip(raw_keys, values, parents, strict=True):
+                def decode_all() -> None:  # two blocks at a time, as the daemon does on these two cores
+                    def one(k: bytes, v: bytes, p: bytes) -> None:
                         _, frame = unpack_value(k, v, ns.id, p)
                         decode_frame(frame, layout=layout)
+
+                    with ThreadPoolExecutor(2) as pool:
+                        list(pool.map(one, raw_keys, values, parents))
 
                 f["decode"] = median_of(decode_all, args.repeat)
 

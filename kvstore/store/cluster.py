@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import takewhile
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,7 +67,8 @@ class ClusterLink:
         self._writer = WriteThrough(maxsize=queue, tick=tick, name="kvstore-cluster")
         self.adopted: set[bytes] = set()  # came from the cluster: not written back (lock held)
         self._writer.start(self._write, self._idle)
-        self._fetcher = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-fetch")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-cluster-fetch")
+        self._decoders = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-decode")
 
     # -- writes -----------------------------------------------------------------------
     def submit(self, keys: list[bytes]) -> None:
@@ -153,7 +155,8 @@ class ClusterLink:
         """Write what is queued for up to ``timeout`` seconds, then stop (the cluster is a copy)."""
         self._writer.drain(timeout)
         self._writer.close()
-        self._fetcher.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+        self._decoders.shutdown(wait=True)
         self.cluster.close()
 
     # -- reads ------------------------------------------------------------------------
@@ -177,13 +180,21 @@ class ClusterLink:
         record, namespace, parent, CRC or layout) is deleted from the cluster and ends the read.
         ``frames`` (if given) receives each served block's frame, by key (for nvme: WriteBack.offer).
         """
-        n = 0
-        accepted = parents
         codecs = self.cluster.codecs()
         want = min(len(keys), len(outs))
-        batches = [keys[b0 : min(b0 + FETCH_BATCH, want)] for b0 in range(0, want, FETCH_BATCH)]
-        # the next batch is fetched while this one is decoded: the round trip hides behind the codec
-        ahead = self._fetcher.submit(self.cluster.fetch, batches[0]) if batches else None
+        batches = [range(b0, min(b0 + FETCH_BATCH, want)) for b0 in range(0, want, FETCH_BATCH)]
+
+        def check_decode(j: int, value: bytes) -> Any:
+            """Block ``j``: checked against its key, namespace and parent, decoded into ``outs[j]``."""
+            _, frame = _unpack(keys[j], value, ns.id, parents if j == 0 else (keys[j - 1],))
+            decode_frame(frame, layout=ns.layout, out=outs[j], codecs=codecs)
+            return frame
+
+        # the next batch is fetched while this one is checked and decoded, two blocks at a time: the
+        # round trip hides behind the codec work, which runs outside the GIL for the most part
+        fetch = self._pool.submit
+        ahead = fetch(self.cluster.fetch, [keys[j] for j in batches[0]]) if batches else None
+        n = 0
         try:
             for i, batch in enumerate(batches):
                 assert ahead is not None
@@ -191,17 +202,22 @@ class ClusterLink:
                     values = ahead.result()
                 except ClusterUnavailable:
                     return n
-                ahead = (
-                    self._fetcher.submit(self.cluster.fetch, batches[i + 1]) if i + 1 < len(batches) else None
-                )
-                for k, v in zip(batch, values, strict=True):
-                    if v is None:
-                        self.cluster.count(misses=1)
-                        return n
+                nxt = [keys[j] for j in batches[i + 1]] if i + 1 < len(batches) else None
+                ahead = fetch(self.cluster.fetch, nxt) if nxt else None
+                present = [
+                    v for v in takewhile(lambda v: v is not None, values) if v is not None
+                ]  # to a miss
+                held = len(present)
+                work = [
+                    self._decoders.submit(check_decode, j, v) for j, v in zip(batch, present, strict=False)
+                ]
+                for j, job in zip(batch, work, strict=False):
                     try:
-                        _, frame = _unpack(k, v, ns.id, accepted)
-                        decode_frame(frame, layout=ns.layout, out=outs[n], codecs=codecs)
+                        frame = job.result()
                     except FrameError as err:
+                        for rest in work:  # wait for the others: none may write into outs after this
+                            rest.exception()
+                        k = keys[j]
                         log.warning("cluster block %s failed its check (%s); deleted", k.hex()[:16], err)
                         self.cluster.count(corrupt=1)
                         try:
@@ -211,9 +227,11 @@ class ClusterLink:
                         return n
                     self.cluster.count(hits=1)
                     if frames is not None:
-                        frames[k] = frame
-                    accepted = (k,)
+                        frames[keys[j]] = frame
                     n += 1
+                if held < len(values):
+                    self.cluster.count(misses=1)
+                    return n
             return n
         finally:
             if ahead is not None:  # a read cut short: its prefetch is waited for, not left running
