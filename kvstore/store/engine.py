@@ -471,9 +471,15 @@ class Store:
         if n:
             if self._writeback is not None:
                 self._writeback.offer(frames)  # nvme takes the cluster's frames as they are
-            kv = torch.cat(dsts[:n], dim=2) if out is None else out[:, :, local * T : (local + n) * T]
             try:
-                self.put(ns, names, kv, start_block=first, _adopted=True)
+                if out is not None:
+                    self.put(
+                        ns, names, out[:, :, local * T : (local + n) * T], start_block=first, _adopted=True
+                    )
+                else:  # separate block buffers: one put each (no copy to join them)
+                    for j in range(n):
+                        if self.put(ns, names, dsts[j], start_block=first + j, _adopted=True).failed:
+                            break
             except StoreClosed:
                 pass
             with self._lock:
