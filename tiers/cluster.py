@@ -454,7 +454,8 @@ def _reason(err: Exception) -> str:
 
 
 def _redis_cluster(nodes: ClusterNodes, timeout: float) -> Any:
-    """A redis-py RedisCluster over ``nodes``: one try per call (the tier retries later by itself)."""
+    """A redis-py RedisCluster over ``nodes``: one try per call, so a call costs at most ``timeout`` (the
+    tier retries later by itself, on a fresh client that reads the topology anew)."""
     try:
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
@@ -470,6 +471,6 @@ def _redis_cluster(nodes: ClusterNodes, timeout: float) -> Any:
         ssl=nodes.tls,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 1),
+        retry=Retry(NoBackoff(), 0),  # one try: a failure marks the tier down and a new client reconnects
         require_full_coverage=False,
     )

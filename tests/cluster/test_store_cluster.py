@@ -180,3 +180,27 @@ def test_blocks_from_the_cluster_reach_nvme_as_the_cluster_framed_them(
     for k in _keys(toks):
         value = rc.node(rc.master_of(b._cluster.cluster.block_key(k))).get(b._cluster.cluster.block_key(k))  # type: ignore[union-attr]
         assert value.endswith(nvme.get_frame(k))
+
+
+def test_a_hung_node_costs_one_timeout_then_the_cluster_is_used_again(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    a = host("a")
+    b = host("b", timeout=0.5, retry_after=1.0)
+    toks, x = tokens(6), kv(24, seed=4)
+    a.put(NS, toks, x)
+    written(a, 6)
+    port = rc.master_of(b._cluster.cluster.block_key(_keys(toks)[0]))  # type: ignore[union-attr]
+    rc.pause(port)  # the node hangs: it holds the connection and answers nothing
+    try:
+        t = time.monotonic()
+        assert b.lookup(NS, toks).matched_blocks == 0  # no error: a miss, within the time-out
+        assert b.get(NS, toks).matched_blocks == 0  # marked down: not even asked
+        assert time.monotonic() - t < 1.5
+        assert b.stats().cluster["state"] == "down"  # type: ignore[index]
+    finally:
+        rc.resume(port)
+    time.sleep(1.2)  # retry_after: the next call reconnects by itself
+    r = b.get(NS, toks)
+    assert r.tiers == ["cluster"] * 6 and same(got(r), x)
+    assert b.stats().cluster["state"] == "up"  # type: ignore[index]
