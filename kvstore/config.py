@@ -207,6 +207,9 @@ class ClusterConfig:
     retry_after: float = 5.0  # after a failure, calls go to the local tiers only for this long
     write_queue: int = 1024  # blocks waiting to be written; more are dropped (and counted)
     prefix: str = "kvstore"  # of every key kvstore writes in the cluster
+    tls_ca_file: Path | None = None  # rediss:// nodes: the CA of their certificates (None: the system's)
+    tls_cert_file: Path | None = None  # this host's client certificate, when the nodes ask for one
+    tls_key_file: Path | None = None
     required: bool = False  # refuse to start when the cluster cannot be used (default: start local-only)
 
     def resolved_password(self, env: Mapping[str, str] | None = None) -> str | None:
@@ -252,6 +255,8 @@ class Config:
         d["source"] = None if self.source is None else str(self.source)
         c = d["cluster"]  # never a secret in a log or on a screen
         c["password"] = None if c["password"] is None else "***"
+        for k in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+            c[k] = None if c[k] is None else str(c[k])
         c["nodes"] = [re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", n) for n in c["nodes"]]
         return d
 
@@ -444,6 +449,9 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "write_queue": _int(1, 2**24),
             "prefix": _text,
             "required": _bool,
+            "tls_ca_file": _optional(_path),
+            "tls_cert_file": _optional(_path),
+            "tls_key_file": _optional(_path),
         },
     ),
     "policy": (

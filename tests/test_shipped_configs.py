@@ -79,6 +79,9 @@ ALTERNATIVES: dict[str, dict[str, list[Any]]] = {
         "write_queue": [16, 1 << 16],
         "prefix": ["kvstore-prod"],
         "required": BOOL,
+        "tls_ca_file": ["/etc/kvstore/redis-ca.crt"],
+        "tls_cert_file": ["/etc/kvstore/redis-client.crt"],
+        "tls_key_file": ["/etc/kvstore/redis-client.key"],
     },
     "policy": {
         "promote_on_hit": BOOL,

@@ -69,6 +69,19 @@ class ClusterCounters:
 
 
 @dataclass(frozen=True)
+class TlsFiles:
+    """For ``rediss://`` nodes: the CA that signed the nodes' certificates (None: the system's), and
+    this client's certificate and key when the nodes ask for one (``tls-auth-clients``)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def given(self) -> bool:
+        return any((self.ca, self.cert, self.key))
+
+
+@dataclass(frozen=True)
 class ClusterNodes:
     """Seed nodes and credentials parsed from ``redis://`` / ``rediss://`` URLs (``valkey://`` alike)."""
 
@@ -76,11 +89,14 @@ class ClusterNodes:
     tls: bool
     username: str | None
     password: str | None = field(repr=False)
+    tls_files: TlsFiles = field(default_factory=lambda: TlsFiles())
 
     @classmethod
-    def parse(cls, urls: Sequence[str], username: str | None, password: str | None) -> ClusterNodes:
-        """ConfigError for a URL of another scheme, without a host, or mixing TLS and plain nodes.
-        Credentials in a URL are used when the config gives none."""
+    def parse(
+        cls, urls: Sequence[str], username: str | None, password: str | None, tls: TlsFiles | None = None
+    ) -> ClusterNodes:
+        """ConfigError for a URL of another scheme, without a host, mixing TLS and plain nodes, or TLS
+        files for plain nodes. Credentials in a URL are used when the config gives none."""
         hosts: list[tuple[str, int]] = []
         schemes = set()
         for url in urls:
@@ -98,7 +114,10 @@ class ClusterNodes:
             raise ConfigError("[cluster] nodes: mix of TLS (rediss://) and plain (redis://) nodes")
         if not hosts:
             raise ConfigError("[cluster] nodes: give at least one seed node, like 'redis://cache-1:7000'")
-        return cls(tuple(hosts), schemes == {True}, username, password)
+        tls = tls or TlsFiles()
+        if tls.given() and schemes != {True}:
+            raise ConfigError("[cluster] tls_* files are for TLS nodes: write them as rediss://host:port")
+        return cls(tuple(hosts), schemes == {True}, username, password, tls)
 
     def describe(self) -> str:
         """The nodes for logs: never the password."""
@@ -448,6 +467,8 @@ def _reason(err: Exception) -> str:
         name == "AuthenticationError"
     ):
         return "the cluster refused the credentials (check [cluster] username and password)"
+    if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+        return f"the nodes' TLS certificate is not trusted (set [cluster] tls_ca_file): {text}"
     if name in ("TimeoutError", "timeout"):
         return f"no answer within the time-out ({text or name})"
     return f"{name}: {text}" if text else name
@@ -469,6 +490,9 @@ def _redis_cluster(nodes: ClusterNodes, timeout: float) -> Any:
         username=nodes.username,
         password=nodes.password,
         ssl=nodes.tls,
+        ssl_ca_certs=nodes.tls_files.ca,
+        ssl_certfile=nodes.tls_files.cert,
+        ssl_keyfile=nodes.tls_files.key,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),  # one try: a failure marks the tier down and a new client reconnects

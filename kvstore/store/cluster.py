@@ -37,6 +37,7 @@ from kvstore.tiers.cluster import (
     ClusterNodes,
     ClusterTier,
     ClusterUnavailable,
+    TlsFiles,
     pack_value,
     record_of,
     unpack_value,
@@ -346,7 +347,9 @@ def cluster_from_config(config: Config) -> ClusterTier | None:
     c = config.cluster
     if not c.enabled:
         return None
-    nodes = ClusterNodes.parse(c.nodes, c.username, c.resolved_password())
+    files = (c.tls_ca_file, c.tls_cert_file, c.tls_key_file)
+    tls = TlsFiles(*(None if f is None else str(f) for f in files))
+    nodes = ClusterNodes.parse(c.nodes, c.username, c.resolved_password(), tls)
     codec, head = c.codecs(config.nvme)
     tier = ClusterTier(
         nodes,

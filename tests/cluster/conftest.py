@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.codecs import get_codec
 from kvstore.store.engine import Store
-from kvstore.tiers.cluster import ClusterNodes, ClusterTier
+from kvstore.tiers.cluster import ClusterNodes, ClusterTier, TlsFiles
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.ram import RamTier
@@ -45,9 +45,14 @@ def cluster_tier(rc: LocalCluster) -> Iterator[ClusterFactory]:
     made: list[ClusterTier] = []
 
     def make(
-        codec: str = "raw", *, urls: list[str] | None = None, password: str | None = None, **kw: Any
+        codec: str = "raw",
+        *,
+        urls: list[str] | None = None,
+        password: str | None = None,
+        tls: TlsFiles | None = None,
+        **kw: Any,
     ) -> ClusterTier:
-        nodes = ClusterNodes.parse(urls or rc.urls, None, password)
+        nodes = ClusterNodes.parse(urls or rc.urls, None, password, tls)
         kw.setdefault("timeout", 1.0)
         kw.setdefault("retry_after", 0.5)
         tier = ClusterTier(nodes, get_codec(codec), **kw)

@@ -6,6 +6,8 @@
         6 redis-server processes on 127.0.0.1 (cluster-enabled, no persistence), joined by
         ``redis-cli --cluster create``; cluster-node-timeout 1 s, so a dead master fails over in ~2-4 s
     .urls            ["redis://127.0.0.1:PORT", ...] (the seed nodes a config names)
+    LocalCluster(root, tls=True): TLS only (rediss://), node and client certificates signed by a CA
+                     made for it with openssl (.ca, .cert, .key); clients may present one
     .kill(port) / .pause(port) / .resume(port)      faults
     .master_of(key)  the port of the master serving a key's slot
     .flushall()      every master emptied (between tests)
@@ -57,9 +59,17 @@ class LocalCluster:
     """``masters`` masters with ``replicas`` replicas each; ``password`` for every node (requirepass)."""
 
     def __init__(
-        self, root: Path, *, masters: int = 3, replicas: int = 1, password: str | None = None
+        self,
+        root: Path,
+        *,
+        masters: int = 3,
+        replicas: int = 1,
+        password: str | None = None,
+        tls: bool = False,
     ) -> None:
         self.root = root
+        self.tls = tls
+        self.ca = self.cert = self.key = ""
         self.masters = masters
         self.replicas = replicas
         self.password = password
@@ -68,16 +78,35 @@ class LocalCluster:
 
     @property
     def urls(self) -> list[str]:
-        return [f"redis://{HOST}:{p}" for p in self.ports[: self.masters]]
+        scheme = "rediss" if self.tls else "redis"
+        return [f"{scheme}://{HOST}:{p}" for p in self.ports[: self.masters]]
+
+    def _certificates(self) -> None:
+        """A CA, and a certificate for 127.0.0.1 it signed (the nodes' and the clients')."""
+        d = self.root / "tls"
+        d.mkdir(parents=True, exist_ok=True)
+        self.ca, self.cert, self.key = str(d / "ca.crt"), str(d / "node.crt"), str(d / "node.key")
+        (d / "san.ext").write_text(f"subjectAltName=IP:{HOST}\n")
+        for cmd in (
+            f"req -x509 -newkey rsa:2048 -nodes -keyout {d}/ca.key -out {self.ca} -days 2 -subj /CN=kvstore-test-ca",
+            f"req -newkey rsa:2048 -nodes -keyout {self.key} -out {d}/node.csr -subj /CN={HOST}",
+            f"x509 -req -in {d}/node.csr -CA {self.ca} -CAkey {d}/ca.key -CAcreateserial -out {self.cert} "
+            f"-days 2 -extfile {d}/san.ext",
+        ):
+            subprocess.run(["openssl", *cmd.split()], check=True, capture_output=True, timeout=60)
 
     def start(self, timeout: float = 60.0) -> LocalCluster:
         exe = redis_server()
+        if self.tls:
+            self._certificates()
         self.ports = [_free_port() for _ in range(self.masters * (1 + self.replicas))]
         for port in self.ports:
             self._spawn(exe, port)
         for port in self.ports:
             self._wait_ping(port, timeout)
         auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+        if self.tls:
+            auth += ["--tls", "--cacert", self.ca, "--cert", self.cert, "--key", self.key]
         subprocess.run(
             ["redis-cli", *auth, "--cluster", "create", *[f"{HOST}:{p}" for p in self.ports]]
             + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
@@ -92,7 +121,13 @@ class LocalCluster:
         d = self.root / str(port)
         d.mkdir(parents=True, exist_ok=True)
         conf = [
-            f"port {port}",
+            *(
+                ["port 0", f"tls-port {port}", f"tls-cert-file {self.cert}", f"tls-key-file {self.key}"]
+                + [f"tls-ca-cert-file {self.ca}", "tls-cluster yes", "tls-replication yes"]
+                + ["tls-auth-clients optional"]
+                if self.tls
+                else [f"port {port}"]
+            ),
             f"bind {HOST}",
             "cluster-enabled yes",
             f"cluster-config-file {d / 'nodes.conf'}",
@@ -112,6 +147,10 @@ class LocalCluster:
         )
 
     def node(self, port: int) -> redis.Redis:
+        if self.tls:
+            return redis.Redis(
+                HOST, port, password=self.password, socket_timeout=2.0, ssl=True, ssl_ca_certs=self.ca
+            )
         return redis.Redis(HOST, port, password=self.password, socket_timeout=2.0)
 
     def _wait_ping(self, port: int, timeout: float) -> None:

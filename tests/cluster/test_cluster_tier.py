@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
+from kvstore.config import load_config
 from kvstore.errors import ConfigError, FrameError
 from kvstore.record import BlockRecord
-from kvstore.tiers.cluster import ClusterNodes, ClusterUnavailable, pack_value, record_of, unpack_value
+from kvstore.store.cluster import cluster_from_config
+from kvstore.tiers.cluster import (
+    ClusterNodes,
+    ClusterUnavailable,
+    TlsFiles,
+    pack_value,
+    record_of,
+    unpack_value,
+)
 from tests.cluster.conftest import ClusterFactory
 from tests.cluster.rediscluster import LocalCluster
 
@@ -129,3 +139,31 @@ def test_a_full_cluster_refuses_writes_counted_not_fatal(
         for p in masters:
             rc.node(p).config_set("maxmemory", "0")
     assert c.store(items) == 3
+
+
+def test_tls_nodes_with_the_operators_ca(tmp_path: Path, cluster_tier: ClusterFactory) -> None:
+    with LocalCluster(tmp_path / "tls", replicas=0, tls=True) as tls:
+        c = cluster_tier(urls=tls.urls, tls=TlsFiles(ca=tls.ca, cert=tls.cert, key=tls.key))
+        c.connect()
+        r = rec(3)
+        assert c.store([(r.key, pack_value(r, b"over tls"))]) == 1
+        assert c.fetch([r.key]) == [pack_value(r, b"over tls")]
+        untrusted = cluster_tier(urls=tls.urls)  # the system's CAs do not know the test CA
+        with pytest.raises(ClusterUnavailable, match="not trusted"):
+            untrusted.connect()
+        plain = cluster_tier(urls=[u.replace("rediss://", "redis://") for u in tls.urls], timeout=0.5)
+        with pytest.raises(ClusterUnavailable):
+            plain.connect()
+        # as a daemon configures it: [cluster] from the environment, the files by path
+        env = {
+            "KVSTORE_CLUSTER_ENABLED": "true",
+            "KVSTORE_CLUSTER_NODES": ",".join(tls.urls),
+            "KVSTORE_CLUSTER_TLS_CA_FILE": tls.ca,
+            "KVSTORE_CLUSTER_TLS_CERT_FILE": tls.cert,
+            "KVSTORE_CLUSTER_TLS_KEY_FILE": tls.key,
+        }
+        configured = cluster_from_config(load_config(env=env))
+        assert configured is not None and configured.status()["state"] == "up"
+        configured.close()
+    with pytest.raises(ConfigError, match="rediss://"):
+        ClusterNodes.parse(["redis://cache-1:7000"], None, None, TlsFiles(ca="/etc/ca.crt"))
