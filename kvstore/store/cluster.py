@@ -11,8 +11,9 @@
                                                                          checked and decoded into ``outs``
              --> the store adopts what came back (hbm; write-through to nvme as any put)
 
-A block the cluster sent is never written back to it (``adopted``). The store
-calls in here without its lock held; ``write`` takes it only to find a block.
+A block the cluster sent is not written back to it (the store's put of it says
+so). The store calls in here without its lock held; ``write`` takes it only to
+find a block.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ class ClusterLink:
         )
         self.cluster = cluster
         self._writer = WriteThrough(maxsize=queue, tick=tick, name="kvstore-cluster")
-        self.adopted: set[bytes] = set()  # came from the cluster: not written back (lock held)
         self._writer.start(self._write, self._idle)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-cluster-fetch")
         self._decoders = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-decode")
@@ -77,8 +77,6 @@ class ClusterLink:
         cluster is down, is dropped and counted (the local tiers keep every block regardless)."""
         if not keys:
             return
-        with self._lock:
-            keys = [k for k in keys if k not in self.adopted]
         if not self.cluster.available():
             self.cluster.count(write_dropped=len(keys))
             return
@@ -240,13 +238,6 @@ class ClusterLink:
                     ahead.result()
                 except ClusterUnavailable:
                     pass
-
-    def adopt(self, keys: Sequence[bytes]) -> None:
-        """(Lock held.) ``keys`` came from the cluster: the store holds them now; not written back."""
-        self.adopted.update(keys)
-        if len(self.adopted) > 1 << 20:  # a bound: forgetting one costs a redundant write, nothing more
-            self.adopted.clear()
-            self.adopted.update(keys)
 
     # -- operator calls (admin.py) ------------------------------------------------------
     def find_session(self, name: str) -> dict[str, Any] | None:

@@ -272,12 +272,8 @@ class Store:
                     hold = self._pins.pin([job.tail], self._lease) if more and job.tail is not None else None
                 if self._write_through and self._admit is Admission.ALWAYS and self._writeback is not None:
                     job.deferred += self._writeback.submit(new)
-                if self._cluster is not None:
-                    if _adopted:
-                        with self._lock:
-                            self._cluster.adopt(new)
-                    else:
-                        self._cluster.submit(new)
+                if self._cluster is not None and not _adopted:
+                    self._cluster.submit(new)
                 if job.failed:
                     break
         finally:
