@@ -31,7 +31,7 @@ from kvstore.results import (
     StoreStats,
     TierStats,
 )
-from kvstore.store.cluster import ClusterLink
+from kvstore.store.cluster_admin import ClusterAdmin
 from kvstore.store.datapath import DataPath
 from kvstore.store.index import TIER_MASK, Entry
 from kvstore.store.journal import Journal
@@ -56,7 +56,7 @@ class AdminOps:
         writeback: WriteBack | None,
         *,
         lease: float,
-        cluster: ClusterLink | None = None,
+        cluster: ClusterAdmin | None = None,
     ) -> None:
         self._lock, self._clock, self._tiers, self._index = parts.lock, parts.clock, parts.tiers, parts.index
         self._pins, self._sessions, self._namespaces = parts.pins, parts.sessions, parts.namespaces

@@ -9,7 +9,9 @@
     lookup   local walk ends at block i --> leading(keys i..)           one pipelined EXISTS round trip
     get      local blocks read --> read(keys i.., outs)                 pipelined GETEX in batches,
                                                                          checked and decoded into ``outs``
-             --> the store adopts what came back (hbm; write-through to nvme as any put)
+             --> fill(): what came back is put here (hbm; nvme gets the frames as they are)
+
+Operator calls on the cluster (sessions of other hosts, evict, prefetch) are in cluster_admin.py.
 
 A block the cluster sent is not written back to it (the store's put of it says
 so). The store calls in here without its lock held; ``write`` takes it only to
@@ -19,33 +21,22 @@ find a block.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import takewhile
-from typing import TYPE_CHECKING, Any
+from itertools import islice, takewhile
+from typing import Any
 
-import numpy as np
 import torch
 
+from kvstore.chains import Chain
 from kvstore.codecs import decode_frame
-from kvstore.errors import ConfigError, FrameError, KVStoreError
-from kvstore.keys import KEY_BYTES, Namespace
+from kvstore.errors import FrameError, KVStoreError
+from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
-from kvstore.results import BlockInfo, EvictResult, InvalidRequest, SessionDetail, SessionInfo
+from kvstore.results import PutResult, StoreClosed
 from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
-from kvstore.tiers.cluster import (
-    ClusterNodes,
-    ClusterTier,
-    ClusterUnavailable,
-    TlsFiles,
-    pack_value,
-    record_of,
-    unpack_value,
-)
-
-if TYPE_CHECKING:
-    from kvstore.config import Config
+from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable, pack_value, unpack_value
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +48,25 @@ class ClusterLink:
     """Write-through to ``cluster`` on a thread of its own, and reads from it for the store."""
 
     def __init__(
-        self, parts: StoreParts, cluster: ClusterTier, *, queue: int = 1024, tick: float = 1.0
+        self,
+        parts: StoreParts,
+        cluster: ClusterTier,
+        put: Callable[..., PutResult],
+        offer: Callable[[dict[bytes, Any]], None] | None,
+        *,
+        queue: int = 1024,
+        tick: float = 1.0,
     ) -> None:
+        """``put``: the store's put (``_adopted=True`` for what came from the cluster); ``offer``: frames
+        nvme may store as they are (WriteBack.offer; None without nvme)."""
         self._lock, self._tiers, self._index, self._namespaces = (
             parts.lock,
             parts.tiers,
             parts.index,
             parts.namespaces,
         )
+        self._counts = parts.counts
+        self._put, self._offer = put, offer
         self.cluster = cluster
         self._writer = WriteThrough(maxsize=queue, tick=tick, name="kvstore-cluster")
         self._writer.start(self._write, self._idle)
@@ -239,83 +241,57 @@ class ClusterLink:
                 except ClusterUnavailable:
                     pass
 
-    # -- operator calls (admin.py) ------------------------------------------------------
-    def find_session(self, name: str) -> dict[str, Any] | None:
-        """Session ``name`` as another host recorded it: ``ns`` (a Namespace), ``keys`` (its block keys
-        from block 0), ``tokens`` (uint32 token ids, or None for an engine-key chain), ``updated``.
-        None when the cluster has no such session or cannot be asked."""
-        try:
-            d = self.cluster.get_session(name)
-        except ClusterUnavailable:
-            return None
-        return None if d is None else _session(d)
-
-    def session_detail(self, name: str) -> SessionDetail | None:
-        """Session ``name`` from the cluster, with the leading blocks the cluster still holds."""
-        d = self.find_session(name)
-        if d is None:
-            return None
-        ns, keys = d["ns"], d["keys"]
-        held = self.cluster.leading(keys)
-        info = SessionInfo(
-            name=name,
-            namespace=ns.id,
-            model=ns.model,
-            tenant=ns.tenant,
-            tokens=len(keys) * ns.layout.block_tokens,
-            blocks=held,
-            tiers={"cluster": held},
-            created=d["updated"],
-            last_access=d["updated"],
-        )
-        blocks = [BlockInfo(i, k.hex(), ["cluster"], d["updated"]) for i, k in enumerate(keys[:held])]
-        return SessionDetail(info=info, blocks=blocks)
-
-    def evict(self, keys: list[bytes], session: str | None, *, dry_run: bool) -> EvictResult:
-        """Delete the cluster's copies of ``keys`` and, with ``session``, the blocks that session stored
-        there (its record names them; blocks other sessions stored stay) and its record. InvalidRequest
-        when the cluster cannot be reached (nothing is deleted then)."""
-        try:
-            if session is not None:
-                d = self.find_session(session)
-                theirs = [] if d is None else d["keys"]
-                others: set[bytes] = set()  # blocks another session's prefix runs through stay
-                for o in self.cluster.sessions():
-                    found = _session(o)
-                    if found is not None and o.get("name") != session:
-                        others.update(found["keys"])
-                values = self.cluster.peek(theirs)
-                for k, v in zip(theirs, values, strict=True):
-                    rec = None if v is None else record_of(k, v)
-                    if rec is not None and rec.sessions[:1] == (session,) and k not in others:
-                        keys.append(k)
-            keys = list(dict.fromkeys(keys))
-            present = [k for k, there in zip(keys, self.cluster.exists(keys), strict=True) if there]
-            if not dry_run:
-                self.cluster.count(deleted=self.cluster.delete(present))
-                if session is not None:
-                    self.cluster.drop_session(session)
-        except ClusterUnavailable as e:
-            raise InvalidRequest(f"evict from the cluster tier: {e}") from None
-        return EvictResult(blocks=len(present), bytes_freed={}, moved=0, keys=present, dry_run=dry_run)
+    def fill(
+        self,
+        ns: Namespace,
+        names: Chain,
+        start: int,
+        local: int,
+        want: int,
+        missed: bytes,
+        keys: Iterator[bytes],
+        out: torch.Tensor | None,
+        blocks_out: Sequence[torch.Tensor] | None,
+    ) -> int:
+        """(No lock held.) Blocks ``start + local ..`` (at most ``want - local``; ``missed`` is the first's
+        key, ``keys`` yields the rest) from the cluster into ``out`` or ``blocks_out``, then stored here
+        as a put of them would (best effort: a block before them that went meanwhile stops that), and
+        nvme is offered their frames. Returns how many came."""
+        T = ns.layout.block_tokens
+        first = start + local
+        rest = [missed, *islice(keys, want - local - 1)]
+        if first > 0:
+            parents: tuple[bytes, ...] = (names.keys(ns, first)[-1],)
+        else:
+            root = names.parent_key(ns)
+            parents = (ns.root(),) if root is None else (root, ns.root())
+        if blocks_out is not None:
+            dsts = list(blocks_out[local:want])
+        else:
+            assert out is not None
+            dsts = [out[:, :, j * T : (j + 1) * T] for j in range(local, want)]
+        frames: dict[bytes, Any] = {}
+        n = self.read(ns, rest, parents, dsts, frames)
+        if n:
+            if self._offer is not None:
+                self._offer(frames)  # nvme takes the cluster's frames as they are
+            try:
+                if out is not None:
+                    self._put(
+                        ns, names, out[:, :, local * T : (local + n) * T], start_block=first, _adopted=True
+                    )
+                else:  # separate block buffers: one put each (no copy to join them)
+                    for j in range(n):
+                        if self._put(ns, names, dsts[j], start_block=first + j, _adopted=True).failed:
+                            break
+            except StoreClosed:
+                pass
+            with self._lock:
+                self._counts.tokens_served += n * T
+        return n
 
     def status(self) -> dict[str, Any]:
         return {**self.cluster.status(), "queue": self.depth()}
-
-
-def _session(d: dict[str, Any]) -> dict[str, Any] | None:
-    """A session record as ``find_session`` gives it; None (logged) when damaged."""
-    try:
-        raw = bytes(d["keys"])
-        return {
-            "ns": Namespace.from_dict(d["ns"]),
-            "keys": [raw[i : i + KEY_BYTES] for i in range(0, len(raw) - len(raw) % KEY_BYTES, KEY_BYTES)],
-            "tokens": None if d.get("tokens") is None else np.frombuffer(bytes(d["tokens"]), dtype="<u4"),
-            "updated": float(d.get("updated") or 0.0),
-        }
-    except (KVStoreError, KeyError, TypeError, ValueError) as e:
-        log.warning("cluster record of session %r is damaged (%s); ignored", d.get("name"), e)
-        return None
 
 
 def _unpack(key: bytes, value: bytes, ns_id: str, parents: tuple[bytes, ...]) -> tuple[BlockRecord, Any]:
@@ -327,34 +303,3 @@ def _unpack(key: bytes, value: bytes, ns_id: str, parents: tuple[bytes, ...]) ->
             err = e
     assert err is not None
     raise err
-
-
-def cluster_from_config(config: Config) -> ClusterTier | None:
-    """The cluster tier ``[cluster]`` describes, connected; None when it is off.
-
-    A cluster that cannot be used now (unreachable, wrong credentials) is logged in one line and
-    retried in the background: the daemon starts local-only. With ``required = true`` it raises
-    ConfigError instead."""
-    c = config.cluster
-    if not c.enabled:
-        return None
-    files = (c.tls_ca_file, c.tls_cert_file, c.tls_key_file)
-    tls = TlsFiles(*(None if f is None else str(f) for f in files))
-    nodes = ClusterNodes.parse(c.nodes, c.username, c.resolved_password(), tls)
-    codec, head = c.codecs(config.nvme)
-    tier = ClusterTier(
-        nodes,
-        codec,
-        head_codec=head,
-        head_blocks=config.nvme.head_blocks,
-        ttl=config.nvme.ttl if c.ttl is None else c.ttl,
-        timeout=c.timeout,
-        retry_after=c.retry_after,
-        prefix=c.prefix,
-    )
-    try:
-        tier.connect()
-    except ClusterUnavailable as e:
-        if c.required:
-            raise ConfigError(f"[cluster] required = true, but the cluster cannot be used: {e}") from None
-    return tier

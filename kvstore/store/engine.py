@@ -18,7 +18,7 @@
            ├─ DataPath     placing and reading blocks      (datapath.py)
            ├─ WriteBack    write-through, TTL, flush       (writeback.py, writer.py; with nvme)
            ├─ AdminOps     evict, prefetch, stats          (admin.py)
-           ├─ ClusterLink  the shared tier below nvme      (cluster.py; with [cluster] enabled)
+           ├─ ClusterLink  the shared tier below nvme      (cluster.py, cluster_admin.py; [cluster])
            └─ PinTable, SessionTable, NamespaceTable, Journal
 
 One RLock, shared by the parts, guards the index and what each tier holds.
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -67,6 +67,7 @@ from kvstore.results import (
 )
 from kvstore.store.admin import AdminOps
 from kvstore.store.cluster import ClusterLink
+from kvstore.store.cluster_admin import ClusterAdmin
 from kvstore.store.counts import StoreCounts
 from kvstore.store.datapath import DataPath, Read
 from kvstore.store.index import BlockIndex, Entry, Pending
@@ -159,9 +160,12 @@ class Store:
         self._data = DataPath(
             parts, self._mover, self._touch, admit_later if second_use else None, promote=promote
         )
-        self._cluster = (
-            None if cluster is None else ClusterLink(parts, cluster, queue=cluster_queue, tick=tick)
-        )
+        self._cluster: ClusterLink | None = None
+        self._cluster_admin: ClusterAdmin | None = None
+        if cluster is not None:
+            offer = self._writeback.offer if self._writeback is not None else None
+            self._cluster = ClusterLink(parts, cluster, self.put, offer, queue=cluster_queue, tick=tick)
+            self._cluster_admin = ClusterAdmin(parts, self._cluster, self._journal, self.get)
         self._admin = AdminOps(
             parts,
             self._mover,
@@ -169,7 +173,7 @@ class Store:
             self._journal,
             self._writeback,
             lease=self._lease,
-            cluster=self._cluster,
+            cluster=self._cluster_admin,
         )
 
     @classmethod
@@ -179,7 +183,7 @@ class Store:
         ``memory(role, kind)``: where the hbm and ram pools live (kvstore.shm.plane shares them with
         same-host clients); default: private memory."""
         from kvstore.codecs import get_codec
-        from kvstore.store.cluster import cluster_from_config
+        from kvstore.store.cluster_admin import cluster_from_config
         from kvstore.tiers.hbm import HbmTier
         from kvstore.tiers.ram import RamTier
 
@@ -425,62 +429,13 @@ class Store:
                 self._counts.tokens_served += len(read) * T
         tiers = [self.tiers.names[t] for _, _, t in read]
         if remote and missed is not None and len(read) == len(chain):
-            n = self._from_cluster(ns, names, start, len(read), want, missed, keys, out, blocks_out)
+            assert self._cluster is not None
+            n = self._cluster.fill(ns, names, start, len(read), want, missed, keys, out, blocks_out)
             tiers += ["cluster"] * n
         blocks = len(tiers)
         if out is not None and out.shape[2] != blocks * T:
             out = out[:, :, : blocks * T] if given else out[:, :, : blocks * T].contiguous()
         return GetResult(blocks, blocks * T, out if blocks else None, tiers)
-
-    def _from_cluster(
-        self,
-        ns: Namespace,
-        names: Chain,
-        start: int,
-        local: int,
-        want: int,
-        missed: bytes,
-        keys: Iterator[bytes],
-        out: torch.Tensor | None,
-        blocks_out: Sequence[torch.Tensor] | None,
-    ) -> int:
-        """(No lock held.) Blocks ``start + local ..`` (at most ``want - local``; ``missed`` is the first's
-        key, ``keys`` yields the rest) from the cluster into ``out`` or ``blocks_out``, then stored here
-        as a put of them would (best effort: a block before them that went meanwhile stops that).
-        Returns how many came."""
-        assert self._cluster is not None
-        T = ns.layout.block_tokens
-        first = start + local
-        rest = [missed, *islice(keys, want - local - 1)]
-        if first > 0:
-            parents: tuple[bytes, ...] = (names.keys(ns, first)[-1],)
-        else:
-            root = names.parent_key(ns)
-            parents = (ns.root(),) if root is None else (root, ns.root())
-        if blocks_out is not None:
-            dsts = list(blocks_out[local:want])
-        else:
-            assert out is not None
-            dsts = [out[:, :, j * T : (j + 1) * T] for j in range(local, want)]
-        frames: dict[bytes, Any] = {}
-        n = self._cluster.read(ns, rest, parents, dsts, frames)
-        if n:
-            if self._writeback is not None:
-                self._writeback.offer(frames)  # nvme takes the cluster's frames as they are
-            try:
-                if out is not None:
-                    self.put(
-                        ns, names, out[:, :, local * T : (local + n) * T], start_block=first, _adopted=True
-                    )
-                else:  # separate block buffers: one put each (no copy to join them)
-                    for j in range(n):
-                        if self.put(ns, names, dsts[j], start_block=first + j, _adopted=True).failed:
-                            break
-            except StoreClosed:
-                pass
-            with self._lock:
-                self._counts.tokens_served += n * T
-        return n
 
     def locate(
         self,
@@ -579,42 +534,11 @@ class Store:
         try:
             return self._admin.prefetch(session, to, start_block=start_block, max_blocks=max_blocks)
         except KeyError:
-            found = None if self._cluster is None else self._cluster.find_session(session)
-            if found is None:
+            remote = self._cluster_admin
+            found = None if remote is None else remote.find_session(session)
+            if remote is None or found is None:
                 raise
-        return self._prefetch_remote(session, found, to, start_block, max_blocks)
-
-    def _prefetch_remote(
-        self, session: str, found: dict[str, Any], to: str, start_block: int, max_blocks: int | None
-    ) -> PrefetchResult:
-        ns, keys, tokens = found["ns"], found["keys"], found["tokens"]
-        if tokens is None:
-            raise InvalidRequest(
-                f"session {session!r} was stored by engine page keys on another host; the engine's own "
-                "lookups read it from the cluster, prefetch cannot"
-            )
-        T = ns.layout.block_tokens
-        r = self.get(ns, tokens[: len(keys) * T], start_block=start_block, max_blocks=max_blocks)
-        end = start_block + r.matched_blocks
-        if r.matched_blocks and start_block + r.matched_blocks == len(keys):
-            with self._lock:
-                if self._namespaces.add(ns):
-                    self._journal.namespace(ns)
-                s = self._sessions.record_put(session, ns.id, keys[end - 1], end * T, self._clock())
-                self._journal.session(s)
-        moved = r.tiers.count("cluster")
-        want = len(keys) - start_block if max_blocks is None else min(max_blocks, len(keys) - start_block)
-        return PrefetchResult(
-            session=session,
-            to=to,
-            moved=moved,
-            present=r.matched_blocks - moved,
-            failed=0 if r.matched_blocks == want else 1,
-            start_block=start_block,
-            blocks=len(keys),
-            remaining=0 if r.matched_blocks < want else len(keys) - end,
-            bytes_moved=moved * ns.layout.block_nbytes,
-        )
+        return remote.prefetch(session, found, to, start_block, max_blocks)
 
     def sessions(self, tenant: str | None = None) -> list[SessionInfo]:
         """See AdminOps.sessions."""

@@ -10,7 +10,7 @@ import pytest
 from kvstore.config import load_config
 from kvstore.errors import ConfigError, FrameError
 from kvstore.record import BlockRecord
-from kvstore.store.cluster import cluster_from_config
+from kvstore.store.cluster_admin import cluster_from_config
 from kvstore.tiers.cluster import (
     ClusterNodes,
     ClusterUnavailable,

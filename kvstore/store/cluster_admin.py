@@ -1,0 +1,194 @@
+"""Operator calls that reach the cluster tier: sessions other hosts stored, evict, prefetch; and the
+tier built from ``[cluster]``.
+
+::
+
+    session(S) on host B     S unknown here -> its record in the cluster -> the blocks the cluster holds
+    prefetch(S) on host B    S unknown here -> get(S's tokens): read from the cluster, put here; S known here
+    evict --tier cluster     the cluster's copies of the blocks selected on this host
+    evict --session S        S's own blocks in the cluster (not those another session builds on), its record
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.keys import KEY_BYTES, Namespace
+from kvstore.results import (
+    BlockInfo,
+    EvictResult,
+    GetResult,
+    InvalidRequest,
+    PrefetchResult,
+    SessionDetail,
+    SessionInfo,
+)
+from kvstore.store.cluster import ClusterLink
+from kvstore.store.journal import Journal
+from kvstore.store.parts import StoreParts
+from kvstore.tiers.cluster import ClusterNodes, ClusterTier, ClusterUnavailable, TlsFiles, record_of
+
+if TYPE_CHECKING:
+    from kvstore.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class ClusterAdmin:
+    """The operator calls of one store on its cluster tier. ``get``: the store's get (it reads from the
+    cluster what this host lacks and keeps it)."""
+
+    def __init__(
+        self, parts: StoreParts, link: ClusterLink, journal: Journal, get: Callable[..., GetResult]
+    ) -> None:
+        self._lock, self._clock = parts.lock, parts.clock
+        self._sessions, self._namespaces = parts.sessions, parts.namespaces
+        self.cluster = link.cluster
+        self.status = link.status  # the tier's state and counters, and the write queue
+        self._journal = journal
+        self._get = get
+
+    def find_session(self, name: str) -> dict[str, Any] | None:
+        """Session ``name`` as another host recorded it: ``ns`` (a Namespace), ``keys`` (its block keys
+        from block 0), ``tokens`` (uint32 token ids, or None for an engine-key chain), ``updated``.
+        None when the cluster has no such session or cannot be asked."""
+        try:
+            d = self.cluster.get_session(name)
+        except ClusterUnavailable:
+            return None
+        return None if d is None else _session(d)
+
+    def session_detail(self, name: str) -> SessionDetail | None:
+        """Session ``name`` from the cluster, with the leading blocks the cluster still holds."""
+        d = self.find_session(name)
+        if d is None:
+            return None
+        ns, keys = d["ns"], d["keys"]
+        held = self.cluster.leading(keys)
+        info = SessionInfo(
+            name=name,
+            namespace=ns.id,
+            model=ns.model,
+            tenant=ns.tenant,
+            tokens=len(keys) * ns.layout.block_tokens,
+            blocks=held,
+            tiers={"cluster": held},
+            created=d["updated"],
+            last_access=d["updated"],
+        )
+        blocks = [BlockInfo(i, k.hex(), ["cluster"], d["updated"]) for i, k in enumerate(keys[:held])]
+        return SessionDetail(info=info, blocks=blocks)
+
+    def evict(self, keys: list[bytes], session: str | None, *, dry_run: bool) -> EvictResult:
+        """Delete the cluster's copies of ``keys`` and, with ``session``, the blocks that session stored
+        there (its record names them; blocks other sessions stored stay) and its record. InvalidRequest
+        when the cluster cannot be reached (nothing is deleted then)."""
+        try:
+            if session is not None:
+                d = self.find_session(session)
+                theirs = [] if d is None else d["keys"]
+                others: set[bytes] = set()  # blocks another session's prefix runs through stay
+                for o in self.cluster.sessions():
+                    found = _session(o)
+                    if found is not None and o.get("name") != session:
+                        others.update(found["keys"])
+                values = self.cluster.peek(theirs)
+                for k, v in zip(theirs, values, strict=True):
+                    rec = None if v is None else record_of(k, v)
+                    if rec is not None and rec.sessions[:1] == (session,) and k not in others:
+                        keys.append(k)
+            keys = list(dict.fromkeys(keys))
+            present = [k for k, there in zip(keys, self.cluster.exists(keys), strict=True) if there]
+            if not dry_run:
+                self.cluster.count(deleted=self.cluster.delete(present))
+                if session is not None:
+                    self.cluster.drop_session(session)
+        except ClusterUnavailable as e:
+            raise InvalidRequest(f"evict from the cluster tier: {e}") from None
+        return EvictResult(blocks=len(present), bytes_freed={}, moved=0, keys=present, dry_run=dry_run)
+
+    def prefetch(
+        self, session: str, found: dict[str, Any], to: str, start_block: int, max_blocks: int | None
+    ) -> PrefetchResult:
+        """Read session ``session`` (``found``: find_session's answer) from the cluster into this host's
+        tiers (blocks ``start_block ..``, at most ``max_blocks``) and, once its whole chain is here,
+        record it here. InvalidRequest for a session stored by engine page keys (no tokens to read)."""
+        ns, keys, tokens = found["ns"], found["keys"], found["tokens"]
+        if tokens is None:
+            raise InvalidRequest(
+                f"session {session!r} was stored by engine page keys on another host; the engine's own "
+                "lookups read it from the cluster, prefetch cannot"
+            )
+        T = ns.layout.block_tokens
+        r = self._get(ns, tokens[: len(keys) * T], start_block=start_block, max_blocks=max_blocks)
+        end = start_block + r.matched_blocks
+        if r.matched_blocks and start_block + r.matched_blocks == len(keys):
+            with self._lock:
+                if self._namespaces.add(ns):
+                    self._journal.namespace(ns)
+                s = self._sessions.record_put(session, ns.id, keys[end - 1], end * T, self._clock())
+                self._journal.session(s)
+        moved = r.tiers.count("cluster")
+        want = len(keys) - start_block if max_blocks is None else min(max_blocks, len(keys) - start_block)
+        return PrefetchResult(
+            session=session,
+            to=to,
+            moved=moved,
+            present=r.matched_blocks - moved,
+            failed=0 if r.matched_blocks == want else 1,
+            start_block=start_block,
+            blocks=len(keys),
+            remaining=0 if r.matched_blocks < want else len(keys) - end,
+            bytes_moved=moved * ns.layout.block_nbytes,
+        )
+
+
+def _session(d: dict[str, Any]) -> dict[str, Any] | None:
+    """A session record as ``find_session`` gives it; None (logged) when damaged."""
+    try:
+        raw = bytes(d["keys"])
+        return {
+            "ns": Namespace.from_dict(d["ns"]),
+            "keys": [raw[i : i + KEY_BYTES] for i in range(0, len(raw) - len(raw) % KEY_BYTES, KEY_BYTES)],
+            "tokens": None if d.get("tokens") is None else np.frombuffer(bytes(d["tokens"]), dtype="<u4"),
+            "updated": float(d.get("updated") or 0.0),
+        }
+    except (KVStoreError, KeyError, TypeError, ValueError) as e:
+        log.warning("cluster record of session %r is damaged (%s); ignored", d.get("name"), e)
+        return None
+
+
+def cluster_from_config(config: Config) -> ClusterTier | None:
+    """The cluster tier ``[cluster]`` describes, connected; None when it is off.
+
+    A cluster that cannot be used now (unreachable, wrong credentials) is logged in one line and
+    retried in the background: the daemon starts local-only. With ``required = true`` it raises
+    ConfigError instead."""
+    c = config.cluster
+    if not c.enabled:
+        return None
+    files = (c.tls_ca_file, c.tls_cert_file, c.tls_key_file)
+    tls = TlsFiles(*(None if f is None else str(f) for f in files))
+    nodes = ClusterNodes.parse(c.nodes, c.username, c.resolved_password(), tls)
+    codec, head = c.codecs(config.nvme)
+    tier = ClusterTier(
+        nodes,
+        codec,
+        head_codec=head,
+        head_blocks=config.nvme.head_blocks,
+        ttl=config.nvme.ttl if c.ttl is None else c.ttl,
+        timeout=c.timeout,
+        retry_after=c.retry_after,
+        prefix=c.prefix,
+    )
+    try:
+        tier.connect()
+    except ClusterUnavailable as e:
+        if c.required:
+            raise ConfigError(f"[cluster] required = true, but the cluster cannot be used: {e}") from None
+    return tier
