@@ -88,8 +88,11 @@ def test_many_connections_pushing_big_puts_stay_within_the_budget(daemons, tmp_p
         offered = CONNECTIONS * PUTS * PUT_BYTES
         grew = peak - base
         print(f"\nRSS grew {grew / MiB:.0f} MiB, {offered / MiB:.0f} MiB offered; replies {codes}")
-        # the budget, the frames being read off the sockets, and slack for the allocator
-        assert grew < BUDGET + 96 * MiB, f"RSS grew {grew / MiB:.0f} MiB with {offered / MiB:.0f} MiB offered"
+        # the budget, the frames ZeroMQ has read off the sockets and the loop not yet refused, and slack for
+        # the allocator. The middle term depends on how far the loop lags: 48-91 MiB on a quiet machine,
+        # 145 MiB once in a full CI run on two busy cores. Without the budget every request is parked: the
+        # whole 384 MiB and more. Half of what was offered tells the two apart.
+        assert grew < offered // 2, f"RSS grew {grew / MiB:.0f} MiB with {offered / MiB:.0f} MiB offered"
         assert set(codes) <= {"put", "busy"}, codes
         assert codes.get("busy", 0) > 0 and codes.get("put", 0) > 0, codes
         # and it goes on serving: a request now is taken
