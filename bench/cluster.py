@@ -48,7 +48,7 @@ from kvstore.integrations.models import load_smollm2  # noqa: E402
 from kvstore.integrations.quality import GATES  # noqa: E402
 from kvstore.integrations.transformers import save_cache  # noqa: E402
 from kvstore.keys import Namespace, block_keys  # noqa: E402
-from kvstore.tiers.cluster import unpack_value  # noqa: E402
+from kvstore.tiers.cluster_format import unpack_value  # noqa: E402
 from tests.cluster.rediscluster import LocalCluster  # noqa: E402
 
 AIM_PLAIN, AIM_LOOKUP_RTT = 0.8, 2.0

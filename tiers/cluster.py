@@ -6,6 +6,8 @@
     <prefix>:s:<sha256>     a session (msgpack map): namespace, block keys, token ids, time
     <prefix>:sessions       the set of those session keys (what evict --session must leave alone)
 
+(the values and the seed nodes are written and parsed in cluster_format.py)
+
 The block key is the store's chained key (namespace, tenant and prefix hashed
 in), so a cluster key names no token in the clear, and a session's key is the
 SHA-256 of its name. Every value carries its own key, its record (parent,
@@ -27,25 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import msgpack
 
 from kvstore.codecs import Codec
-from kvstore.errors import ConfigError, FrameError, KVStoreError
-from kvstore.record import BlockRecord
+from kvstore.errors import KVStoreError
+from kvstore.tiers.cluster_format import SESSION_VERSION, ClusterNodes, session_of
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"KVC1"
-_HEAD = struct.Struct("<4s32sI")
-SESSION_VERSION = 1
 
 
 class ClusterUnavailable(KVStoreError):
@@ -66,106 +62,6 @@ class ClusterCounters:
     corrupt: int = 0  # values that failed a check (deleted)
     errors: int = 0  # calls that failed (connection, time-out, cluster down)
     deleted: int = 0  # values deleted on request (evict)
-
-
-@dataclass(frozen=True)
-class TlsFiles:
-    """For ``rediss://`` nodes: the CA that signed the nodes' certificates (None: the system's), and
-    this client's certificate and key when the nodes ask for one (``tls-auth-clients``)."""
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-
-    def given(self) -> bool:
-        return any((self.ca, self.cert, self.key))
-
-
-@dataclass(frozen=True)
-class ClusterNodes:
-    """Seed nodes and credentials parsed from ``redis://`` / ``rediss://`` URLs (``valkey://`` alike)."""
-
-    hosts: tuple[tuple[str, int], ...]
-    tls: bool
-    username: str | None
-    password: str | None = field(repr=False)
-    tls_files: TlsFiles = field(default_factory=lambda: TlsFiles())
-
-    @classmethod
-    def parse(
-        cls, urls: Sequence[str], username: str | None, password: str | None, tls: TlsFiles | None = None
-    ) -> ClusterNodes:
-        """ConfigError for a URL of another scheme, without a host, mixing TLS and plain nodes, or TLS
-        files for plain nodes. Credentials in a URL are used when the config gives none."""
-        hosts: list[tuple[str, int]] = []
-        schemes = set()
-        for url in urls:
-            u = urlsplit(url.strip())
-            if u.scheme not in ("redis", "rediss", "valkey", "valkeys") or not u.hostname:
-                raise ConfigError(
-                    f"[cluster] nodes: {_redact(url)!r} is not a cluster node; expected "
-                    "'redis://host:port' or 'rediss://host:port' (TLS)"
-                )
-            schemes.add(u.scheme in ("rediss", "valkeys"))
-            hosts.append((u.hostname, u.port or 6379))
-            username = username or (unquote(u.username) if u.username else None)
-            password = password or (unquote(u.password) if u.password else None)
-        if len(schemes) > 1:
-            raise ConfigError("[cluster] nodes: mix of TLS (rediss://) and plain (redis://) nodes")
-        if not hosts:
-            raise ConfigError("[cluster] nodes: give at least one seed node, like 'redis://cache-1:7000'")
-        tls = tls or TlsFiles()
-        if tls.given() and schemes != {True}:
-            raise ConfigError("[cluster] tls_* files are for TLS nodes: write them as rediss://host:port")
-        return cls(tuple(hosts), schemes == {True}, username, password, tls)
-
-    def describe(self) -> str:
-        """The nodes for logs: never the password."""
-        scheme = "rediss" if self.tls else "redis"
-        who = f"{self.username}@" if self.username else ""
-        return ", ".join(f"{scheme}://{who}{h}:{p}" for h, p in self.hosts)
-
-
-def _redact(url: str) -> str:
-    u = urlsplit(url)
-    return url if u.password is None else url.replace(f":{u.password}@", ":***@")
-
-
-def pack_value(record: BlockRecord, frame: Any) -> bytes:
-    """A block's value in the cluster: its key, its record, its frame."""
-    rec = record.pack()
-    return b"".join((_HEAD.pack(MAGIC, record.key, len(rec)), rec, memoryview(frame).cast("B")))
-
-
-def record_of(key: bytes, value: bytes) -> BlockRecord | None:
-    """The record in ``value`` if it is a well-formed value of block ``key``, else None."""
-    try:
-        magic, k, n = _HEAD.unpack_from(value)
-        if magic != MAGIC or k != key:
-            return None
-        rec = BlockRecord.unpack(memoryview(value)[_HEAD.size : _HEAD.size + n])
-    except (struct.error, FrameError):
-        return None
-    return rec if rec.key == key else None
-
-
-def unpack_value(key: bytes, value: bytes, namespace: str, parent: bytes) -> tuple[BlockRecord, memoryview]:
-    """The record and frame of ``value`` read under ``key``; FrameError unless the value names
-    ``key``, its record names ``key``, ``namespace`` and ``parent``. The frame is checked on decode."""
-    if len(value) < _HEAD.size:
-        raise FrameError(f"cluster value of block {key.hex()[:16]} is truncated ({len(value)} bytes)")
-    magic, k, n = _HEAD.unpack_from(value)
-    if magic != MAGIC:
-        raise FrameError(f"cluster value of block {key.hex()[:16]} has no kvstore header")
-    if k != key:
-        raise FrameError(f"cluster value under {key.hex()[:16]} names block {k.hex()[:16]}")
-    view = memoryview(value)
-    if _HEAD.size + n > len(value):
-        raise FrameError(f"cluster value of block {key.hex()[:16]} is truncated")
-    rec = BlockRecord.unpack(view[_HEAD.size : _HEAD.size + n])
-    if rec.key != key or rec.namespace != namespace or rec.parent != parent:
-        raise FrameError(f"cluster value of block {key.hex()[:16]} belongs to another prefix or namespace")
-    return rec, view[_HEAD.size + n :]
 
 
 class ClusterTier:
@@ -393,7 +289,7 @@ class ClusterTier:
     def get_session(self, name: str) -> dict[str, Any] | None:
         """The session recorded under ``name`` (None when absent or not a session of this name).
         ClusterUnavailable on an outage."""
-        d = _session(self._call("session read", lambda c: c.get(self.session_key(name))))
+        d = session_of(self._call("session read", lambda c: c.get(self.session_key(name))))
         return d if d is not None and d.get("name") == name else None
 
     def drop_session(self, name: str) -> bool:
@@ -416,7 +312,7 @@ class ClusterTier:
                 pipe.get(m)
             out, gone = [], []
             for m, raw in zip(members, pipe.execute(), strict=True):
-                d = _session(raw)
+                d = session_of(raw)
                 if d is None:
                     gone.append(m)
                 else:
@@ -436,16 +332,6 @@ class ClusterTier:
                 "last_error": self.last_error,
                 **asdict(self.counters),
             }
-
-
-def _session(raw: bytes | None) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        d = msgpack.unpackb(raw, raw=False)
-    except Exception:  # noqa: BLE001 - a damaged value is no session
-        return None
-    return d if isinstance(d, dict) and d.get("v") == SESSION_VERSION else None
 
 
 def _out_of_memory(result: object) -> bool:

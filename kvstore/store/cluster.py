@@ -36,7 +36,8 @@ from kvstore.record import BlockRecord
 from kvstore.results import PutResult, StoreClosed
 from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
-from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable, pack_value, unpack_value
+from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable
+from kvstore.tiers.cluster_format import pack_value, unpack_value
 
 log = logging.getLogger(__name__)
 

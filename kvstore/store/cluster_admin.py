@@ -31,7 +31,8 @@ from kvstore.results import (
 from kvstore.store.cluster import ClusterLink
 from kvstore.store.journal import Journal
 from kvstore.store.parts import StoreParts
-from kvstore.tiers.cluster import ClusterNodes, ClusterTier, ClusterUnavailable, TlsFiles, record_of
+from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable
+from kvstore.tiers.cluster_format import ClusterNodes, TlsFiles, record_of
 
 if TYPE_CHECKING:
     from kvstore.config import Config

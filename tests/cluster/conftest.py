@@ -15,7 +15,8 @@ import pytest
 
 from kvstore.codecs import get_codec
 from kvstore.store.engine import Store
-from kvstore.tiers.cluster import ClusterNodes, ClusterTier, TlsFiles
+from kvstore.tiers.cluster import ClusterTier
+from kvstore.tiers.cluster_format import ClusterNodes, TlsFiles
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.ram import RamTier

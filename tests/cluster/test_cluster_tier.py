@@ -11,14 +11,8 @@ from kvstore.config import load_config
 from kvstore.errors import ConfigError, FrameError
 from kvstore.record import BlockRecord
 from kvstore.store.cluster_admin import cluster_from_config
-from kvstore.tiers.cluster import (
-    ClusterNodes,
-    ClusterUnavailable,
-    TlsFiles,
-    pack_value,
-    record_of,
-    unpack_value,
-)
+from kvstore.tiers.cluster import ClusterUnavailable
+from kvstore.tiers.cluster_format import ClusterNodes, TlsFiles, pack_value, record_of, unpack_value
 from tests.cluster.conftest import ClusterFactory
 from tests.cluster.rediscluster import LocalCluster
 
