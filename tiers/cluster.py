@@ -38,16 +38,10 @@ from typing import Any
 import msgpack
 
 from kvstore.codecs import Codec
-from kvstore.errors import KVStoreError
+from kvstore.tiers.cluster_client import ClusterUnavailable, open_client, out_of_memory, reason
 from kvstore.tiers.cluster_format import SESSION_VERSION, ClusterNodes, session_of
 
 log = logging.getLogger(__name__)
-
-
-class ClusterUnavailable(KVStoreError):
-    """The cluster cannot be reached or refused the credentials (the message says which)."""
-
-    code = "cluster_unavailable"
 
 
 @dataclass
@@ -96,7 +90,7 @@ class ClusterTier:
         self.retry_after = retry_after
         self.prefix = prefix
         self.counters = ClusterCounters()
-        self._factory = client_factory or _redis_cluster
+        self._factory = client_factory or open_client
         self._clock = clock
         self._lock = threading.Lock()  # guards the client, the state and the counters
         self._client: Any = None
@@ -145,11 +139,11 @@ class ClusterTier:
         return result
 
     def _failed(self, err: Exception, what: str = "connect") -> None:
-        reason = _reason(err)
+        why = reason(err)
         with self._lock:
             was = self.state
             self.counters.errors += 1
-            self.state, self.last_error = "down", reason
+            self.state, self.last_error = "down", why
             self._down_until = self._clock() + self.retry_after
             stale, self._client = self._client, None  # reconnect on the next try: the topology may have moved
         if was != "down":
@@ -157,7 +151,7 @@ class ClusterTier:
                 "cluster %s failed (%s: %s); serving from the local tiers, retrying every %g s",
                 self.nodes.describe(),
                 what,
-                reason,
+                why,
                 self.retry_after,
             )
         if stale is not None:
@@ -241,7 +235,7 @@ class ClusterTier:
 
         results = self._call("write", run)
         ok = sum(1 for r in results if r is True)
-        refused = sum(1 for r in results if _out_of_memory(r))
+        refused = sum(1 for r in results if out_of_memory(r))
         with self._lock:
             self.counters.written += ok
             self.counters.write_refused += refused
@@ -334,53 +328,5 @@ class ClusterTier:
             }
 
 
-def _out_of_memory(result: object) -> bool:
-    """A write refused because the node is at its ``maxmemory``."""
-    return isinstance(result, Exception) and (
-        type(result).__name__ == "OutOfMemoryError" or "OOM" in str(result) or "maxmemory" in str(result)
-    )
-
-
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
-
-
-def _reason(err: Exception) -> str:
-    """One line a person can act on, for the log and ``stats``."""
-    name = type(err).__name__
-    text = str(err).splitlines()[0] if str(err) else ""
-    if any(w in text for w in ("WRONGPASS", "NOAUTH", "username-password", "Authentication required")) or (
-        name == "AuthenticationError"
-    ):
-        return "the cluster refused the credentials (check [cluster] username and password)"
-    if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
-        return f"the nodes' TLS certificate is not trusted (set [cluster] tls_ca_file): {text}"
-    if name in ("TimeoutError", "timeout"):
-        return f"no answer within the time-out ({text or name})"
-    return f"{name}: {text}" if text else name
-
-
-def _redis_cluster(nodes: ClusterNodes, timeout: float) -> Any:
-    """A redis-py RedisCluster over ``nodes``: one try per call, so a call costs at most ``timeout`` (the
-    tier retries later by itself, on a fresh client that reads the topology anew)."""
-    try:
-        from redis.backoff import NoBackoff
-        from redis.cluster import ClusterNode, RedisCluster
-        from redis.retry import Retry
-    except ImportError:  # pragma: no cover - a dependency of kvstore[cluster]
-        raise ClusterUnavailable(
-            "the cluster tier needs redis-py: pip install 'kvstore[cluster]' (or redis>=5)"
-        ) from None
-    return RedisCluster(
-        startup_nodes=[ClusterNode(h, p) for h, p in nodes.hosts],
-        username=nodes.username,
-        password=nodes.password,
-        ssl=nodes.tls,
-        ssl_ca_certs=nodes.tls_files.ca,
-        ssl_certfile=nodes.tls_files.cert,
-        ssl_keyfile=nodes.tls_files.key,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),  # one try: a failure marks the tier down and a new client reconnects
-        require_full_coverage=False,
-    )

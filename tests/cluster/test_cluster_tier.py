@@ -95,6 +95,11 @@ def test_a_wrong_password_is_a_clear_refusal(rc: LocalCluster, cluster_tier: Clu
         with pytest.raises(ClusterUnavailable, match="refused the credentials"):
             c.connect()
         assert c.status()["state"] == "down" and "not-the-password" not in str(c.status())
+        # a dead seed listed last: redis-py names only its "connection refused", the tier still names
+        # the refusal the live seeds gave
+        dead_last = cluster_tier(urls=[*rc.urls, "redis://127.0.0.1:1"], password="not-the-password")
+        with pytest.raises(ClusterUnavailable, match="refused the credentials"):
+            dead_last.connect()
         good = cluster_tier(password="the-password")
         good.connect()
         assert good.status()["state"] == "up"

@@ -203,7 +203,7 @@ def test_a_cluster_that_cannot_be_used_leaves_the_daemon_local_only(
 
     rc.set_password("right")
     try:
-        w = hosts("wrong", rc.urls, password="wrong-one")
+        w = hosts("wrong", [*rc.urls, *nowhere], password="wrong-one")  # a dead seed too
         with KVStoreClient(w.endpoint, model="m", layout=LAYOUT) as c:
             assert "refused the credentials" in cluster_stats(c)["last_error"]
         assert "wrong-one" not in w.output()

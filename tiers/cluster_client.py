@@ -1,0 +1,128 @@
+"""The redis-py client of the cluster tier, and why a call to it failed, in words an operator acts on.
+
+``open_client(nodes, timeout)`` builds a ``RedisCluster`` over the seed nodes. When
+no seed gives it the topology, redis-py reports only the *last* seed's error:
+with seeds ``[a, b, dead]`` and a wrong password, that is "connection refused"
+from ``dead``, hiding the refusal that ``a`` and ``b`` gave. So on that failure
+each seed is asked once on its own and the most telling error is raised
+instead::
+
+    credentials refused  >  TLS not trusted  >  other errors  >  time-out  >  connection refused
+
+``reason(err)`` is the one line that goes to the log and to ``stats``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.errors import KVStoreError
+from kvstore.tiers.cluster_format import ClusterNodes
+
+
+class ClusterUnavailable(KVStoreError):
+    """The cluster cannot be reached or refused the credentials (the message says which)."""
+
+    code = "cluster_unavailable"
+
+
+def open_client(nodes: ClusterNodes, timeout: float) -> Any:
+    """A redis-py RedisCluster over ``nodes``, connected: one try per call, so a call costs at most
+    ``timeout`` (the tier retries later by itself, on a fresh client that reads the topology anew).
+    Raises redis-py's error, or the most telling seed's error when no seed could be used."""
+    try:
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.exceptions import RedisClusterException
+        from redis.retry import Retry
+    except ImportError:  # pragma: no cover - a dependency of kvstore[cluster]
+        raise ClusterUnavailable(
+            "the cluster tier needs redis-py: pip install 'kvstore[cluster]' (or redis>=5)"
+        ) from None
+    try:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in nodes.hosts],
+            username=nodes.username,
+            password=nodes.password,
+            ssl=nodes.tls,
+            ssl_ca_certs=nodes.tls_files.ca,
+            ssl_certfile=nodes.tls_files.cert,
+            ssl_keyfile=nodes.tls_files.key,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),  # one try: a failure marks the tier down, a new client reconnects
+            require_full_coverage=False,
+        )
+    except RedisClusterException as e:
+        if len(nodes.hosts) < 2 or "cannot be connected" not in str(e):
+            raise
+        raise _most_telling(_seed_errors(nodes, timeout)) or e from None
+
+
+def _seed_errors(nodes: ClusterNodes, timeout: float) -> list[Exception]:
+    """Each seed's error on a plain PING with the tier's credentials and time-out (a seed that answers
+    gives none)."""
+    import redis
+
+    errors: list[Exception] = []
+    for host, port in nodes.hosts:
+        node = redis.Redis(
+            host,
+            port,
+            username=nodes.username,
+            password=nodes.password,
+            ssl=nodes.tls,
+            ssl_ca_certs=nodes.tls_files.ca,
+            ssl_certfile=nodes.tls_files.cert,
+            ssl_keyfile=nodes.tls_files.key,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+        )
+        try:
+            node.ping()
+        except Exception as e:  # noqa: BLE001 - every kind is ranked below
+            errors.append(e)
+        finally:
+            node.close()
+    return errors
+
+
+def _most_telling(errors: list[Exception]) -> Exception | None:
+    """The error a person can act on first (see the module's table); None for none."""
+
+    def rank(e: Exception) -> int:
+        r = reason(e)
+        if r.startswith("the cluster refused the credentials"):
+            return 0
+        if r.startswith("the nodes' TLS certificate"):
+            return 1
+        if r.startswith("no answer within"):
+            return 3
+        if "Connection refused" in r or "Error 111" in r:
+            return 4
+        return 2
+
+    return min(errors, key=rank, default=None)
+
+
+def reason(err: Exception) -> str:
+    """One line a person can act on, for the log and ``stats`` (never a password: redis-py's messages
+    carry none)."""
+    name = type(err).__name__
+    text = str(err).splitlines()[0] if str(err) else ""
+    if any(w in text for w in ("WRONGPASS", "NOAUTH", "username-password", "Authentication required")) or (
+        name == "AuthenticationError"
+    ):
+        return "the cluster refused the credentials (check [cluster] username and password)"
+    if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+        return f"the nodes' TLS certificate is not trusted (set [cluster] tls_ca_file): {text}"
+    if name in ("TimeoutError", "timeout"):
+        return f"no answer within the time-out ({text or name})"
+    return f"{name}: {text}" if text else name
+
+
+def out_of_memory(result: object) -> bool:
+    """A write refused because the node is at its ``maxmemory``."""
+    return isinstance(result, Exception) and (
+        type(result).__name__ == "OutOfMemoryError" or "OOM" in str(result) or "maxmemory" in str(result)
+    )
