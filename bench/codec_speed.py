@@ -18,6 +18,8 @@ in the same round as the codec: on a shared machine only the ratios mean much.
 With one thread the clock is the thread's own CPU time (user + system, page
 faults included), so other processes competing for the cores do not count;
 with several threads it is wall time.
+``int4-nvme`` is int4 as the nvme and cluster tiers store it by default (Hadamard
+rotation, zstd 3). The process runs on the daemon's malloc settings (heap.py).
 It also prints bits per value and the relative L2 error on random and on
 heavy-tailed (K-like) data, so speed is never read apart from quality.
 """
@@ -33,6 +35,7 @@ import torch
 
 from kvstore.codecs import CODECS, decode_frame, get_codec
 from kvstore.codecs.base import Codec
+from kvstore.daemon.heap import keep_scratch
 from kvstore.layout import KVLayout
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=64)
@@ -99,6 +102,8 @@ def codecs_to_run(names: list[str] | None) -> list[tuple[str, Codec]]:
     chosen = [(n, get_codec(n)) for n in CODECS if not names or n in names]
     if not names or "raw+shuffle+zstd" in names:
         chosen.insert(1, ("raw+shuffle+zstd", get_codec("raw", shuffle=True, zstd=3)))
+    if not names or "int4-nvme" in names:  # what the nvme and cluster tiers store by default
+        chosen.append(("int4-nvme", get_codec("int4", rotate=True, zstd=3)))
     return chosen
 
 
@@ -109,6 +114,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--codecs", nargs="*", help="names to run (default: all, plus raw+shuffle+zstd)")
     args = ap.parse_args()
+    keep_scratch()  # as in the daemon, whose tiers run these codecs (kvstore/daemon/heap.py)
     all_cores = torch.get_num_threads()
     blocks = make_blocks(args.blocks, args.device)
     codecs = codecs_to_run(args.codecs)

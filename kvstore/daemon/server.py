@@ -58,6 +58,7 @@ from kvstore.daemon.auth import OPERATOR, ServerAuth
 from kvstore.daemon.budget import Charge, InflightBudget
 from kvstore.daemon.endpoint import claim, ipc_path, remove_socket, socket_identity
 from kvstore.daemon.handlers import Handlers, PinQuota
+from kvstore.daemon.heap import keep_scratch
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.startup import Startup
 from kvstore.daemon.tenancy import admit
@@ -539,6 +540,7 @@ def serve(config: Config) -> int:
     """
     _setup_logging(config.server.log_level)
     _share_cores(config.server.workers)
+    keep_scratch()  # codec temporaries reused from the heap, not mapped afresh per block (heap.py)
     ctx = zmq.Context()
     cfg = config.server
     try:
