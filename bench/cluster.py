@@ -8,18 +8,21 @@ their own sockets and LMDB paths, both on the cluster (``[cluster]`` with the de
 + zstd, block 0 at int8, as on nvme). A computes the prefix (the recompute baseline), stores it
 and writes it through to the cluster; B has never seen it.
 
-    --codecs   the cluster's codec: "default" (nvme's: int4 + zstd, block 0 int8) and "raw" (the
-               bytes as stored: what the store itself costs, with no codec work in the way)
+    --codecs   the cluster's codecs: "default" (nvme's: int4 + zstd 3, block 0 int8), "raw" (the bytes
+               as stored, + zstd 3) and "raw-nozstd" (``zstd = 0``: what the store itself costs, with
+               no codec work in the way but a copy and a checksum); also int8, fp8
     get        B's ``get`` of the prefix with B's own tiers empty (``evict --all`` on B before each
                run): one pipelined round trip per 16 blocks, every frame checked and decoded, and the
-               blocks stored on B. Beside it:
+               blocks stored on B; and ``get_into`` an engine's buffer (allocated once, as an engine's
+               paged cache is: no fresh memory to fault in). Beside them, measured in the same rounds
+               (one of each per round, so that a noisy moment hits every figure alike):
       plain    a redis-py RedisCluster pipelined GET of the same keys: the same bytes, nothing done
                with them (what a client of the cluster alone would pay to move them)
       floor    plain + checking and decoding the same frames here (two at a time, on two threads, as
-               the daemon does): what any get that serves K/V must pay
+               the daemon does, with the daemon's malloc settings): what any get that serves K/V must pay
     lookup     B's ``lookup`` of the prefix (a local miss the cluster answers), against one cluster
-               round trip (a pipelined EXISTS of the same keys from redis-py) and a lookup B answers
-               from its own tiers
+               round trip (a pipelined EXISTS of the same keys from redis-py; interleaved with the
+               lookups) and a lookup B answers from its own tiers
     TTFT       B's time to first token reading the prefix from the cluster (fetch, build the cache,
                compute the tail) against recomputing the whole prompt, and the quality of that cache
                (KL of the tail's next-token distributions vs recomputing, and top-1 agreement)
@@ -38,12 +41,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.e2e import Daemon, compare, recompute, reuse, text_tokens, timed  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.codecs import decode_frame  # noqa: E402
+from kvstore.daemon.heap import keep_scratch  # noqa: E402
 from kvstore.integrations.models import load_smollm2  # noqa: E402
 from kvstore.integrations.quality import GATES  # noqa: E402
 from kvstore.integrations.transformers import save_cache  # noqa: E402
@@ -57,7 +63,9 @@ AIM_PLAIN, AIM_LOOKUP_RTT = 0.8, 2.0
 def cluster_section(urls: list[str], codec: str) -> str:
     nodes = ", ".join(f'"{u}"' for u in urls)
     text = f'[cluster]\nenabled = true\nnodes = [{nodes}]\ntimeout = "5s"\n'
-    return text + ("" if codec == "default" else f'codec = "{codec}"\n')
+    name, _, zstd = codec.partition("-no")
+    text += "" if name == "default" else f'codec = "{name}"\n'
+    return text + ("zstd = 0\n" if zstd == "zstd" else "")
 
 
 def wait_written(c: KVStoreClient, n: int, timeout: float = 120.0) -> None:
@@ -66,6 +74,21 @@ def wait_written(c: KVStoreClient, n: int, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"host A wrote {c.stats()['store']['cluster']} blocks to the cluster, not {n}")
         time.sleep(0.05)
+
+
+def interleaved(fns: dict[str, Any], n: int) -> dict[str, float]:
+    """The median seconds of each of ``fns`` over ``n`` rounds (after one round not counted), each
+    round calling every one once. A function that returns a float has timed itself (leaving out
+    the set-up it did first)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(n + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            r = fn()
+            took = r if isinstance(r, float) else time.perf_counter() - t0
+            if i:
+                times[name].append(took)
+    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def median_of(fn: Any, n: int) -> float:
@@ -122,7 +145,6 @@ def measure(llm: Any, prompt: Any, n_prefix: int, codec: str, args: argparse.Nam
 
                 values = plain_get()
                 f["bytes"] = sum(len(v) for v in values)
-                f["plain"] = median_of(plain_get, args.repeat)
                 parents = [ns.root(), *raw_keys[:-1]]
 
                 def decode_all() -> None:  # two blocks at a time, as the daemon does on these two cores
@@ -133,33 +155,51 @@ def measure(llm: Any, prompt: Any, n_prefix: int, codec: str, args: argparse.Nam
                     with ThreadPoolExecutor(2) as pool:
                         list(pool.map(one, raw_keys, values, parents))
 
-                f["decode"] = median_of(decode_all, args.repeat)
-
                 def pipelined_exists() -> None:
                     pipe = plain.pipeline(transaction=False)
                     for k in keys:
                         pipe.exists(k)
                     pipe.execute()
 
-                f["rtt"] = median_of(pipelined_exists, args.lookups)
-                f["ping"] = median_of(redis.Redis("127.0.0.1", rc.ports[0]).ping, args.lookups)
-                plain.close()
-
+                node = redis.Redis("127.0.0.1", rc.ports[0])
                 with KVStoreClient(b.endpoint, **kw) as cb:
-                    get_times = []
-                    for _ in range(args.repeat + 1):
-                        cb.evict(all=True)
-                        cb.flush()  # B's disk writes of the last run's blocks are over: a quiet host
-                        t0 = time.perf_counter()
-                        r = cb.get(prefix)
-                        get_times.append(time.perf_counter() - t0)
-                        if r.tiers != ["cluster"] * blocks:
-                            raise SystemExit(f"host B read {r.tiers}, not {blocks} blocks from the cluster")
-                    f["get"] = statistics.median(get_times[1:])
+                    engine_buffer = torch.zeros(layout.shape(n_prefix), dtype=layout.torch_dtype)
+
+                    def from_cluster(read: Any) -> Any:
+                        def run() -> float:
+                            cb.evict(all=True)
+                            cb.flush()  # B's disk writes of the last run's blocks are over: a quiet host
+                            t0 = time.perf_counter()
+                            r = read()
+                            seconds = time.perf_counter() - t0
+                            if r.tiers != ["cluster"] * blocks:
+                                raise SystemExit(
+                                    f"host B read {r.tiers}, not {blocks} blocks from the cluster"
+                                )
+                            return seconds
+
+                        return run
+
+                    # interleaved, one of each per round, so that a noisy moment hits every figure alike
+                    times = interleaved(
+                        {
+                            "plain": plain_get,
+                            "decode": decode_all,
+                            "get": from_cluster(lambda: cb.get(prefix)),
+                            "get_into": from_cluster(lambda: cb.get_into(prefix, engine_buffer)),
+                        },
+                        args.repeat,
+                    )
+                    f.update(times)
                     cb.evict(all=True)
                     cb.flush()
-                    f["lookup"] = median_of(lambda: cb.lookup(prefix), args.lookups)
                     assert cb.lookup(prefix).tiers == ["cluster"] * blocks
+                    f.update(
+                        interleaved(
+                            {"lookup": lambda: cb.lookup(prefix), "rtt": pipelined_exists, "ping": node.ping},
+                            args.lookups,
+                        )
+                    )
                     cb.get(prefix)
                     f["local_lookup"] = median_of(lambda: cb.lookup(prefix), args.lookups)
                     ttfts, kls, top1s = [], [], []
@@ -174,6 +214,7 @@ def measure(llm: Any, prompt: Any, n_prefix: int, codec: str, args: argparse.Nam
                         top1s.append(top1)
                         assert got_tiers == ["cluster"] * blocks, got_tiers
                     f["ttft"], f["kl"], f["top1"] = (statistics.median(v) for v in (ttfts, kls, top1s))
+                plain.close()
             finally:
                 for d in hosts:
                     d.close()
@@ -189,9 +230,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--lookups", type=int, default=200)
     parser.add_argument(
-        "--codecs", default="default,raw", help="cluster codecs to run: default, raw, int8, fp8"
+        "--codecs",
+        default="default,raw,raw-nozstd",
+        help="cluster codecs to run: default, raw, raw-nozstd, int8, fp8 (NAME-nozstd: zstd = 0)",
     )
     args = parser.parse_args()
+    keep_scratch()  # the floor's decoding runs on the daemon's malloc settings (kvstore/daemon/heap.py)
     llm = load_smollm2()
     layout = llm.layout()
     n_prefix = args.tokens // layout.block_tokens * layout.block_tokens
@@ -207,18 +251,20 @@ def main() -> int:
         floor = f["plain"] + f["decode"]
         print()
         print(f"== cluster codec {f['codec']}: {mb:.1f} MB in the cluster")
-        print(f"{'':36}{'seconds':>9}{'MB/s of cluster bytes':>23}")
+        print(f"{'':38}{'seconds':>9}{'MB/s of cluster bytes':>23}")
         for label, t in (
             ("host B get (from the cluster)", f["get"]),
+            ("host B get_into (an engine's buffer)", f["get_into"]),
             ("plain RedisCluster pipelined GET", f["plain"]),
             ("floor: that GET + decoding here", floor),
         ):
-            print(f"{label:36}{t:>9.4f}{mb / t:>23.0f}")
-        print(f"{'  (decoding alone)':36}{f['decode']:>9.4f}")
-        print(
-            f"get vs plain GET: {f['plain'] / f['get']:.2f}x the throughput (aim >= {AIM_PLAIN}x); "
-            f"vs the GET + decode floor: {floor / f['get']:.2f}x"
-        )
+            print(f"{label:38}{t:>9.4f}{mb / t:>23.0f}")
+        print(f"{'  (decoding alone)':38}{f['decode']:>9.4f}")
+        for op in ("get", "get_into"):
+            print(
+                f"{op} vs plain GET: {f['plain'] / f[op]:.2f}x the throughput (aim >= {AIM_PLAIN}x); "
+                f"vs the GET + decode floor: {floor / f[op]:.2f}x"
+            )
         print(
             f"lookup, a local miss the cluster answers: {f['lookup'] * 1e3:.2f} ms = "
             f"{f['lookup'] / f['rtt']:.2f}x one round trip (aim <= {AIM_LOOKUP_RTT}x; pipelined EXISTS of "

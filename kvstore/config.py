@@ -202,6 +202,7 @@ class ClusterConfig:
     password: str | None = field(default=None, repr=False)
     password_env: str | None = None  # read the password from this environment variable instead
     codec: str | None = None  # None: the nvme codecs (int4 + zstd, the head blocks at head_codec)
+    zstd: int | None = None  # zstd level on top of the codec, 0 = off; None: the nvme level
     ttl: float | None = None  # None: the nvme ttl
     timeout: float = 0.5  # every call to the cluster, connecting included
     retry_after: float = 5.0  # after a failure, calls go to the local tiers only for this long
@@ -224,10 +225,13 @@ class ClusterConfig:
         return value
 
     def codecs(self, nvme: NvmeConfig) -> tuple[Codec, Codec | None]:
-        """The codec and head codec of cluster frames: nvme's, or ``codec`` (zstd as nvme) with nvme's head."""
-        if self.codec is None:
-            return nvme.codecs()
-        return replace(nvme, codec=self.codec).codecs()
+        """The codec and head codec of cluster frames: nvme's, or ``codec`` with nvme's head; zstd at
+        ``zstd`` (default: nvme's level)."""
+        return replace(
+            nvme,
+            codec=nvme.codec if self.codec is None else self.codec,
+            zstd=nvme.zstd if self.zstd is None else self.zstd,
+        ).codecs()
 
 
 @dataclass(frozen=True)
@@ -443,6 +447,7 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "password": _optional(_text),
             "password_env": _optional(_text),
             "codec": _optional(_choice("int4", "int8", "fp8", "raw")),
+            "zstd": _optional(_int(0, 22)),
             "ttl": _optional(_duration(never=True)),
             "timeout": _duration(never=False),
             "retry_after": _duration(never=False),

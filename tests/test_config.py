@@ -325,6 +325,20 @@ def test_missing_or_malformed_file(tmp_path: Path) -> None:
         load_config(write(tmp_path, "ram = 5\n"), env={})
 
 
+def test_cluster_frames_take_the_nvme_codecs_unless_told(tmp_path: Path) -> None:
+    c = load_config(env={})
+    codec, head = c.cluster.codecs(c.nvme)
+    assert (codec.name, codec.zstd_level) == ("int4", 3) and head is not None and head.name == "int8"
+    # a fast network: raw frames without zstd (the head codec follows: nothing above raw)
+    c = load_config(write(tmp_path, '[cluster]\ncodec = "raw"\nzstd = 0\n'), env={})
+    codec, head = c.cluster.codecs(c.nvme)
+    assert (codec.name, codec.zstd_level) == ("raw", 0) and c.nvme.zstd == 3
+    c = load_config(env={"KVSTORE_CLUSTER_ZSTD": "0"})
+    assert [x.zstd_level for x in c.cluster.codecs(c.nvme) if x is not None] == [0, 0]
+    with pytest.raises(ConfigError, match=r"cluster.*zstd"):
+        load_config(env={"KVSTORE_CLUSTER_ZSTD": "99"})
+
+
 def test_nvme_head_block_policy_keys(tmp_path: Path) -> None:
     # default: int4 rotated, the first block of each prefix at int8, all at the same zstd level
     n = load_config(env={}).nvme

@@ -73,6 +73,7 @@ ALTERNATIVES: dict[str, dict[str, list[Any]]] = {
         "password": ["s3cret"],
         "password_env": ["KVSTORE_REDIS_PASSWORD"],
         "codec": ["int4", "int8", "fp8", "raw", "none"],
+        "zstd": [0, 9],
         "ttl": ["1d", "never"],
         "timeout": ["100ms", "5s"],
         "retry_after": ["1s", "1m"],
