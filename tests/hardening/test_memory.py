@@ -8,7 +8,7 @@ map counts as its pages are read or written (file-backed, at most the nvme
 capacity). OVERHEAD is all the rest: the index and records of the blocks
 held, messages being received and sent (1 MiB puts here), codec scratch,
 allocator caches, code pages first run under load. Measured here (640 MiB put through 64 MiB of tiers):
-about 60 MiB; the bound states 96 MiB.
+about 80-85 MiB; the bound states 96 MiB.
 """
 
 from __future__ import annotations
