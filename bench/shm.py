@@ -535,7 +535,7 @@ def gpu_section(repeat: int) -> list[Figure]:
             where = tiers_of(c, tokens)
             # The route measured: the pools this client reads in place; without "hbm" its blocks would
             # come through host staging, and the figure would not be CUDA IPC's.
-            mapping = c._mapping
+            mapping = c._shm.mapping()
             in_place = [] if mapping is None else mapping.tiers
             print(f"  prefix stored in {sorted(where)}; pools read in place: {in_place}")
             if "hbm" not in in_place:

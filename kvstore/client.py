@@ -8,7 +8,7 @@
         r = c.get(ids)                   # r.kv [L, 2, r.matched_tokens, H, D]
 
 Long prefixes stream in chunks of ``chunk_blocks`` blocks (default: as many
-as fit in CHUNK_BYTES, and in the daemon's message limit): ``get`` keeps
+as fit in socket_path.CHUNK_BYTES, and in the daemon's message limit): ``get`` keeps
 ``window`` chunks in flight and fills one preallocated tensor chunk by chunk
 (a prefix that fits one message comes back as the received frame itself, not
 copied); ``put`` copies one chunk at a time out of ``kv`` and sends the next
@@ -32,13 +32,12 @@ the worst case is ``(retries + 1) * timeout``. A client may be shared by
 threads: calls take turns. Error replies raise the kvstore.errors class of
 their code (with ServerError mixed in); a lost daemon raises RequestTimeout.
 
-One class, the public client API: each of its methods carries the contract users rely on,
-hence the length (the connection's mechanics live in connection.py).
+The public API and its contracts live here; the connection's mechanics in connection.py, K/V over
+the socket in socket_path.py, K/V through shared memory in shm/client_path.py.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -54,12 +53,11 @@ from kvstore.connection import Connection
 from kvstore.daemon.auth import ClientKeys
 from kvstore.errors import InvalidNamespace, LayoutError
 from kvstore.keys import Namespace, TokenInput
-from kvstore.kvbuffers import KVTarget, PagedKV, check_target, empty_kv, target_tokens, write_target
+from kvstore.kvbuffers import KVTarget, PagedKV, check_target, empty_kv, target_tokens
 from kvstore.layout import KVLayout
 from kvstore.results import (
     BlockInfo,
     EvictResult,
-    FailedBlock,
     GetResult,
     LookupResult,
     PrefetchResult,
@@ -67,71 +65,26 @@ from kvstore.results import (
     SessionDetail,
     SessionInfo,
 )
-from kvstore.shm.mapping import SharedMapping
-from kvstore.shm.segment import ShmUnavailable
-from kvstore.wire.errors import LocalProtocolError, ServerError
+from kvstore.shm.client_path import SharedPath
+from kvstore.socket_path import WINDOW, SocketPath
+from kvstore.wire.errors import LocalProtocolError
 from kvstore.wire.messages import (
-    Commit,
     DataOk,
     Evict,
     EvictOk,
-    Finish,
     Flush,
     FlushOk,
-    Get,
-    GetOk,
     Inspect,
-    Locate,
-    LocateOk,
-    Lookup,
-    LookupOk,
     Message,
     Pin,
     Ping,
     PinOk,
     Pong,
     Prefetch,
-    Put,
-    PutOk,
     Release,
     ReleaseOk,
-    Reserve,
-    ReserveOk,
     Stats,
 )
-from kvstore.wire.protocol import payload_tensor, tensor_payload
-
-log = logging.getLogger("kvstore.client")
-
-CHUNK_BYTES = 128 * 2**20  # K/V bytes per message: a 4K-token SmolLM2 prefix (94 MB) goes in one
-WINDOW = 2  # get chunks in flight
-STALE_RETRIES = 2  # times a shared-memory call starts over on a restarted daemon's new segments
-
-
-class _Tally:
-    """A put's replies, added up."""
-
-    def __init__(self) -> None:
-        self.stored = self.present = self.deferred = self.replies = 0
-        self.failed: list[FailedBlock] = []
-
-    def add(self, reply: Message | PutResult) -> None:
-        if isinstance(reply, PutResult):
-            self.failed.extend(reply.failed)
-        else:
-            assert isinstance(reply, PutOk)
-            self.failed.extend(FailedBlock(int(b), str(c), str(m)) for b, c, m in reply.failed)
-            self.replies += 1
-        self.stored += reply.stored
-        self.present += reply.present
-        self.deferred += reply.deferred
-
-    def result(self) -> PutResult:
-        return PutResult(self.stored, self.present, sorted(set(self.failed)), self.deferred)
-
-
-class _Stale(Exception):
-    """A reply refers to segments other than the ones mapped (the daemon restarted meanwhile)."""
 
 
 def _default_endpoint() -> str:
@@ -196,8 +149,6 @@ class KVStoreClient:
             else Namespace(model=model, layout=layout, tenant=tenant, revision=revision)
         )
         self.endpoint = endpoint or _default_endpoint()
-        self.chunk_blocks = chunk_blocks if chunk_blocks is None else max(1, chunk_blocks)
-        self.window = max(1, window)
         curve = ClientKeys.resolve(self.endpoint, curve_server_key, curve_secret_key, curve_public_key)
         want_shm = self.endpoint.startswith("ipc://") and curve is None and shared_memory is not False
         self._conn = Connection(
@@ -209,9 +160,9 @@ class KVStoreClient:
             curve=curve,
             shared_memory=want_shm,
         )
-        self._lock = threading.RLock()
-        self._mapping: SharedMapping | None = None
-        self._refused: set[str] = set()  # instances whose segments could not be mapped
+        self._lock = threading.RLock()  # one call at a time: the paths below are not thread-safe
+        self._socket = SocketPath(self._conn, chunk_blocks=chunk_blocks, window=window)
+        self._shm = SharedPath(self._conn, self._socket)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -224,37 +175,13 @@ class KVStoreClient:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
-            if self._mapping is not None:
-                self._mapping.close()
-                self._mapping = None
+            self._shm.close()
 
     @property
     def shared_memory(self) -> bool:
         """Whether K/V moves through shared memory (as of the last hello; False before the first call)."""
         with self._lock:
-            return self._shared() is not None
-
-    def _shared(self) -> SharedMapping | None:
-        """The mapping of the daemon's current segments, or None (socket path). Lock held."""
-        offer = self._conn.shm_offer
-        if offer is None:
-            return None
-        instance = str(offer.get("instance"))
-        m = self._mapping
-        if m is not None and m.instance == instance:
-            return m
-        if m is not None:
-            m.close()
-            self._mapping = None
-        if instance in self._refused:
-            return None
-        try:
-            self._mapping = SharedMapping(offer)
-        except ShmUnavailable as e:
-            log.warning("shared memory offered but not usable (%s); using the socket", e)
-            self._refused.add(instance)
-            return None
-        return self._mapping
+            return self._shm.mapping() is not None
 
     def _ns(self) -> Namespace:
         if self.namespace is None:
@@ -278,16 +205,6 @@ class KVStoreClient:
         with self._lock:
             return self._conn.call(msg, idempotent=idempotent)
 
-    def _chunk(self, names: Chain) -> int:
-        """Blocks per message: ``chunk_blocks`` (or CHUNK_BYTES worth), fewer if the daemon's limit says so."""
-        limits, layout = self._conn.limits, self._ns().layout
-        blocks = self.chunk_blocks or max(1, CHUNK_BYTES // layout.block_nbytes)
-        if limits is None:
-            return blocks
-        named = 4 * len(names.tokens) if isinstance(names, TokenChain) else len(names.keys_raw)
-        room = (limits.max_message_bytes - named - 4096) // layout.block_nbytes  # 4096: header fields
-        return max(1, min(blocks, room))
-
     # ------------------------------------------------------------------ data path
 
     def ping(self) -> dict[str, Any]:
@@ -305,9 +222,7 @@ class KVStoreClient:
         ns = self._ns()
         with self._lock:
             self._conn.ensure_hello()
-            reply = self._conn.call(Lookup(ns=ns.id, **self._names(token_ids).fields()), idempotent=True)
-        assert isinstance(reply, LookupOk)
-        return LookupResult(reply.matched_blocks, reply.matched_tokens, list(reply.tiers))
+            return self._socket.lookup(ns, self._names(token_ids))
 
     def get(self, token_ids: TokenInput | Chain, *, device: torch.device | str = "cpu") -> GetResult:
         """The K/V of the longest stored prefix of ``token_ids``: ``kv`` is ``[L, 2, matched, H, D]`` or None.
@@ -322,69 +237,21 @@ class KVStoreClient:
         with self._lock:
             self._conn.ensure_hello()
             tokens = self._names(token_ids)
-            if self._shared() is not None:
+            if self._shm.mapping() is not None:
                 # host memory is reserved, not touched, until written: no lookup needed to size it
                 on_cpu = torch.device(device).type == "cpu"
-                total = tokens.blocks(T) if on_cpu else self.lookup(tokens).matched_blocks
+                total = tokens.blocks(T) if on_cpu else self._socket.lookup(ns, tokens).matched_blocks
                 if total == 0:
                     return GetResult(0, 0, None, [])
                 out = empty_kv(layout.shape(total * T), layout.torch_dtype, device)
-                read = self._read_into(tokens, out, total)
+                read = self._shm.read_into(ns, tokens, out, total)
                 if read is not None:
                     matched, tiers = read
                     if matched == 0:
                         return GetResult(0, 0, None, [])
                     kv = out if matched == total else out[:, :, : matched * T]
                     return GetResult(matched, matched * T, kv, tiers)
-            return self._socket_get(tokens, device)
-
-    def _socket_get(self, tokens: Chain, device: torch.device | str) -> GetResult:
-        """``get`` over the socket (lock held): chunks in flight, one tensor filled as they arrive."""
-        ns = self._ns()
-        layout, T = ns.layout, ns.layout.block_tokens
-        chunk = self._chunk(tokens)
-        total = tokens.blocks(T)
-        if total > chunk:
-            total = self.lookup(tokens).matched_blocks
-        if total == 0:
-            return GetResult(0, 0, None, [])
-        starts = list(range(0, total, chunk))
-        out: torch.Tensor | None = None
-        tiers: list[list[str]] = [[] for _ in starts]
-        got = [0] * len(starts)
-
-        def make(i: int) -> Message:
-            s = starts[i]
-            n = min(chunk, total - s)
-            return Get(ns=ns.id, **tokens.head(s + n, T).fields(), start_block=s, max_blocks=n)
-
-        def on_reply(i: int, reply: Message) -> None:
-            nonlocal out
-            assert isinstance(reply, GetOk)
-            got[i], tiers[i] = reply.blocks, list(reply.tiers)
-            if reply.blocks == 0:
-                return
-            part = payload_tensor(reply.kv, layout.shape(reply.blocks * T), layout.torch_dtype)
-            if len(starts) == 1 and torch.device(device).type == "cpu":
-                out = part  # one chunk: the tensor is the received frame, no copy
-                return
-            if out is None:
-                out = torch.empty(layout.shape(total * T), dtype=layout.torch_dtype, device=device)
-            s = starts[i] * T
-            out[:, :, s : s + reply.blocks * T].copy_(part)
-
-        self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=self.window)
-        matched = 0
-        for i, s in enumerate(starts):  # the result ends at the first chunk that came back short
-            matched = s + got[i]
-            if got[i] < min(chunk, total - s):
-                break
-        if matched == 0 or out is None:
-            return GetResult(0, 0, None, [])
-        kv = out if out.shape[2] == matched * T else out[:, :, : matched * T]
-        if kv.device != torch.device(device):
-            kv = kv.to(device)
-        return GetResult(matched, matched * T, kv, [t for ts in tiers for t in ts][:matched])
+            return self._socket.get(ns, tokens, device)
 
     def get_into(self, token_ids: TokenInput | Chain, out: KVTarget, *, start: int = 0) -> GetResult:
         """Fill ``out`` with the K/V of the longest stored prefix of ``token_ids`` (at most as many
@@ -414,107 +281,12 @@ class KVStoreClient:
             total = min(tokens.blocks(T), target_tokens(out) // T)
             if total <= first:
                 return GetResult(min(first, total), min(first, total) * T, None, [])
-            got = self._read_into(tokens, out, total, first) if self._shared() is not None else None
+            got = self._shm.read_into(ns, tokens, out, total, first)
             if got is None:
-                got = self._socket_read_into(tokens, out, total, first)
+                got = self._socket.read_into(ns, tokens, out, total, first)
         matched, tiers = got
         kv = out[:, :, : matched * T] if isinstance(out, torch.Tensor) and matched else None
         return GetResult(matched, matched * T, kv, tiers)
-
-    def _read_into(
-        self, tokens: Chain, out: KVTarget, total: int, first: int = 0
-    ) -> tuple[int, list[str]] | None:
-        """Blocks ``first .. total-1`` through shared memory into ``out`` (lock held); None: use the socket."""
-        for _ in range(STALE_RETRIES + 1):
-            m = self._shared()
-            if m is None:
-                return None
-            try:
-                return self._locate_loop(m, tokens, out, total, first)
-            except _Stale:
-                continue  # the daemon restarted: map its new segments and start over
-            except ShmUnavailable as e:
-                log.warning("shared-memory read failed (%s); using the socket", e)
-                self._refused.add(m.instance)
-                return None
-        return None
-
-    def _locate_loop(
-        self, m: SharedMapping, tokens: Chain, out: KVTarget, total: int, first: int
-    ) -> tuple[int, list[str]]:
-        ns = self._ns()
-        T = ns.layout.block_tokens
-        start = first
-        tiers: list[str] = []
-        while start < total:
-            msg = Locate(
-                ns=ns.id,
-                **tokens.head(total, T).fields(),
-                start_block=start,
-                max_blocks=total - start,
-                tiers=m.tiers,
-            )
-            reply = self._conn.call(msg, idempotent=True)
-            assert isinstance(reply, LocateOk)
-            if reply.instance != m.instance:
-                raise _Stale
-            good = 0
-            try:
-                good = m.read_blocks(reply.blocks, ns.layout, out, start * T, reply.staging)
-            finally:
-                done = Finish(handle=reply.handle, used=good)
-                if reply.staging is None:  # not awaited: a lost finish only lets the lease run out
-                    self._conn.notify(done)
-                else:  # awaited: the staging range must be free for this client's next request
-                    self._conn.call(done, idempotent=True)
-            tiers.extend(str(t) for t in reply.tiers[:good])
-            start += good
-            if good < len(reply.blocks):
-                break  # a block moved: the result ends here
-            if not reply.blocks:
-                if reply.rest:  # held, but no staging room for them now: the socket brings them
-                    n, more = self._socket_read_into(tokens, out, min(total, start + reply.rest), start)
-                    return n, tiers + more
-                break  # the prefix ends here
-        return start, tiers
-
-    def _socket_read_into(
-        self, tokens: Chain, out: KVTarget, total: int, first: int = 0
-    ) -> tuple[int, list[str]]:
-        """Blocks ``first .. total-1`` over the socket, each chunk written into ``out`` (lock held).
-        Returns the blocks matched from block 0 and the tiers of those from ``first``."""
-        ns = self._ns()
-        layout, T = ns.layout, ns.layout.block_tokens
-        chunk = self._chunk(tokens)
-        if total - first > chunk:
-            total = min(total, self.lookup(tokens).matched_blocks)
-        if total <= first:
-            return first, []
-        starts = list(range(first, total, chunk))
-        got = [0] * len(starts)
-        tiers: list[list[str]] = [[] for _ in starts]
-
-        def make(i: int) -> Message:
-            s = starts[i]
-            n = min(chunk, total - s)
-            return Get(ns=ns.id, **tokens.head(s + n, T).fields(), start_block=s, max_blocks=n)
-
-        def on_reply(i: int, reply: Message) -> None:
-            assert isinstance(reply, GetOk)
-            got[i], tiers[i] = reply.blocks, list(reply.tiers)
-            if reply.blocks:
-                part = payload_tensor(reply.kv, layout.shape(reply.blocks * T), layout.torch_dtype)
-                write_target(out, starts[i] * T, part)
-
-        self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=self.window)
-        if isinstance(out, torch.Tensor) and out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
-        matched = first
-        for i, s in enumerate(starts):
-            matched = s + got[i]
-            if got[i] < min(chunk, total - s):
-                break
-        return matched, [t for ts in tiers for t in ts][: matched - first]
 
     def put_from(
         self, token_ids: TokenInput | Chain, src: KVTarget, session: str | None = None, *, start: int = 0
@@ -536,141 +308,10 @@ class KVStoreClient:
         with self._lock:
             self._conn.ensure_hello()
             tokens = self._names(names.head(total, T))
-            for _ in range(STALE_RETRIES + 1):
-                m = self._shared()
-                if m is None:
-                    break
-                try:
-                    return self._commit_loop(m, tokens, src, total, session, first)
-                except _Stale:
-                    continue
-
-                except ShmUnavailable as e:
-                    log.warning("shared-memory put failed (%s); using the socket", e)
-                    self._refused.add(m.instance)
-                    break
-            return self._socket_put(tokens, self._as_tensor(src, total, first), total, session, first=first)
-
-    def _as_tensor(self, src: KVTarget, total: int, first: int = 0) -> torch.Tensor:
-        """``src``'s first ``total`` blocks as a tensor (a PagedKV's blocks from ``first`` on are
-        gathered into one; those before are left unset)."""
-        if isinstance(src, torch.Tensor):
-            return src
-        layout = self._ns().layout
-        T = layout.block_tokens
-        out = empty_kv(layout.shape(total * T), layout.torch_dtype, "cpu")
-        src.read(first * T, out[:, :, first * T :])
-        return out
-
-    def _commit_loop(
-        self, m: SharedMapping, tokens: Chain, src: KVTarget, total: int, session: str | None, first: int
-    ) -> PutResult:
-        """Blocks ``0 .. total-1`` through staging. More than one chunk: two staging ranges taken in
-        turn, and the next chunk written while the daemon stores the last (its commits run in order),
-        so that this process's copy and the daemon's overlap."""
-        nb = self._ns().layout.block_nbytes
-        chunk = max(1, min(self._chunk(tokens), m.per_client // nb))
-        if total - first > chunk:
-            chunk = max(1, min(chunk, m.per_client // (2 * nb)))
-        starts = list(range(first, total, chunk))
-        tally = _Tally()
-        try:
-            if len(starts) > 1:
-                self._pipelined_commits(m, tokens, src, starts, chunk, total, session, tally)
-            else:
-                tally.add(self._commit_chunk(m, tokens, src, first, total, session))
-        except ServerError as err:
-            if err.code not in ("no_staging", "not_found"):
-                raise
-            # no staging room now, or a range lapsed under a paused client: the rest one way or another
-            s = starts[tally.replies] if tally.replies < len(starts) else total
-            if s < total and not tally.failed:
-                log.debug("shared-memory put stopped at block %d (%s); the rest goes over the socket", s, err)
-                tally.add(self._socket_put(tokens, self._as_tensor(src, total, s), total, session, first=s))
-        return tally.result()
-
-    def _pipelined_commits(
-        self,
-        m: SharedMapping,
-        tokens: Chain,
-        src: KVTarget,
-        starts: list[int],
-        chunk: int,
-        total: int,
-        session: str | None,
-        tally: _Tally,
-    ) -> None:
-        layout = self._ns().layout
-        ranges = []
-        try:
-            for _ in range(2):
-                r = self._conn.call(Reserve(nbytes=chunk * layout.block_nbytes), idempotent=True)
-                assert isinstance(r, ReserveOk)
-                if r.instance != m.instance:
-                    raise _Stale
-                ranges.append(r)
-
-            def make(i: int) -> Message:
-                s, e = starts[i], min(starts[i] + chunk, total)
-                # free: the commit that used it two chunks ago is answered
-                return self._stage(m, ranges[i % 2], tokens, src, s, e, session, keep=True)
-
-            self._conn.pipeline(
-                len(starts), make, lambda _, reply: tally.add(reply), idempotent=True, window=2
-            )
-        finally:
-            for r in ranges:
-                self._conn.call(Finish(handle=r.handle, used=0), idempotent=True)
-
-    def _commit_chunk(
-        self, m: SharedMapping, tokens: Chain, src: KVTarget, s: int, e: int, session: str | None
-    ) -> Message:
-        """Blocks ``s .. e-1``: reserve staging, write them there, commit. A reservation that lapsed
-        before the commit (a paused client) is made again."""
-        nbytes = (e - s) * self._ns().layout.block_nbytes
-        for attempt in range(STALE_RETRIES + 1):
-            r = self._conn.call(Reserve(nbytes=nbytes), idempotent=True)
-            assert isinstance(r, ReserveOk)
-            if r.instance != m.instance:
-                raise _Stale
-            try:
-                return self._conn.call(self._stage(m, r, tokens, src, s, e, session), idempotent=True)
-            except ServerError as err:
-                if err.code != "not_found" or attempt == STALE_RETRIES:
-                    raise
-        raise AssertionError("unreachable")
-
-    def _stage(
-        self,
-        m: SharedMapping,
-        r: ReserveOk,
-        tokens: Chain,
-        src: KVTarget,
-        s: int,
-        e: int,
-        session: str | None,
-        *,
-        keep: bool = False,
-    ) -> Commit:
-        """Write blocks ``s .. e-1`` of ``src`` into the staging range ``r``; the commit that stores them."""
-        ns = self._ns()
-        layout, T = ns.layout, ns.layout.block_tokens
-        view = m.staging_view(r.path, r.size, r.offset, (e - s) * layout.block_nbytes)
-        view = view.view(layout.torch_dtype).view(layout.shape((e - s) * T))
-        if isinstance(src, PagedKV):
-            src.read(s * T, view)
-        else:
-            view.copy_(src[:, :, s * T : e * T])
-        return Commit(
-            ns=ns.id,
-            **tokens.head(e, T).fields(),
-            start_block=s,
-            shape=tuple(view.shape),
-            dtype=layout.dtype,
-            handle=r.handle,
-            session=session,
-            keep=keep,
-        )
+            done = self._shm.put(ns, tokens, src, total, session, first)
+            if done is None:
+                done = self._socket.put_from(ns, tokens, src, total, session, first)
+            return done
 
     def put(self, token_ids: TokenInput | Chain, kv: torch.Tensor, session: str | None = None) -> PutResult:
         """Store the full blocks of ``token_ids`` whose K/V ``kv`` (``[L, 2, T, H, D]``, T >= their tokens) holds.
@@ -688,9 +329,9 @@ class KVStoreClient:
             return PutResult(0, 0, [])
         with self._lock:
             self._conn.ensure_hello()
-            if self._shared() is not None:
+            if self._shm.mapping() is not None:
                 return self.put_from(names, kv, session)
-            return self._socket_put(self._names(names.head(total, T)), kv, total, session)
+            return self._socket.put(ns, self._names(names.head(total, T)), kv, total, session)
 
     # ------------------------------------------------------------------ engine page keys
 
@@ -729,33 +370,6 @@ class KVStoreClient:
         last of ``prefix`` (which must be stored: else the put fails ``missing_parent``) or of the
         namespace root."""
         return self.put_from(KeyChain.of(keys, prefix), src, session, start=start)
-
-    def _socket_put(
-        self, tokens: Chain, kv: torch.Tensor, total: int, session: str | None, first: int = 0
-    ) -> PutResult:
-        """Blocks ``first .. total-1`` of ``kv`` over the socket, one chunk at a time (lock held)."""
-        ns = self._ns()
-        layout, T = ns.layout, ns.layout.block_tokens
-        tally = _Tally()
-        chunk = self._chunk(tokens)
-        starts = list(range(first, total, chunk))
-
-        def make(i: int) -> Message:
-            s, e = starts[i], min(starts[i] + chunk, total)
-            part = kv[:, :, s * T : e * T]
-            return Put(
-                ns=ns.id,
-                **tokens.head(e, T).fields(),
-                start_block=s,
-                shape=tuple(part.shape),
-                dtype=layout.dtype,
-                kv=tensor_payload(part),
-                session=session,
-            )
-
-        # one chunk at a time: the store refuses a chunk whose parent block is not stored yet
-        self._conn.pipeline(len(starts), make, lambda _, reply: tally.add(reply), idempotent=True, window=1)
-        return tally.result()
 
     # ------------------------------------------------------------------ operator calls
 

@@ -191,7 +191,7 @@ def test_a_lapsed_lease_is_a_miss_never_a_wrong_block(daemons: Any, tmp_path: Pa
     a, b = random_tokens(rng, 6), random_tokens(rng, 6)
     with attached(ep) as c, attached(ep) as other:
         assert c.put(a, prefix_kv(a)).stored == 6
-        m = c._shared()
+        m = c._shm.mapping()
         assert m is not None
         reply = c._conn.call(Locate(ns=NS.id, tokens=a, tiers=m.tiers), idempotent=True)
         assert isinstance(reply, LocateOk) and len(reply.blocks) == 6
@@ -234,7 +234,7 @@ def test_reads_racing_evictions_and_reused_pages_are_exact_or_short(daemons: Any
                 assert_exact(p, got.kv, got.matched_tokens)  # a wrong byte fails here
                 served += got.matched_blocks
                 short += got.matched_blocks < 8
-        m = c._shared()
+        m = c._shm.mapping()
         assert m is not None
         print(f"served {served} blocks, {short} short reads, {m.moved} moved, {m.torn} torn")
     assert bg.join() > 10
@@ -248,7 +248,7 @@ from tests.hardening.conftest import LAYOUT, MODEL, NS, T, client
 from kvstore.wire.messages import Locate, Reserve
 c = client(sys.argv[1])
 c.lookup([])
-m = c._shared()
+m = c._shm.mapping()
 assert m is not None
 if sys.argv[2] == "reserve":
     r = c._conn.call(Reserve(nbytes=64 * 1024), idempotent=True)
@@ -312,7 +312,7 @@ def test_segments_are_private_and_a_mapped_pool_cannot_be_written(daemons: Any, 
         # a client that writes into the pool it mapped faults; the daemon is unaffected
         writer = (
             "import sys; from tests.hardening.conftest import client\n"
-            "c = client(sys.argv[1]); c.lookup([]); m = c._shared()\n"
+            "c = client(sys.argv[1]); c.lookup([]); m = c._shm.mapping()\n"
             "print('mapped', flush=True); m.mapped[0].arena[0] = 1\n"
             "print('wrote', flush=True)\n"
         )
@@ -368,7 +368,7 @@ def test_clients_survive_a_restart_and_a_kill_and_dead_segments_are_removed(
     a, b = random_tokens(rng, 5), random_tokens(rng, 5)
     with attached(ep, retries=5) as c:
         assert c.put(a, prefix_kv(a)).stored == 5
-        first = c._shared()
+        first = c._shm.mapping()
         assert first is not None
         segments = [Path(p) for p in shm_stats(c)["segments"]]
         assert c.flush(30)
@@ -378,7 +378,7 @@ def test_clients_survive_a_restart_and_a_kill_and_dead_segments_are_removed(
         got = c.get(a)  # the same client: a new hello, the new daemon's segments mapped
         assert got.matched_blocks == 5
         assert_exact(a, got.kv, got.matched_tokens)
-        second = c._shared()
+        second = c._shm.mapping()
         assert second is not None and second.instance != first.instance
         segments = [Path(p) for p in shm_stats(c)["segments"]]
         assert c.put(b, prefix_kv(b)).stored == 5

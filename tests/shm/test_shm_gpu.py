@@ -54,7 +54,7 @@ def test_hbm_on_a_gpu_is_read_through_cuda_ipc_into_gpu_and_cpu_destinations(
     a = random_tokens(rng, 6)
     want = prefix_kv(a)
     with attached(ep) as c:
-        m = c._shared()
+        m = c._shm.mapping()
         assert m is not None and m.tiers == ["hbm", "ram"]  # the hbm pool is mapped by IPC
         assert c.put_from(a, want.cuda()).stored == 6
         out = torch.zeros(LAYOUT.shape(6 * T), dtype=torch.float16, device="cuda")
@@ -96,7 +96,7 @@ def test_a_lapsed_lease_on_gpu_hbm_is_a_miss(daemons: Any, tmp_path: Path) -> No
     a, b = random_tokens(rng, 6), random_tokens(rng, 6)
     with attached(ep) as c, client(ep) as other:
         assert c.put(a, prefix_kv(a)).stored == 6
-        m = c._shared()
+        m = c._shm.mapping()
         assert m is not None
         reply = c._conn.call(Locate(ns=NS.id, tokens=a, tiers=m.tiers), idempotent=True)
         assert isinstance(reply, LocateOk)

@@ -1,0 +1,276 @@
+"""The client's K/V through the daemon's shared memory (an ``ipc://`` daemon of the same user).
+
+::
+
+    read   Locate (the daemon pins the blocks by lease, says where they are) --> copy raw blocks or
+           decode frames from the mapped pools into the destination, check the pages' generations
+           --> Finish. Blocks only nvme holds come through this client's staging segment; blocks
+           held but without staging room now come over the socket (``rest``).
+    put    Reserve a staging range --> write the blocks there --> Commit (the daemon stores them).
+           More than one chunk: two ranges taken in turn, the next chunk written while the daemon
+           stores the last (its commits run in order).
+
+A block whose pages were reused meanwhile ends the read (a miss, never a wrong block). A reply
+naming another daemon instance (it restarted) maps the new segments and starts over, up to
+STALE_RETRIES times; segments that cannot be mapped send this client to the socket for that
+instance. The caller (KVStoreClient) holds its lock and has said hello.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvstore.chains import Chain
+from kvstore.connection import Connection
+from kvstore.keys import Namespace
+from kvstore.kvbuffers import KVTarget, PagedKV
+from kvstore.results import PutResult
+from kvstore.shm.mapping import SharedMapping
+from kvstore.shm.segment import ShmUnavailable
+from kvstore.socket_path import PutTally, SocketPath
+from kvstore.wire.errors import ServerError
+from kvstore.wire.messages import Commit, Finish, Locate, LocateOk, Message, Reserve, ReserveOk
+
+log = logging.getLogger("kvstore.client")
+
+STALE_RETRIES = 2  # times a shared-memory call starts over on a restarted daemon's new segments
+
+
+class _Stale(Exception):
+    """A reply refers to segments other than the ones mapped (the daemon restarted meanwhile)."""
+
+
+class SharedPath:
+    """Reads and puts through the segments the daemon offered in its hello; ``socket`` for what
+    cannot go this way."""
+
+    def __init__(self, conn: Connection, socket: SocketPath) -> None:
+        self._conn = conn
+        self._socket = socket
+        self._mapping: SharedMapping | None = None
+        self._refused: set[str] = set()  # instances whose segments could not be mapped
+
+    def close(self) -> None:
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+    def mapping(self) -> SharedMapping | None:
+        """The mapping of the daemon's current segments (mapped on first use), or None: the daemon
+        offers none (tcp, ``shared_memory = "off"``) or they could not be mapped (use the socket)."""
+        offer = self._conn.shm_offer
+        if offer is None:
+            return None
+        instance = str(offer.get("instance"))
+        m = self._mapping
+        if m is not None and m.instance == instance:
+            return m
+        self.close()
+        if instance in self._refused:
+            return None
+        try:
+            self._mapping = SharedMapping(offer)
+        except ShmUnavailable as e:
+            log.warning("shared memory offered but not usable (%s); using the socket", e)
+            self._refused.add(instance)
+            return None
+        return self._mapping
+
+    # -- reads --------------------------------------------------------------------------
+    def read_into(
+        self, ns: Namespace, tokens: Chain, out: KVTarget, total: int, first: int = 0
+    ) -> tuple[int, list[str]] | None:
+        """Blocks ``first .. total-1`` into ``out``: the blocks matched from block 0 and the tiers of
+        those from ``first``. None: use the socket (no mapping, or it failed now)."""
+        for _ in range(STALE_RETRIES + 1):
+            m = self.mapping()
+            if m is None:
+                return None
+            try:
+                return self._locate_loop(m, ns, tokens, out, total, first)
+            except _Stale:
+                continue  # the daemon restarted: map its new segments and start over
+            except ShmUnavailable as e:
+                log.warning("shared-memory read failed (%s); using the socket", e)
+                self._refused.add(m.instance)
+                return None
+        return None
+
+    def _locate_loop(
+        self, m: SharedMapping, ns: Namespace, tokens: Chain, out: KVTarget, total: int, first: int
+    ) -> tuple[int, list[str]]:
+        T = ns.layout.block_tokens
+        start = first
+        tiers: list[str] = []
+        while start < total:
+            msg = Locate(
+                ns=ns.id,
+                **tokens.head(total, T).fields(),
+                start_block=start,
+                max_blocks=total - start,
+                tiers=m.tiers,
+            )
+            reply = self._conn.call(msg, idempotent=True)
+            assert isinstance(reply, LocateOk)
+            if reply.instance != m.instance:
+                raise _Stale
+            good = 0
+            try:
+                good = m.read_blocks(reply.blocks, ns.layout, out, start * T, reply.staging)
+            finally:
+                done = Finish(handle=reply.handle, used=good)
+                if reply.staging is None:  # not awaited: a lost finish only lets the lease run out
+                    self._conn.notify(done)
+                else:  # awaited: the staging range must be free for this client's next request
+                    self._conn.call(done, idempotent=True)
+            tiers.extend(str(t) for t in reply.tiers[:good])
+            start += good
+            if good < len(reply.blocks):
+                break  # a block moved: the result ends here
+            if not reply.blocks:
+                if reply.rest:  # held, but no staging room for them now: the socket brings them
+                    n, more = self._socket.read_into(ns, tokens, out, min(total, start + reply.rest), start)
+                    return n, tiers + more
+                break  # the prefix ends here
+        return start, tiers
+
+    # -- puts ---------------------------------------------------------------------------
+    def put(
+        self, ns: Namespace, tokens: Chain, src: KVTarget, total: int, session: str | None, first: int = 0
+    ) -> PutResult | None:
+        """Blocks ``first .. total-1`` of ``src`` through staging; None: use the socket (no mapping, or
+        it failed now). Without staging room (or a lapsed range) the rest goes over the socket."""
+        for _ in range(STALE_RETRIES + 1):
+            m = self.mapping()
+            if m is None:
+                return None
+            try:
+                return self._commit_loop(m, ns, tokens, src, total, session, first)
+            except _Stale:
+                continue
+            except ShmUnavailable as e:
+                log.warning("shared-memory put failed (%s); using the socket", e)
+                self._refused.add(m.instance)
+                return None
+        return None
+
+    def _commit_loop(
+        self,
+        m: SharedMapping,
+        ns: Namespace,
+        tokens: Chain,
+        src: KVTarget,
+        total: int,
+        session: str | None,
+        first: int,
+    ) -> PutResult:
+        nb = ns.layout.block_nbytes
+        chunk = max(1, min(self._socket.chunk(ns, tokens), m.per_client // nb))
+        if total - first > chunk:
+            chunk = max(1, min(chunk, m.per_client // (2 * nb)))
+        starts = list(range(first, total, chunk))
+        tally = PutTally()
+        try:
+            if len(starts) > 1:
+                self._pipelined_commits(m, ns, tokens, src, starts, chunk, total, session, tally)
+            else:
+                tally.add(self._commit_chunk(m, ns, tokens, src, first, total, session))
+        except ServerError as err:
+            if err.code not in ("no_staging", "not_found"):
+                raise
+            # no staging room now, or a range lapsed under a paused client: the rest one way or another
+            s = starts[tally.replies] if tally.replies < len(starts) else total
+            if s < total and not tally.failed:
+                log.debug("shared-memory put stopped at block %d (%s); the rest goes over the socket", s, err)
+                tally.add(self._socket.put_from(ns, tokens, src, total, session, first=s))
+        return tally.result()
+
+    def _pipelined_commits(
+        self,
+        m: SharedMapping,
+        ns: Namespace,
+        tokens: Chain,
+        src: KVTarget,
+        starts: list[int],
+        chunk: int,
+        total: int,
+        session: str | None,
+        tally: PutTally,
+    ) -> None:
+        ranges = []
+        try:
+            for _ in range(2):
+                r = self._conn.call(Reserve(nbytes=chunk * ns.layout.block_nbytes), idempotent=True)
+                assert isinstance(r, ReserveOk)
+                if r.instance != m.instance:
+                    raise _Stale
+                ranges.append(r)
+
+            def make(i: int) -> Message:
+                s, e = starts[i], min(starts[i] + chunk, total)
+                # free: the commit that used it two chunks ago is answered
+                return self._stage(m, ranges[i % 2], ns, tokens, src, s, e, session, keep=True)
+
+            self._conn.pipeline(
+                len(starts), make, lambda _, reply: tally.add(reply), idempotent=True, window=2
+            )
+        finally:
+            for r in ranges:
+                self._conn.call(Finish(handle=r.handle, used=0), idempotent=True)
+
+    def _commit_chunk(
+        self,
+        m: SharedMapping,
+        ns: Namespace,
+        tokens: Chain,
+        src: KVTarget,
+        s: int,
+        e: int,
+        session: str | None,
+    ) -> Message:
+        """Blocks ``s .. e-1``: reserve staging, write them there, commit. A reservation that lapsed
+        before the commit (a paused client) is made again."""
+        nbytes = (e - s) * ns.layout.block_nbytes
+        for attempt in range(STALE_RETRIES + 1):
+            r = self._conn.call(Reserve(nbytes=nbytes), idempotent=True)
+            assert isinstance(r, ReserveOk)
+            if r.instance != m.instance:
+                raise _Stale
+            try:
+                return self._conn.call(self._stage(m, r, ns, tokens, src, s, e, session), idempotent=True)
+            except ServerError as err:
+                if err.code != "not_found" or attempt == STALE_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _stage(
+        self,
+        m: SharedMapping,
+        r: ReserveOk,
+        ns: Namespace,
+        tokens: Chain,
+        src: KVTarget,
+        s: int,
+        e: int,
+        session: str | None,
+        *,
+        keep: bool = False,
+    ) -> Commit:
+        """Write blocks ``s .. e-1`` of ``src`` into the staging range ``r``; the commit that stores them."""
+        layout, T = ns.layout, ns.layout.block_tokens
+        view = m.staging_view(r.path, r.size, r.offset, (e - s) * layout.block_nbytes)
+        view = view.view(layout.torch_dtype).view(layout.shape((e - s) * T))
+        if isinstance(src, PagedKV):
+            src.read(s * T, view)
+        else:
+            view.copy_(src[:, :, s * T : e * T])
+        return Commit(
+            ns=ns.id,
+            **tokens.head(e, T).fields(),
+            start_block=s,
+            shape=tuple(view.shape),
+            dtype=layout.dtype,
+            handle=r.handle,
+            session=session,
+            keep=keep,
+        )
