@@ -42,21 +42,28 @@ def open_client(nodes: ClusterNodes, timeout: float) -> Any:
     try:
         return RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in nodes.hosts],
-            username=nodes.username,
-            password=nodes.password,
-            ssl=nodes.tls,
-            ssl_ca_certs=nodes.tls_files.ca,
-            ssl_certfile=nodes.tls_files.cert,
-            ssl_keyfile=nodes.tls_files.key,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),  # one try: a failure marks the tier down, a new client reconnects
             require_full_coverage=False,
+            **_connection_kwargs(nodes, timeout),
         )
     except RedisClusterException as e:
         if len(nodes.hosts) < 2 or "cannot be connected" not in str(e):
             raise
         raise _most_telling(_seed_errors(nodes, timeout)) or e from None
+
+
+def _connection_kwargs(nodes: ClusterNodes, timeout: float) -> dict[str, Any]:
+    """What every connection to a node takes: the credentials, TLS and the time-outs."""
+    return {
+        "username": nodes.username,
+        "password": nodes.password,
+        "ssl": nodes.tls,
+        "ssl_ca_certs": nodes.tls_files.ca,
+        "ssl_certfile": nodes.tls_files.cert,
+        "ssl_keyfile": nodes.tls_files.key,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+    }
 
 
 def _seed_errors(nodes: ClusterNodes, timeout: float) -> list[Exception]:
@@ -66,18 +73,7 @@ def _seed_errors(nodes: ClusterNodes, timeout: float) -> list[Exception]:
 
     errors: list[Exception] = []
     for host, port in nodes.hosts:
-        node = redis.Redis(
-            host,
-            port,
-            username=nodes.username,
-            password=nodes.password,
-            ssl=nodes.tls,
-            ssl_ca_certs=nodes.tls_files.ca,
-            ssl_certfile=nodes.tls_files.cert,
-            ssl_keyfile=nodes.tls_files.key,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-        )
+        node = redis.Redis(host, port, **_connection_kwargs(nodes, timeout))
         try:
             node.ping()
         except Exception as e:  # noqa: BLE001 - every kind is ranked below

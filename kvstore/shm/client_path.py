@@ -19,6 +19,8 @@ instance. The caller (KVStoreClient) holds its lock and has said hello.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvstore.chains import Chain
 from kvstore.connection import Connection
@@ -34,6 +36,8 @@ from kvstore.wire.messages import Commit, Finish, Locate, LocateOk, Message, Res
 log = logging.getLogger("kvstore.client")
 
 STALE_RETRIES = 2  # times a shared-memory call starts over on a restarted daemon's new segments
+
+_T = TypeVar("_T")
 
 
 class _Stale(Exception):
@@ -76,25 +80,31 @@ class SharedPath:
             return None
         return self._mapping
 
+    def _mapped(self, what: str, run: Callable[[SharedMapping], _T]) -> _T | None:
+        """``run(mapping)``, started over on the new segments of a daemon that restarted meanwhile (up
+        to STALE_RETRIES times); None: use the socket (no mapping, or it failed now: that instance's
+        segments are not used again)."""
+        for _ in range(STALE_RETRIES + 1):
+            m = self.mapping()
+            if m is None:
+                return None
+            try:
+                return run(m)
+            except _Stale:
+                continue
+            except ShmUnavailable as e:
+                log.warning("shared-memory %s failed (%s); using the socket", what, e)
+                self._refused.add(m.instance)
+                return None
+        return None
+
     # -- reads --------------------------------------------------------------------------
     def read_into(
         self, ns: Namespace, tokens: Chain, out: KVTarget, total: int, first: int = 0
     ) -> tuple[int, list[str]] | None:
         """Blocks ``first .. total-1`` into ``out``: the blocks matched from block 0 and the tiers of
         those from ``first``. None: use the socket (no mapping, or it failed now)."""
-        for _ in range(STALE_RETRIES + 1):
-            m = self.mapping()
-            if m is None:
-                return None
-            try:
-                return self._locate_loop(m, ns, tokens, out, total, first)
-            except _Stale:
-                continue  # the daemon restarted: map its new segments and start over
-            except ShmUnavailable as e:
-                log.warning("shared-memory read failed (%s); using the socket", e)
-                self._refused.add(m.instance)
-                return None
-        return None
+        return self._mapped("read", lambda m: self._locate_loop(m, ns, tokens, out, total, first))
 
     def _locate_loop(
         self, m: SharedMapping, ns: Namespace, tokens: Chain, out: KVTarget, total: int, first: int
@@ -140,19 +150,7 @@ class SharedPath:
     ) -> PutResult | None:
         """Blocks ``first .. total-1`` of ``src`` through staging; None: use the socket (no mapping, or
         it failed now). Without staging room (or a lapsed range) the rest goes over the socket."""
-        for _ in range(STALE_RETRIES + 1):
-            m = self.mapping()
-            if m is None:
-                return None
-            try:
-                return self._commit_loop(m, ns, tokens, src, total, session, first)
-            except _Stale:
-                continue
-            except ShmUnavailable as e:
-                log.warning("shared-memory put failed (%s); using the socket", e)
-                self._refused.add(m.instance)
-                return None
-        return None
+        return self._mapped("put", lambda m: self._commit_loop(m, ns, tokens, src, total, session, first))
 
     def _commit_loop(
         self,
@@ -200,11 +198,7 @@ class SharedPath:
         ranges = []
         try:
             for _ in range(2):
-                r = self._conn.call(Reserve(nbytes=chunk * ns.layout.block_nbytes), idempotent=True)
-                assert isinstance(r, ReserveOk)
-                if r.instance != m.instance:
-                    raise _Stale
-                ranges.append(r)
+                ranges.append(self._reserve(m, chunk * ns.layout.block_nbytes))
 
             def make(i: int) -> Message:
                 s, e = starts[i], min(starts[i] + chunk, total)
@@ -232,16 +226,21 @@ class SharedPath:
         before the commit (a paused client) is made again."""
         nbytes = (e - s) * ns.layout.block_nbytes
         for attempt in range(STALE_RETRIES + 1):
-            r = self._conn.call(Reserve(nbytes=nbytes), idempotent=True)
-            assert isinstance(r, ReserveOk)
-            if r.instance != m.instance:
-                raise _Stale
+            r = self._reserve(m, nbytes)
             try:
                 return self._conn.call(self._stage(m, r, ns, tokens, src, s, e, session), idempotent=True)
             except ServerError as err:
                 if err.code != "not_found" or attempt == STALE_RETRIES:
                     raise
         raise AssertionError("unreachable")
+
+    def _reserve(self, m: SharedMapping, nbytes: int) -> ReserveOk:
+        """A staging range of ``nbytes`` in this client's segment (_Stale: the daemon restarted)."""
+        r = self._conn.call(Reserve(nbytes=nbytes), idempotent=True)
+        assert isinstance(r, ReserveOk)
+        if r.instance != m.instance:
+            raise _Stale
+        return r
 
     def _stage(
         self,
