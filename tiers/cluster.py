@@ -6,7 +6,8 @@
     <prefix>:s:<sha256>     a session (msgpack map): namespace, block keys, token ids, time
     <prefix>:sessions       the set of those session keys (what evict --session must leave alone)
 
-(the values and the seed nodes are written and parsed in cluster_format.py)
+(the values and the seed nodes are written and parsed in cluster_format.py; the redis-py client
+and the wording of its errors are in cluster_client.py)
 
 The block key is the store's chained key (namespace, tenant and prefix hashed
 in), so a cluster key names no token in the clear, and a session's key is the
