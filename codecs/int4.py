@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -236,12 +237,14 @@ def _rotation_fits(x: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool(x.numel() == 0 or float(x.abs().amax()) * math.sqrt(d & -d) <= limit)
 
 
+@lru_cache(maxsize=16)
 def _hadamard(n: int, device: torch.device) -> torch.Tensor:
-    """The orthonormal Sylvester Hadamard matrix of order ``n`` (a power of two): symmetric, its own inverse."""
-    h = torch.ones(1, 1, dtype=torch.float32, device=device)
+    """The orthonormal Sylvester Hadamard matrix of order ``n`` (a power of two): symmetric, its own
+    inverse. Cached per (order, device): built once, not per block (callers never write to it)."""
+    h = torch.ones(1, 1, dtype=torch.float32)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
+    return (h / math.sqrt(n)).to(device)
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,10 @@ when all three agree with what was asked (``unpack``), else the caller deletes
 it and counts a miss. TTL: set on write, refreshed on every read (GETEX).
 
 Unlike the local tiers this one has no index in the daemon: the cluster is the
-index, asked in one pipelined round trip per request (redis-py groups the
-commands by node and writes to every node before reading any answer). It is
+index, asked in one pipelined round trip per request: the commands grouped by
+node and written to every node before any answer is read (reads by
+``cluster_client.by_node``, writes and redirected reads by redis-py's
+ClusterPipeline, which does the same with more work per command). It is
 also shared and can fail, so every call is guarded (``_call``): an error or a
 time-out marks the cluster *down* for ``retry_after`` seconds, during which
 calls return at once as misses (the daemon keeps serving from its local tiers),
@@ -39,7 +41,7 @@ from typing import Any
 import msgpack
 
 from kvstore.codecs import Codec
-from kvstore.tiers.cluster_client import ClusterUnavailable, open_client, out_of_memory, reason
+from kvstore.tiers.cluster_client import ClusterUnavailable, by_node, open_client, out_of_memory, reason
 from kvstore.tiers.cluster_format import SESSION_VERSION, ClusterNodes, session_of
 
 log = logging.getLogger(__name__)
@@ -251,6 +253,13 @@ class ClusterTier:
         return sum(int(f) for f in found if isinstance(f, int))
 
     def _pipeline(self, client: Any, op: str, keys: Sequence[bytes], **kw: Any) -> list[Any]:
+        """``op`` on every key in one round trip: reads straight to the nodes (``by_node``), anything
+        else (and reads a node redirected) through redis-py's cluster pipeline."""
+        read = _READS.get(op)
+        if read is not None:
+            answers = by_node(client, [read(self.block_key(k), **kw) for k in keys])
+            if answers is not None:
+                return answers
         pipe = client.pipeline(transaction=False)
         for k in keys:
             getattr(pipe, op)(self.block_key(k), **kw)
@@ -331,3 +340,11 @@ class ClusterTier:
 
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
+
+
+# The single-key reads ``_pipeline`` sends with ``by_node``: op -> the command for one key.
+_READS: dict[str, Callable[..., tuple[Any, ...]]] = {
+    "exists": lambda key: ("EXISTS", key),
+    "get": lambda key: ("GET", key),
+    "getex": lambda key, px: ("GETEX", key, "PX", px),
+}

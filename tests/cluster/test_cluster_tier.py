@@ -12,6 +12,7 @@ from kvstore.errors import ConfigError, FrameError
 from kvstore.record import BlockRecord
 from kvstore.store.cluster_admin import cluster_from_config
 from kvstore.tiers.cluster import ClusterUnavailable
+from kvstore.tiers.cluster_client import by_node
 from kvstore.tiers.cluster_format import ClusterNodes, TlsFiles, pack_value, record_of, unpack_value
 from tests.cluster.conftest import ClusterFactory
 from tests.cluster.rediscluster import LocalCluster
@@ -74,6 +75,36 @@ def test_blocks_round_trip_with_a_ttl_refreshed_on_read(
     assert c.delete(keys[:2]) == 2 and c.leading(keys) == 0
     # the key names a block by its hash alone: no token id, no session name in the clear
     assert all(k.startswith(b"kvstore:b:") and len(k) == len("kvstore:b:") + 64 for k in rc.keys())
+
+
+def test_reads_go_straight_to_the_nodes_and_a_moved_slot_falls_back_to_the_cluster_pipeline(
+    rc: LocalCluster, cluster_tier: ClusterFactory
+) -> None:
+    c = cluster_tier()
+    c.connect()
+    items = [(rec(i).key, pack_value(rec(i), bytes([i]) * 100)) for i in range(12)]
+    assert c.store(items[:8]) == 8
+    keys = [k for k, _ in items]
+    client = c._call("test", lambda cl: cl)
+    names = [c.block_key(k) for k in keys]
+    assert len({rc.master_of(n) for n in names}) == 3  # every master holds some of them
+    direct = by_node(client, [("EXISTS", n) for n in names])
+    assert direct == [1] * 8 + [0] * 4
+    assert by_node(client, [("GET", n) for n in names[7:9]]) == [items[7][1], None]
+    # a slot that moved (resharding, failover) while the client's map still names the old master: that
+    # node answers MOVED, and the read is asked again through redis-py's pipeline, which follows it
+    manager = client.nodes_manager
+    slot = client.keyslot(names[0])
+    right = manager.slots_cache[slot]
+    wrong = next(n for n in manager.nodes_cache.values() if n.server_type == "primary" and n is not right[0])
+    manager.slots_cache[slot] = [wrong]
+    try:
+        assert by_node(client, [("EXISTS", names[0])]) is None
+        assert c.leading(keys) == 8
+        assert c.fetch(keys[:1]) == [items[0][1]]
+    finally:
+        manager.slots_cache[slot] = right
+    assert c.counters.errors == 0 and c.state == "up"
 
 
 def test_sessions_are_recorded_under_the_hash_of_their_name(
