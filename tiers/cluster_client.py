@@ -65,27 +65,33 @@ def by_node(client: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any] | Non
     every node before any answer is read. None: ``client`` is not a RedisCluster, its map names no
     node for a slot, or a node answered with an error (a slot moved under a resharding or a failover):
     ask again through ``client.pipeline()``, which follows redirections and reads the topology anew.
-    A connection error or time-out is raised as redis-py raises it (the tier is down)."""
-    manager = getattr(client, "nodes_manager", None)
-    if manager is None or not commands:
-        return None
+    A connection error or time-out is raised as redis-py raises it (the tier is down).
+
+    A connection goes back to its pool only with every answer sent on it read, or disconnected:
+    one left with an answer unread would hand that answer to the next command sent on it."""
+    from redis.cluster import RedisCluster
     from redis.exceptions import ResponseError
+
+    if not isinstance(client, RedisCluster) or not commands:
+        return None
+    manager = client.nodes_manager
 
     groups: dict[str, tuple[Any, list[int]]] = {}
     try:
         for i, command in enumerate(commands):
             node = manager.get_node_from_slot(client.keyslot(command[1]))
             groups.setdefault(node.name, (node, []))[1].append(i)
-    except Exception:  # noqa: BLE001 - a slot no node covers: the cluster pipeline says why
+        # every node's pool before anything is sent (a node the map learnt from a redirection has none yet)
+        plan = [
+            (client.get_redis_connection(node).connection_pool, indices) for node, indices in groups.values()
+        ]
+    except Exception:  # noqa: BLE001 - a slot no node covers, a node not reachable: the cluster pipeline says why
         return None
     out: list[Any] = [None] * len(commands)
     taken: list[tuple[Any, Any, list[int]]] = []  # (pool, connection, indices) per node
     moved = False
     try:
-        for node, indices in groups.values():
-            if node.redis_connection is None:
-                return None
-            pool = node.redis_connection.connection_pool
+        for pool, indices in plan:
             conn = pool.get_connection()
             taken.append((pool, conn, indices))
             conn.send_packed_command(conn.pack_commands([commands[i] for i in indices]), check_health=False)

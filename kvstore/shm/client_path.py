@@ -122,17 +122,14 @@ class SharedPath:
             )
             reply = self._conn.call(msg, idempotent=True)
             assert isinstance(reply, LocateOk)
-            if reply.instance != m.instance:
+            if reply.instance != m.instance:  # a new daemon pinned these: let them go now, not at the
+                self._finish(reply, 0)  # lease's end, and read again on its segments
                 raise _Stale
             good = 0
             try:
                 good = m.read_blocks(reply.blocks, ns.layout, out, start * T, reply.staging)
             finally:
-                done = Finish(handle=reply.handle, used=good)
-                if reply.staging is None:  # not awaited: a lost finish only lets the lease run out
-                    self._conn.notify(done)
-                else:  # awaited: the staging range must be free for this client's next request
-                    self._conn.call(done, idempotent=True)
+                self._finish(reply, good)
             tiers.extend(str(t) for t in reply.tiers[:good])
             start += good
             if good < len(reply.blocks):
@@ -143,6 +140,13 @@ class SharedPath:
                     return n, tiers + more
                 break  # the prefix ends here
         return start, tiers
+
+    def _finish(self, reply: LocateOk, used: int) -> None:
+        done = Finish(handle=reply.handle, used=used)
+        if reply.staging is None:  # not awaited: a lost finish only lets the lease run out
+            self._conn.notify(done)
+        else:  # awaited: the staging range must be free for this client's next request
+            self._conn.call(done, idempotent=True)
 
     # -- puts ---------------------------------------------------------------------------
     def put(

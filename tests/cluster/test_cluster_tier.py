@@ -86,24 +86,31 @@ def test_reads_go_straight_to_the_nodes_and_a_moved_slot_falls_back_to_the_clust
     assert c.store(items[:8]) == 8
     keys = [k for k, _ in items]
     client = c._call("test", lambda cl: cl)
+    pipelines = []
+    pipeline = client.pipeline
+    client.pipeline = lambda **kw: pipelines.append(kw) or pipeline(**kw)  # counts the fallbacks
     names = [c.block_key(k) for k in keys]
     assert len({rc.master_of(n) for n in names}) == 3  # every master holds some of them
-    direct = by_node(client, [("EXISTS", n) for n in names])
-    assert direct == [1] * 8 + [0] * 4
-    assert by_node(client, [("GET", n) for n in names[7:9]]) == [items[7][1], None]
-    # a slot that moved (resharding, failover) while the client's map still names the old master: that
-    # node answers MOVED, and the read is asked again through redis-py's pipeline, which follows it
+    assert by_node(client, [("EXISTS", n) for n in names]) == [1] * 8 + [0] * 4
+    assert c.leading(keys) == 8 and c.fetch(keys[7:9]) == [items[7][1], None]
+    assert not pipelines  # reads went straight to the nodes
+    # a node the client's map has no connection for yet (learnt from a redirection): one is made
+    # before anything is sent, and every connection stays in step (no answer left for the next call)
     manager = client.nodes_manager
+    primaries = [n for n in manager.nodes_cache.values() if n.server_type == "primary"]
+    primaries[-1].redis_connection = None
+    assert by_node(client, [("GET", n) for n in names]) == [v for _, v in items[:8]] + [None] * 4
+    assert by_node(client, [("EXISTS", n) for n in names]) == [1] * 8 + [0] * 4
+    # a slot that moved (resharding, failover) while the client's map still names the old master:
+    # that node answers MOVED, the read is asked again through redis-py's pipeline, which follows
+    # the redirection and mends the map, and the next reads go straight to the right node again
     slot = client.keyslot(names[0])
-    right = manager.slots_cache[slot]
-    wrong = next(n for n in manager.nodes_cache.values() if n.server_type == "primary" and n is not right[0])
-    manager.slots_cache[slot] = [wrong]
-    try:
-        assert by_node(client, [("EXISTS", names[0])]) is None
-        assert c.leading(keys) == 8
-        assert c.fetch(keys[:1]) == [items[0][1]]
-    finally:
-        manager.slots_cache[slot] = right
+    right = manager.slots_cache[slot][0]
+    manager.slots_cache[slot] = [next(n for n in primaries if n.name != right.name)]
+    assert by_node(client, [("EXISTS", names[0])]) is None
+    assert c.leading(keys) == 8 and len(pipelines) == 1
+    assert c.fetch(keys[:1]) == [items[0][1]]
+    assert manager.slots_cache[slot][0].name == right.name and len(pipelines) == 1
     assert c.counters.errors == 0 and c.state == "up"
 
 

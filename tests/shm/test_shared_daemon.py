@@ -380,6 +380,8 @@ def test_clients_survive_a_restart_and_a_kill_and_dead_segments_are_removed(
         assert_exact(a, got.kv, got.matched_tokens)
         second = c._shm.mapping()
         assert second is not None and second.instance != first.instance
+        # the new daemon's first answer (pins, on segments not mapped yet) was let go, not left to lapse
+        assert wait_until(lambda: shm_stats(c)["leases"] == 0, 5)
         segments = [Path(p) for p in shm_stats(c)["segments"]]
         assert c.put(b, prefix_kv(b)).stored == 5
         assert c.flush(30)
