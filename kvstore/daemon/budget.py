@@ -14,7 +14,10 @@ budget (``[server] max_inflight_bytes``) and of its tenant's
 nothing charged to it takes any request, so one bigger than a budget still
 goes through alone and nothing is refused for good: in flight stays within
 max(budget, max_message_bytes). Otherwise the request is answered ``busy``
-(the client backs off and sends it again); it is never dropped.
+(the client backs off and sends it again); it is never dropped. A commit of
+the same-host data plane is taken even so (its K/V is in staging, and the
+next chunk's commit must not overtake it): kvstore.daemon.server's
+``_commit_refusal``.
 
 Not thread-safe: the loop thread alone charges and releases.
 """

@@ -88,6 +88,7 @@ DRAIN_TIMEOUT = 60.0  # seconds to finish in-flight requests after a stop signal
 PROGRESS_EVERY = 5.0  # seconds between "still starting" log lines
 POLL_MS = 100  # how soon the loop notices a stop request
 BATCH = 64  # messages taken from a socket per wake-up, so neither side starves the other
+MAX_WAITING_COMMITS = 8  # commits of one client queued behind its running one, taken past a spent budget
 
 
 class _LateStore:
@@ -395,6 +396,8 @@ class Server:
             if reply is None:
                 tenant, cost = self._cost(request, frames)
                 refusal = self.budget.refusal(tenant, cost)
+                if refusal is not None and isinstance(request.msg, Commit):
+                    refusal = self._commit_refusal(peer)
                 if refusal is None:  # taken: charged until its reply leaves (_forward)
                     self._next_charge += 1
                     self._charges[self._next_charge] = self.budget.take(tenant, cost)
@@ -418,6 +421,17 @@ class Server:
             out = self.proto.reply(request, reply)
         self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
         router.send_multipart([peer, *out])  # a small reply: copying beats wrapping in zmq.Frames
+
+    def _commit_refusal(self, peer: bytes) -> str | None:
+        """Why ``peer``'s commit must wait when the budget is spent, or None: it is taken anyway. A
+        commit's K/V is in the client's staging already (bounded by ``shm_staging``), its client's
+        commits run one at a time, and the next chunk's commit, sent before this one's answer, must
+        not be taken ahead of it: it would find its parent block missing. Only a client with
+        MAX_WAITING_COMMITS commits already waiting is told to wait."""
+        waiting = self._in_order.get(peer)
+        if waiting is not None and len(waiting) >= MAX_WAITING_COMMITS:
+            return f"{len(waiting)} commits of this client wait for the one running; send it again shortly"
+        return None
 
     def _init_worker(self) -> None:
         sock = self.ctx.socket(zmq.PUSH)

@@ -500,3 +500,40 @@ def test_a_shared_memory_filesystem_too_small_for_the_pools_means_the_socket(
             assert not c.shared_memory and c.stats()["server"]["shm"] is None
         assert "shared memory off" in d.output() and "cannot be allocated" in d.output()
         assert not [p for p in small.iterdir() if p.name.startswith("kvs-")]
+
+
+def test_a_put_in_many_chunks_is_stored_whole_while_the_daemon_turns_requests_away(
+    daemons: Any, tmp_path: Path
+) -> None:
+    # one worker and one request queued at most: other clients' stats keep the daemon answering busy.
+    # A put's chunks are committed two at a time, in order; a commit turned away while the next was
+    # taken would leave that next chunk without its parent block (refused, not stored)
+    cfg = write_config(
+        tmp_path,
+        server={**SHM, "shm_staging_per_client": "64KiB", "workers": 1, "max_queued_requests": 1},
+    )
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+
+    def flood(stop: Any) -> int:
+        n = 0
+        with socket_client(ep) as s:
+            while not stop.is_set():
+                s.stats()
+                n += 1
+        return n
+
+    rng = np.random.default_rng(12)
+    with attached(ep) as c:
+        floods = [Background(flood) for _ in range(3)]
+        try:
+            for _ in range(4):
+                toks = random_tokens(rng, 100)  # 100 KiB: four chunks of 32 blocks in 64 KiB of staging
+                r = c.put(toks, prefix_kv(toks))
+                assert r.stored == 100 and not r.failed, r
+        finally:
+            served = [f.join() for f in floods]
+        assert all(served)
+        got = c.get(toks)
+        assert got.matched_blocks == 100
+        assert_exact(toks, got.kv, got.matched_tokens)
