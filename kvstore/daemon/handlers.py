@@ -416,11 +416,8 @@ class Handlers:
                 ns,
                 kv=kv,
             )
-        finally:
-            if msg.keep:
-                plane.arm(lease)  # the client writes its next chunk there
-            else:
-                plane.take(msg.handle)
+        finally:  # kept: the client writes its next chunk there
+            plane.done_reading(lease, keep=msg.keep)
 
     def _release(self, msg: Release, ns: Namespace | None) -> Message:
         with self._pins_lock:

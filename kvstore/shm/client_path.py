@@ -64,6 +64,7 @@ class SharedPath:
         offers none (tcp, ``shared_memory = "off"``) or they could not be mapped (use the socket)."""
         offer = self._conn.shm_offer
         if offer is None:
+            self.close()  # a daemon that offers none now (restarted with shared_memory = "off")
             return None
         instance = str(offer.get("instance"))
         m = self._mapping
@@ -125,11 +126,12 @@ class SharedPath:
             if reply.instance != m.instance:  # a new daemon pinned these: let them go now, not at the
                 self._finish(reply, 0)  # lease's end, and read again on its segments
                 raise _Stale
-            good = 0
+            good, read = 0, False
             try:
                 good = m.read_blocks(reply.blocks, ns.layout, out, start * T, reply.staging)
+                read = True
             finally:
-                self._finish(reply, good)
+                self._finish(reply, good, wait=read)
             tiers.extend(str(t) for t in reply.tiers[:good])
             start += good
             if good < len(reply.blocks):
@@ -141,12 +143,12 @@ class SharedPath:
                 break  # the prefix ends here
         return start, tiers
 
-    def _finish(self, reply: LocateOk, used: int) -> None:
-        done = Finish(handle=reply.handle, used=used)
-        if reply.staging is None:  # not awaited: a lost finish only lets the lease run out
-            self._conn.notify(done)
-        else:  # awaited: the staging range must be free for this client's next request
-            self._conn.call(done, idempotent=True)
+    def _finish(self, reply: LocateOk, used: int, *, wait: bool = True) -> None:
+        """Give the lease of ``reply`` back; awaited (``wait``) when it holds staging, which this client's
+        next request may need."""
+        _give_back(
+            self._conn, Finish(handle=reply.handle, used=used), wait=wait and reply.staging is not None
+        )
 
     # -- puts ---------------------------------------------------------------------------
     def put(
@@ -200,6 +202,7 @@ class SharedPath:
         tally: PutTally,
     ) -> None:
         ranges = []
+        committed = False
         try:
             for _ in range(2):
                 ranges.append(self._reserve(m, chunk * ns.layout.block_nbytes))
@@ -212,9 +215,10 @@ class SharedPath:
             self._conn.pipeline(
                 len(starts), make, lambda _, reply: tally.add(reply), idempotent=True, window=2
             )
+            committed = True
         finally:
             for r in ranges:
-                self._conn.call(Finish(handle=r.handle, used=0), idempotent=True)
+                _give_back(self._conn, Finish(handle=r.handle, used=0), wait=committed)
 
     def _commit_chunk(
         self,
@@ -277,3 +281,13 @@ class SharedPath:
             session=session,
             keep=keep,
         )
+
+
+def _give_back(conn: Connection, done: Finish, *, wait: bool) -> None:
+    """Send ``done``: awaited when ``wait`` (the staging it frees is needed next), else not: a lost
+    finish only lets the lease run out, and on the way out of a failure (a daemon that does not
+    answer) an awaited one would cost its own time-outs on top of the failure's."""
+    if wait:
+        conn.call(done, idempotent=True)
+    else:
+        conn.notify(done)

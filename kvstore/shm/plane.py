@@ -65,6 +65,8 @@ class Lease:
     expires: float
     held: Any = None  # a get's located blocks (kvstore.store.engine.Located)
     staging: Segment | None = None  # the client's staging segment the range is in
+    readers: int = 0  # commits reading the range now (``hold`` .. ``done_reading``)
+    ended: bool = False  # taken while read: given back when the last reader is done
 
 
 @dataclass
@@ -278,34 +280,59 @@ class SharedPlane:
     def take(self, handle: int) -> Lease | None:
         """End the lease ``handle`` and give back its staging; None when unknown or lapsed.
 
-        The caller finishes using its staging range before the next reserve can hand it out:
-        take it only once done with the bytes (commit and finish do)."""
-        now = self.clock()
-        with self._lock:
-            self._sweep(now)
-            lease = self._leases.pop(handle, None)
-            if lease is not None:
-                self._give_back(lease)
-            return lease
-
-    def hold(self, handle: int) -> Lease | None:
-        """The live lease ``handle``, kept from lapsing until ``take`` (while the daemon reads its
-        staging); None when unknown or lapsed."""
+        A range a commit reads now (``hold``) is given back when that commit is done
+        (``done_reading``), not before: a client's finish can overtake its own commit (one that gave
+        up waiting for the answer), and the range must not go to the client's next reserve while
+        the daemon still copies blocks out of it."""
         now = self.clock()
         with self._lock:
             self._sweep(now)
             lease = self._leases.get(handle)
-            if lease is not None:
-                lease.expires = math.inf
+            if lease is None or lease.ended:
+                return None
+            if lease.readers:
+                lease.ended = True
+            else:
+                del self._leases[handle]
+                self._give_back(lease)
             return lease
+
+    def hold(self, handle: int) -> Lease | None:
+        """The live lease ``handle`` for a commit to read: kept from lapsing and from being given back
+        until ``done_reading``; None when unknown, lapsed or taken."""
+        now = self.clock()
+        with self._lock:
+            self._sweep(now)
+            lease = self._leases.get(handle)
+            if lease is None or lease.ended:
+                return None
+            lease.expires = math.inf
+            lease.readers += 1
+            return lease
+
+    def done_reading(self, lease: Lease, *, keep: bool) -> None:
+        """A commit is done with ``lease``'s range: kept for the client's next chunk (``keep``, its
+        clock started again) or given back (not ``keep``, or taken meanwhile)."""
+        with self._lock:
+            lease.readers -= 1
+            if lease.readers:
+                return
+            if keep and not lease.ended:
+                self._start_clock(lease, None)
+            elif self._leases.get(lease.handle) is lease:
+                del self._leases[lease.handle]
+                self._give_back(lease)
 
     def arm(self, lease: Lease, seconds: float | None = None) -> None:
         """Start ``lease``'s clock now (one taken with ``reserve(..., armed=False)``)."""
         with self._lock:
-            span = self.lease if seconds is None else min(seconds, self.lease)
-            if lease.held is None:  # a put's reservation
-                span = max(span, MIN_RESERVE_LEASE)
-            lease.expires = self.clock() + span
+            self._start_clock(lease, seconds)
+
+    def _start_clock(self, lease: Lease, seconds: float | None) -> None:
+        span = self.lease if seconds is None else min(seconds, self.lease)
+        if lease.held is None:  # a put's reservation
+            span = max(span, MIN_RESERVE_LEASE)
+        lease.expires = self.clock() + span
 
     def staging_tensor(self, lease: Lease) -> torch.Tensor:
         """The lease's staging range as uint8 (empty for a lease without one)."""

@@ -131,8 +131,23 @@ def test_staging_leases_are_bounded_per_client_and_lapse(shm_dir: Path) -> None:
         clock.now += 2  # b's lease ran out; it is taken back
         st = plane.stats()
         assert st["staging_used"] == 300 << 10 and st["leases"] == 1 and st["lapsed"] == 2
-        assert plane.take(b.handle) is None and plane.take(a.handle) is a
-        assert plane.stats()["staging_used"] == 0 and plane.take(a.handle) is None
+        assert plane.take(b.handle) is None
+        # a finish that overtook the commit still reading a's range: the range stays a's until the
+        # commit is done (the client's next reserve must not get it while the daemon copies from it)
+        assert plane.take(a.handle) is a
+        assert plane.stats()["staging_used"] == 300 << 10
+        with pytest.raises(StagingFull):
+            plane.reserve(b"a", 300 << 10)
+        assert plane.hold(a.handle) is None and plane.take(a.handle) is None  # ended: no new commit
+        plane.done_reading(a, keep=True)
+        assert plane.stats()["staging_used"] == 0 and plane.stats()["leases"] == 0
+        kept = plane.reserve(b"a", 300 << 10)  # a commit of one chunk of several keeps its range
+        assert plane.hold(kept.handle) is kept
+        plane.done_reading(kept, keep=True)
+        clock.now += 0.5
+        assert plane.hold(kept.handle) is kept  # the next chunk's commit
+        plane.done_reading(kept, keep=False)  # the last one gives it back
+        assert plane.stats()["staging_used"] == 0 and plane.take(kept.handle) is None
         late = plane.reserve(b"a", 4096, armed=False)  # filled by the daemon first: no clock yet
         clock.now += 100
         assert plane.hold(late.handle) is late

@@ -21,6 +21,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.kvbuffers import PagedKV
+from kvstore.wire.errors import RequestTimeout
 from kvstore.wire.messages import Finish, Locate, LocateOk
 from tests.hardening.conftest import (
     LAYOUT,
@@ -534,6 +535,44 @@ def test_a_put_in_many_chunks_is_stored_whole_while_the_daemon_turns_requests_aw
         finally:
             served = [f.join() for f in floods]
         assert all(served)
+        got = c.get(toks)
+        assert got.matched_blocks == 100
+        assert_exact(toks, got.kv, got.matched_tokens)
+
+
+def test_a_put_cut_short_by_a_daemon_that_stops_answering_costs_one_timeout(
+    daemons: Any, tmp_path: Path
+) -> None:
+    cfg = write_config(tmp_path, server={**SHM, "shm_staging_per_client": "64KiB"})
+    ep = endpoint_of(cfg)
+    d = daemons(cfg)
+    rng = np.random.default_rng(13)
+    toks = random_tokens(rng, 100)  # four chunks, two staging ranges
+    with attached(ep, timeout=2.0, retries=0) as c:
+        stage = c._shm._stage
+
+        def stop_after_the_first_chunk(*args: Any, **kw: Any) -> Any:
+            if args[5] > 0 and not stopped:  # the daemon answered the reserves and took chunk 0
+                os.kill(d.proc.pid, signal.SIGSTOP)
+                stopped.append(True)
+            return stage(*args, **kw)
+
+        stopped: list[bool] = []
+        c._shm._stage = stop_after_the_first_chunk
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(RequestTimeout):
+                c.put(toks, prefix_kv(toks))
+            took = time.monotonic() - t0
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert stopped
+        # the ranges were given back without waiting: one time-out, not one more per range
+        assert took < 3.0, f"{took:.2f} s"  # awaited, each would add 2 s
+        c._shm._stage = stage
+        assert wait_until(lambda: shm_stats(c)["leases"] == 0, 10)  # the finishes arrived
+        r = c.put(toks, prefix_kv(toks))
+        assert r.stored + r.present == 100 and not r.failed
         got = c.get(toks)
         assert got.matched_blocks == 100
         assert_exact(toks, got.kv, got.matched_tokens)
