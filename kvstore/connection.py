@@ -214,76 +214,81 @@ class Connection:
             if backoff:
                 time.sleep(BACKOFF * 2 ** (attempts - 1))
 
-        while todo or inflight:
-            if greet:
-                self.ensure_hello()
-            blocked = False
-            while todo and len(inflight) < window and not blocked:
-                i = todo.popleft()
+        try:
+            while todo or inflight:
+                if greet:
+                    self.ensure_hello()
+                blocked = False
+                while todo and len(inflight) < window and not blocked:
+                    i = todo.popleft()
+                    try:
+                        inflight[self._send(make(i))] = i
+                    except zmq.Again:
+                        todo.appendleft(i)
+                        again("no connection to send on", fresh_socket=True)
+                        blocked = True
+                if blocked:
+                    continue  # on a fresh socket, from the first unanswered request
                 try:
-                    inflight[self._send(make(i))] = i
-                except zmq.Again:
-                    todo.appendleft(i)
-                    again("no connection to send on", fresh_socket=True)
-                    blocked = True
-            if blocked:
-                continue  # on a fresh socket, from the first unanswered request
-            try:
-                got = self._recv(time.monotonic() + self.timeout)
-            except RemoteProtocolError as e:
-                again("garbled reply", fresh_socket=True, cause=e)
-                continue
-            if got is None:
-                again("timeout", fresh_socket=True)
-                continue
-            rid, reply = got
-            i = inflight.pop(rid)
-            if isinstance(reply, ErrorReply):
-                if reply.code == "starting":  # nothing was done: send it again once the daemon is up
-                    inflight[rid] = i
-                    now = time.monotonic()
-                    starting_since = now if starting_since is None else starting_since
-                    for other in inflight:
-                        self.proto.forget(other)
-                    if now - starting_since >= self.timeout:
-                        raise DaemonStarting(
-                            f"the daemon at {self.endpoint} is still starting after {self.timeout:g}s "
-                            f"({reply.message}); wait for it (its log shows progress) or give "
-                            "the client a longer timeout"
-                        )
-                    todo.extendleft(sorted(inflight.values(), reverse=True))
-                    inflight = {}
-                    time.sleep(STARTING_POLL)
+                    got = self._recv(time.monotonic() + self.timeout)
+                except RemoteProtocolError as e:
+                    again("garbled reply", fresh_socket=True, cause=e)
                     continue
-                if reply.code == "busy":  # over a budget, nothing was done: back-pressure, not failure
-                    now = time.monotonic()
-                    busy_since = now if busy_since is None else busy_since
-                    if now - busy_since >= self.timeout:
+                if got is None:
+                    again("timeout", fresh_socket=True)
+                    continue
+                rid, reply = got
+                i = inflight.pop(rid)
+                if isinstance(reply, ErrorReply):
+                    if reply.code == "starting":  # nothing was done: send it again once the daemon is up
+                        inflight[rid] = i
+                        now = time.monotonic()
+                        starting_since = now if starting_since is None else starting_since
                         for other in inflight:
                             self.proto.forget(other)
-                        raise error_for_reply(reply.code, reply.message)
-                    todo.appendleft(i)  # sent again after a pause; the others in flight go on
-                    time.sleep(min(BUSY_WAIT_MAX, BACKOFF * 2**busy_count))
-                    busy_count += 1
-                    continue
-                if reply.code == "unknown_namespace" and greet:
-                    inflight[rid] = i  # re-sent with the others after the hello
-                    again("daemon forgot the namespace", fresh_socket=False)
-                    continue
-                if reply.code in TRANSIENT:
-                    inflight[rid] = i
-                    again(
-                        reply.code,
-                        fresh_socket=reply.code == "shutting_down",
-                        backoff=True,
-                        cause=error_for_reply(reply.code, reply.message),
-                    )
-                    continue
-                for other in inflight:
-                    self.proto.forget(other)
-                raise error_for_reply(reply.code, reply.message)
-            busy_since, busy_count = None, 0
-            on_reply(i, reply)
+                        if now - starting_since >= self.timeout:
+                            raise DaemonStarting(
+                                f"the daemon at {self.endpoint} is still starting after {self.timeout:g}s "
+                                f"({reply.message}); wait for it (its log shows progress) or give "
+                                "the client a longer timeout"
+                            )
+                        todo.extendleft(sorted(inflight.values(), reverse=True))
+                        inflight = {}
+                        time.sleep(STARTING_POLL)
+                        continue
+                    if reply.code == "busy":  # over a budget, nothing was done: back-pressure, not failure
+                        now = time.monotonic()
+                        busy_since = now if busy_since is None else busy_since
+                        if now - busy_since >= self.timeout:
+                            for other in inflight:
+                                self.proto.forget(other)
+                            raise error_for_reply(reply.code, reply.message)
+                        todo.appendleft(i)  # sent again after a pause; the others in flight go on
+                        time.sleep(min(BUSY_WAIT_MAX, BACKOFF * 2**busy_count))
+                        busy_count += 1
+                        continue
+                    if reply.code == "unknown_namespace" and greet:
+                        inflight[rid] = i  # re-sent with the others after the hello
+                        again("daemon forgot the namespace", fresh_socket=False)
+                        continue
+                    if reply.code in TRANSIENT:
+                        inflight[rid] = i
+                        again(
+                            reply.code,
+                            fresh_socket=reply.code == "shutting_down",
+                            backoff=True,
+                            cause=error_for_reply(reply.code, reply.message),
+                        )
+                        continue
+                    for other in inflight:
+                        self.proto.forget(other)
+                    raise error_for_reply(reply.code, reply.message)
+                busy_since, busy_count = None, 0
+                on_reply(i, reply)
+        except BaseException:  # make or on_reply raised: replies still due are dropped when they come,
+            for rid in inflight:  # not read as the answer to this connection's next request
+                self.proto.forget(rid)
+            raise
 
 
 __all__ = ["Connection", "ServerError"]

@@ -67,12 +67,13 @@ class SharedPath:
             self.close()  # a daemon that offers none now (restarted with shared_memory = "off")
             return None
         instance = str(offer.get("instance"))
+        if instance in self._refused:  # its segments failed once: not used again
+            self.close()
+            return None
         m = self._mapping
         if m is not None and m.instance == instance:
             return m
         self.close()
-        if instance in self._refused:
-            return None
         try:
             self._mapping = SharedMapping(offer)
         except ShmUnavailable as e:
@@ -179,10 +180,14 @@ class SharedPath:
                 self._pipelined_commits(m, ns, tokens, src, starts, chunk, total, session, tally)
             else:
                 tally.add(self._commit_chunk(m, ns, tokens, src, first, total, session))
-        except ServerError as err:
-            if err.code not in ("no_staging", "not_found"):
+        except (ServerError, ShmUnavailable) as err:
+            if isinstance(err, ShmUnavailable):  # this client's staging cannot be mapped: the socket
+                log.warning("shared-memory put failed (%s); using the socket", err)  # from now on
+                self._refused.add(m.instance)
+            elif err.code not in ("no_staging", "not_found"):
                 raise
-            # no staging room now, or a range lapsed under a paused client: the rest one way or another
+            # no staging room now, or a range lapsed under a paused client: the rest one way or another,
+            # the chunks stored so far counted as stored
             s = starts[tally.replies] if tally.replies < len(starts) else total
             if s < total and not tally.failed:
                 log.debug("shared-memory put stopped at block %d (%s); the rest goes over the socket", s, err)

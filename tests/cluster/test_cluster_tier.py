@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,9 +87,14 @@ def test_reads_go_straight_to_the_nodes_and_a_moved_slot_falls_back_to_the_clust
     assert c.store(items[:8]) == 8
     keys = [k for k, _ in items]
     client = c._call("test", lambda cl: cl)
-    pipelines = []
+    pipelines: list[dict[str, Any]] = []
     pipeline = client.pipeline
-    client.pipeline = lambda **kw: pipelines.append(kw) or pipeline(**kw)  # counts the fallbacks
+
+    def counted(**kw: Any) -> Any:  # counts the fallbacks to redis-py's cluster pipeline
+        pipelines.append(kw)
+        return pipeline(**kw)
+
+    client.pipeline = counted
     names = [c.block_key(k) for k in keys]
     assert len({rc.master_of(n) for n in names}) == 3  # every master holds some of them
     assert by_node(client, [("EXISTS", n) for n in names]) == [1] * 8 + [0] * 4

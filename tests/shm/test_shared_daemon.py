@@ -541,7 +541,7 @@ def test_a_put_in_many_chunks_is_stored_whole_while_the_daemon_turns_requests_aw
 
 
 def test_a_put_cut_short_by_a_daemon_that_stops_answering_costs_one_timeout(
-    daemons: Any, tmp_path: Path
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = write_config(tmp_path, server={**SHM, "shm_staging_per_client": "64KiB"})
     ep = endpoint_of(cfg)
@@ -558,7 +558,7 @@ def test_a_put_cut_short_by_a_daemon_that_stops_answering_costs_one_timeout(
             return stage(*args, **kw)
 
         stopped: list[bool] = []
-        c._shm._stage = stop_after_the_first_chunk
+        monkeypatch.setattr(c._shm, "_stage", stop_after_the_first_chunk)
         t0 = time.monotonic()
         try:
             with pytest.raises(RequestTimeout):
@@ -569,10 +569,42 @@ def test_a_put_cut_short_by_a_daemon_that_stops_answering_costs_one_timeout(
         assert stopped
         # the ranges were given back without waiting: one time-out, not one more per range
         assert took < 3.0, f"{took:.2f} s"  # awaited, each would add 2 s
-        c._shm._stage = stage
+        monkeypatch.undo()
         assert wait_until(lambda: shm_stats(c)["leases"] == 0, 10)  # the finishes arrived
         r = c.put(toks, prefix_kv(toks))
         assert r.stored + r.present == 100 and not r.failed
+        got = c.get(toks)
+        assert got.matched_blocks == 100
+        assert_exact(toks, got.kv, got.matched_tokens)
+
+
+def test_staging_that_cannot_be_mapped_mid_put_sends_the_rest_over_the_socket(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.shm.segment import ShmUnavailable
+
+    cfg = write_config(tmp_path, server={**SHM, "shm_staging_per_client": "64KiB"})
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(14)
+    toks = random_tokens(rng, 100)  # four chunks
+    with attached(ep) as c:
+        m = c._shm.mapping()
+        assert m is not None
+        view, calls = m.staging_view, []
+
+        def second_chunk_fails(*args: Any) -> Any:
+            calls.append(args)
+            if len(calls) == 2:
+                raise ShmUnavailable("the staging segment went away")
+            return view(*args)
+
+        monkeypatch.setattr(m, "staging_view", second_chunk_fails)
+        r = c.put(toks, prefix_kv(toks))
+        # chunk 0's commit was in flight: its blocks are stored or present, the rest stored by the socket
+        assert r.stored + r.present == 100 and r.stored >= 68 and not r.failed, r
+        assert len(calls) == 2 and not c.shared_memory  # the socket from now on, for this daemon
+        assert c.ping()  # the connection is in step: no late commit answer read as the ping's
         got = c.get(toks)
         assert got.matched_blocks == 100
         assert_exact(toks, got.kv, got.matched_tokens)
