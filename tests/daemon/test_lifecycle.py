@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
+from kvstore.wire.errors import ServerError
 from tests.daemon.conftest import LAYOUT, MODEL, Daemon, StartDaemon, write_config
 
 T = LAYOUT.block_tokens
@@ -133,7 +134,14 @@ def test_stop_waits_for_requests_in_flight(start_daemon: StartDaemon) -> None:
     kv = kv_for(len(tokens), seed=5)
     with client(d) as c:
         result: list[object] = []
-        t = threading.Thread(target=lambda: result.append(c.put(tokens, kv)))
+
+        def put() -> None:
+            try:
+                result.append(c.put(tokens, kv))
+            except ServerError as e:  # refused as shutting_down, or no answer once the daemon is gone
+                result.append(e)
+
+        t = threading.Thread(target=put)
         t.start()
         time.sleep(0.05)
         d.proc.send_signal(signal.SIGTERM)
