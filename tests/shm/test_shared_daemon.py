@@ -503,6 +503,17 @@ def test_a_shared_memory_filesystem_too_small_for_the_pools_means_the_socket(
         assert not [p for p in small.iterdir() if p.name.startswith("kvs-")]
 
 
+# staging for 64 blocks of 1 KiB: a put of 100 blocks goes in four chunks through two ranges
+CHUNKED = {**SHM, "shm_staging_per_client": "64KiB"}
+
+
+def assert_served(c: KVStoreClient, toks: np.ndarray) -> None:
+    """Every block of ``toks`` is served, bit for bit."""
+    got = c.get(toks)
+    assert got.matched_blocks == len(toks) // T
+    assert_exact(toks, got.kv, got.matched_tokens)
+
+
 def test_a_put_in_many_chunks_is_stored_whole_while_the_daemon_turns_requests_away(
     daemons: Any, tmp_path: Path
 ) -> None:
@@ -511,7 +522,7 @@ def test_a_put_in_many_chunks_is_stored_whole_while_the_daemon_turns_requests_aw
     # taken would leave that next chunk without its parent block (refused, not stored)
     cfg = write_config(
         tmp_path,
-        server={**SHM, "shm_staging_per_client": "64KiB", "workers": 1, "max_queued_requests": 1},
+        server={**CHUNKED, "workers": 1, "max_queued_requests": 1},
     )
     ep = endpoint_of(cfg)
     daemons(cfg)
@@ -535,15 +546,13 @@ def test_a_put_in_many_chunks_is_stored_whole_while_the_daemon_turns_requests_aw
         finally:
             served = [f.join() for f in floods]
         assert all(served)
-        got = c.get(toks)
-        assert got.matched_blocks == 100
-        assert_exact(toks, got.kv, got.matched_tokens)
+        assert_served(c, toks)
 
 
 def test_a_put_cut_short_by_a_daemon_that_stops_answering_costs_one_timeout(
     daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = write_config(tmp_path, server={**SHM, "shm_staging_per_client": "64KiB"})
+    cfg = write_config(tmp_path, server=CHUNKED)
     ep = endpoint_of(cfg)
     d = daemons(cfg)
     rng = np.random.default_rng(13)
@@ -573,9 +582,7 @@ def test_a_put_cut_short_by_a_daemon_that_stops_answering_costs_one_timeout(
         assert wait_until(lambda: shm_stats(c)["leases"] == 0, 10)  # the finishes arrived
         r = c.put(toks, prefix_kv(toks))
         assert r.stored + r.present == 100 and not r.failed
-        got = c.get(toks)
-        assert got.matched_blocks == 100
-        assert_exact(toks, got.kv, got.matched_tokens)
+        assert_served(c, toks)
 
 
 def test_staging_that_cannot_be_mapped_mid_put_sends_the_rest_over_the_socket(
@@ -583,7 +590,7 @@ def test_staging_that_cannot_be_mapped_mid_put_sends_the_rest_over_the_socket(
 ) -> None:
     from kvstore.shm.segment import ShmUnavailable
 
-    cfg = write_config(tmp_path, server={**SHM, "shm_staging_per_client": "64KiB"})
+    cfg = write_config(tmp_path, server=CHUNKED)
     ep = endpoint_of(cfg)
     daemons(cfg)
     rng = np.random.default_rng(14)
@@ -605,6 +612,4 @@ def test_staging_that_cannot_be_mapped_mid_put_sends_the_rest_over_the_socket(
         assert r.stored + r.present == 100 and r.stored >= 68 and not r.failed, r
         assert len(calls) == 2 and not c.shared_memory  # the socket from now on, for this daemon
         assert c.ping()  # the connection is in step: no late commit answer read as the ping's
-        got = c.get(toks)
-        assert got.matched_blocks == 100
-        assert_exact(toks, got.kv, got.matched_tokens)
+        assert_served(c, toks)
