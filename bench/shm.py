@@ -17,7 +17,9 @@ measured in the same rounds as its limit (interleaved):
      frames in this process (the codec's own speed, checksums verified as a get does);
      aim >= 80% of it; and over the socket;
   5. put through shared memory (staging, then commit) beside memcpy, aim >= 40%; and over the
-     socket. Every put stores new blocks (fresh token ids; the store is emptied between puts);
+     socket. Every put stores new blocks (fresh token ids; the store is emptied between puts).
+     The daemon copies a put's blocks out of staging on every core, so the put is also read
+     against a memcpy split over every core (this process stages on one thread);
   6. ``get_into`` a vLLM-layout paged destination ([2, num_blocks, 16, H, D] per layer,
      shuffled block ids) beside ``get_into`` a contiguous tensor.
 
@@ -51,6 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,6 +315,21 @@ class Rig:
         return run
 
 
+def split_memcpy(src: np.ndarray, dst: np.ndarray, threads: int) -> Callable[[], object]:
+    """memcpy of ``src`` into ``dst`` split in ``threads`` parts, one per thread (numpy lets go of the
+    GIL): the copy bandwidth of every core, which the daemon's copy of a put's blocks uses."""
+    pool = ThreadPoolExecutor(max(1, threads - 1))
+    cuts = [len(src) * i // threads for i in range(threads + 1)]
+
+    def run() -> None:
+        rest = [pool.submit(np.copyto, dst[a:b], src[a:b]) for a, b in zip(cuts[1:-1], cuts[2:], strict=True)]
+        np.copyto(dst[: cuts[1]], src[: cuts[1]])
+        for f in rest:
+            f.result()
+
+    return run
+
+
 def limit_of(rates: dict[str, float]) -> tuple[str, float]:
     """The faster memcpy of the section: the limit its figures are read against."""
     name = max(("memcpy (torch copy_)", "memcpy (numpy copyto)"), key=lambda k: rates[k])
@@ -451,7 +469,14 @@ def put_section(rig: Rig) -> list[Figure]:
     def empty_store() -> None:
         c.evict(all=True)
 
-    runs = {**rig.memcpy(), "put, shared memory": put(c), "put, socket": put(rig.sock)}
+    cores = os.cpu_count() or 1
+    every_core = f"memcpy on every core (numpy copyto, {cores} threads)"
+    runs = {
+        **rig.memcpy(),
+        every_core: split_memcpy(rig.src.numpy(), rig.dst.numpy(), cores),
+        "put, shared memory": put(c),
+        "put, socket": put(rig.sock),
+    }
     before = {"put, shared memory": empty_store, "put, socket": empty_store}
     puts = rig.rates(interleaved(runs, rig.repeat, before=before))
     print(f"\n-- put of a new 4K prefix into hbm, {rig.src.numel() / 1e6:.1f} MB --")
@@ -460,6 +485,7 @@ def put_section(rig: Rig) -> list[Figure]:
     p = puts["put, shared memory"]
     return [
         Figure("put, shared memory", p, "memcpy", p / limit, f">= {AIM_PUT:.0%}", p / limit >= AIM_PUT),
+        Figure("put, shared memory", p, "memcpy, every core", p / puts[every_core]),
         Figure("put, socket", puts["put, socket"], "memcpy", puts["put, socket"] / limit),
     ]
 

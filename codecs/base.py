@@ -21,6 +21,7 @@ from kvstore.codecs import frame as framing
 from kvstore.codecs.frame import Buffer
 from kvstore.errors import ChecksumMismatch, CodecError, FrameError
 from kvstore.layout import KVLayout
+from kvstore.memcopy import copy_into
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -169,7 +170,7 @@ class Codec(ABC):
             raise FrameError(f"{self.name} frame does not decode: {e}") from e
         if out is None:
             return block
-        return out.copy_(block)
+        return copy_into(out, block)
 
     def _decode_direct(
         self, data: Buffer, layout: KVLayout, params: dict[str, Any], out: torch.Tensor | None

@@ -27,6 +27,7 @@ import torch
 
 from kvstore.errors import LayoutError
 from kvstore.layout import KVLayout
+from kvstore.memcopy import copy_into
 
 
 class PagedKV:
@@ -275,7 +276,7 @@ def write_target(target: KVTarget, t0: int, src: torch.Tensor) -> None:
     if isinstance(target, PagedKV):
         target.write(t0, src)
     else:
-        target[:, :, t0 : t0 + src.shape[2]].copy_(src, non_blocking=True)
+        copy_into(target[:, :, t0 : t0 + src.shape[2]], src, non_blocking=True)
 
 
 def target_view(target: KVTarget, t0: int, n: int) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ from kvstore.chains import Chain, TokenChain
 from kvstore.connection import Connection
 from kvstore.keys import Namespace
 from kvstore.kvbuffers import KVTarget, empty_kv, write_target
+from kvstore.memcopy import copy_into
 from kvstore.results import FailedBlock, GetResult, LookupResult, PutResult
 from kvstore.wire.messages import Get, GetOk, Lookup, LookupOk, Message, Put, PutOk
 from kvstore.wire.protocol import payload_tensor, tensor_payload
@@ -104,7 +105,7 @@ class SocketPath:
             if out is None:
                 out = torch.empty(layout.shape(total * T), dtype=layout.torch_dtype, device=device)
             s = starts[i] * T
-            out[:, :, s : s + reply.blocks * T].copy_(part)
+            copy_into(out[:, :, s : s + reply.blocks * T], part)
 
         self._fetch(ns, tokens, starts, chunk, total, on_reply)
         matched = _matched(starts, got, chunk, total, 0)

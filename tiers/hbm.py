@@ -7,11 +7,13 @@ block's pages are contiguous) plus a move to the requested device.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.errors import LayoutError
+from kvstore.memcopy import Copier
 from kvstore.tiers.base import TierName
 from kvstore.tiers.paged import PagedTier
 from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool, PoolMemory
@@ -38,13 +40,22 @@ class HbmTier(PagedTier):
         device: torch.device | str = "cpu",
         page_bytes: int = DEFAULT_PAGE_BYTES,
         memory: PoolMemory | None = None,
+        copier: Copier | None = None,
     ) -> None:
-        """``memory``: where the pool lives (default: private memory; see kvstore.shm.plane)."""
-        super().__init__(PagePool(capacity_bytes, page_bytes=page_bytes, device=device, memory=memory))
+        """``memory``: where the pool lives (default: private memory; see kvstore.shm.plane).
+        ``copier``: how its host copies run (default: on the calling thread; see kvstore.memcopy)."""
+        super().__init__(
+            PagePool(capacity_bytes, page_bytes=page_bytes, device=device, memory=memory, copier=copier)
+        )
 
     @property
     def device(self) -> torch.device:
         return self._pool.device
+
+    def batched(self) -> AbstractContextManager[None]:
+        """Blocks put by this thread meanwhile are copied together at the end, on the copier's threads
+        (kvstore.tiers.pool.PagePool.batched: reads through this tier see them at once)."""
+        return self._pool.batched()
 
     def can_put(self, block: torch.Tensor) -> bool:
         return self._pool.can_alloc(block.numel() * block.element_size())
@@ -69,7 +80,7 @@ class HbmTier(PagedTier):
                 src = self._pool.view(entry.span, entry.nbytes)
                 if src is None:
                     src = self._pool.read(entry.span, entry.nbytes)
-                return out.copy_(src.view(meta.dtype).view(meta.shape))
+                return self._pool.copier.copy(out, src.view(meta.dtype).view(meta.shape))
             data = self._pool.read(entry.span, entry.nbytes)
         block = data.view(meta.dtype).view(meta.shape)
         if device is not None and torch.device(device) != block.device:

@@ -131,6 +131,7 @@ class PagedTier(Tier):
     def locate(self, key: bytes) -> Place:
         """Where ``key``'s bytes are now. KeyError when absent. The caller keeps it from being dropped
         (a pin) for as long as it is read, and checks the generations afterwards."""
+        self._pool.flush()  # it is read from outside this pool: batched writes must have landed
         with self._lock:
             entry = self._entries[key]
             span = entry.span

@@ -32,13 +32,15 @@ reads take the fast path.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.memcopy import Copier
 from kvstore.tiers.base import TierFull
 
 DEFAULT_PAGE_BYTES = 64 * 1024
@@ -101,12 +103,15 @@ class PagePool:
         device: torch.device | str = "cpu",
         pin_memory: bool = False,
         memory: PoolMemory | None = None,
+        copier: Copier | None = None,
     ) -> None:
-        """``memory``: where the arena and the generations live (default: private to this process)."""
+        """``memory``: where the arena and the generations live (default: private to this process).
+        ``copier``: how host copies into and out of the arena run (default: on the calling thread)."""
         for name, value, low in (("capacity_bytes", capacity_bytes, 0), ("page_bytes", page_bytes, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"page pool {name} must be an integer >= {low}, got {value!r}")
         self.device = resolve_device(device)
+        self.copier = copier or Copier(1)
         self.capacity_bytes = capacity_bytes
         self.page_bytes = page_bytes
         self.num_pages = capacity_bytes // page_bytes
@@ -134,6 +139,10 @@ class PagePool:
         self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._top = self.num_pages
         self._lock = threading.Lock()
+        self._batcher: int | None = None  # the thread whose writes are batched now (``batched``)
+        self._batch = self.copier.batch()
+        self._pending: set[int] = set()  # the first pages of the spans written in the batch
+        self._flushing = threading.Lock()  # held while pending writes run: a reader waits for all of them
 
     # -- checks -----------------------------------------------------------------------
     def pages_for(self, nbytes: int) -> int:
@@ -175,6 +184,7 @@ class PagePool:
 
     def free(self, span: PageSpan) -> None:
         """Return the span's pages to the free list. The span must not be used afterwards."""
+        self.flush()  # a batched write into these pages must not land after they are taken again
         with self._lock:
             if self._top + span.count > self.num_pages:
                 raise RuntimeError("page pool: freeing more pages than were taken (double free)")
@@ -195,7 +205,7 @@ class PagePool:
         data = data.to(self.device, non_blocking=False)
         if span.contiguous:
             start = span.first * self.page_bytes
-            self._flat[start : start + n].copy_(data)
+            self.copier.copy(self._flat[start : start + n], data)
             return
         full = n // self.page_bytes
         if full:
@@ -212,12 +222,21 @@ class PagePool:
         n = data.numel() * data.element_size()
         if span.contiguous and n <= span.count * self.page_bytes:
             start = span.first * self.page_bytes
-            self._flat[start : start + n].view(data.dtype).view(data.shape).copy_(data)
+            dst = self._flat[start : start + n].view(data.dtype).view(data.shape)
+            if self._batcher == threading.get_ident() and self.device.type == data.device.type == "cpu":
+                if span.first in self._pending:  # written twice in one batch: the later copy must win
+                    self.flush()
+                with self._lock:
+                    self._pending.add(span.first)
+                self._batch.add(dst, data)
+                return
+            self.copier.copy(dst, data)
             return
         self.write(span, data.detach().contiguous().view(-1).view(torch.uint8))
 
     def read(self, span: PageSpan, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` bytes of the span as a fresh 1-D uint8 tensor on the pool's device."""
+        self.flush()
         if span.contiguous:
             start = span.first * self.page_bytes
             return self._flat[start : start + nbytes].clone()
@@ -230,6 +249,7 @@ class PagePool:
         """
         if not span.contiguous:
             return None
+        self.flush()
         start = span.first * self.page_bytes
         return self._flat[start : start + nbytes]
 
@@ -237,8 +257,43 @@ class PagePool:
         """Flip bits of the byte at ``offset`` of the span's data in place. For corruption tests only."""
         if not 0 <= offset < span.count * self.page_bytes:
             raise IndexError(f"offset {offset} is outside the span's {span.count * self.page_bytes} bytes")
+        self.flush()
         page, pos = span.pages[offset // self.page_bytes], offset % self.page_bytes
         self._pages[page, pos] ^= mask
+
+    # -- batched writes ---------------------------------------------------------------
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Host copies this thread makes meanwhile (``write_tensor`` into contiguous pages) are
+        gathered and run when the block ends, on the copier's threads at once (a put's blocks, each
+        too small to split, copied on every core: kvstore.memcopy.CopyBatch). What is written
+        meanwhile may be read before then only through this pool: every read, view and free here
+        (and the tier's locate) waits for the pending copies first; a page freed may be taken again
+        by a later write of the batch. Other threads' writes are not batched; a batch opened inside
+        another is part of it."""
+        me = threading.get_ident()
+        with self._lock:
+            mine = self._batcher is None
+            if mine:
+                self._batcher = me
+        if not mine:
+            yield
+            return
+        try:
+            yield
+        finally:
+            try:
+                self.flush()
+            finally:
+                with self._lock:
+                    self._batcher = None
+
+    def flush(self) -> None:
+        """Run the batched writes still pending (see ``batched``); returns when all have landed."""
+        with self._flushing:
+            self._batch.finish()
+            with self._lock:
+                self._pending.clear()
 
 
 def _register_host(arena: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ from kvstore.codecs import Codec, check_frame, decode_frame
 from kvstore.codecs.base import bytes_tensor
 from kvstore.codecs.frame import Buffer
 from kvstore.layout import KVLayout
+from kvstore.memcopy import Copier
 from kvstore.tiers.base import FrameTier, TierName
 from kvstore.tiers.paged import PagedTier
 from kvstore.tiers.pool import DEFAULT_PAGE_BYTES, PagePool, PoolMemory
@@ -45,10 +46,18 @@ class RamTier(PagedTier, FrameTier):
         page_bytes: int = DEFAULT_PAGE_BYTES,
         pin_memory: bool | None = None,
         memory: PoolMemory | None = None,
+        copier: Copier | None = None,
     ) -> None:
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         super().__init__(
-            PagePool(capacity_bytes, page_bytes=page_bytes, device="cpu", pin_memory=pin, memory=memory)
+            PagePool(
+                capacity_bytes,
+                page_bytes=page_bytes,
+                device="cpu",
+                pin_memory=pin,
+                memory=memory,
+                copier=copier,
+            )
         )
         self.codec = codec
         # Largest frame seen per layout. Without zstd a codec's frames of one layout are all

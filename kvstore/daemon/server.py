@@ -580,6 +580,11 @@ def serve(config: Config) -> int:
         return EXIT_REFUSED
 
     server = Server(config, None, ctx, auth=auth)
+    # a commit's copy out of staging (and a pool's other host copies) on every core: one core cannot
+    # saturate the memory bus (kvstore.memcopy), and the client that waits for it leaves its core idle
+    from kvstore.memcopy import Copier
+
+    copier = Copier(os.cpu_count() or 1)
 
     def open_store() -> Store:
         from kvstore.shm.segment import NoRoom
@@ -587,13 +592,15 @@ def serve(config: Config) -> int:
 
         plane = open_plane(config)
         try:
-            store = Store.from_config(config, memory=None if plane is None else plane.pool_memory)
+            store = Store.from_config(
+                config, memory=None if plane is None else plane.pool_memory, copier=copier
+            )
         except NoRoom as e:
             assert plane is not None
             plane.close()
             log.warning("shared memory off: %s; clients use the socket", e)
             plane = None
-            store = Store.from_config(config)
+            store = Store.from_config(config, copier=copier)
         except BaseException:
             if plane is not None:
                 plane.close()
@@ -616,6 +623,7 @@ def serve(config: Config) -> int:
             server.store.close()  # flushes the write-through queue and closes LMDB
         if server.plane is not None:
             server.plane.close()  # removes the shared segments
+        copier.close()
         ctx.destroy(linger=1000)
         if held is not None:
             held.release()

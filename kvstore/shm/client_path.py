@@ -26,6 +26,7 @@ from kvstore.chains import Chain
 from kvstore.connection import Connection
 from kvstore.keys import Namespace
 from kvstore.kvbuffers import KVTarget, PagedKV
+from kvstore.memcopy import Copier
 from kvstore.results import PutResult
 from kvstore.shm.mapping import SharedMapping
 from kvstore.shm.segment import ShmUnavailable
@@ -53,8 +54,13 @@ class SharedPath:
         self._socket = socket
         self._mapping: SharedMapping | None = None
         self._refused: set[str] = set()  # instances whose segments could not be mapped
+        self._copier = Copier()  # at the thread count this process gives torch
 
     def close(self) -> None:
+        self._unmap()
+        self._copier.close()
+
+    def _unmap(self) -> None:
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
@@ -64,18 +70,18 @@ class SharedPath:
         offers none (tcp, ``shared_memory = "off"``) or they could not be mapped (use the socket)."""
         offer = self._conn.shm_offer
         if offer is None:
-            self.close()  # a daemon that offers none now (restarted with shared_memory = "off")
+            self._unmap()  # a daemon that offers none now (restarted with shared_memory = "off")
             return None
         instance = str(offer.get("instance"))
         if instance in self._refused:  # its segments failed once: not used again
-            self.close()
+            self._unmap()
             return None
         m = self._mapping
         if m is not None and m.instance == instance:
             return m
-        self.close()
+        self._unmap()
         try:
-            self._mapping = SharedMapping(offer)
+            self._mapping = SharedMapping(offer, self._copier)
         except ShmUnavailable as e:
             log.warning("shared memory offered but not usable (%s); using the socket", e)
             self._refused.add(instance)
@@ -275,7 +281,7 @@ class SharedPath:
         if isinstance(src, PagedKV):
             src.read(s * T, view)
         else:
-            view.copy_(src[:, :, s * T : e * T])
+            self._copier.copy(view, src[:, :, s * T : e * T])
         return Commit(
             ns=ns.id,
             **tokens.head(e, T).fields(),

@@ -28,6 +28,7 @@ from kvstore.codecs import decode_frame
 from kvstore.errors import FrameError
 from kvstore.kvbuffers import KVTarget, target_view, write_target
 from kvstore.layout import KVLayout
+from kvstore.memcopy import Copier
 from kvstore.shm.segment import Segment, ShmUnavailable
 
 
@@ -49,7 +50,9 @@ class _Mapped:
 class SharedMapping:
     """A daemon's shared segments, mapped in this process. ShmUnavailable when they cannot be."""
 
-    def __init__(self, offer: dict[str, Any]) -> None:
+    def __init__(self, offer: dict[str, Any], copier: Copier | None = None) -> None:
+        """``copier``: how raw blocks are copied out (default: on the calling thread)."""
+        self._copier = copier or Copier(1)
         try:
             self.instance = str(offer["instance"])
             self.per_client = int(offer["per_client"])
@@ -174,7 +177,7 @@ class SharedMapping:
                             raise ShmUnavailable(f"raw block {j} is {data.numel()} bytes, not {nb}")
                         block = data.view(layout.torch_dtype).view(layout.shape(T))
                         if slot is not None:
-                            slot.copy_(block, non_blocking=True)
+                            self._copier.copy(slot, block, non_blocking=True)
                     if slot is None:
                         write_target(target, t0 + j * T, block)
                     j += 1
@@ -190,7 +193,7 @@ class SharedMapping:
             src = src.view(layout.torch_dtype).view(k - j, *layout.shape(T))
             if isinstance(target, torch.Tensor):
                 dst = target[:, :, t0 + j * T : t0 + k * T].unflatten(2, (k - j, T)).permute(2, 0, 1, 3, 4, 5)
-                dst.copy_(src, non_blocking=True)
+                self._copier.copy(dst, src, non_blocking=True)
             else:
                 target.write_blocks(t0 + j * T, src)
             j = k

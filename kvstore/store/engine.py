@@ -88,6 +88,7 @@ from kvstore.tiers.paged import PagedTier, Place
 
 if TYPE_CHECKING:
     from kvstore.config import Config, PolicyConfig
+    from kvstore.memcopy import Copier
     from kvstore.tiers.pool import PoolMemory
 
 
@@ -177,11 +178,17 @@ class Store:
         )
 
     @classmethod
-    def from_config(cls, config: Config, memory: Callable[[str, str], PoolMemory] | None = None) -> Store:
+    def from_config(
+        cls,
+        config: Config,
+        memory: Callable[[str, str], PoolMemory] | None = None,
+        copier: Copier | None = None,
+    ) -> Store:
         """Build the tiers a Config describes (nvme unless ``[nvme] enabled = false``) and a store over them.
 
         ``memory(role, kind)``: where the hbm and ram pools live (kvstore.shm.plane shares them with
-        same-host clients); default: private memory."""
+        same-host clients); default: private memory. ``copier``: how the pools' host copies run
+        (default: on the calling thread; the daemon spreads them over the cores)."""
         from kvstore.codecs import get_codec
         from kvstore.store.cluster_admin import cluster_from_config
         from kvstore.tiers.hbm import HbmTier
@@ -193,6 +200,7 @@ class Store:
             device=config.hbm.resolved_device(),
             page_bytes=p.page_bytes,
             memory=None if memory is None else memory("hbm", "raw"),
+            copier=copier,
         )
         ram = RamTier(
             config.ram.capacity,
@@ -200,6 +208,7 @@ class Store:
             page_bytes=p.page_bytes,
             pin_memory=config.ram.pin_memory,
             memory=None if memory is None else memory("ram", "frames"),
+            copier=copier,
         )
         nvme = None
         if config.nvme.enabled:
@@ -269,7 +278,8 @@ class Store:
                 ready = self._data.prepare_demotions(ns, job.keys[c0:c1])  # codec work: before the lock
                 with self._lock:
                     self._check_open()
-                    new = self._put_chunk(job, c0, c1, ready)
+                    with self.tiers.batched_writes():  # landed before the lock is let go
+                        new = self._put_chunk(job, c0, c1, ready)
                     if hold is not None:
                         self._pins.release(hold)
                     more = not job.failed and c1 < job.end and job.tail is not None

@@ -13,9 +13,11 @@ without ram or nvme; then the numbers close up.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 
 from kvstore.results import InvalidRequest
 from kvstore.tiers.base import FrameTier, Tier
+from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 
 
@@ -39,6 +41,12 @@ class TierSet:
 
     def __iter__(self) -> Iterator[Tier]:
         return iter(self.all)
+
+    def batched_writes(self) -> AbstractContextManager[None]:
+        """A block within which the blocks put into hbm (on the host) are copied together, on every
+        core the pool's copier has, at its end (kvstore.tiers.pool.PagePool.batched)."""
+        hbm = self.all[0]
+        return hbm.batched() if isinstance(hbm, HbmTier) else nullcontext()
 
     def frames(self, t: int) -> FrameTier | None:
         """Tier ``t`` when it takes ready-made frames (ram), else None: only then is a frame for it

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import ConfigError
+from kvstore.memcopy import Copier
 from kvstore.tiers import PagePool, PageSpan, TierFull
 
 
@@ -145,6 +146,92 @@ def test_concurrent_alloc_and_free_keep_the_free_list_consistent() -> None:
         t.join()
     assert pool.free_pages == 64
     assert sorted(int(p) for p in pool._free[: pool._top]) == list(range(64))
+
+
+def _arena_bytes(pool: PagePool, span: PageSpan, n: int) -> torch.Tensor:
+    """What the arena holds now, looked at without the pool (as a client mapping it would)."""
+    start = span.first * pool.page_bytes
+    return pool._flat[start : start + n].clone()
+
+
+PAGE, BLOCK = 1 << 16, 100_000  # big enough to be batched (kvstore.memcopy copies smaller ones at once)
+
+
+def test_batched_writes_land_by_the_end_and_every_read_through_the_pool_sees_them() -> None:
+    # one thread (no helpers): the copies wait for the end, so what the arena holds meanwhile shows it
+    pool = PagePool(PAGE * 16, page_bytes=PAGE, copier=Copier(1))
+    spans = [pool.alloc(BLOCK) for _ in range(4)]
+    srcs = [data(BLOCK, seed=i) for i in range(4)]
+    with pool.batched():
+        for span, src in zip(spans, srcs, strict=True):
+            pool.write_tensor(span, src)
+        assert not _arena_bytes(pool, spans[0], BLOCK).any()  # pending: not copied yet
+        assert torch.equal(pool.read(spans[0], BLOCK), srcs[0])  # a read waits for the pending copies
+        pool.write_tensor(spans[1], srcs[3])
+        assert not torch.equal(_arena_bytes(pool, spans[1], BLOCK), srcs[3])
+        view = pool.view(spans[2], BLOCK)
+        assert view is not None and torch.equal(view, srcs[2])
+        pool.write_tensor(spans[3], srcs[0])
+    assert torch.equal(_arena_bytes(pool, spans[1], BLOCK), srcs[3])
+    assert torch.equal(_arena_bytes(pool, spans[3], BLOCK), srcs[0])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_batch_copied_on_helper_threads_holds_every_block_and_the_later_of_two_writes(threads: int) -> None:
+    pool = PagePool(PAGE * 64, page_bytes=PAGE, copier=Copier(threads))
+    spans = [pool.alloc(BLOCK) for _ in range(20)]
+    srcs = [data(BLOCK, seed=i) for i in range(21)]
+    with pool.batched():
+        for span, src in zip(spans, srcs, strict=False):
+            pool.write_tensor(span, src)
+        pool.write_tensor(spans[7], srcs[20])  # the same pages again in one batch: this copy wins
+    for i, span in enumerate(spans):
+        assert torch.equal(_arena_bytes(pool, span, BLOCK), srcs[20 if i == 7 else i])
+    pool.copier.close()
+
+
+def test_a_page_freed_in_a_batch_and_taken_again_holds_the_later_write() -> None:
+    # block a is written, evicted (its pages freed) and block b takes the same pages, all in one
+    # batch: a's late copy must not land over b's
+    pool = PagePool(PAGE * 8, page_bytes=PAGE, copier=Copier(1))
+    a, b = data(BLOCK, seed=1), data(BLOCK, seed=2)
+    with pool.batched():
+        span = pool.alloc(BLOCK)
+        pool.write_tensor(span, a)
+        pool.free(span)  # waits for a's copy: none may land in pages that can be taken again
+        assert torch.equal(_arena_bytes(pool, span, BLOCK), a)
+        again = pool.alloc(BLOCK)
+        assert again.pages == span.pages
+        pool.write_tensor(again, b)
+    assert torch.equal(_arena_bytes(pool, again, BLOCK), b)
+
+
+def test_only_the_batching_thread_s_writes_wait() -> None:
+    pool = PagePool(PAGE * 16, page_bytes=PAGE, copier=Copier(1))
+    mine, theirs = pool.alloc(BLOCK), pool.alloc(BLOCK)
+    with pool.batched():
+        with pool.batched():  # nested: part of the outer batch
+            pool.write_tensor(mine, data(BLOCK, seed=1))
+        assert not _arena_bytes(pool, mine, BLOCK).any()
+        other = threading.Thread(target=pool.write_tensor, args=(theirs, data(BLOCK, seed=2)))
+        other.start()
+        other.join()
+        assert torch.equal(_arena_bytes(pool, theirs, BLOCK), data(BLOCK, seed=2))  # written at once
+        # another thread's batch meanwhile is not its own: its writes land at once too
+        done = threading.Event()
+
+        def batch_elsewhere() -> None:
+            with pool.batched():
+                pool.write_tensor(theirs, data(BLOCK, seed=3))
+                assert torch.equal(_arena_bytes(pool, theirs, BLOCK), data(BLOCK, seed=3))
+                done.set()
+
+        t = threading.Thread(target=batch_elsewhere)
+        t.start()
+        t.join()
+        assert done.is_set()
+        assert not _arena_bytes(pool, mine, BLOCK).any()
+    assert torch.equal(_arena_bytes(pool, mine, BLOCK), data(BLOCK, seed=1))
 
 
 @pytest.mark.gpu
