@@ -559,7 +559,9 @@ def gpu_section(repeat: int) -> list[Figure]:
     try:
         import cupy  # noqa: F401 - the daemon's GPU pool and this client's IPC mapping need it
     except ImportError:
-        print("  skipped: cupy is not installed (pip install cupy-cuda12x); CUDA IPC needs it")
+        print(
+            "  skipped: cupy is not installed (cupy-cuda12x or -cuda13x, as torch's CUDA); CUDA IPC needs it"
+        )
         return []
     dev = "cuda:0"
     sync = torch.cuda.synchronize

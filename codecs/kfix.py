@@ -41,7 +41,11 @@ class KFix:
         ``codes`` [L, T, H, D] (float8_e4m3fn) and ``scales`` [L, T, H, 1] (float32) are how the
         coarse code holds ``k``; only the chosen channels are decoded here.
         """
-        index = k.square().mean(1).topk(r, dim=-1).indices  # [L, H, r]
+        # float64 (no overflow of a huge value's square into inf ties) and a stable sort (ties in channel
+        # order): topk breaks ties one way on the CPU and another on a GPU, and the same block must pick
+        # the same channels on either
+        score = k.double().square().sum(1)  # [L, H, D]
+        index = score.sort(dim=-1, descending=True, stable=True).indices[..., :r]  # [L, H, r]
         at = _expand(index, k.shape[1])
         decoded = codes.view(torch.uint8).gather(-1, at).view(torch.float8_e4m3fn).to(torch.float32) * scales
         residual = k.gather(-1, at) - decoded

@@ -117,6 +117,9 @@ class PagePool:
         self.num_pages = capacity_bytes // page_bytes
         pin = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
         self.pinned = pin
+        # shared with other processes (kvstore.shm): a GPU write must have landed before the block is
+        # published, since a client reads it on a stream of its own (CUDA IPC)
+        self._shared_gpu = memory is not None and self.device.type == "cuda"
         if memory is not None:
             self._arena, self.gens = memory(capacity_bytes, page_bytes, self.num_pages, self.device)
             self.pinned = pin and _register_host(self._arena)
@@ -206,6 +209,7 @@ class PagePool:
         if span.contiguous:
             start = span.first * self.page_bytes
             self.copier.copy(self._flat[start : start + n], data)
+            self._landed()
             return
         full = n // self.page_bytes
         if full:
@@ -215,6 +219,12 @@ class PagePool:
         rest = n - full * self.page_bytes
         if rest:
             self._pages[span.pages[full], :rest].copy_(data[full * self.page_bytes :])
+        self._landed()
+
+    def _landed(self) -> None:
+        """Wait for this thread's GPU writes into a shared arena (other processes read it next)."""
+        if self._shared_gpu:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def write_tensor(self, span: PageSpan, data: torch.Tensor) -> None:
         """Copy ``data`` (any shape, dtype, strides and device) into the span as its contiguous bytes:
@@ -231,6 +241,7 @@ class PagePool:
                 self._batch.add(dst, data)
                 return
             self.copier.copy(dst, data)
+            self._landed()
             return
         self.write(span, data.detach().contiguous().view(-1).view(torch.uint8))
 
@@ -297,7 +308,18 @@ class PagePool:
 
 
 def _register_host(arena: torch.Tensor) -> bool:
-    """Page-lock host memory allocated elsewhere (a shared segment) for fast GPU copies."""
+    """Page-lock host memory allocated elsewhere (a shared segment) for fast GPU copies: through cupy
+    where it is installed (kvstore.shm.cuda.host_register, which clears a refusal's CUDA error), else
+    through torch (a refusal there is unlikely for writable memory, and would fail torch's next
+    kernel). The registration lasts as long as the process: the segment is unmapped at its exit."""
+    from kvstore.shm.cuda import host_register
+
+    if host_register(arena.data_ptr(), arena.numel(), read_only=False):
+        return True
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        return False  # cupy tried and the driver refused: unpinned
     import torch.cuda
 
     rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)

@@ -23,10 +23,10 @@ def cuda_arena(capacity: int, device: torch.device) -> tuple[torch.Tensor, bytes
     """(arena as a uint8 tensor on ``device``, its IPC handle, the object that keeps it alive)."""
     try:
         import cupy
-    except ImportError:
+    except Exception:  # noqa: BLE001 - not installed, or built for another CUDA
         raise ConfigError(
-            "sharing the hbm pool on a GPU needs cupy (pip install cupy-cuda12x); "
-            'install it or set [server] shared_memory = "off"'
+            "sharing the hbm pool on a GPU needs cupy built for torch's CUDA (pip install cupy-cuda12x or "
+            'cupy-cuda13x); install it or set [server] shared_memory = "off"'
         ) from None
     with cupy.cuda.Device(device.index or 0):
         mem = cupy.cuda.Memory(capacity)  # a plain cudaMalloc
@@ -69,3 +69,42 @@ class IpcArena:
                 cupy.cuda.runtime.ipcCloseMemHandle(self._ptr)
             except Exception:  # noqa: S110 - best effort: the daemon may be gone
                 pass
+
+
+# cudaHostRegister's flags and the device attribute that says whether read-only memory can be registered
+_PORTABLE, _READ_ONLY = 0x1, 0x8
+_READ_ONLY_SUPPORTED = 113  # cudaDevAttrHostRegisterReadOnlySupported
+
+
+def host_register(ptr: int, nbytes: int, *, read_only: bool, device: int = 0) -> bool:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` for every CUDA context (copies to and from a GPU
+    then run at full speed); ``read_only`` for memory mapped without write access. True when
+    registered: the caller calls ``host_unregister(ptr)`` before the memory is unmapped. False when
+    it cannot be (no cupy, a driver that refuses read-only registration, memory already registered):
+    copies still work, staged by the driver, only slower.
+
+    Through cupy, whose error check resets the CUDA runtime's last error: an error left there (as
+    ``torch.cuda.cudart().cudaHostRegister`` leaves it) fails the next kernel torch launches."""
+    try:
+        from cupy.cuda import runtime
+    except ImportError:
+        return False
+    try:
+        if read_only and not runtime.deviceGetAttribute(_READ_ONLY_SUPPORTED, device):
+            return False
+        runtime.hostRegister(ptr, nbytes, _PORTABLE | (_READ_ONLY if read_only else 0))
+    except runtime.CUDARuntimeError:
+        return False
+    return True
+
+
+def host_unregister(ptr: int) -> None:
+    """Undo ``host_register(ptr, ...)`` (best effort: a registration the driver has no record of is
+    ignored). Memory unmapped while registered would leave the driver pinning pages that the next
+    mapping at the same address does not own."""
+    from cupy.cuda import runtime
+
+    try:
+        runtime.hostUnregister(ptr)
+    except runtime.CUDARuntimeError:
+        pass

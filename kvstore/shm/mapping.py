@@ -63,6 +63,7 @@ class SharedMapping:
         self._staging: _Mapped | None = None
         self._staging_path = ""
         self._pinned = False
+        self._registered: list[int] = []  # host addresses page-locked here (unregistered before unmapping)
         self.moved = 0  # blocks not served because their pages changed while they were read
         self.torn = 0  # frames that failed their checks while being read (and were not served)
         try:
@@ -104,12 +105,11 @@ class SharedMapping:
         if self._staging is None or path != self._staging_path:
             seg = Segment.open(path, size, writable=True)
             if self._staging is not None:
-                for old in self._staging.segments:
-                    old.close()
+                self._release(self._staging)
             self._staging = _Mapped("staging", "raw", torch.from_numpy(seg.array()), None, [seg])
             self._staging_path = path
             if self._pinned:
-                torch.cuda.cudart().cudaHostRegister(self._staging.arena.data_ptr(), size, 0)
+                self._register(self._staging.arena, read_only=False)
         return self._staging
 
     def staging_view(self, path: str, size: int, offset: int, nbytes: int) -> torch.Tensor:
@@ -119,16 +119,33 @@ class SharedMapping:
         return arena[offset : offset + nbytes]
 
     def _pin_for(self, device: torch.device) -> None:
-        """Page-lock the host mappings once, so copies to a GPU run at full speed (CUDA hosts)."""
+        """Page-lock the host mappings once, so copies to a GPU run at full speed (CUDA hosts; where the
+        driver refuses, as for read-only memory on some drivers, copies run unpinned, slower)."""
         if self._pinned or device.type != "cuda":
             return
         self._pinned = True
-        cudart = torch.cuda.cudart()
         for m in self.mapped:
             if m is not None and m.arena.device.type == "cpu":
-                cudart.cudaHostRegister(m.arena.data_ptr(), m.arena.numel(), 8)  # cudaHostRegisterReadOnly
+                self._register(m.arena, read_only=True)
         if self._staging is not None:
-            cudart.cudaHostRegister(self._staging.arena.data_ptr(), self._staging.arena.numel(), 0)
+            self._register(self._staging.arena, read_only=False)
+
+    def _register(self, arena: torch.Tensor, *, read_only: bool) -> None:
+        from kvstore.shm.cuda import host_register
+
+        if arena.numel() and host_register(arena.data_ptr(), arena.numel(), read_only=read_only):
+            self._registered.append(arena.data_ptr())
+
+    def _release(self, m: _Mapped) -> None:
+        """Unmap ``m``'s segments, unregistering its memory first if it was page-locked here."""
+        ptr = m.arena.data_ptr() if m.arena.device.type == "cpu" and m.arena.numel() else None
+        if ptr is not None and ptr in self._registered:
+            from kvstore.shm.cuda import host_unregister
+
+            self._registered.remove(ptr)
+            host_unregister(ptr)
+        for seg in m.segments:
+            seg.close()
 
     # -- reads ----------------------------------------------------------------------------
     def _bytes(self, m: _Mapped, extents: np.ndarray) -> torch.Tensor:
@@ -257,9 +274,7 @@ class SharedMapping:
 
     def close(self) -> None:
         for m in [*self.mapped, self._staging]:
-            if m is None:
-                continue
-            for seg in m.segments:
-                seg.close()
+            if m is not None:
+                self._release(m)
         self.mapped = []
         self._staging = None

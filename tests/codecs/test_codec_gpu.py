@@ -37,11 +37,16 @@ def test_gpu_encode_and_decode_match_the_cpu(
     # one unit of the dtype at the slice's scale (in practice bit for bit)
     on_gpu = decode_frame(cpu_frame, device="cuda")
     assert on_gpu.device.type == "cuda" and on_gpu.dtype == dtype
-    ulp = slice_absmax(block) * float(torch.finfo(dtype).eps)
+    # except int4's rotation, a matrix product: BLAS and cuBLAS round float32 sums differently, by a
+    # few units where the dtype is float32 itself (a 16-bit dtype rounds that away)
+    matmul = bool(variant[1].get("rotate")) and dtype == torch.float32
+    ulp = slice_absmax(block) * float(torch.finfo(dtype).eps) * (16 if matmul else 1)
     assert bool(((on_gpu.cpu().double() - want).abs() <= ulp).all())
-    # a frame encoded on the GPU: same size, and it decodes within the codec's promise of the
-    # block and of the CPU's result (a reduction order may move a code by one step)
-    assert len(gpu_frame) == len(cpu_frame)
+    # a frame encoded on the GPU: same size (unless zstd packed codes that moved), and it decodes
+    # within the codec's promise of the block and of the CPU's result (a reduction order may move a
+    # code by one step)
+    if not codec.zstd_level:
+        assert len(gpu_frame) == len(cpu_frame)
     got = decode_frame(gpu_frame, device="cuda").cpu().double()
     if codec.lossless:
         assert torch.equal(got, block.double()) and bytes(gpu_frame) == bytes(cpu_frame)
@@ -51,4 +56,5 @@ def test_gpu_encode_and_decode_match_the_cpu(
     bound = promise * slice_absmax(block) + ulp
     assert bool(((got - block.double()).abs() <= bound).all())
     assert bool(((got - want).abs() <= 2 * bound).all())
-    assert float((got == want).double().mean()) > 0.99
+    if not matmul:  # a rotated code moves wherever a product's rounding crosses a step
+        assert float((got == want).double().mean()) > 0.99
