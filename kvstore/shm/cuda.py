@@ -36,6 +36,22 @@ def cuda_arena(capacity: int, device: torch.device) -> tuple[torch.Tensor, bytes
     return torch.from_dlpack(arr), handle, (mem, arr)
 
 
+def device_uuid(device: torch.device) -> str:
+    """The GPU's UUID, the same in every process whatever devices each one sees."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_device(uuid: str | None, fallback: str) -> str | None:
+    """This process's ``cuda:N`` for the GPU with ``uuid`` (None: this process does not see it);
+    ``fallback`` (the daemon's own name for it) when the daemon sent no UUID."""
+    if not uuid:
+        return fallback
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return f"cuda:{i}"
+    return None
+
+
 class IpcArena:
     """A client's view of the daemon's hbm arena through its IPC handle (read from, never written)."""
 

@@ -81,9 +81,14 @@ class SharedMapping:
         num_pages = int(s["num_pages"])
         if str(s["device"]).startswith("cuda"):
             try:
-                from kvstore.shm.cuda import IpcArena
+                from kvstore.shm.cuda import IpcArena, local_device
 
-                ipc = IpcArena(bytes(s["ipc"]), int(s["capacity"]), str(s["device"]))
+                if not torch.cuda.is_available():
+                    raise ShmUnavailable("the hbm pool is on a GPU and this process sees no CUDA device")
+                device = local_device(s.get("uuid"), str(s["device"]))
+                if device is None:
+                    raise ShmUnavailable("the hbm pool is on a GPU this process does not see")
+                ipc = IpcArena(bytes(s["ipc"]), int(s["capacity"]), device)
             except ShmUnavailable:
                 return None  # this client reads that pool's blocks through staging
             gseg = Segment.open(s["gens_path"], int(s["gens_size"]), writable=False)

@@ -188,7 +188,11 @@ class SharedPlane:
         return allocate
 
     def offer(self) -> dict[str, Any]:
-        """What a hello reply tells a same-host client: the segments to map and how to read them."""
+        """What a hello reply tells a same-host client: the segments to map and how to read them. A GPU
+        pool is named by its device's UUID too: ``cuda:N`` is another GPU in a process that sees
+        another set of devices (CUDA_VISIBLE_DEVICES)."""
+        from kvstore.shm.cuda import device_uuid
+
         segments = []
         for p in self._pools:
             segments.append(
@@ -204,6 +208,7 @@ class SharedPlane:
                     "gens_size": p.gens_segment.size,
                     "gens_offset": p.gens_offset,
                     "device": str(p.device),
+                    "uuid": None if p.ipc is None else device_uuid(p.device),
                     "ipc": p.ipc,
                 }
             )
