@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -64,16 +64,14 @@ class Copier:
         width = _SAME_WIDTH[dst.element_size()]
         d, s = dst.view(width).numpy(), src.detach().view(width).numpy()
         bounds = [d.shape[0] * i // parts for i in range(parts + 1)]
-        helpers = self._pool()
-        done: list[Future[None]] = [
-            helpers.submit(np.copyto, d[a:b], s[a:b], casting="no")
-            for a, b in zip(bounds[1:-1], bounds[2:], strict=True)
-        ]
+        done: list[Future[None]] = []
         try:
+            helpers = self._pool()
+            for a, b in zip(bounds[1:-1], bounds[2:], strict=True):
+                done.append(helpers.submit(np.copyto, d[a:b], s[a:b], casting="no"))
             np.copyto(d[: bounds[1]], s[: bounds[1]], casting="no")
         finally:
-            for f in done:
-                f.result()
+            _settle(done)
         return dst
 
     def batch(self) -> CopyBatch:
@@ -102,12 +100,14 @@ class CopyBatch:
     They run at the end, not as they come, because a helper that needs the GIL while the writer runs
     Python waits for the interpreter's switch interval (5 ms): measured on a 2-core VM, copies started
     as they came made a put's store no faster than copying on one core. The destinations of the
-    copies pending at once must not overlap. Thread-safe."""
+    copies pending at once must not overlap. Thread-safe: ``add`` from one thread while others call
+    ``finish`` (the finishes run one at a time)."""
 
     def __init__(self, copier: Copier) -> None:
         self._copier = copier
         self._queue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # append/popleft are atomic
         self._bytes = 0
+        self._finishing = threading.Lock()  # a second finish waits for the copies the first one runs
 
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)``, now (not host bytes: a device, a cast) or by ``finish``; ``src`` is
@@ -119,24 +119,44 @@ class CopyBatch:
         self._bytes += dst.numel() * dst.element_size()
 
     def finish(self) -> None:
-        """Run the copies added so far; returns when every one has landed."""
-        threads = self._copier.threads or torch.get_num_threads()
-        helpers = min(threads - 1, len(self._queue) - 1, self._bytes // self._copier.part_bytes - 1)
-        self._bytes = 0
-        running = [self._copier._pool().submit(self._drain) for _ in range(max(0, helpers))]
-        try:
-            self._drain()
-        finally:
-            for f in running:
-                f.result()
+        """Run the copies added so far; returns when every one has been made, also when one failed
+        (the first failure is raised then, after all the others ran: none is left queued, and none is
+        still running, to land after the caller moved on)."""
+        with self._finishing:
+            threads = self._copier.threads or torch.get_num_threads()
+            helpers = min(threads - 1, len(self._queue) - 1, self._bytes // self._copier.part_bytes - 1)
+            self._bytes = 0
+            running: list[Future[None]] = []
+            try:
+                pool = self._copier._pool() if helpers > 0 else None
+                for _ in range(max(0, helpers)):
+                    assert pool is not None
+                    running.append(pool.submit(self._drain))
+                self._drain()
+            finally:
+                _settle(running)
 
     def _drain(self) -> None:
+        """Make the queued copies until none is left; the first failure is raised after the rest."""
+        failed: BaseException | None = None
         while True:
             try:
                 d, s = self._queue.popleft()
             except IndexError:
-                return
-            _memcpy(d, s)
+                break
+            try:
+                _memcpy(d, s)
+            except BaseException as e:  # noqa: BLE001 - raised below, once the queue is empty
+                failed = failed or e
+        if failed is not None:
+            raise failed
+
+
+def _settle(running: list[Future[None]]) -> None:
+    """Wait for every one of ``running``, then raise the first failure among them (if any)."""
+    wait(running)
+    for f in running:
+        f.result()
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:

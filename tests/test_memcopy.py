@@ -155,3 +155,41 @@ def test_a_batch_s_copies_land_by_its_finish_each_the_same_bytes(threads: int) -
             pages[order[i]].view(torch.int16), prefix[:, :, i * T : (i + 1) * T].view(torch.int16)
         )
     assert torch.equal(pairs[-1][0], pairs[-1][1].float())
+
+
+def test_a_batch_with_failed_copies_makes_every_other_copy_before_it_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # four copies on four threads: three fail (injected), one is slow. finish() raises only once the
+    # slow one has landed: nothing is left running behind the caller (a pool's flush that returned
+    # early would let a freed page be taken again while a copy still lands in it), nor queued
+    import time
+
+    import kvstore.memcopy as memcopy
+
+    real = memcopy._memcpy
+    copier = Copier(4, part_bytes=1)
+    try:
+        for _ in range(5):  # which thread takes which copy varies: a few rounds
+            dsts = [torch.zeros(1 << 15, dtype=torch.int16) for _ in range(4)]
+            batch = copier.batch()
+            for d in dsts:
+                batch.add(d, torch.ones(1 << 15, dtype=torch.int16))
+            slow = dsts[3]
+
+            def failing_but_one(d: torch.Tensor, s: torch.Tensor, slow: torch.Tensor = slow) -> None:
+                if d is slow:
+                    time.sleep(0.2)
+                    real(d, s)
+                    return
+                time.sleep(0.01)
+                raise RuntimeError("injected copy failure")
+
+            monkeypatch.setattr(memcopy, "_memcpy", failing_but_one)
+            with pytest.raises(RuntimeError, match="injected"):
+                batch.finish()
+            assert bool(slow.eq(1).all())  # landed before finish returned
+            monkeypatch.setattr(memcopy, "_memcpy", real)
+            batch.finish()  # nothing left over
+    finally:
+        copier.close()

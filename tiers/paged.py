@@ -131,7 +131,6 @@ class PagedTier(Tier):
     def locate(self, key: bytes) -> Place:
         """Where ``key``'s bytes are now. KeyError when absent. The caller keeps it from being dropped
         (a pin) for as long as it is read, and checks the generations afterwards."""
-        self._pool.flush()  # it is read from outside this pool: batched writes must have landed
         with self._lock:
             entry = self._entries[key]
             span = entry.span
@@ -139,6 +138,9 @@ class PagedTier(Tier):
             pages_np = pages.numpy() if pages is not None else np.asarray(span.pages, dtype=np.int64)
             gens = self._pool.gens[pages_np]
             nbytes = entry.nbytes
+        # it is read from outside this pool: the batched write that published the entry has landed
+        # (flushed after the entry was found: a write published just before would be queued already)
+        self._pool.flush()
         if span.contiguous:
             runs = [(span.first * self.page_bytes, nbytes)]
         else:

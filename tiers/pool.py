@@ -234,11 +234,14 @@ class PagePool:
             start = span.first * self.page_bytes
             dst = self._flat[start : start + n].view(data.dtype).view(data.shape)
             if self._batcher == threading.get_ident() and self.device.type == data.device.type == "cpu":
-                if span.first in self._pending:  # written twice in one batch: the later copy must win
-                    self.flush()
-                with self._lock:
+                # marked and queued together: a flush on another thread (a reader) in between would
+                # clear the mark of a copy it did not run
+                with self._flushing:
+                    if span.first in self._pending:  # written twice in one batch: the later copy must win
+                        self._batch.finish()
+                        self._pending.clear()
                     self._pending.add(span.first)
-                self._batch.add(dst, data)
+                    self._batch.add(dst, data)
                 return
             self.copier.copy(dst, data)
             self._landed()
@@ -300,10 +303,12 @@ class PagePool:
                     self._batcher = None
 
     def flush(self) -> None:
-        """Run the batched writes still pending (see ``batched``); returns when all have landed."""
+        """Run the batched writes still pending (see ``batched``); returns when all have landed (also
+        when one failed: that failure is raised then)."""
         with self._flushing:
-            self._batch.finish()
-            with self._lock:
+            try:
+                self._batch.finish()
+            finally:
                 self._pending.clear()
 
 

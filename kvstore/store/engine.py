@@ -278,8 +278,15 @@ class Store:
                 ready = self._data.prepare_demotions(ns, job.keys[c0:c1])  # codec work: before the lock
                 with self._lock:
                     self._check_open()
-                    with self.tiers.batched_writes():  # landed before the lock is let go
-                        new = self._put_chunk(job, c0, c1, ready)
+                    fresh = [k for k in job.keys[c0:c1] if k not in self._index]
+                    try:
+                        with self.tiers.batched_writes():  # landed before the lock is let go
+                            new = self._put_chunk(job, c0, c1, ready)
+                    except BaseException:
+                        # a batched copy failed: the chunk's new blocks are indexed, their bytes not
+                        # all written; none of them may be served
+                        self._withdraw(fresh)
+                        raise
                     if hold is not None:
                         self._pins.release(hold)
                     more = not job.failed and c1 < job.end and job.tail is not None
@@ -653,6 +660,13 @@ class Store:
                 )
                 self._journal.session(s)
         return new
+
+    def _withdraw(self, keys: list[bytes]) -> None:
+        """(Lock held.) Drop the blocks ``keys`` (with what hangs below them) wherever they are."""
+        for k in keys:
+            e = self._index.get(k)
+            if e is not None:
+                self._mover.drop_block(e)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from kvstore.codecs import get_codec
 from kvstore.keys import block_keys
 from kvstore.store.engine import Store
@@ -58,4 +61,44 @@ def test_a_put_failing_part_way_keeps_and_writes_what_it_stored(tmp_path: Path) 
         assert s.lookup(NS, b).matched_blocks == 4
         assert s.flush(10)
         assert set(block_keys(NS, b)[:4]) <= set(nvme.keys())
+        assert s.check_integrity() == []
+
+
+def test_a_put_whose_batched_copy_fails_serves_none_of_its_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # blocks of 128 KiB: a put's copies into hbm are batched and made when the chunk ends, after the
+    # blocks were indexed. One copy fails (injected): the put raises, and none of the chunk's blocks is
+    # left indexed with pages that were never written (hbm keeps no checksum: they would be served)
+    import kvstore.memcopy as memcopy
+    from kvstore.keys import Namespace
+    from kvstore.layout import KVLayout
+    from kvstore.memcopy import Copier
+
+    layout = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", block_tokens=16)
+    ns, bt, nb = Namespace("m", layout), layout.block_tokens, layout.block_nbytes
+    ids = list(range(4 * bt))
+    data = torch.randn(layout.shape(4 * bt)).to(torch.bfloat16)
+    real, calls = memcopy._memcpy, [0]
+
+    def second_copy_fails(d: torch.Tensor, s: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected copy failure")
+        real(d, s)
+
+    hbm = HbmTier(8 * nb, page_bytes=nb, copier=Copier(1))
+    nvme = NvmeTier(tmp_path / "nvme", 1 << 24, get_codec("raw"))
+    with Store(hbm, None, nvme, tick=0.05) as s:
+        monkeypatch.setattr(memcopy, "_memcpy", second_copy_fails)
+        with pytest.raises(RuntimeError, match="injected"):
+            s.put(ns, ids, data)
+        monkeypatch.setattr(memcopy, "_memcpy", real)
+        assert s.lookup(ns, ids).matched_blocks == 0
+        assert len(hbm) == 0 and hbm.pool.used_pages == 0
+        assert s.flush(10) and set(nvme.keys()).isdisjoint(block_keys(ns, ids))
+        # the same put again stores every block, and they read back as put
+        assert s.put(ns, ids, data).stored == 4
+        got = s.get(ns, ids)
+        assert got.kv is not None and torch.equal(got.kv.view(torch.int16), data.view(torch.int16))
         assert s.check_integrity() == []

@@ -250,3 +250,46 @@ def test_cuda_pool_round_trip() -> None:
 def test_pinned_host_pool_is_page_locked() -> None:
     pool = PagePool(1024, page_bytes=256, pin_memory=True)
     assert pool.pinned and pool._arena.is_pinned()
+
+
+def test_a_readers_flush_cannot_come_between_a_batched_write_and_its_mark(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the span is written twice in one batch (x, then y): the later write must win. A reader on
+    # another thread flushes just as x is queued; were its flush to run between x's mark and x's
+    # queueing, the mark would be cleared with x still queued, y would not wait for x, and a slow
+    # x could land last
+    import time
+
+    import kvstore.memcopy as memcopy
+
+    page = 1 << 17
+    pool = PagePool(page * 4, page_bytes=page, copier=Copier(2, part_bytes=1))
+    span = pool.alloc(page)
+    x = torch.full((page // 2,), 1, dtype=torch.int16)
+    y = torch.full((page // 2,), 2, dtype=torch.int16)
+    real_add, real_copy = pool._batch.add, memcopy._memcpy
+    readers: list[threading.Thread] = []
+
+    def add_while_a_reader_flushes(d: torch.Tensor, s: torch.Tensor) -> None:
+        if not readers:
+            readers.append(threading.Thread(target=pool.flush))
+            readers[0].start()
+            readers[0].join(0.1)  # it may run now, if it can
+        real_add(d, s)
+
+    def slow_x(d: torch.Tensor, s: torch.Tensor) -> None:
+        if s is x:
+            time.sleep(0.2)
+        real_copy(d, s)
+
+    monkeypatch.setattr(pool._batch, "add", add_while_a_reader_flushes)
+    monkeypatch.setattr(memcopy, "_memcpy", slow_x)
+    try:
+        with pool.batched():
+            pool.write_tensor(span, x)
+            pool.write_tensor(span, y)
+        readers[0].join()
+        assert torch.equal(pool.read(span, page).view(torch.int16), y)
+    finally:
+        pool.copier.close()
