@@ -313,19 +313,9 @@ class PagePool:
 
 
 def _register_host(arena: torch.Tensor) -> bool:
-    """Page-lock host memory allocated elsewhere (a shared segment) for fast GPU copies: through cupy
-    where it is installed (kvstore.shm.cuda.host_register, which clears a refusal's CUDA error), else
-    through torch (a refusal there is unlikely for writable memory, and would fail torch's next
-    kernel). The registration lasts as long as the process: the segment is unmapped at its exit."""
+    """Page-lock host memory allocated elsewhere (a shared segment) for fast GPU copies (see
+    kvstore.shm.cuda.host_register). It stays registered for the process's life: the segment is
+    unmapped at its exit."""
     from kvstore.shm.cuda import host_register
 
-    if host_register(arena.data_ptr(), arena.numel(), read_only=False):
-        return True
-    import importlib.util
-
-    if importlib.util.find_spec("cupy") is not None:
-        return False  # cupy tried and the driver refused: unpinned
-    import torch.cuda
-
-    rc = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-    return int(rc) == 0
+    return host_register(arena.data_ptr(), arena.numel(), read_only=False)

@@ -96,15 +96,20 @@ def host_register(ptr: int, nbytes: int, *, read_only: bool, device: int = 0) ->
     """Page-lock ``nbytes`` of host memory at ``ptr`` for every CUDA context (copies to and from a GPU
     then run at full speed); ``read_only`` for memory mapped without write access. True when
     registered: the caller calls ``host_unregister(ptr)`` before the memory is unmapped. False when
-    it cannot be (no cupy, a driver that refuses read-only registration, memory already registered):
-    copies still work, staged by the driver, only slower.
+    it cannot be (a driver that refuses read-only registration, memory already registered; read-only
+    memory without cupy): copies still work, staged by the driver, only slower.
 
     Through cupy, whose error check resets the CUDA runtime's last error: an error left there (as
-    ``torch.cuda.cudart().cudaHostRegister`` leaves it) fails the next kernel torch launches."""
+    ``torch.cuda.cudart().cudaHostRegister`` leaves it) fails the next kernel torch launches. Without
+    cupy, writable memory is registered through torch (a refusal is unlikely there), read-only memory
+    is not (whether the device supports it cannot be asked first)."""
     try:
         from cupy.cuda import runtime
     except ImportError:
-        return False
+        if read_only:
+            return False
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE)
+        return int(rc) == 0
     try:
         if read_only and not runtime.deviceGetAttribute(_READ_ONLY_SUPPORTED, device):
             return False
@@ -118,8 +123,11 @@ def host_unregister(ptr: int) -> None:
     """Undo ``host_register(ptr, ...)`` (best effort: a registration the driver has no record of is
     ignored). Memory unmapped while registered would leave the driver pinning pages that the next
     mapping at the same address does not own."""
-    from cupy.cuda import runtime
-
+    try:
+        from cupy.cuda import runtime
+    except ImportError:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+        return
     try:
         runtime.hostUnregister(ptr)
     except runtime.CUDARuntimeError:
