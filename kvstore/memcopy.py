@@ -128,10 +128,10 @@ class CopyBatch:
             self._bytes = 0
             running: list[Future[None]] = []
             try:
-                pool = self._copier._pool() if helpers > 0 else None
-                for _ in range(max(0, helpers)):
-                    assert pool is not None
-                    running.append(pool.submit(self._drain))
+                if helpers > 0:
+                    pool = self._copier._pool()
+                    for _ in range(helpers):
+                        running.append(pool.submit(self._drain))
                 self._drain()
             finally:
                 _settle(running)

@@ -131,14 +131,17 @@ class SharedMapping:
         self._pinned = True
         for m in self.mapped:
             if m is not None and m.arena.device.type == "cpu":
-                self._register(m.arena, read_only=True)
+                self._register(m.arena, read_only=True, device=device.index or 0)
         if self._staging is not None:
             self._register(self._staging.arena, read_only=False)
 
-    def _register(self, arena: torch.Tensor, *, read_only: bool) -> None:
+    def _register(self, arena: torch.Tensor, *, read_only: bool, device: int = 0) -> None:
+        """Page-lock ``arena`` (``device``: the GPU asked whether read-only memory can be)."""
         from kvstore.shm.cuda import host_register
 
-        if arena.numel() and host_register(arena.data_ptr(), arena.numel(), read_only=read_only):
+        if arena.numel() and host_register(
+            arena.data_ptr(), arena.numel(), read_only=read_only, device=device
+        ):
             self._registered.append(arena.data_ptr())
 
     def _release(self, m: _Mapped) -> None:
