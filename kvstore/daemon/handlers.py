@@ -168,8 +168,13 @@ class Handlers:
 
     def _get(self, msg: Get, ns: Namespace | None) -> Message:
         assert ns is not None
-        r = self.store.get(
-            ns, msg.chain, start_block=msg.start_block, max_blocks=msg.max_blocks, device="cpu"
+        r = self.store.get(  # blocks from the cluster are stored here after the reply (they stay in r)
+            ns,
+            msg.chain,
+            start_block=msg.start_block,
+            max_blocks=msg.max_blocks,
+            device="cpu",
+            adopted=lambda: None,
         )
         if r.kv is None or r.matched_blocks == 0:
             return GetOk(start_block=msg.start_block, blocks=0, tiers=[])
@@ -362,8 +367,16 @@ class Handlers:
                 shape = layout.shape(layout.block_tokens)
                 per = nb // layout.torch_dtype.itemsize
                 outs = [buf[b * per : (b + 1) * per].view(shape) for b in range(k)]  # block-major
+                # blocks from the cluster are stored here from staging after the reply: the range is
+                # kept for that, whatever the client does meanwhile
+                plane.reading(lease)
                 r = self.store.get(
-                    ns, msg.chain, start_block=msg.start_block + len(located.places), max_blocks=k, out=outs
+                    ns,
+                    msg.chain,
+                    start_block=msg.start_block + len(located.places),
+                    max_blocks=k,
+                    out=outs,
+                    adopted=lambda: plane.done_reading(lease, keep=True),
                 )
                 for j in range(r.matched_blocks):
                     extent = np.asarray([[lease.offset + j * nb, nb]], dtype="<i8").tobytes()

@@ -65,8 +65,8 @@ class Lease:
     expires: float
     held: Any = None  # a get's located blocks (kvstore.store.engine.Located)
     staging: Segment | None = None  # the client's staging segment the range is in
-    readers: int = 0  # commits reading the range now (``hold`` .. ``done_reading``)
-    ended: bool = False  # taken while read: given back when the last reader is done
+    readers: int = 0  # the daemon reading the range now (``hold`` or ``reading`` .. ``done_reading``)
+    ended: bool = False  # taken or lapsed while read: given back when the last reader is done
 
 
 @dataclass
@@ -315,15 +315,24 @@ class SharedPlane:
             lease.readers += 1
             return lease
 
+    def reading(self, lease: Lease) -> None:
+        """The daemon reads ``lease``'s range after its reply (a get's blocks from the cluster, stored
+        here from the client's staging): the range is not given back, not even when the lease is
+        taken or lapses, until ``done_reading``. The lease's clock is left as it is."""
+        with self._lock:
+            lease.readers += 1
+
     def done_reading(self, lease: Lease, *, keep: bool) -> None:
-        """A commit is done with ``lease``'s range: kept for the client's next chunk (``keep``, its
-        clock started again) or given back (not ``keep``, or taken meanwhile)."""
+        """The daemon is done with ``lease``'s range: kept (``keep``; a commit's range for the client's
+        next chunk has its clock started again) or given back (not ``keep``, or taken or lapsed
+        meanwhile)."""
         with self._lock:
             lease.readers -= 1
             if lease.readers:
                 return
             if keep and not lease.ended:
-                self._start_clock(lease, None)
+                if lease.expires == math.inf:  # held by a commit (or not armed yet)
+                    self._start_clock(lease, None)
             elif self._leases.get(lease.handle) is lease:
                 del self._leases[lease.handle]
                 self._give_back(lease)
@@ -353,6 +362,9 @@ class SharedPlane:
     def _sweep(self, now: float) -> int:
         lapsed = [lease for lease in self._leases.values() if lease.expires <= now]
         for lease in lapsed:
+            if lease.readers:  # the daemon still reads its range: given back when it is done
+                lease.ended, lease.expires = True, math.inf
+                continue
             del self._leases[lease.handle]
             self._give_back(lease)
         self.lapsed += len(lapsed)

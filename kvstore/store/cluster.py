@@ -9,7 +9,8 @@
     lookup   local walk ends at block i --> leading(keys i..)           one pipelined EXISTS round trip
     get      local blocks read --> read(keys i.., outs)                 pipelined GETEX in batches,
                                                                          checked and decoded into ``outs``
-             --> fill(): what came back is put here (hbm; nvme gets the frames as they are)
+             --> fill(): what came back is put here (hbm; nvme gets the frames as they are),
+                 for the daemon on the adopt thread after the reply (``settle`` waits for it)
 
 Operator calls on the cluster (sessions of other hosts, evict, prefetch) are in cluster_admin.py.
 
@@ -21,8 +22,9 @@ find a block.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from itertools import islice, takewhile
 from typing import Any
 
@@ -41,6 +43,7 @@ from kvstore.tiers.cluster_format import pack_value, unpack_value
 
 log = logging.getLogger(__name__)
 
+ADOPT_WAIT = 30.0  # seconds a request waits at most for the blocks earlier gets are storing here
 FETCH_BATCH = 16  # blocks per pipelined GETEX: bounds the memory one read holds in flight
 LOOKUP_LIMIT = 4096  # blocks one lookup asks the cluster about at most
 
@@ -73,6 +76,8 @@ class ClusterLink:
         self._writer.start(self._write, self._idle)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-cluster-fetch")
         self._decoders = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-decode")
+        self._adopter = ThreadPoolExecutor(1, thread_name_prefix="kvstore-cluster-adopt")
+        self._adopting = Jobs()
 
     # -- writes -----------------------------------------------------------------------
     def submit(self, keys: list[bytes]) -> None:
@@ -155,6 +160,7 @@ class ClusterLink:
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued for up to ``timeout`` seconds, then stop (the cluster is a copy)."""
+        self._adopter.shutdown(wait=True)  # what gets read from the cluster is stored first
         self._writer.drain(timeout)
         self._writer.close()
         self._pool.shutdown(wait=True)
@@ -253,11 +259,57 @@ class ClusterLink:
         keys: Iterator[bytes],
         out: torch.Tensor | None,
         blocks_out: Sequence[torch.Tensor] | None,
+        later: Callable[[], None] | None = None,
     ) -> int:
         """(No lock held.) Blocks ``start + local ..`` (at most ``want - local``; ``missed`` is the first's
         key, ``keys`` yields the rest) from the cluster into ``out`` or ``blocks_out``, then stored here
         as a put of them would (best effort: a block before them that went meanwhile stops that), and
-        nvme is offered their frames. Returns how many came."""
+        nvme is offered their frames. Returns how many came.
+
+        ``later``: they are stored here on the link's own thread once this has returned (the caller
+        answers its client meanwhile and leaves ``out`` as it is), and ``later()`` is called when that
+        is over; ``settle`` waits for it. Without it they are stored before this returns."""
+        try:
+            n, src, frames = self._fill_read(ns, names, start, local, want, missed, keys, out, blocks_out)
+        except BaseException:
+            if later is not None:
+                later()
+            raise
+
+        def adopt() -> None:
+            try:
+                if n:
+                    if self._offer is not None:
+                        self._offer(frames)  # nvme takes the cluster's frames as they are
+                    self._put(ns, names, src, start_block=start + local, _adopted=True)
+            except StoreClosed:
+                pass
+            finally:
+                if later is not None:
+                    later()
+
+        if later is None or not n:
+            adopt()
+            return n
+        try:
+            self._adopting.add(self._adopter.submit(self._logged, adopt))
+        except RuntimeError:  # the store is closing: nothing is stored any more
+            adopt()
+        return n
+
+    def _fill_read(
+        self,
+        ns: Namespace,
+        names: Chain,
+        start: int,
+        local: int,
+        want: int,
+        missed: bytes,
+        keys: Iterator[bytes],
+        out: torch.Tensor | None,
+        blocks_out: Sequence[torch.Tensor] | None,
+    ) -> tuple[int, torch.Tensor | Sequence[torch.Tensor], dict[bytes, Any]]:
+        """fill's read: how many came, the blocks where they landed, their frames by key."""
         T = ns.layout.block_tokens
         first = start + local
         rest = [missed, *islice(keys, want - local - 1)]
@@ -274,25 +326,57 @@ class ClusterLink:
         frames: dict[bytes, Any] = {}
         n = self.read(ns, rest, parents, dsts, frames)
         if n:
-            if self._offer is not None:
-                self._offer(frames)  # nvme takes the cluster's frames as they are
-            try:
-                if out is not None:
-                    self._put(
-                        ns, names, out[:, :, local * T : (local + n) * T], start_block=first, _adopted=True
-                    )
-                else:  # separate block buffers: one put each (no copy to join them)
-                    for j in range(n):
-                        if self._put(ns, names, dsts[j], start_block=first + j, _adopted=True).failed:
-                            break
-            except StoreClosed:
-                pass
             with self._lock:
                 self._counts.tokens_served += n * T
-        return n
+        return n, (out[:, :, local * T : (local + n) * T] if out is not None else dsts[:n]), frames
+
+    @staticmethod
+    def _logged(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception:  # a block the cluster sent that this host failed to keep: it is still there
+            log.exception("storing blocks read from the cluster failed")
+
+    def adopting(self) -> bool:
+        """Whether blocks read from the cluster (``fill(later=...)``) are still being stored here."""
+        self._adopting.discard_done()
+        return bool(self._adopting)
+
+    def settle(self, timeout: float | None = ADOPT_WAIT) -> bool:
+        """Wait (up to ``timeout`` seconds) until the blocks read from the cluster before this call
+        are stored here; False when some still are not."""
+        return self._adopting.wait(timeout)
 
     def status(self) -> dict[str, Any]:
         return {**self.cluster.status(), "queue": self.depth()}
+
+
+class Jobs:
+    """Futures still running, for ``wait``: the ones done are forgotten as they are met."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: list[Future[Any]] = []
+
+    def add(self, job: Future[Any]) -> None:
+        with self._lock:
+            self._running.append(job)
+
+    def discard_done(self) -> None:
+        with self._lock:
+            self._running = [j for j in self._running if not j.done()]
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._running)
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait for the jobs running now; False when ``timeout`` seconds passed first."""
+        with self._lock:
+            running = list(self._running)
+        _, pending = wait(running, timeout)
+        self.discard_done()
+        return not pending
 
 
 def _unpack(key: bytes, value: bytes, ns_id: str, parents: tuple[bytes, ...]) -> tuple[BlockRecord, Any]:

@@ -66,7 +66,7 @@ from kvstore.results import (
     StoreStats,
 )
 from kvstore.store.admin import AdminOps
-from kvstore.store.cluster import ClusterLink
+from kvstore.store.cluster import ADOPT_WAIT, ClusterLink
 from kvstore.store.cluster_admin import ClusterAdmin
 from kvstore.store.counts import StoreCounts
 from kvstore.store.datapath import DataPath, Read
@@ -234,13 +234,15 @@ class Store:
         self,
         ns: Namespace,
         tokens: Any,
-        kv: torch.Tensor,
+        kv: torch.Tensor | Sequence[torch.Tensor],
         *,
         session: str | None = None,
         start_block: int = 0,
         _adopted: bool = False,
     ) -> PutResult:
-        """Store the full blocks of ``kv`` (``[L, 2, n*T(+tail), H, D]``) as blocks ``start_block ..``.
+        """Store the full blocks of ``kv`` (``[L, 2, n*T(+tail), H, D]``) as blocks ``start_block ..``;
+        or ``kv`` a sequence of block tensors (``[L, 2, T, H, D]`` each, a block-major buffer as
+        ``get`` fills), block ``j`` from ``kv[j]``.
 
         ``tokens`` is the whole prefix (at least up to the last full block of
         ``kv``): token ids, or a chain (kvstore.chains: a KeyChain names the
@@ -261,11 +263,17 @@ class Store:
         start = _index_arg("start_block", start_block)
         if session is not None:
             check_session_name(session)
-        ns.layout.check_tensor(kv)
-        n = kv.shape[2] // T
+        if isinstance(kv, torch.Tensor):
+            ns.layout.check_tensor(kv)
+            n = kv.shape[2] // T
+        else:
+            kv = list(kv)
+            for b in kv:
+                ns.layout.check_tensor(b, tokens=T, what="put block")
+            n = len(kv)
         if start + n > chain.blocks(T):
             raise LayoutError(
-                f"kv holds {kv.shape[2]} tokens for blocks from {start}, but the request names only "
+                f"kv holds {n * T} tokens for blocks from {start}, but the request names only "
                 f"{chain.blocks(T)} full blocks: pass the whole prefix"
             )
         keys = chain.keys(ns, start + n)
@@ -314,6 +322,7 @@ class Store:
 
         Where the local tiers end, the cluster tier (if any) is asked about the blocks after, in one
         round trip; those it holds are reported as tier ``cluster``."""
+        self.settle()
         r = self._lookup(ns, tokens, remote=True)
         assert r is not None
         return r
@@ -323,6 +332,8 @@ class Store:
         trip, else None (nothing done, nothing counted).
 
         For the daemon's event loop, which must never wait behind a put's tier or codec work."""
+        if self._cluster is not None and self._cluster.adopting():
+            return None
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -371,6 +382,7 @@ class Store:
         max_blocks: int | None = None,
         device: torch.device | str | None = None,
         out: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        adopted: Callable[[], None] | None = None,
     ) -> GetResult:
         """Read the held blocks ``start_block ..`` of ``tokens`` (at most ``max_blocks``) onto ``device``
         (default CPU) as one ``[L, 2, n*T, H, D]`` tensor; with ``out`` (``[L, 2, >= n*T, H, D]``, the
@@ -382,8 +394,31 @@ class Store:
         one tier up (``promote_on_hit``). A block whose frame fails its checks
         is deleted and counted; the result stops before it unless another tier
         holds a good copy. Blocks after the last local one are read from the
-        cluster tier (if any) and stored locally as a put would (tier ``cluster``).
+        cluster tier (if any) and stored locally as a put would (tier ``cluster``):
+        before this returns, or with ``adopted`` after, on the cluster's own thread
+        (a daemon answers its client first); ``adopted()`` is then called once the
+        result is no longer read (at once when nothing came from the cluster), and
+        until it is ``out`` must stay as it is. A later call of ``lookup``, ``get``,
+        ``locate`` or ``evict`` waits for those blocks to be stored (``settle``).
         """
+        later = [] if adopted is None else [adopted]  # fill takes it out; else it is called here
+        try:
+            return self._get(ns, tokens, start_block, max_blocks, device, out, later)
+        finally:
+            if later:
+                later.pop()()
+
+    def _get(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        start_block: int,
+        max_blocks: int | None,
+        device: torch.device | str | None,
+        out: torch.Tensor | Sequence[torch.Tensor] | None,
+        later: list[Callable[[], None]],
+    ) -> GetResult:
+        self.settle()
         T = ns.layout.block_tokens
         start = _index_arg("start_block", start_block)
         names = as_chain(tokens)
@@ -447,7 +482,18 @@ class Store:
         tiers = [self.tiers.names[t] for _, _, t in read]
         if remote and missed is not None and len(read) == len(chain):
             assert self._cluster is not None
-            n = self._cluster.fill(ns, names, start, len(read), want, missed, keys, out, blocks_out)
+            n = self._cluster.fill(
+                ns,
+                names,
+                start,
+                len(read),
+                want,
+                missed,
+                keys,
+                out,
+                blocks_out,
+                later.pop() if later else None,
+            )
             tiers += ["cluster"] * n
         blocks = len(tiers)
         if out is not None and out.shape[2] != blocks * T:
@@ -469,6 +515,7 @@ class Store:
         their bytes are, for ``lease`` seconds (default and cap: the pin lease). The walk stops at the
         first block not held; ``rest`` counts the held blocks after the located ones (whose uppermost
         copy is elsewhere, the cluster tier included: read them with ``get``). End it with ``finish``."""
+        self.settle()
         T = ns.layout.block_tokens
         start = _index_arg("start_block", start_block)
         names = as_chain(tokens)
@@ -525,6 +572,7 @@ class Store:
     def pin(self, keys: list[bytes], lease: float | None = None) -> PinHandle:
         """Pin the held blocks among ``keys`` for ``lease`` seconds (default: the policy's pin lease):
         they are neither evicted nor demoted until ``release`` or the lease ends."""
+        self.settle()
         with self._lock:
             self._check_open()
             return self._pins.pin(
@@ -540,6 +588,7 @@ class Store:
     def evict(self, flt: EvictFilter, *, dry_run: bool = False) -> EvictResult:
         """See AdminOps.evict."""
         self._check_open()
+        self.settle()
         return self._admin.evict(flt, dry_run=dry_run)
 
     def prefetch(
@@ -548,6 +597,7 @@ class Store:
         """See AdminOps.prefetch. A session this host does not know, but the cluster recorded (another
         host stored it), is read from the cluster into this host's tiers and becomes known here."""
         self._check_open()
+        self.settle()
         try:
             return self._admin.prefetch(session, to, start_block=start_block, max_blocks=max_blocks)
         except KeyError:
@@ -559,16 +609,20 @@ class Store:
 
     def sessions(self, tenant: str | None = None) -> list[SessionInfo]:
         """See AdminOps.sessions."""
+        self.settle()
         return self._admin.sessions(tenant)
 
     def usage(self, tenant: str | None = None) -> list[NamespaceUsage]:
         """See AdminOps.usage."""
+        self.settle()
         return self._admin.usage(tenant)
 
     def session(self, name: str) -> SessionDetail:
+        self.settle()
         return self._admin.session(name)
 
     def stats(self) -> StoreStats:
+        self.settle()
         return self._admin.stats()
 
     def check_integrity(self) -> list[str]:
@@ -581,7 +635,14 @@ class Store:
         With write-through off or admission on second use, the blocks not yet on nvme are written now
         (parents first). False when ``timeout`` passed first or a block could not be written (it stays
         queued: a later flush goes on)."""
+        self.settle(timeout)
         return True if self._writeback is None else self._writeback.flush(timeout)
+
+    def settle(self, timeout: float | None = ADOPT_WAIT) -> bool:
+        """Wait (up to ``timeout`` seconds) until the blocks earlier gets read from the cluster with
+        ``adopted`` are stored here, so that what follows sees them (every call that reads or changes
+        the index does). False when some are still being stored."""
+        return True if self._cluster is None else self._cluster.settle(timeout)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until the blocks queued for nvme are written; not a durability point (nothing else is
@@ -641,7 +702,7 @@ class Store:
                 keeps_record = self.tiers.nvme is not None or self._cluster is not None  # both store records
                 pending = Pending(job.base + i, *job.chain.identity(i, T)) if keeps_record else None
                 e = Entry(job.keys[i], parent, job.ns.id, job.tags, now, now, pending)
-                block = job.kv[:, :, (i - job.start) * T : (i - job.start + 1) * T]
+                block = job.block(i)
                 try:
                     stored = self._data.store_new(e, block, ready)
                 except KVStoreError as err:  # a tier failed while room was made (an LMDB delete, say)
@@ -703,7 +764,7 @@ class _PutJob:
     ns: Namespace
     keys: list[bytes]
     chain: Chain  # what names the blocks (what each record keeps: tokens or engine key)
-    kv: torch.Tensor
+    kv: torch.Tensor | list[torch.Tensor]  # [L, 2, n*T, H, D], or n blocks [L, 2, T, H, D]
     start: int
     end: int
     session: str | None
@@ -719,6 +780,13 @@ class _PutJob:
     def __post_init__(self) -> None:
         self.last = self.start - 1
         self.tags = () if self.session is None else (self.session,)
+
+    def block(self, i: int) -> torch.Tensor:
+        """Block ``i`` of the prefix (``start <= i < end``), a view of ``kv``."""
+        if isinstance(self.kv, list):
+            return self.kv[i - self.start]
+        T = self.ns.layout.block_tokens
+        return self.kv[:, :, (i - self.start) * T : (i - self.start + 1) * T]
 
     def fail(self, i: int, code: str, message: str) -> None:
         """Blocks ``i ..`` of the put are not stored, for ``code``."""

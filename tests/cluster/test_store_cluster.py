@@ -6,11 +6,13 @@ host B: lookup -> cluster tiers; get -> from the cluster, checked, decoded, stor
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
+from kvstore.errors import LayoutError
 from kvstore.keys import Namespace
 from kvstore.results import EvictFilter, GetResult
 from kvstore.store.engine import Store
@@ -204,3 +206,41 @@ def test_a_hung_node_costs_one_timeout_then_the_cluster_is_used_again(
     r = b.get(NS, toks)
     assert r.tiers == ["cluster"] * 6 and same(got(r), x)
     assert b.stats().cluster["state"] == "up"  # type: ignore[index]
+
+
+def test_a_get_may_leave_storing_the_cluster_blocks_until_after_it_returns(host: HostFactory) -> None:
+    """``get(adopted=...)`` (what the daemon uses: it answers its client first) stores the cluster's
+    blocks on the link's thread afterwards, calls ``adopted`` once that is over, and every later call
+    that reads the index waits for it."""
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(16, seed=9)
+    a.put(NS, toks, x)
+    written(a, 4)
+    calls: list[str] = []
+    # nothing from the cluster (a local miss with no cluster copy): called before get returns
+    assert b.get(NS, tokens(2, seed=1), adopted=lambda: calls.append("none")).matched_blocks == 0
+    assert calls == ["none"]
+    with pytest.raises(LayoutError):  # a bad request: called too
+        b.get(NS, toks, out=torch.zeros(3), adopted=lambda: calls.append("bad"))
+    assert calls == ["none", "bad"]
+
+    link = b._cluster
+    assert link is not None
+    gate = threading.Event()
+    link._adopter.submit(gate.wait)  # the link's thread is busy: the blocks wait behind this
+    try:
+        out = torch.zeros(LAYOUT.shape(4 * T), dtype=torch.bfloat16)
+        r = b.get(NS, toks, out=out, adopted=lambda: calls.append("stored"))
+        assert r.tiers == ["cluster"] * 4 and same(out, x) and calls == ["none", "bad"]
+        looked: list[list[str]] = []
+        later = threading.Thread(target=lambda: looked.append(b.lookup(NS, toks).tiers))
+        later.start()
+        later.join(0.3)
+        assert later.is_alive() and not looked  # the lookup waits for the blocks to be stored here
+        assert b.try_lookup(NS, toks) is None  # the event loop's lookup hands it to a worker meanwhile
+    finally:
+        gate.set()
+    later.join(10)
+    assert looked == [["hbm"] * 4] and calls == ["none", "bad", "stored"]
+    assert same(got(b.get(NS, toks)), x)  # stored from ``out``, as it was when get returned
+    assert b.stats().cluster["hits"] == 4  # type: ignore[index]

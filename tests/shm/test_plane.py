@@ -152,11 +152,50 @@ def test_staging_leases_are_bounded_per_client_and_lapse(shm_dir: Path) -> None:
         clock.now += 100
         assert plane.hold(late.handle) is late
         plane.arm(late, 1.0)
-        clock.now += 2
-        assert plane.stats()["leases"] == 0
+        clock.now += 2  # lapsed while read: kept until the reading is done, then given back
+        assert plane.stats()["leases"] == 1 and plane.take(late.handle) is None
+        plane.done_reading(late, keep=True)
+        assert plane.stats()["leases"] == 0 and plane.stats()["staging_used"] == 0
     finally:
         plane.close()
     assert not list(shm_dir.iterdir())
+
+
+def test_a_range_the_daemon_reads_after_its_reply_outlives_the_lease(shm_dir: Path) -> None:
+    """A get's blocks from the cluster are stored from the client's staging after the reply: the range
+    is not given back while that reads it, whether the client finishes or its lease lapses first."""
+    clock = Clock()
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=512 << 10, lease=5.0, clock=clock)
+    try:
+        got = plane.reserve(b"a", 300 << 10, held="located", armed=False)
+        plane.reading(got)
+        plane.arm(got)
+        assert plane.take(got.handle) is got  # the client finished first
+        assert plane.stats()["staging_used"] == 300 << 10
+        with pytest.raises(StagingFull):
+            plane.reserve(b"a", 300 << 10)  # not the client's next request's yet
+        plane.done_reading(got, keep=True)
+        assert plane.stats()["staging_used"] == 0 and plane.stats()["leases"] == 0
+
+        lapsing = plane.reserve(b"a", 300 << 10, held="located", armed=False)
+        plane.reading(lapsing)
+        plane.arm(lapsing)
+        clock.now += 6  # the client paused past its lease
+        st = plane.stats()
+        assert st["staging_used"] == 300 << 10 and st["lapsed"] == 1
+        assert plane.take(lapsing.handle) is None  # lapsed: the finish finds nothing
+        plane.done_reading(lapsing, keep=True)
+        assert plane.stats()["staging_used"] == 0 and plane.stats()["leases"] == 0
+
+        quick = plane.reserve(b"a", 300 << 10, held="located", armed=False)
+        plane.reading(quick)
+        plane.done_reading(quick, keep=True)  # read before the reply: the lease goes on as it was
+        plane.arm(quick)
+        clock.now += 4
+        assert plane.stats()["staging_used"] == 300 << 10
+        assert plane.take(quick.handle) is quick and plane.stats()["staging_used"] == 0
+    finally:
+        plane.close()
 
 
 def test_freeing_a_page_bumps_its_generation() -> None:

@@ -25,6 +25,22 @@ def test_put_then_lookup_and_get_return_the_same_blocks(make_store) -> None:
     assert s.check_integrity() == []
 
 
+def test_a_put_of_separate_block_tensors_stores_what_a_put_of_one_tensor_does(make_store) -> None:
+    s = make_store()
+    toks, data = tokens(3), kv(3 * T, seed=4)
+    blocks = [data[:, :, j * T : (j + 1) * T].clone() for j in range(3)]  # block-major, as get fills
+    r = s.put(NS, toks, blocks[1:], start_block=1)
+    assert r.failed and r.failed[0].code == MISSING_PARENT  # block 0 first, as for a tensor
+    assert s.put(NS, toks, blocks).stored == 3
+    assert same(s.get(NS, toks).kv, data)
+    assert s.put(NS, toks, blocks[:2]).present == 2
+    with pytest.raises(LayoutError, match="put block"):
+        s.put(NS, toks, [blocks[0], data[:, :, : T + 1]])  # a block must be T tokens
+    with pytest.raises(LayoutError, match="request names only"):
+        s.put(NS, toks, [*blocks, blocks[0]])  # more blocks than the tokens name
+    assert s.check_integrity() == []
+
+
 def test_only_full_blocks_are_stored_and_matched(make_store) -> None:
     s = make_store(nvme=False)
     # 3 blocks + 2 tail tokens -> 3 blocks stored, the tail is the engine's to recompute
