@@ -13,7 +13,8 @@ and writes it through to the cluster; B has never seen it.
                no codec work in the way but a copy and a checksum); also int8, fp8
     get        B's ``get`` of the prefix with B's own tiers empty (``evict --all`` on B before each
                run): one pipelined round trip per 16 blocks, every frame checked and decoded, and the
-               blocks stored on B; and ``get_into`` an engine's buffer (allocated once, as an engine's
+               blocks stored on B (after B has answered: not timed, but waited for before the next
+               figure); and ``get_into`` an engine's buffer (allocated once, as an engine's
                paged cache is: no fresh memory to fault in). Beside them, measured in the same rounds
                (one of each per round, so that a noisy moment hits every figure alike):
       plain    a redis-py RedisCluster pipelined GET of the same keys: the same bytes, nothing done
@@ -173,6 +174,8 @@ def measure(llm: Any, prompt: Any, n_prefix: int, codec: str, args: argparse.Nam
                             t0 = time.perf_counter()
                             r = read()
                             seconds = time.perf_counter() - t0
+                            cb.flush()  # what B does after answering (storing the blocks) is not left
+                            # to run under the next figure
                             if r.tiers != ["cluster"] * blocks:
                                 raise SystemExit(
                                     f"host B read {r.tiers}, not {blocks} blocks from the cluster"

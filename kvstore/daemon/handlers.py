@@ -23,6 +23,7 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter
 from kvstore.shm.plane import StagingFull
+from kvstore.store.cluster import Adoption
 from kvstore.tiers.base import TierName
 from kvstore.wire.errors import ProtocolError
 from kvstore.wire.messages import (
@@ -174,7 +175,7 @@ class Handlers:
             start_block=msg.start_block,
             max_blocks=msg.max_blocks,
             device="cpu",
-            adopted=lambda: None,
+            adopted=Adoption.now(),
         )
         if r.kv is None or r.matched_blocks == 0:
             return GetOk(start_block=msg.start_block, blocks=0, tiers=[])
@@ -367,8 +368,8 @@ class Handlers:
                 shape = layout.shape(layout.block_tokens)
                 per = nb // layout.torch_dtype.itemsize
                 outs = [buf[b * per : (b + 1) * per].view(shape) for b in range(k)]  # block-major
-                # blocks from the cluster are stored here from staging after the reply: the range is
-                # kept for that, whatever the client does meanwhile
+                # blocks from the cluster are stored here from staging after the client copied them
+                # (its finish, or the lease's end): the range is kept for that, whatever the client does
                 plane.reading(lease)
                 r = self.store.get(
                     ns,
@@ -376,7 +377,7 @@ class Handlers:
                     start_block=msg.start_block + len(located.places),
                     max_blocks=k,
                     out=outs,
-                    adopted=lambda: plane.done_reading(lease, keep=True),
+                    adopted=Adoption(lambda: plane.done_reading(lease, keep=True), lease.copied, plane.lease),
                 )
                 for j in range(r.matched_blocks):
                     extent = np.asarray([[lease.offset + j * nb, nb]], dtype="<i8").tobytes()

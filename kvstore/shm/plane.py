@@ -67,6 +67,7 @@ class Lease:
     staging: Segment | None = None  # the client's staging segment the range is in
     readers: int = 0  # the daemon reading the range now (``hold`` or ``reading`` .. ``done_reading``)
     ended: bool = False  # taken or lapsed while read: given back when the last reader is done
+    copied: threading.Event = field(default_factory=threading.Event)  # set when taken or lapsed
 
 
 @dataclass
@@ -295,6 +296,7 @@ class SharedPlane:
             lease = self._leases.get(handle)
             if lease is None or lease.ended:
                 return None
+            lease.copied.set()
             if lease.readers:
                 lease.ended = True
             else:
@@ -362,6 +364,7 @@ class SharedPlane:
     def _sweep(self, now: float) -> int:
         lapsed = [lease for lease in self._leases.values() if lease.expires <= now]
         for lease in lapsed:
+            lease.copied.set()
             if lease.readers:  # the daemon still reads its range: given back when it is done
                 lease.ended, lease.expires = True, math.inf
                 continue

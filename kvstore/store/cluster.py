@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from itertools import islice, takewhile
 from typing import Any
 
@@ -259,25 +260,28 @@ class ClusterLink:
         keys: Iterator[bytes],
         out: torch.Tensor | None,
         blocks_out: Sequence[torch.Tensor] | None,
-        later: Callable[[], None] | None = None,
+        later: Adoption | None = None,
     ) -> int:
         """(No lock held.) Blocks ``start + local ..`` (at most ``want - local``; ``missed`` is the first's
         key, ``keys`` yields the rest) from the cluster into ``out`` or ``blocks_out``, then stored here
         as a put of them would (best effort: a block before them that went meanwhile stops that), and
         nvme is offered their frames. Returns how many came.
 
-        ``later``: they are stored here on the link's own thread once this has returned (the caller
-        answers its client meanwhile and leaves ``out`` as it is), and ``later()`` is called when that
-        is over; ``settle`` waits for it. Without it they are stored before this returns."""
+        ``later``: they are stored here on the link's own thread after this has returned, once
+        ``later.start`` is set (the caller answers its client meanwhile and leaves ``out`` as it is),
+        and ``later.done()`` is called when that is over; ``settle`` waits for it. Without it they
+        are stored before this returns."""
         try:
             n, src, frames = self._fill_read(ns, names, start, local, want, missed, keys, out, blocks_out)
         except BaseException:
             if later is not None:
-                later()
+                later.done()
             raise
 
         def adopt() -> None:
             try:
+                if later is not None:
+                    later.start.wait(later.wait)
                 if n:
                     if self._offer is not None:
                         self._offer(frames)  # nvme takes the cluster's frames as they are
@@ -286,13 +290,13 @@ class ClusterLink:
                 pass
             finally:
                 if later is not None:
-                    later()
+                    later.done()
 
         if later is None or not n:
             adopt()
             return n
         try:
-            self._adopting.add(self._adopter.submit(self._logged, adopt))
+            self._adopting.add(self._adopter.submit(self._logged, adopt), later.start)
         except RuntimeError:  # the store is closing: nothing is stored any more
             adopt()
         return n
@@ -338,43 +342,66 @@ class ClusterLink:
             log.exception("storing blocks read from the cluster failed")
 
     def adopting(self) -> bool:
-        """Whether blocks read from the cluster (``fill(later=...)``) are still being stored here."""
+        """Whether blocks read from the cluster (``fill(later=...)``) are still to be stored here."""
         self._adopting.discard_done()
         return bool(self._adopting)
 
     def settle(self, timeout: float | None = ADOPT_WAIT) -> bool:
-        """Wait (up to ``timeout`` seconds) until the blocks read from the cluster before this call
-        are stored here; False when some still are not."""
+        """Store the blocks read from the cluster before this call now (those waiting for their
+        ``start`` too), and wait up to ``timeout`` seconds until they are; False when some still are not."""
         return self._adopting.wait(timeout)
 
     def status(self) -> dict[str, Any]:
         return {**self.cluster.status(), "queue": self.depth()}
 
 
+@dataclass
+class Adoption:
+    """How a get (``Store.get(adopted=...)``) leaves storing the blocks the cluster sent to after it
+    returns: on the cluster link's thread, no sooner than ``start`` is set (a daemon sets it when its
+    client has copied them: the two do not compete for the cores), ``wait`` seconds at the latest, or
+    when a later call needs them (``settle``); ``done()`` is called once they are stored (or failed
+    to be), and the get's ``out`` is not read after that."""
+
+    done: Callable[[], None]
+    start: threading.Event = field(default_factory=threading.Event)
+    wait: float = 0.0
+
+    @classmethod
+    def now(cls, done: Callable[[], None] = lambda: None) -> Adoption:
+        """Stored as soon as the get has returned."""
+        a = cls(done)
+        a.start.set()
+        return a
+
+
 class Jobs:
-    """Futures still running, for ``wait``: the ones done are forgotten as they are met."""
+    """Futures still running and the events that let them start, for ``wait``: the ones done are
+    forgotten as they are met."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._running: list[Future[Any]] = []
+        self._running: list[tuple[Future[Any], threading.Event]] = []
 
-    def add(self, job: Future[Any]) -> None:
+    def add(self, job: Future[Any], start: threading.Event) -> None:
         with self._lock:
-            self._running.append(job)
+            self._running.append((job, start))
 
     def discard_done(self) -> None:
         with self._lock:
-            self._running = [j for j in self._running if not j.done()]
+            self._running = [(j, s) for j, s in self._running if not j.done()]
 
     def __bool__(self) -> bool:
         with self._lock:
             return bool(self._running)
 
     def wait(self, timeout: float | None) -> bool:
-        """Wait for the jobs running now; False when ``timeout`` seconds passed first."""
+        """Start the jobs queued now and wait for them; False when ``timeout`` seconds passed first."""
         with self._lock:
             running = list(self._running)
-        _, pending = wait(running, timeout)
+        for _, start in running:
+            start.set()
+        _, pending = wait([j for j, _ in running], timeout)
         self.discard_done()
         return not pending
 

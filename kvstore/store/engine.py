@@ -66,7 +66,7 @@ from kvstore.results import (
     StoreStats,
 )
 from kvstore.store.admin import AdminOps
-from kvstore.store.cluster import ADOPT_WAIT, ClusterLink
+from kvstore.store.cluster import ADOPT_WAIT, Adoption, ClusterLink
 from kvstore.store.cluster_admin import ClusterAdmin
 from kvstore.store.counts import StoreCounts
 from kvstore.store.datapath import DataPath, Read
@@ -382,7 +382,7 @@ class Store:
         max_blocks: int | None = None,
         device: torch.device | str | None = None,
         out: torch.Tensor | Sequence[torch.Tensor] | None = None,
-        adopted: Callable[[], None] | None = None,
+        adopted: Adoption | None = None,
     ) -> GetResult:
         """Read the held blocks ``start_block ..`` of ``tokens`` (at most ``max_blocks``) onto ``device``
         (default CPU) as one ``[L, 2, n*T, H, D]`` tensor; with ``out`` (``[L, 2, >= n*T, H, D]``, the
@@ -395,18 +395,18 @@ class Store:
         is deleted and counted; the result stops before it unless another tier
         holds a good copy. Blocks after the last local one are read from the
         cluster tier (if any) and stored locally as a put would (tier ``cluster``):
-        before this returns, or with ``adopted`` after, on the cluster's own thread
-        (a daemon answers its client first); ``adopted()`` is then called once the
-        result is no longer read (at once when nothing came from the cluster), and
-        until it is ``out`` must stay as it is. A later call of ``lookup``, ``get``,
-        ``locate`` or ``evict`` waits for those blocks to be stored (``settle``).
+        before this returns, or with ``adopted`` after (a daemon answers its client
+        first; see Adoption), and until ``adopted.done()`` is called (at once when
+        nothing came from the cluster) ``out`` must stay as it is. A later call of
+        ``lookup``, ``get``, ``locate``, ``evict`` and the like waits for those
+        blocks to be stored (``settle``).
         """
-        later = [] if adopted is None else [adopted]  # fill takes it out; else it is called here
+        later = [] if adopted is None else [adopted]  # fill takes it out; else it is done here
         try:
             return self._get(ns, tokens, start_block, max_blocks, device, out, later)
         finally:
             if later:
-                later.pop()()
+                later.pop().done()
 
     def _get(
         self,
@@ -416,7 +416,7 @@ class Store:
         max_blocks: int | None,
         device: torch.device | str | None,
         out: torch.Tensor | Sequence[torch.Tensor] | None,
-        later: list[Callable[[], None]],
+        later: list[Adoption],
     ) -> GetResult:
         self.settle()
         T = ns.layout.block_tokens

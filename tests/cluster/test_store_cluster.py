@@ -6,7 +6,6 @@ host B: lookup -> cluster tiers; get -> from the cluster, checked, decoded, stor
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from kvstore.errors import LayoutError
 from kvstore.keys import Namespace
 from kvstore.results import EvictFilter, GetResult
+from kvstore.store.cluster import Adoption
 from kvstore.store.engine import Store
 from tests.cluster.conftest import HostFactory
 from tests.cluster.rediscluster import LocalCluster
@@ -209,38 +209,39 @@ def test_a_hung_node_costs_one_timeout_then_the_cluster_is_used_again(
 
 
 def test_a_get_may_leave_storing_the_cluster_blocks_until_after_it_returns(host: HostFactory) -> None:
-    """``get(adopted=...)`` (what the daemon uses: it answers its client first) stores the cluster's
-    blocks on the link's thread afterwards, calls ``adopted`` once that is over, and every later call
-    that reads the index waits for it."""
+    """``get(adopted=Adoption(...))`` (what the daemon uses: it answers its client first) stores the
+    cluster's blocks on the link's thread afterwards, once ``start`` is set, calls ``done`` once that
+    is over, and every later call that reads the index starts and waits for it."""
     a, b = host("a"), host("b")
     toks, x = tokens(4), kv(16, seed=9)
     a.put(NS, toks, x)
     written(a, 4)
     calls: list[str] = []
-    # nothing from the cluster (a local miss with no cluster copy): called before get returns
-    assert b.get(NS, tokens(2, seed=1), adopted=lambda: calls.append("none")).matched_blocks == 0
-    assert calls == ["none"]
-    with pytest.raises(LayoutError):  # a bad request: called too
-        b.get(NS, toks, out=torch.zeros(3), adopted=lambda: calls.append("bad"))
+    # nothing from the cluster (a local miss with no cluster copy): done before get returns
+    r = b.get(NS, tokens(2, seed=1), adopted=Adoption(lambda: calls.append("none")))
+    assert r.matched_blocks == 0 and calls == ["none"]
+    with pytest.raises(LayoutError):  # a bad request: done too
+        b.get(NS, toks, out=torch.zeros(3), adopted=Adoption(lambda: calls.append("bad")))
     assert calls == ["none", "bad"]
 
-    link = b._cluster
-    assert link is not None
-    gate = threading.Event()
-    link._adopter.submit(gate.wait)  # the link's thread is busy: the blocks wait behind this
-    try:
-        out = torch.zeros(LAYOUT.shape(4 * T), dtype=torch.bfloat16)
-        r = b.get(NS, toks, out=out, adopted=lambda: calls.append("stored"))
-        assert r.tiers == ["cluster"] * 4 and same(out, x) and calls == ["none", "bad"]
-        looked: list[list[str]] = []
-        later = threading.Thread(target=lambda: looked.append(b.lookup(NS, toks).tiers))
-        later.start()
-        later.join(0.3)
-        assert later.is_alive() and not looked  # the lookup waits for the blocks to be stored here
-        assert b.try_lookup(NS, toks) is None  # the event loop's lookup hands it to a worker meanwhile
-    finally:
-        gate.set()
-    later.join(10)
-    assert looked == [["hbm"] * 4] and calls == ["none", "bad", "stored"]
+    out = torch.zeros(LAYOUT.shape(4 * T), dtype=torch.bfloat16)
+    later = Adoption(lambda: calls.append("stored"), wait=60.0)  # until start is set: the client copies
+    r = b.get(NS, toks, out=out, adopted=later)
+    assert r.tiers == ["cluster"] * 4 and same(out, x)
+    time.sleep(0.3)
+    assert calls == ["none", "bad"] and b.try_lookup(NS, toks) is None  # the event loop hands it on
+    looked = b.lookup(NS, toks).tiers  # a call that needs them starts storing them, and waits
+    assert looked == ["hbm"] * 4 and calls == ["none", "bad", "stored"] and later.start.is_set()
     assert same(got(b.get(NS, toks)), x)  # stored from ``out``, as it was when get returned
-    assert b.stats().cluster["hits"] == 4  # type: ignore[index]
+
+    toks2, x2 = tokens(3, seed=2), kv(12, seed=2)
+    a.put(NS, toks2, x2)
+    written(a, 7)
+    soon = Adoption(lambda: calls.append("soon"), wait=60.0)
+    assert b.get(NS, toks2, adopted=soon).tiers == ["cluster"] * 3
+    soon.start.set()  # the client is done: stored without anyone asking
+    deadline = time.monotonic() + 10
+    while calls[-1] != "soon" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls[-1] == "soon" and b.try_lookup(NS, toks2).tiers == ["hbm"] * 3  # type: ignore[union-attr]
+    assert b.stats().cluster["hits"] == 7  # type: ignore[index]
