@@ -23,7 +23,7 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter
 from kvstore.shm.plane import StagingFull
-from kvstore.store.cluster import Adoption
+from kvstore.store.adoption import Adoption
 from kvstore.tiers.base import TierName
 from kvstore.wire.errors import ProtocolError
 from kvstore.wire.messages import (

@@ -10,7 +10,7 @@
     get      local blocks read --> read(keys i.., outs)                 pipelined GETEX in batches,
                                                                          checked and decoded into ``outs``
              --> fill(): what came back is put here (hbm; nvme gets the frames as they are),
-                 for the daemon on the adopt thread after the reply (``settle`` waits for it)
+                 for the daemon after its client has copied them (adoption.py)
 
 Operator calls on the cluster (sessions of other hosts, evict, prefetch) are in cluster_admin.py.
 
@@ -22,10 +22,8 @@ find a block.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from itertools import islice, takewhile
 from typing import Any
 
@@ -37,6 +35,7 @@ from kvstore.errors import FrameError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
 from kvstore.results import PutResult, StoreClosed
+from kvstore.store.adoption import ADOPT_WAIT, Adopter, Adoption
 from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
 from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable
@@ -44,7 +43,6 @@ from kvstore.tiers.cluster_format import pack_value, unpack_value
 
 log = logging.getLogger(__name__)
 
-ADOPT_WAIT = 30.0  # seconds a request waits at most for the blocks earlier gets are storing here
 FETCH_BATCH = 16  # blocks per pipelined GETEX: bounds the memory one read holds in flight
 LOOKUP_LIMIT = 4096  # blocks one lookup asks the cluster about at most
 
@@ -77,8 +75,7 @@ class ClusterLink:
         self._writer.start(self._write, self._idle)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-cluster-fetch")
         self._decoders = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-decode")
-        self._adopter = ThreadPoolExecutor(1, thread_name_prefix="kvstore-cluster-adopt")
-        self._adopting = Jobs()
+        self._adopter = Adopter()
 
     # -- writes -----------------------------------------------------------------------
     def submit(self, keys: list[bytes]) -> None:
@@ -161,7 +158,7 @@ class ClusterLink:
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued for up to ``timeout`` seconds, then stop (the cluster is a copy)."""
-        self._adopter.shutdown(wait=True)  # what gets read from the cluster is stored first
+        self._adopter.close()  # what gets read from the cluster is stored first
         self._writer.drain(timeout)
         self._writer.close()
         self._pool.shutdown(wait=True)
@@ -280,25 +277,19 @@ class ClusterLink:
 
         def adopt() -> None:
             try:
-                if later is not None:
-                    later.start.wait(later.wait)
-                if n:
-                    if self._offer is not None:
-                        self._offer(frames)  # nvme takes the cluster's frames as they are
-                    self._put(ns, names, src, start_block=start + local, _adopted=True)
+                if self._offer is not None:
+                    self._offer(frames)  # nvme takes the cluster's frames as they are
+                self._put(ns, names, src, start_block=start + local, _adopted=True)
             except StoreClosed:
                 pass
-            finally:
-                if later is not None:
-                    later.done()
 
-        if later is None or not n:
-            adopt()
-            return n
-        try:
-            self._adopting.add(self._adopter.submit(self._logged, adopt), later.start)
-        except RuntimeError:  # the store is closing: nothing is stored any more
-            adopt()
+        if later is None:
+            if n:
+                adopt()
+        elif n:
+            self._adopter.submit(adopt, later)
+        else:
+            later.done()
         return n
 
     def _fill_read(
@@ -334,76 +325,17 @@ class ClusterLink:
                 self._counts.tokens_served += n * T
         return n, (out[:, :, local * T : (local + n) * T] if out is not None else dsts[:n]), frames
 
-    @staticmethod
-    def _logged(job: Callable[[], None]) -> None:
-        try:
-            job()
-        except Exception:  # a block the cluster sent that this host failed to keep: it is still there
-            log.exception("storing blocks read from the cluster failed")
-
     def adopting(self) -> bool:
         """Whether blocks read from the cluster (``fill(later=...)``) are still to be stored here."""
-        self._adopting.discard_done()
-        return bool(self._adopting)
+        return self._adopter.pending()
 
     def settle(self, timeout: float | None = ADOPT_WAIT) -> bool:
         """Store the blocks read from the cluster before this call now (those waiting for their
         ``start`` too), and wait up to ``timeout`` seconds until they are; False when some still are not."""
-        return self._adopting.wait(timeout)
+        return self._adopter.settle(timeout)
 
     def status(self) -> dict[str, Any]:
         return {**self.cluster.status(), "queue": self.depth()}
-
-
-@dataclass
-class Adoption:
-    """How a get (``Store.get(adopted=...)``) leaves storing the blocks the cluster sent to after it
-    returns: on the cluster link's thread, no sooner than ``start`` is set (a daemon sets it when its
-    client has copied them: the two do not compete for the cores), ``wait`` seconds at the latest, or
-    when a later call needs them (``settle``); ``done()`` is called once they are stored (or failed
-    to be), and the get's ``out`` is not read after that."""
-
-    done: Callable[[], None]
-    start: threading.Event = field(default_factory=threading.Event)
-    wait: float = 0.0
-
-    @classmethod
-    def now(cls, done: Callable[[], None] = lambda: None) -> Adoption:
-        """Stored as soon as the get has returned."""
-        a = cls(done)
-        a.start.set()
-        return a
-
-
-class Jobs:
-    """Futures still running and the events that let them start, for ``wait``: the ones done are
-    forgotten as they are met."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running: list[tuple[Future[Any], threading.Event]] = []
-
-    def add(self, job: Future[Any], start: threading.Event) -> None:
-        with self._lock:
-            self._running.append((job, start))
-
-    def discard_done(self) -> None:
-        with self._lock:
-            self._running = [(j, s) for j, s in self._running if not j.done()]
-
-    def __bool__(self) -> bool:
-        with self._lock:
-            return bool(self._running)
-
-    def wait(self, timeout: float | None) -> bool:
-        """Start the jobs queued now and wait for them; False when ``timeout`` seconds passed first."""
-        with self._lock:
-            running = list(self._running)
-        for _, start in running:
-            start.set()
-        _, pending = wait([j for j, _ in running], timeout)
-        self.discard_done()
-        return not pending
 
 
 def _unpack(key: bytes, value: bytes, ns_id: str, parents: tuple[bytes, ...]) -> tuple[BlockRecord, Any]:

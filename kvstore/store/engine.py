@@ -18,7 +18,7 @@
            ├─ DataPath     placing and reading blocks      (datapath.py)
            ├─ WriteBack    write-through, TTL, flush       (writeback.py, writer.py; with nvme)
            ├─ AdminOps     evict, prefetch, stats          (admin.py)
-           ├─ ClusterLink  the shared tier below nvme      (cluster.py, cluster_admin.py; [cluster])
+           ├─ ClusterLink  the shared tier below nvme      (cluster.py, cluster_admin.py, adoption.py)
            └─ PinTable, SessionTable, NamespaceTable, Journal
 
 One RLock, shared by the parts, guards the index and what each tier holds.
@@ -66,7 +66,8 @@ from kvstore.results import (
     StoreStats,
 )
 from kvstore.store.admin import AdminOps
-from kvstore.store.cluster import ADOPT_WAIT, Adoption, ClusterLink
+from kvstore.store.adoption import ADOPT_WAIT, Adoption
+from kvstore.store.cluster import ClusterLink
 from kvstore.store.cluster_admin import ClusterAdmin
 from kvstore.store.counts import StoreCounts
 from kvstore.store.datapath import DataPath, Read

@@ -14,7 +14,7 @@ import torch
 from kvstore.errors import LayoutError
 from kvstore.keys import Namespace
 from kvstore.results import EvictFilter, GetResult
-from kvstore.store.cluster import Adoption
+from kvstore.store.adoption import Adoption
 from kvstore.store.engine import Store
 from tests.cluster.conftest import HostFactory
 from tests.cluster.rediscluster import LocalCluster
