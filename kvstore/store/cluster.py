@@ -268,62 +268,47 @@ class ClusterLink:
         ``later.start`` is set (the caller answers its client meanwhile and leaves ``out`` as it is),
         and ``later.done()`` is called when that is over; ``settle`` waits for it. Without it they
         are stored before this returns."""
+        T = ns.layout.block_tokens
         try:
-            n, src, frames = self._fill_read(ns, names, start, local, want, missed, keys, out, blocks_out)
+            first = start + local
+            rest = [missed, *islice(keys, want - local - 1)]
+            if first > 0:
+                parents: tuple[bytes, ...] = (names.keys(ns, first)[-1],)
+            else:
+                root = names.parent_key(ns)
+                parents = (ns.root(),) if root is None else (root, ns.root())
+            if blocks_out is not None:
+                dsts = list(blocks_out[local:want])
+            else:
+                assert out is not None
+                dsts = [out[:, :, j * T : (j + 1) * T] for j in range(local, want)]
+            frames: dict[bytes, Any] = {}
+            n = self.read(ns, rest, parents, dsts, frames)
         except BaseException:
             if later is not None:
                 later.done()
             raise
+        if not n:
+            if later is not None:
+                later.done()
+            return n
+        with self._lock:
+            self._counts.tokens_served += n * T
+        src = out[:, :, local * T : (local + n) * T] if out is not None else dsts[:n]
 
         def adopt() -> None:
             try:
                 if self._offer is not None:
                     self._offer(frames)  # nvme takes the cluster's frames as they are
-                self._put(ns, names, src, start_block=start + local, _adopted=True)
+                self._put(ns, names, src, start_block=first, _adopted=True)
             except StoreClosed:
                 pass
 
         if later is None:
-            if n:
-                adopt()
-        elif n:
+            adopt()
+        else:
             self._adopter.submit(adopt, later)
-        else:
-            later.done()
         return n
-
-    def _fill_read(
-        self,
-        ns: Namespace,
-        names: Chain,
-        start: int,
-        local: int,
-        want: int,
-        missed: bytes,
-        keys: Iterator[bytes],
-        out: torch.Tensor | None,
-        blocks_out: Sequence[torch.Tensor] | None,
-    ) -> tuple[int, torch.Tensor | Sequence[torch.Tensor], dict[bytes, Any]]:
-        """fill's read: how many came, the blocks where they landed, their frames by key."""
-        T = ns.layout.block_tokens
-        first = start + local
-        rest = [missed, *islice(keys, want - local - 1)]
-        if first > 0:
-            parents: tuple[bytes, ...] = (names.keys(ns, first)[-1],)
-        else:
-            root = names.parent_key(ns)
-            parents = (ns.root(),) if root is None else (root, ns.root())
-        if blocks_out is not None:
-            dsts = list(blocks_out[local:want])
-        else:
-            assert out is not None
-            dsts = [out[:, :, j * T : (j + 1) * T] for j in range(local, want)]
-        frames: dict[bytes, Any] = {}
-        n = self.read(ns, rest, parents, dsts, frames)
-        if n:
-            with self._lock:
-                self._counts.tokens_served += n * T
-        return n, (out[:, :, local * T : (local + n) * T] if out is not None else dsts[:n]), frames
 
     def adopting(self) -> bool:
         """Whether blocks read from the cluster (``fill(later=...)``) are still to be stored here."""
