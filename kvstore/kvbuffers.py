@@ -11,7 +11,7 @@ hand, its block ids. The engines' layouts map onto it without copying::
     SGLang       k_buffer[l], v_buffer[l]: [size, H, D] and the request's token indices
                  (block_size 1)                                      -> PagedKV.sglang
 
-Block-aligned runs move a block per row (``index_copy_``/``index_select`` on
+Block-aligned runs move a block per row (``scatter_rows``/``index_select`` on
 the block dimension, K and V together when they share a tensor); other runs
 move a token per row.
 """
@@ -27,7 +27,7 @@ import torch
 
 from kvstore.errors import LayoutError
 from kvstore.layout import KVLayout
-from kvstore.memcopy import copy_into
+from kvstore.memcopy import CopyBatch, copy_into, scatter_rows
 
 
 class PagedKV:
@@ -206,36 +206,41 @@ class PagedKV:
         for layer in range(len(self.k)):
             s = src[layer]
             if off is None:  # whole blocks: one row per block
-                rows = s.reshape(2, len(blk), self.block_size, *s.shape[2:])
-                if self.kv is not None:
-                    self.kv[layer].index_copy_(1, blk, rows)
-                else:
-                    self.k[layer].index_copy_(0, blk, rows[0])
-                    self.v[layer].index_copy_(0, blk, rows[1])
+                self._put_rows(layer, blk, s.unflatten(1, (len(blk), self.block_size)))
             elif self.kv is not None:
                 self.kv[layer][:, blk, off] = s
             else:
                 self.k[layer][blk, off] = s[0]
                 self.v[layer][blk, off] = s[1]
 
-    def write_blocks(self, t0: int, blocks: torch.Tensor) -> None:
+    def write_blocks(self, t0: int, blocks: torch.Tensor, batch: CopyBatch | None = None) -> None:
         """Scatter whole kvstore blocks ``[n, L, 2, T, H, D]`` (block-major, as they lie in a pool; any
-        device) into tokens ``t0 .. t0+n*T-1``. When a kvstore block is one engine block, each layer
-        takes all of them in one ``index_copy_``; otherwise block by block."""
-        n, T = blocks.shape[0], blocks.shape[3]
-        if T != self.block_size or t0 % T or t0 < self.floor:
+        device) into tokens ``t0 .. t0+n*T-1``. When a kvstore block is a whole number of engine
+        blocks, each layer takes all of them in one scatter; otherwise block by block. ``batch``:
+        host scatters are queued there (run on its Copier's threads by its ``finish``, and ``blocks``
+        must not change until then); the rest are made now."""
+        n, T, bs = blocks.shape[0], blocks.shape[3], self.block_size
+        if T % bs or t0 % bs or t0 < self.floor:
             for b in range(n):
                 self.write(t0 + b * T, blocks[b])
             return
         blocks = blocks.to(self.device, non_blocking=True)
-        ids = self.ids[t0 // T : t0 // T + n]
+        ids = self.ids[t0 // bs : (t0 + n * T) // bs].reshape(n, T // bs)
         for layer in range(len(self.k)):
-            rows = blocks[:, layer].transpose(0, 1)  # [2, n, T, H, D], strided: no copy
-            if self.kv is not None:
-                self.kv[layer].index_copy_(1, ids, rows)
-            else:
-                self.k[layer].index_copy_(0, ids, rows[0])
-                self.v[layer].index_copy_(0, ids, rows[1])
+            # [2, n, T/bs, bs, H, D], strided: no copy
+            rows = blocks[:, layer].unflatten(2, (T // bs, bs)).permute(1, 0, 2, 3, 4, 5)
+            self._put_rows(layer, ids, rows, batch)
+
+    def _put_rows(
+        self, layer: int, ids: torch.Tensor, rows: torch.Tensor, batch: CopyBatch | None = None
+    ) -> None:
+        """Engine blocks ``ids`` (any shape) of ``layer`` from ``rows`` ``[2, *ids.shape, bs, H, D]``."""
+        scatter = scatter_rows if batch is None else batch.add_rows
+        if self.kv is not None:
+            scatter(self.kv[layer], 1, ids, rows)
+        else:
+            scatter(self.k[layer], 0, ids, rows[0])
+            scatter(self.v[layer], 0, ids, rows[1])
 
     def read(self, t0: int, out: torch.Tensor) -> torch.Tensor:
         """Gather tokens ``t0 .. t0+n-1`` into ``out`` (``[L, 2, n, H, D]``, any device). Returns ``out``."""

@@ -15,6 +15,12 @@ cannot saturate the memory bus, two nearly double it. So a host-to-host copy of
 one dtype goes through ``np.copyto`` (which releases the GIL), split along its
 first dimension over a Copier's threads when it is large; every other copy (a
 device on either side, a cast, a broadcast) is ``copy_``'s.
+
+A scatter of rows into an engine's paged buffers (``index_copy_``) moves each
+row element by element on the CPU: 1.2-1.4 GB/s for rows of 6 KB (a 16-token
+page of SmolLM2), against 4.1-4.4 GB/s for numpy's fancy assignment of the
+same rows taken as single opaque elements, a memcpy each. ``scatter_rows`` does
+the latter where the rows are contiguous host bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -105,7 +112,7 @@ class CopyBatch:
 
     def __init__(self, copier: Copier) -> None:
         self._copier = copier
-        self._queue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # append/popleft are atomic
+        self._queue: deque[Callable[[], object]] = deque()  # append/popleft are atomic
         self._bytes = 0
         self._finishing = threading.Lock()  # a second finish waits for the copies the first one runs
 
@@ -115,8 +122,17 @@ class CopyBatch:
         if not _host_bytes(dst, src):
             dst.copy_(src)
             return
-        self._queue.append((dst, src))
+        self._queue.append(lambda: _memcpy(dst, src))
         self._bytes += dst.numel() * dst.element_size()
+
+    def add_rows(self, dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+        """``scatter_rows(dst, dim, index, src)``, now (a device on either side) or by ``finish``;
+        ``index`` and ``src`` are kept alive and must not change until then."""
+        if dst.device.type != "cpu" or src.device.type != "cpu":
+            scatter_rows(dst, dim, index, src)
+            return
+        self._queue.append(lambda: scatter_rows(dst, dim, index, src))
+        self._bytes += src.numel() * src.element_size()
 
     def finish(self) -> None:
         """Run the copies added so far; returns when every one has been made, also when one failed
@@ -141,11 +157,11 @@ class CopyBatch:
         failed: BaseException | None = None
         while True:
             try:
-                d, s = self._queue.popleft()
+                copy = self._queue.popleft()
             except IndexError:
                 break
             try:
-                _memcpy(d, s)
+                copy()
             except BaseException as e:  # noqa: BLE001 - raised below, once the queue is empty
                 failed = failed or e
         if failed is not None:
@@ -168,6 +184,47 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = Fals
         _memcpy(dst, src)
         return dst
     return dst.copy_(src, non_blocking=non_blocking)
+
+
+def scatter_rows(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.index_copy_(dim, index, src)`` for an ``index`` of any shape: ``src`` is shaped
+    ``dst.shape[:dim] + index.shape + dst.shape[dim+1:]``. On the host, when every row (the dims of
+    ``dst`` after ``dim``) is contiguous in both, each row is one memcpy; otherwise ``index_copy_``.
+    Returns ``dst``."""
+    if (
+        dst.dtype == src.dtype
+        and dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and not dst.requires_grad
+    ):
+        rows = _rows(dst, dim + 1)
+        from_rows = _rows(src.detach(), dim + index.dim())
+        if rows is not None and from_rows is not None and rows.dtype == from_rows.dtype:
+            rows[(slice(None),) * dim + (index.cpu().numpy(),)] = from_rows
+            return dst
+    flat = src.reshape(*dst.shape[:dim], index.numel(), *dst.shape[dim + 1 :]).to(dst.device)
+    into = dst
+    if dst.dtype == src.dtype and dst.element_size() in _SAME_WIDTH:  # fp8 has no index_copy_ of its own
+        width = _SAME_WIDTH[dst.element_size()]
+        into, flat = dst.view(width), flat.view(width)
+    into.index_copy_(dim, index.reshape(-1).to(dst.device), flat)
+    return dst
+
+
+def _rows(t: torch.Tensor, k: int) -> np.ndarray | None:
+    """A host tensor as a numpy array of its first ``k`` dims whose elements are its rows (dims
+    ``k..``) as opaque bytes, sharing its memory; None where those rows are not contiguous."""
+    if t.layout != torch.strided or t.is_conj() or t.is_neg() or t.is_quantized or t.numel() == 0:
+        return None
+    expect = 1
+    for size, stride in zip(reversed(t.shape[k:]), reversed(t.stride()[k:]), strict=True):
+        if size != 1 and stride != expect:
+            return None
+        expect *= size
+    shape = (*t.shape[:k], expect)
+    strides = (*t.stride()[:k], 1)
+    flat = torch.as_strided(t, shape, strides).view(torch.uint8).numpy()
+    return flat.view(np.dtype((np.void, expect * t.element_size())))[..., 0]
 
 
 def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ import torch
 from kvstore.errors import LayoutError
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout
+from kvstore.memcopy import Copier
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=8)
 
@@ -116,11 +117,11 @@ def test_tokens_below_the_floor_are_never_written() -> None:
         PagedKV.vllm(caches, [5, 6], 8)
 
 
-@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("block_size", [2, 4, 8])
 @pytest.mark.parametrize("combined", [True, False])
 def test_whole_blocks_land_where_token_writes_put_them(block_size: int, combined: bool) -> None:
     """``write_blocks`` (kvstore blocks as they lie in a pool) equals writing them token range by range."""
-    tokens, nb = 32, 12
+    tokens, nb = 32, 20
     ids = torch.randperm(nb, generator=torch.Generator().manual_seed(3))[: tokens // block_size]
     data = kv(tokens, seed=6)
     pool_blocks = data.unflatten(2, (tokens // 8, 8)).permute(2, 0, 1, 3, 4, 5)  # [n, L, 2, 8, H, D]
@@ -137,6 +138,16 @@ def test_whole_blocks_land_where_token_writes_put_them(block_size: int, combined
     b, cb = target()
     b.write(0, data)
     assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
+    copier = Copier(2, part_bytes=1)  # queued on a batch: nothing lands before its finish
+    try:
+        d, cd = target()
+        batch = copier.batch()
+        d.write_blocks(0, pool_blocks, batch)
+        assert not any(x.any() for x in cd)
+        batch.finish()
+        assert all(torch.equal(x, y) for x, y in zip(cd, cb, strict=True))
+    finally:
+        copier.close()
     c, cc = target()
     c.above(12).write_blocks(0, pool_blocks)
     assert not torch.cat([x.flatten() for x in cc]).eq(0).all()

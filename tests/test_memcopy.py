@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.memcopy import Copier, _host_bytes, copy_into
+from kvstore.memcopy import Copier, _host_bytes, _rows, copy_into, scatter_rows
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -193,3 +193,30 @@ def test_a_batch_with_failed_copies_makes_every_other_copy_before_it_raises(
             batch.finish()  # nothing left over
     finally:
         copier.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_a_scatter_of_rows_is_index_copy_s_bytes_for_any_index_shape(dtype: torch.dtype) -> None:
+    """Rows of a [2, blocks, 16, 3, 8] cache (vLLM's older layout): contiguous rows go by memcpy,
+    strided ones (a row that is a transposed view) by ``index_copy_``; both land where
+    ``index_copy_`` puts them, for a flat index and one shaped [n, k]."""
+    ids = torch.randperm(20, generator=torch.Generator().manual_seed(4))[:12]
+    src = _random((2, 12, 16, 3, 8), dtype)
+    want = torch.zeros(2, 20, 16, 3, 8, dtype=dtype)
+    want.view(torch.uint8).index_copy_(1, ids, src.view(torch.uint8))
+    dst = torch.zeros_like(want)
+    assert _rows(dst, 2) is not None and _rows(src, 2) is not None  # the memcpy path is taken
+    assert scatter_rows(dst, 1, ids, src) is dst
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+    dst.zero_()
+    scatter_rows(dst, 1, ids.reshape(3, 4), src.unflatten(1, (3, 4)))
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+    # rows that are not contiguous: K as a transposed view of a [blocks, 3, 16, 2*8] cache
+    cache = torch.zeros(20, 3, 16, 16, dtype=dtype)
+    k = cache[..., :8].permute(0, 2, 1, 3)
+    assert _rows(k, 1) is None
+    scatter_rows(k, 0, ids, src[0])
+    assert torch.equal(k.contiguous().view(torch.uint8), want[0].view(torch.uint8))
+    assert not cache[..., 8:].view(torch.uint8).any()  # V's half untouched
+    with pytest.raises(IndexError):
+        scatter_rows(dst, 1, torch.tensor([25]), src[:, :1])

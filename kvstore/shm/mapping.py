@@ -187,6 +187,7 @@ class SharedMapping:
         self._pin_for(device)
         located = [self._parse(j, blk, staging) for j, blk in enumerate(blocks)]
         good = len(located)
+        scatters = self._copier.batch()  # a paged target's scatters, shared out over the copier's threads
         j = 0
         while j < len(located):
             m, extents, _, _ = located[j]
@@ -220,8 +221,9 @@ class SharedMapping:
                 dst = target[:, :, t0 + j * T : t0 + k * T].unflatten(2, (k - j, T)).permute(2, 0, 1, 3, 4, 5)
                 self._copier.copy(dst, src, non_blocking=True)
             else:
-                target.write_blocks(t0 + j * T, src)
+                target.write_blocks(t0 + j * T, src, scatters)
             j = k
+        scatters.finish()
         # every copy has finished (on either side of PCIe) before the generations are read
         for dev in {m.arena.device for m, _, _, _ in located} | {device}:
             if dev.type == "cuda":
