@@ -26,6 +26,13 @@ class InvalidRequest(KVStoreError, ValueError):
     code = "invalid_request"
 
 
+def check_index(name: str, v: Any) -> int:
+    """``v``, a block index or count of a request; InvalidRequest unless a non-negative integer."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise InvalidRequest(f"{name} must be a non-negative integer, got {v!r}")
+    return v
+
+
 class InvalidFilter(InvalidRequest):
     """An EvictFilter that selects nothing on purpose (no criterion) or names an unknown tier."""
 

@@ -103,7 +103,7 @@ def cmd_serve(args: argparse.Namespace, out: IO[str]) -> int:
     config = load_config(args.config)
     if args.endpoint:
         config = with_overrides(config, "server", endpoint=args.endpoint)
-    from kvstore.daemon.server import serve
+    from kvstore.daemon.process import serve
 
     return serve(config)
 

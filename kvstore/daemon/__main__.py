@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from kvstore.daemon.server import main
+from kvstore.daemon.process import main
 
 raise SystemExit(main())

@@ -33,16 +33,14 @@ release the endpoint's lock, exit 0. A stop while the store is being built
 waits for it to be built, then closes it.
 
 Longer than most modules: the event loop, the worker hand-off and the start/stop sequence
-share the sockets this class owns (budget.py, startup.py and endpoint.py hold what could go).
+share the sockets this class owns (budget.py, startup.py and endpoint.py hold what could go;
+process.py runs it as the daemon process).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -53,12 +51,11 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from kvstore.config import Config, load_config, runtime_dir
+from kvstore.config import Config
 from kvstore.daemon.auth import OPERATOR, ServerAuth
 from kvstore.daemon.budget import Charge, InflightBudget
-from kvstore.daemon.endpoint import claim, ipc_path, remove_socket, socket_identity
+from kvstore.daemon.endpoint import ipc_path, remove_socket, socket_identity
 from kvstore.daemon.handlers import Handlers, PinQuota
-from kvstore.daemon.heap import keep_scratch
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.startup import Startup
 from kvstore.daemon.tenancy import admit
@@ -537,156 +534,3 @@ class Server:
                 len(self.auth.allowed),
                 ", ".join(tenants) or "none",
             )
-
-
-def _setup_logging(level: str) -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("kvstore").setLevel(level.upper())
-
-
-def serve(config: Config) -> int:
-    """Run the daemon until SIGTERM/SIGINT. Returns 0 after a clean stop, 1 when it refuses to start.
-
-    The endpoint is locked before anything slow happens (a second daemon is refused within a
-    second, naming this one's pid), bound next, and the store built while requests are answered
-    ``starting``; the lock is released last, after the socket file is gone.
-    """
-    _setup_logging(config.server.log_level)
-    _share_cores(config.server.workers)
-    keep_scratch()  # codec temporaries reused from the heap, not mapped afresh per block (heap.py)
-    ctx = zmq.Context()
-    cfg = config.server
-    try:
-        auth = ServerAuth.from_config(cfg.endpoint, cfg.curve_secret_key, cfg.curve_allowed_keys)
-        held = claim(
-            ctx,
-            cfg.endpoint,
-            insecure_tcp_ok=cfg.allow_insecure_tcp,
-            curve=auth is not None,
-            run_dir=runtime_dir(),
-        )
-    except KVStoreError as e:
-        log.error("refusing to start: %s", e)
-        ctx.destroy(linger=0)
-        return EXIT_REFUSED
-    except OSError as e:  # e.g. the socket's directory cannot be made: one line, no traceback
-        log.error(
-            "refusing to start: %s: %s; check [server] endpoint",
-            e.strerror or e,
-            e.filename or cfg.endpoint,
-        )
-        ctx.destroy(linger=0)
-        return EXIT_REFUSED
-
-    server = Server(config, None, ctx, auth=auth)
-    # a commit's copy out of staging (and a pool's other host copies) on every core: one core cannot
-    # saturate the memory bus (kvstore.memcopy), and the client that waits for it leaves its core idle
-    from kvstore.memcopy import Copier
-
-    copier = Copier(os.cpu_count() or 1)
-
-    def open_store() -> Store:
-        from kvstore.shm.segment import NoRoom
-        from kvstore.store.engine import Store
-
-        plane = open_plane(config)
-        try:
-            store = Store.from_config(
-                config, memory=None if plane is None else plane.pool_memory, copier=copier
-            )
-        except NoRoom as e:
-            assert plane is not None
-            plane.close()
-            log.warning("shared memory off: %s; clients use the socket", e)
-            plane = None
-            store = Store.from_config(config, copier=copier)
-        except BaseException:
-            if plane is not None:
-                plane.close()
-            raise
-        server.plane = plane
-        return store
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, _frame: server.stop(signal.Signals(signum).name))
-    try:
-        try:
-            code = server.run(open_store)
-        except (zmq.ZMQError, KVStoreError) as e:
-            log.error("refusing to start: cannot serve %s: %s", config.server.endpoint, e)
-            code = EXIT_REFUSED
-            server.stop("start failed")
-    finally:
-        if server.store is not None:
-            server.store.close()  # flushes the write-through queue and closes LMDB
-        if server.plane is not None:
-            server.plane.close()  # removes the shared segments
-        copier.close()
-        ctx.destroy(linger=1000)
-        if held is not None:
-            held.release()
-    log.info(
-        "stopped (%s); %d requests served%s",
-        server._stop_reason or "loop ended",
-        server.requests,
-        ", store flushed and closed" if server.store is not None else "",
-    )
-    return code
-
-
-def _share_cores(workers: int) -> None:
-    """Give each worker thread its share of the cores for torch's own threads: ``workers`` threads
-    each running a multi-threaded copy or codec on the same cores stall one another."""
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
-
-
-def open_plane(config: Config) -> SharedPlane | None:
-    """The shared-memory data plane for an ``ipc://`` endpoint with ``shared_memory = "auto"``; None
-    otherwise (tcp clients are on other hosts, or confined by CURVE: they use the socket). "auto"
-    degrades to the socket, with a warning, where shared memory cannot be had (no /dev/shm, or one
-    too small for the pools: a container's 64 MiB default); a ``shm_dir`` the operator set must work."""
-    cfg = config.server
-    if cfg.shared_memory == "off" or not cfg.endpoint.startswith("ipc://"):
-        return None
-    from kvstore.shm.plane import SharedPlane
-    from kvstore.shm.segment import default_dir
-
-    try:
-        plane = SharedPlane(
-            cfg.shm_dir or default_dir(),
-            staging_bytes=cfg.shm_staging,
-            per_client=min(cfg.shm_staging_per_client, cfg.shm_staging),
-            lease=config.policy.pin_lease,
-        )
-    except KVStoreError as e:
-        if cfg.shm_dir is not None:  # a directory the operator named must be usable
-            raise
-        log.warning("shared memory off: %s; clients use the socket", e)
-        return None
-    log.info(
-        "shared memory: segments in %s, staging %d bytes (%d per client)",
-        plane.directory,
-        plane.staging_bytes,
-        plane.per_client,
-    )
-    return plane
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.daemon", description="Run the kvstore daemon.")
-    parser.add_argument("--config", help="TOML file (default: $KVSTORE_CONFIG, else built-in defaults)")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config)
-    except KVStoreError as e:
-        print(f"kvstore: {e}", file=sys.stderr)
-        return EXIT_REFUSED
-    return serve(config)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

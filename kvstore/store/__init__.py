@@ -3,6 +3,8 @@
 ::
 
     engine.py     Store: put / lookup / get / pin, composed of the parts below
+    puts.py       a put: new blocks stored after their parent, chunk by chunk
+    reads.py      lookup, get, and located reads for same-host clients
     index.py      which blocks exist, their prefix tree, tier bits and LRU order
     movement.py   making room: demotion, leaf-first dropping, promotion, corruption
     writer.py     the write-through thread and its bounded queue

@@ -1,18 +1,17 @@
-"""The store engine: an index over the tiers, composed of the parts that move, write and report.
+"""The store engine: an index over the tiers, composed of the parts that store, read, move,
+write and report.
 
 ::
 
-    put(ns, tokens, kv)  keys = block_keys(ns, tokens)          (hashing, checks: no lock)
-                         per chunk of 32 blocks: encode the ram frames of the hbm blocks it will
-                         likely push down (no lock), then store it (lock): new blocks -> hbm,
-                         room made by demotion hbm -> ram -> nvme -> gone
-                         new keys -> write-through queue -> writer thread -> nvme (int4, LMDB)
-    lookup(ns, tokens)   walk keys from block 0 while indexed, each hashed as the walk reaches it
-                         (lock, one SHA-256 and one dict lookup a block; a miss ends the hashing)
-    get(ns, tokens)      pin the chain (lease) -> read + decode each block (no lock) -> encode
-                         frames for promotion (no lock) -> touch, promote one tier up, unpin (lock)
+    put(ns, tokens, kv)  per chunk of 32 blocks: new blocks -> hbm, room made by demotion
+                         hbm -> ram -> nvme -> gone; new keys -> write-through -> nvme (puts.py)
+    lookup(ns, tokens)   walk keys from block 0 while indexed, then ask the cluster (reads.py)
+    get(ns, tokens)      pin the chain -> read + decode each block (no lock) -> touch, promote
+                         one tier up, unpin (lock) -> the cluster fills what follows (reads.py)
 
-    Store ─┬─ TierSet      hbm, ram, nvme                  (tierset.py)
+    Store ─┬─ Putter       puts, chunk by chunk           (puts.py)
+           ├─ Reader       lookup, get, locate, finish    (reads.py)
+           ├─ TierSet      hbm, ram, nvme                  (tierset.py)
            ├─ BlockIndex   blocks, prefix tree, LRU        (index.py)
            ├─ Mover        room, demotion, promotion       (movement.py)
            ├─ DataPath     placing and reading blocks      (datapath.py)
@@ -38,22 +37,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
-from itertools import islice
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.chains import Chain, KeyChain, as_chain
-from kvstore.errors import KVStoreError, LayoutError
 from kvstore.keys import Namespace
-from kvstore.kvbuffers import empty_kv
 from kvstore.results import (
-    MISSING_PARENT,
-    NO_ROOM,
     EvictFilter,
     EvictResult,
-    FailedBlock,
     GetResult,
     InvalidRequest,
     LookupResult,
@@ -70,22 +62,23 @@ from kvstore.store.adoption import ADOPT_WAIT, Adoption
 from kvstore.store.cluster import ClusterLink
 from kvstore.store.cluster_admin import ClusterAdmin
 from kvstore.store.counts import StoreCounts
-from kvstore.store.datapath import DataPath, Read
-from kvstore.store.index import BlockIndex, Entry, Pending
+from kvstore.store.datapath import DataPath
+from kvstore.store.index import BlockIndex, Entry
 from kvstore.store.journal import Journal
-from kvstore.store.movement import Frames, Mover
+from kvstore.store.movement import Mover
 from kvstore.store.namespaces import NamespaceTable
 from kvstore.store.parts import StoreParts
 from kvstore.store.pins import PinHandle, PinTable
+from kvstore.store.puts import Putter
+from kvstore.store.reads import Located, Reader
 from kvstore.store.restore import restore
-from kvstore.store.sessions import SessionState, SessionTable, check_session_name
+from kvstore.store.sessions import SessionState, SessionTable
 from kvstore.store.tierset import TierSet
 from kvstore.store.writeback import WriteBack
 from kvstore.store.writer import Admission, WriteThrough
 from kvstore.tiers.base import Tier
 from kvstore.tiers.cluster import ClusterTier
 from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.paged import PagedTier, Place
 
 if TYPE_CHECKING:
     from kvstore.config import Config, PolicyConfig
@@ -177,6 +170,26 @@ class Store:
             lease=self._lease,
             cluster=self._cluster_admin,
         )
+        through = self._writeback if self._write_through and self._admit is Admission.ALWAYS else None
+        self._puts = Putter(
+            parts,
+            self._data,
+            self._mover,
+            self._journal,
+            through,
+            self._cluster,
+            lease=self._lease,
+            touch=self._touch,
+            check_open=self._check_open,
+        )
+        self._reads = Reader(
+            parts,
+            self._data,
+            self._cluster,
+            lease=self._lease,
+            check_open=self._check_open,
+            closed=lambda: self._closed,
+        )
 
     @classmethod
     def from_config(
@@ -259,64 +272,7 @@ class Store:
         New blocks also go to the cluster tier, if any, in the background (``_adopted``: they came
         from it, and are not sent back).
         """
-        T = ns.layout.block_tokens
-        chain = as_chain(tokens)
-        start = _index_arg("start_block", start_block)
-        if session is not None:
-            check_session_name(session)
-        if isinstance(kv, torch.Tensor):
-            ns.layout.check_tensor(kv)
-            n = kv.shape[2] // T
-        else:
-            kv = list(kv)
-            for b in kv:
-                ns.layout.check_tensor(b, tokens=T, what="put block")
-            n = len(kv)
-        if start + n > chain.blocks(T):
-            raise LayoutError(
-                f"kv holds {n * T} tokens for blocks from {start}, but the request names only "
-                f"{chain.blocks(T)} full blocks: pass the whole prefix"
-            )
-        keys = chain.keys(ns, start + n)
-        tail = keys[start - 1] if start > 0 else chain.parent_key(ns)
-        job = _PutJob(ns, keys, chain, kv, start, start + n, session, tail=tail)
-        hold: PinHandle | None = None  # keeps the last chunk's last block in place for the next chunk
-        try:
-            for c0 in range(start, job.end, _CHUNK):  # chunks bound how long the lock is held
-                c1 = min(c0 + _CHUNK, job.end)
-                ready = self._data.prepare_demotions(ns, job.keys[c0:c1])  # codec work: before the lock
-                with self._lock:
-                    self._check_open()
-                    fresh = [k for k in job.keys[c0:c1] if k not in self._index]
-                    try:
-                        with self.tiers.batched_writes():  # landed before the lock is let go
-                            new = self._put_chunk(job, c0, c1, ready)
-                    except BaseException:
-                        # a batched copy failed: the chunk's new blocks are indexed, their bytes not
-                        # all written; none of them may be served
-                        self._withdraw(fresh)
-                        raise
-                    if hold is not None:
-                        self._pins.release(hold)
-                    more = not job.failed and c1 < job.end and job.tail is not None
-                    hold = self._pins.pin([job.tail], self._lease) if more and job.tail is not None else None
-                if self._write_through and self._admit is Admission.ALWAYS and self._writeback is not None:
-                    job.deferred += self._writeback.submit(new)
-                if self._cluster is not None and not _adopted:
-                    self._cluster.submit(new)
-                if job.failed:
-                    break
-        finally:
-            if hold is not None:
-                with self._lock:
-                    self._pins.release(hold)
-        if self._cluster is not None and session is not None and job.last >= job.start:
-            last = job.last + 1
-            tokens = chain.head(last, T).fields().get("tokens")
-            self._cluster.session(
-                session, ns, job.keys[:last], None if tokens is None else tokens.tobytes(), self._clock()
-            )
-        return PutResult(stored=job.stored, present=job.present, failed=job.failed, deferred=job.deferred)
+        return self._puts.put(ns, tokens, kv, session=session, start_block=start_block, adopted=_adopted)
 
     def lookup(self, ns: Namespace, tokens: Any) -> LookupResult:
         """How many leading blocks of ``tokens`` are held (and the uppermost tier of each). Reads nothing.
@@ -324,7 +280,7 @@ class Store:
         Where the local tiers end, the cluster tier (if any) is asked about the blocks after, in one
         round trip; those it holds are reported as tier ``cluster``."""
         self.settle()
-        r = self._lookup(ns, tokens, remote=True)
+        r = self._reads.lookup(ns, tokens, remote=True)
         assert r is not None
         return r
 
@@ -338,41 +294,9 @@ class Store:
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            return self._lookup(ns, tokens, remote=False)
+            return self._reads.lookup(ns, tokens, remote=False)
         finally:
             self._lock.release()
-
-    def _lookup(self, ns: Namespace, tokens: Any, *, remote: bool) -> LookupResult | None:
-        T = ns.layout.block_tokens
-        chain = as_chain(tokens)
-        keys = chain.iter_keys(ns)
-        tiers: list[str] = []
-        missed: bytes | None = None
-        with self._lock:
-            self._check_open()
-            for k in keys:  # hashed as the walk goes: a miss at block i costs i + 1 hashes, not one per block
-                e = self._index.get(k)
-                if e is None:
-                    missed = k
-                    break
-                tiers.append(self.tiers.names[e.highest()])
-            if missed is not None and self._cluster is not None and self._cluster.cluster.available():
-                if not remote:
-                    return None
-            else:
-                missed = None
-                self._count_lookup(chain.tokens_named(T), len(tiers) * T)
-        if missed is not None and self._cluster is not None:  # no lock held during the round trip
-            held = self._cluster.leading([missed, *islice(keys, chain.blocks(T) - len(tiers) - 1)])
-            tiers += ["cluster"] * held
-            with self._lock:
-                self._count_lookup(chain.tokens_named(T), len(tiers) * T)
-        return LookupResult(len(tiers), len(tiers) * T, tiers)
-
-    def _count_lookup(self, asked: int, matched: int) -> None:
-        self._counts.lookups += 1
-        self._counts.tokens_asked += asked
-        self._counts.tokens_matched += matched
 
     def get(
         self,
@@ -404,102 +328,11 @@ class Store:
         """
         later = [] if adopted is None else [adopted]  # fill takes it out; else it is done here
         try:
-            return self._get(ns, tokens, start_block, max_blocks, device, out, later)
+            self.settle()
+            return self._reads.get(ns, tokens, start_block, max_blocks, device, out, later)
         finally:
             if later:
                 later.pop().done()
-
-    def _get(
-        self,
-        ns: Namespace,
-        tokens: Any,
-        start_block: int,
-        max_blocks: int | None,
-        device: torch.device | str | None,
-        out: torch.Tensor | Sequence[torch.Tensor] | None,
-        later: list[Adoption],
-    ) -> GetResult:
-        self.settle()
-        T = ns.layout.block_tokens
-        start = _index_arg("start_block", start_block)
-        names = as_chain(tokens)
-        want = max(0, names.blocks(T) - start)
-        if max_blocks is not None:
-            want = min(want, _index_arg("max_blocks", max_blocks))
-        blocks_out: Sequence[torch.Tensor] | None = None
-        if out is not None and not isinstance(out, torch.Tensor):
-            blocks_out, out = out, None
-            for b in blocks_out:
-                ns.layout.check_tensor(b, tokens=T, what="get out block")
-            want = min(want, len(blocks_out))
-        if out is not None:
-            ns.layout.check_tensor(out, what="get out")
-            want = min(want, out.shape[2] // T)
-        keys = names.iter_keys(
-            ns, start if want else 0
-        )  # the chain up to start_block: hashed before the lock
-        dev = torch.device("cpu" if device is None else device)
-        if out is not None:
-            dev = out.device
-        elif blocks_out:
-            dev = blocks_out[0].device
-        missed: bytes | None = None
-        with self._lock:
-            self._check_open()
-            chain: list[Entry] = []
-            for k in islice(keys, want):  # hashed as the walk goes, like lookup
-                e = self._index.get(k)
-                if e is None:
-                    missed = k
-                    break
-                chain.append(e)
-            handle = self._pins.pin([e.key for e in chain], self._lease)
-            self._counts.lookups += 1
-            self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
-        # each block is decoded or copied straight into its place in the result: one copy, not two
-        given = out is not None
-        remote = missed is not None and self._cluster is not None and self._cluster.cluster.available()
-        if out is None and blocks_out is None and (chain or remote):
-            out = empty_kv(ns.layout.shape((want if remote else len(chain)) * T), ns.layout.torch_dtype, dev)
-        read: list[Read] = []
-        try:
-            for j, e in enumerate(chain):
-                if blocks_out is not None:
-                    dst = blocks_out[j]
-                else:
-                    assert out is not None
-                    dst = out[:, :, j * T : (j + 1) * T]
-                got = self._data.read(e, dev, dst)
-                if got is None:
-                    break
-                block, t = got  # block: a view of out (what promotion copies up)
-                read.append((e, block, t))
-        finally:
-            ready = self._data.prepare_promotions(read)
-            with self._lock:
-                self._pins.release(handle)  # before promoting: the chain itself may need to make room
-                self._data.after_get(read, len(read) < want, self._clock(), ready)
-                self._counts.tokens_served += len(read) * T
-        tiers = [self.tiers.names[t] for _, _, t in read]
-        if remote and missed is not None and len(read) == len(chain):
-            assert self._cluster is not None
-            n = self._cluster.fill(
-                ns,
-                names,
-                start,
-                len(read),
-                want,
-                missed,
-                keys,
-                out,
-                blocks_out,
-                later.pop() if later else None,
-            )
-            tiers += ["cluster"] * n
-        blocks = len(tiers)
-        if out is not None and out.shape[2] != blocks * T:
-            out = out[:, :, : blocks * T] if given else out[:, :, : blocks * T].contiguous()
-        return GetResult(blocks, blocks * T, out if blocks else None, tiers)
 
     def locate(
         self,
@@ -517,58 +350,15 @@ class Store:
         first block not held; ``rest`` counts the held blocks after the located ones (whose uppermost
         copy is elsewhere, the cluster tier included: read them with ``get``). End it with ``finish``."""
         self.settle()
-        T = ns.layout.block_tokens
-        start = _index_arg("start_block", start_block)
-        names = as_chain(tokens)
-        want = max(0, names.blocks(T) - start)
-        if max_blocks is not None:
-            want = min(want, _index_arg("max_blocks", max_blocks))
-        keys = names.iter_keys(ns, start if want else 0)
-        lease = self._lease if lease is None else min(lease, self._lease)
-        places: list[tuple[Entry, int, Place]] = []
-        rest = 0
-        missed: bytes | None = None
-        with self._lock:
-            self._check_open()
-            for k in islice(keys, want):
-                e = self._index.get(k)
-                if e is None:
-                    missed = k
-                    break
-                t = e.highest()
-                tier = self.tiers[t]
-                if rest or t not in tiers or not isinstance(tier, PagedTier):
-                    rest += 1
-                    continue
-                places.append((e, t, tier.locate(k)))
-            handle = self._pins.pin([e.key for e, _, _ in places], lease)
-            self._counts.lookups += 1
-            self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
-        if missed is not None and self._cluster is not None and self._cluster.cluster.available():
-            held = len(places) + rest
-            rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])
-        return Located(ns, start, handle, places, rest)
+        return self._reads.locate(
+            ns, tokens, tiers, start_block=start_block, max_blocks=max_blocks, lease=lease
+        )
 
     def finish(self, located: Located, used: int) -> None:
         """A located read is over: ``used`` leading blocks were served (the rest came back moved or
         were not wanted). Unpins, counts hits, touches what was used and promotes it (``promote_on_hit``;
         a block from a frame tier is decoded here for that)."""
-        T = located.ns.layout.block_tokens
-        used = max(0, min(used, len(located.places)))
-        read: list[Read] = []
-        for e, t, _ in located.places[:used]:
-            block = None
-            if t > 0 and self._data.promotes:
-                got = self._data.read(e, torch.device("cpu"))
-                block = None if got is None else got[0]
-            read.append((e, block, t))
-        ready = self._data.prepare_promotions(read)
-        with self._lock:
-            self._pins.release(located.handle)
-            if self._closed:
-                return
-            self._data.after_get(read, used < len(located.places), self._clock(), ready)
-            self._counts.tokens_served += used * T
+        self._reads.finish(located, used)
 
     def pin(self, keys: list[bytes], lease: float | None = None) -> PinHandle:
         """Pin the held blocks among ``keys`` for ``lease`` seconds (default: the policy's pin lease):
@@ -673,63 +463,7 @@ class Store:
         self.close()
 
     # -- internals (lock held unless said otherwise) -------------------------------------
-    def _put_chunk(self, job: _PutJob, c0: int, c1: int, ready: Frames) -> list[bytes]:
-        """(Lock held.) Store blocks ``c0 .. c1-1`` of ``job``; returns the keys stored new. On the
-        first block that cannot be stored, ``job.failed`` names it and every block after it."""
-        now = self._clock()
-        if self._namespaces.add(job.ns):
-            self._journal.namespace(job.ns)
-        parent = self._index.get(job.tail) if job.tail is not None else None
-        if job.tail is not None and parent is None:
-            job.fail(
-                c0,
-                MISSING_PARENT,
-                f"block {c0 - 1} before block {c0} is not stored; put from "
-                "block 0 (or the first missing block) instead"
-                if c0 > 0
-                else "the page before the first engine key (its parent) is not stored; put it first",
-            )
-            return []
-        if job.base is None:  # an engine chain's positions continue its parent's (the tree depth)
-            job.base = parent.position() + 1 - c0 if isinstance(job.chain, KeyChain) and parent else 0
-        new: list[bytes] = []
-        T = job.ns.layout.block_tokens
-        for i in range(c0, c1):
-            e = self._index.get(job.keys[i])
-            if e is not None:
-                self._touch(e, now)
-                job.present += 1
-            else:
-                keeps_record = self.tiers.nvme is not None or self._cluster is not None  # both store records
-                pending = Pending(job.base + i, *job.chain.identity(i, T)) if keeps_record else None
-                e = Entry(job.keys[i], parent, job.ns.id, job.tags, now, now, pending)
-                block = job.block(i)
-                try:
-                    stored = self._data.store_new(e, block, ready)
-                except KVStoreError as err:  # a tier failed while room was made (an LMDB delete, say)
-                    job.fail(i, err.code or "tier_io", f"block {i} was not stored: {err}")
-                    break
-                if not stored:
-                    job.fail(i, NO_ROOM, "every tier is full of pinned blocks; retry when reads finish")
-                    break
-                job.stored += 1
-                new.append(e.key)
-            parent, job.last, job.tail = e, i, e.key
-        if job.session is not None and job.tail is not None and job.last >= job.start:
-            if job.failed or c1 == job.end:
-                s = self._sessions.record_put(
-                    job.session, job.ns.id, job.tail, (job.base + job.last + 1) * T, now
-                )
-                self._journal.session(s)
-        return new
-
-    def _withdraw(self, keys: list[bytes]) -> None:
-        """(Lock held.) Drop the blocks ``keys`` (with what hangs below them) wherever they are."""
-        for k in keys:
-            e = self._index.get(k)
-            if e is not None:
-                self._mover.drop_block(e)
-
+    # -- internals (lock held unless said otherwise) -------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed("the store is closed; open a new Store on the same nvme path")
@@ -744,60 +478,3 @@ class Store:
         if s.tail is not None and s.tail not in self._index:
             return replace(s, tail=None, tokens=0)
         return s
-
-
-@dataclass(frozen=True)
-class Located:
-    """Blocks ``start ..`` of a prefix, pinned by ``handle``: each located block's entry, tier and
-    place; ``rest``: held blocks after them whose uppermost copy is not in a located tier."""
-
-    ns: Namespace
-    start: int
-    handle: PinHandle
-    places: list[tuple[Entry, int, Place]]
-    rest: int
-
-
-@dataclass
-class _PutJob:
-    """One put's blocks and its progress through them (``tail``: the last block stored or present)."""
-
-    ns: Namespace
-    keys: list[bytes]
-    chain: Chain  # what names the blocks (what each record keeps: tokens or engine key)
-    kv: torch.Tensor | list[torch.Tensor]  # [L, 2, n*T, H, D], or n blocks [L, 2, T, H, D]
-    start: int
-    end: int
-    session: str | None
-    tail: bytes | None  # the key of the block before block ``start`` (None: the namespace root)
-    base: int | None = None  # block i's position is base + i (set at the first chunk)
-    tags: tuple[str, ...] = ()  # the new blocks' tags: the session that stores them (one tuple for all)
-    stored: int = 0
-    present: int = 0
-    deferred: int = 0
-    failed: list[FailedBlock] = field(default_factory=list)
-    last: int = -1
-
-    def __post_init__(self) -> None:
-        self.last = self.start - 1
-        self.tags = () if self.session is None else (self.session,)
-
-    def block(self, i: int) -> torch.Tensor:
-        """Block ``i`` of the prefix (``start <= i < end``), a view of ``kv``."""
-        if isinstance(self.kv, list):
-            return self.kv[i - self.start]
-        T = self.ns.layout.block_tokens
-        return self.kv[:, :, (i - self.start) * T : (i - self.start + 1) * T]
-
-    def fail(self, i: int, code: str, message: str) -> None:
-        """Blocks ``i ..`` of the put are not stored, for ``code``."""
-        self.failed = [FailedBlock(k, code, message) for k in range(i, self.end)]
-
-
-_CHUNK = 32  # blocks a put stores per hold of the lock
-
-
-def _index_arg(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise InvalidRequest(f"{name} must be a non-negative integer, got {v!r}")
-    return v

@@ -18,7 +18,7 @@ from kvstore.client import KVStoreClient
 from kvstore.config import with_overrides
 from kvstore.daemon.auth import ClientKeys, ServerAuth, parse_allow_list, read_allow_list, write_keypair
 from kvstore.daemon.endpoint import UnsafeEndpoint, secure_dir
-from kvstore.daemon.server import serve
+from kvstore.daemon.process import serve
 from kvstore.errors import ConfigError, Forbidden
 from kvstore.wire.errors import RequestTimeout
 from tests.hardening.conftest import (

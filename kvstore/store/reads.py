@@ -1,0 +1,256 @@
+"""Reads: how much of a prefix is held, its blocks read out, or located for a same-host client.
+
+::
+
+    lookup(ns, tokens)   walk keys from block 0 while indexed, each hashed as the walk reaches it
+                         (lock, one SHA-256 and one dict lookup a block; a miss ends the hashing);
+                         past the local tiers, the cluster is asked in one round trip (no lock)
+    get(ns, tokens)      pin the chain (lease) -> read + decode each block into its place in the
+                         result (no lock) -> encode frames for promotion (no lock) -> touch,
+                         promote one tier up, unpin (lock) -> the cluster fills what follows
+    locate / finish      the same pin, the blocks' places in shared pools instead of their bytes;
+                         finish counts, touches and promotes what the client used
+
+The contracts are Store's (engine.py); the walks and the pins are here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+import torch
+
+from kvstore.chains import as_chain
+from kvstore.keys import Namespace
+from kvstore.kvbuffers import empty_kv
+from kvstore.results import GetResult, LookupResult, check_index
+from kvstore.store.adoption import Adoption
+from kvstore.store.cluster import ClusterLink
+from kvstore.store.datapath import DataPath, Read
+from kvstore.store.index import Entry
+from kvstore.store.parts import StoreParts
+from kvstore.store.pins import PinHandle
+from kvstore.tiers.paged import PagedTier, Place
+
+
+class Reader:
+    """Lookups, gets and located reads over one store's parts. ``cluster``: the shared tier's link
+    (None: none); ``check_open`` raises once the store is closed and ``closed`` says whether it is
+    (both called with the lock held)."""
+
+    def __init__(
+        self,
+        parts: StoreParts,
+        data: DataPath,
+        cluster: ClusterLink | None,
+        *,
+        lease: float,
+        check_open: Callable[[], None],
+        closed: Callable[[], bool],
+    ) -> None:
+        self._lock, self._clock, self._tiers = parts.lock, parts.clock, parts.tiers
+        self._index, self._pins, self._counts = parts.index, parts.pins, parts.counts
+        self._data, self._cluster = data, cluster
+        self._lease = lease
+        self._check_open, self._closed = check_open, closed
+
+    def lookup(self, ns: Namespace, tokens: Any, *, remote: bool) -> LookupResult | None:
+        """See Store.lookup; with ``remote`` False, None (nothing counted) where the answer needs
+        the cluster."""
+        T = ns.layout.block_tokens
+        chain = as_chain(tokens)
+        keys = chain.iter_keys(ns)
+        tiers: list[str] = []
+        missed: bytes | None = None
+        with self._lock:
+            self._check_open()
+            for k in keys:  # hashed as the walk goes: a miss at block i costs i + 1 hashes, not one per block
+                e = self._index.get(k)
+                if e is None:
+                    missed = k
+                    break
+                tiers.append(self._tiers.names[e.highest()])
+            if missed is not None and self._cluster is not None and self._cluster.cluster.available():
+                if not remote:
+                    return None
+            else:
+                missed = None
+                self._count(chain.tokens_named(T), len(tiers) * T)
+        if missed is not None and self._cluster is not None:  # no lock held during the round trip
+            held = self._cluster.leading([missed, *islice(keys, chain.blocks(T) - len(tiers) - 1)])
+            tiers += ["cluster"] * held
+            with self._lock:
+                self._count(chain.tokens_named(T), len(tiers) * T)
+        return LookupResult(len(tiers), len(tiers) * T, tiers)
+
+    def _count(self, asked: int, matched: int) -> None:
+        self._counts.lookups += 1
+        self._counts.tokens_asked += asked
+        self._counts.tokens_matched += matched
+
+    def get(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        start_block: int,
+        max_blocks: int | None,
+        device: torch.device | str | None,
+        out: torch.Tensor | Sequence[torch.Tensor] | None,
+        later: list[Adoption],
+    ) -> GetResult:
+        """See Store.get; ``later`` holds its Adoption, taken out by the cluster's fill."""
+        T = ns.layout.block_tokens
+        start = check_index("start_block", start_block)
+        names = as_chain(tokens)
+        want = max(0, names.blocks(T) - start)
+        if max_blocks is not None:
+            want = min(want, check_index("max_blocks", max_blocks))
+        blocks_out: Sequence[torch.Tensor] | None = None
+        if out is not None and not isinstance(out, torch.Tensor):
+            blocks_out, out = out, None
+            for b in blocks_out:
+                ns.layout.check_tensor(b, tokens=T, what="get out block")
+            want = min(want, len(blocks_out))
+        if out is not None:
+            ns.layout.check_tensor(out, what="get out")
+            want = min(want, out.shape[2] // T)
+        keys = names.iter_keys(
+            ns, start if want else 0
+        )  # the chain up to start_block: hashed before the lock
+        dev = torch.device("cpu" if device is None else device)
+        if out is not None:
+            dev = out.device
+        elif blocks_out:
+            dev = blocks_out[0].device
+        missed: bytes | None = None
+        with self._lock:
+            self._check_open()
+            chain: list[Entry] = []
+            for k in islice(keys, want):  # hashed as the walk goes, like lookup
+                e = self._index.get(k)
+                if e is None:
+                    missed = k
+                    break
+                chain.append(e)
+            handle = self._pins.pin([e.key for e in chain], self._lease)
+            self._counts.lookups += 1
+            self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
+        # each block is decoded or copied straight into its place in the result: one copy, not two
+        given = out is not None
+        remote = missed is not None and self._cluster is not None and self._cluster.cluster.available()
+        if out is None and blocks_out is None and (chain or remote):
+            out = empty_kv(ns.layout.shape((want if remote else len(chain)) * T), ns.layout.torch_dtype, dev)
+        read: list[Read] = []
+        try:
+            for j, e in enumerate(chain):
+                if blocks_out is not None:
+                    dst = blocks_out[j]
+                else:
+                    assert out is not None
+                    dst = out[:, :, j * T : (j + 1) * T]
+                got = self._data.read(e, dev, dst)
+                if got is None:
+                    break
+                block, t = got  # block: a view of out (what promotion copies up)
+                read.append((e, block, t))
+        finally:
+            ready = self._data.prepare_promotions(read)
+            with self._lock:
+                self._pins.release(handle)  # before promoting: the chain itself may need to make room
+                self._data.after_get(read, len(read) < want, self._clock(), ready)
+                self._counts.tokens_served += len(read) * T
+        tiers = [self._tiers.names[t] for _, _, t in read]
+        if remote and missed is not None and len(read) == len(chain):
+            assert self._cluster is not None
+            n = self._cluster.fill(
+                ns,
+                names,
+                start,
+                len(read),
+                want,
+                missed,
+                keys,
+                out,
+                blocks_out,
+                later.pop() if later else None,
+            )
+            tiers += ["cluster"] * n
+        blocks = len(tiers)
+        if out is not None and out.shape[2] != blocks * T:
+            out = out[:, :, : blocks * T] if given else out[:, :, : blocks * T].contiguous()
+        return GetResult(blocks, blocks * T, out if blocks else None, tiers)
+
+    def locate(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        tiers: Collection[int],
+        *,
+        start_block: int = 0,
+        max_blocks: int | None = None,
+        lease: float | None = None,
+    ) -> Located:
+        T = ns.layout.block_tokens
+        start = check_index("start_block", start_block)
+        names = as_chain(tokens)
+        want = max(0, names.blocks(T) - start)
+        if max_blocks is not None:
+            want = min(want, check_index("max_blocks", max_blocks))
+        keys = names.iter_keys(ns, start if want else 0)
+        lease = self._lease if lease is None else min(lease, self._lease)
+        places: list[tuple[Entry, int, Place]] = []
+        rest = 0
+        missed: bytes | None = None
+        with self._lock:
+            self._check_open()
+            for k in islice(keys, want):
+                e = self._index.get(k)
+                if e is None:
+                    missed = k
+                    break
+                t = e.highest()
+                tier = self._tiers[t]
+                if rest or t not in tiers or not isinstance(tier, PagedTier):
+                    rest += 1
+                    continue
+                places.append((e, t, tier.locate(k)))
+            handle = self._pins.pin([e.key for e, _, _ in places], lease)
+            self._counts.lookups += 1
+            self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
+        if missed is not None and self._cluster is not None and self._cluster.cluster.available():
+            held = len(places) + rest
+            rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])
+        return Located(ns, start, handle, places, rest)
+
+    def finish(self, located: Located, used: int) -> None:
+        T = located.ns.layout.block_tokens
+        used = max(0, min(used, len(located.places)))
+        read: list[Read] = []
+        for e, t, _ in located.places[:used]:
+            block = None
+            if t > 0 and self._data.promotes:
+                got = self._data.read(e, torch.device("cpu"))
+                block = None if got is None else got[0]
+            read.append((e, block, t))
+        ready = self._data.prepare_promotions(read)
+        with self._lock:
+            self._pins.release(located.handle)
+            if self._closed():
+                return
+            self._data.after_get(read, used < len(located.places), self._clock(), ready)
+            self._counts.tokens_served += used * T
+
+
+@dataclass(frozen=True)
+class Located:
+    """Blocks ``start ..`` of a prefix, pinned by ``handle``: each located block's entry, tier and
+    place; ``rest``: held blocks after them whose uppermost copy is not in a located tier."""
+
+    ns: Namespace
+    start: int
+    handle: PinHandle
+    places: list[tuple[Entry, int, Place]]
+    rest: int
