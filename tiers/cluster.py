@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -219,8 +220,9 @@ class ClusterTier:
         ClusterUnavailable when the cluster is down or the call fails."""
         if not keys:
             return []
-        ms = _ms(self.ttl)
-        values = self._call("get", lambda c: self._pipeline(c, "getex", keys, px=ms))
+        px = _px(self.ttl)  # None (ttl "never"): made persistent, as a value written now would be
+        expiry: dict[str, Any] = {"persist": True} if px is None else {"px": px}
+        values = self._call("get", lambda c: self._pipeline(c, "getex", keys, **expiry))
         return [v if isinstance(v, bytes) else None for v in values]
 
     def store(self, items: Sequence[tuple[bytes, bytes]]) -> int:
@@ -230,10 +232,7 @@ class ClusterTier:
         def run(c: Any) -> list[Any]:
             pipe = c.pipeline(transaction=False)
             for k, v in items:
-                if self.ttl == float("inf"):
-                    pipe.set(self.block_key(k), v)
-                else:
-                    pipe.set(self.block_key(k), v, px=_ms(self.ttl))
+                pipe.set(self.block_key(k), v, px=_px(self.ttl))
             return list(pipe.execute(raise_on_error=False))
 
         results = self._call("write", run)
@@ -281,7 +280,7 @@ class ClusterTier:
     def put_session(self, name: str, info: dict[str, Any]) -> None:
         """Record a session (its namespace, token ids or block keys); ClusterUnavailable on an outage."""
         value = msgpack.packb({"v": SESSION_VERSION, "name": name, **info}, use_bin_type=True)
-        px = None if self.ttl == float("inf") else _ms(self.ttl)
+        px = _px(self.ttl)
         key = self.session_key(name)
 
         def write(c: Any) -> None:
@@ -338,13 +337,16 @@ class ClusterTier:
             }
 
 
-def _ms(seconds: float) -> int:
-    return max(1, int(seconds * 1000))
+def _px(seconds: float) -> int | None:
+    """A TTL in milliseconds; None for no expiry (``ttl = "never"``)."""
+    return None if math.isinf(seconds) else max(1, int(seconds * 1000))
 
 
 # The single-key reads ``_pipeline`` sends with ``by_node``: op -> the command for one key.
 _READS: dict[str, Callable[..., tuple[Any, ...]]] = {
     "exists": lambda key: ("EXISTS", key),
     "get": lambda key: ("GET", key),
-    "getex": lambda key, px: ("GETEX", key, "PX", px),
+    "getex": lambda key, px=None, persist=False: (
+        ("GETEX", key, "PERSIST") if persist else ("GETEX", key, "PX", px)
+    ),
 }

@@ -108,9 +108,12 @@ def record_of(key: bytes, value: bytes) -> BlockRecord | None:
     return rec if rec.key == key else None
 
 
-def unpack_value(key: bytes, value: bytes, namespace: str, parent: bytes) -> tuple[BlockRecord, memoryview]:
+def unpack_value(
+    key: bytes, value: bytes, namespace: str, parent: bytes | None
+) -> tuple[BlockRecord, memoryview]:
     """The record and frame of ``value`` read under ``key``; FrameError unless the value names
-    ``key``, its record names ``key``, ``namespace`` and ``parent``. The frame is checked on decode."""
+    ``key``, its record names ``key``, ``namespace`` and ``parent`` (any parent: None). The frame
+    is checked on decode."""
     if len(value) < _HEAD.size:
         raise FrameError(f"cluster value of block {key.hex()[:16]} is truncated ({len(value)} bytes)")
     magic, k, n = _HEAD.unpack_from(value)
@@ -122,7 +125,7 @@ def unpack_value(key: bytes, value: bytes, namespace: str, parent: bytes) -> tup
     if _HEAD.size + n > len(value):
         raise FrameError(f"cluster value of block {key.hex()[:16]} is truncated")
     rec = BlockRecord.unpack(view[_HEAD.size : _HEAD.size + n])
-    if rec.key != key or rec.namespace != namespace or rec.parent != parent:
+    if rec.key != key or rec.namespace != namespace or (parent is not None and rec.parent != parent):
         raise FrameError(f"cluster value of block {key.hex()[:16]} belongs to another prefix or namespace")
     return rec, view[_HEAD.size + n :]
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvstore.chains import Chain
+from kvstore.chains import Chain, KeyChain
 from kvstore.codecs import decode_frame
 from kvstore.errors import FrameError, KVStoreError
 from kvstore.keys import Namespace
@@ -174,7 +174,7 @@ class ClusterLink:
         self,
         ns: Namespace,
         keys: Sequence[bytes],
-        parents: tuple[bytes, ...],
+        parents: tuple[bytes, ...] | None,
         outs: Sequence[torch.Tensor],
         frames: dict[bytes, Any] | None = None,
     ) -> int:
@@ -182,7 +182,8 @@ class ClusterLink:
         stopping at the first absent or damaged one; returns how many were written.
 
         The first block's record must name one of ``parents`` as its parent (the key before it, or the
-        namespace root); each later one the key before it. A value that fails a check (its key,
+        namespace root); each later one the key before it. ``parents`` None: no record is held to a
+        parent (an engine's page key names its page whatever it was stored after). A value that fails a check (its key,
         record, namespace, parent, CRC or layout) is deleted from the cluster and ends the read.
         ``frames`` (if given) receives each served block's frame, by key (for nvme: WriteBack.offer).
         """
@@ -192,7 +193,9 @@ class ClusterLink:
 
         def check_decode(j: int, value: bytes) -> Any:
             """Block ``j``: checked against its key, namespace and parent, decoded into ``outs[j]``."""
-            _, frame = _unpack(keys[j], value, ns.id, parents if j == 0 else (keys[j - 1],))
+            _, frame = _unpack(
+                keys[j], value, ns.id, parents if parents is None or j == 0 else (keys[j - 1],)
+            )
             decode_frame(frame, layout=ns.layout, out=outs[j], codecs=codecs)
             return frame
 
@@ -272,8 +275,13 @@ class ClusterLink:
         try:
             first = start + local
             rest = [missed, *islice(keys, want - local - 1)]
-            if first > 0:
-                parents: tuple[bytes, ...] = (names.keys(ns, first)[-1],)
+            parents: tuple[bytes, ...] | None
+            if isinstance(names, KeyChain):
+                # a page key is the engine's hash of the page and all before it: the same page read
+                # on its own, after another run of pages, or after none, is the same block
+                parents = None
+            elif first > 0:
+                parents = (names.keys(ns, first)[-1],)
             else:
                 root = names.parent_key(ns)
                 parents = (ns.root(),) if root is None else (root, ns.root())
@@ -323,7 +331,11 @@ class ClusterLink:
         return {**self.cluster.status(), "queue": self.depth()}
 
 
-def _unpack(key: bytes, value: bytes, ns_id: str, parents: tuple[bytes, ...]) -> tuple[BlockRecord, Any]:
+def _unpack(
+    key: bytes, value: bytes, ns_id: str, parents: tuple[bytes, ...] | None
+) -> tuple[BlockRecord, Any]:
+    if parents is None:
+        return unpack_value(key, value, ns_id, None)
     err: FrameError | None = None
     for p in parents:
         try:

@@ -270,8 +270,11 @@ class Store:
         it; the blocks before it stay stored and queued for nvme.
         Raises LayoutError / InvalidTokens / InvalidRequest for malformed input.
         New blocks also go to the cluster tier, if any, in the background (``_adopted``: they came
-        from it, and are not sent back).
+        from it, and are not sent back). Like a get, a put first waits for the blocks earlier gets
+        read from the cluster to be stored here (``settle``): they may be its parents.
         """
+        if not _adopted:  # blocks a get read from the cluster may be this put's parents (settle)
+            self.settle()
         return self._puts.put(ns, tokens, kv, session=session, start_block=start_block, adopted=_adopted)
 
     def lookup(self, ns: Namespace, tokens: Any) -> LookupResult:

@@ -78,6 +78,25 @@ def test_blocks_round_trip_with_a_ttl_refreshed_on_read(
     assert all(k.startswith(b"kvstore:b:") and len(k) == len("kvstore:b:") + 64 for k in rc.keys())
 
 
+def test_a_ttl_of_never_writes_and_reads_values_that_do_not_expire(
+    rc: LocalCluster, cluster_tier: ClusterFactory
+) -> None:
+    """``ttl = "never"`` (infinity): no expiry on write; a read leaves none, and takes away one a
+    finite ttl left (the value now lives as long as one written now)."""
+    c = cluster_tier(ttl=float("inf"))
+    c.connect()
+    items = [(rec(i).key, pack_value(rec(i), bytes([i]) * 100)) for i in range(3)]
+    assert c.store(items) == 3
+    keys = [k for k, _ in items]
+    node = rc.node(rc.master_of(c.block_key(keys[0])))
+    assert node.pttl(c.block_key(keys[0])) == -1
+    node.pexpire(c.block_key(keys[0]), 50_000)
+    assert c.fetch(keys) == [v for _, v in items]
+    assert node.pttl(c.block_key(keys[0])) == -1
+    c.put_session("s", {"ns": "x"})
+    assert c.get_session("s") is not None
+
+
 def test_reads_go_straight_to_the_nodes_and_a_moved_slot_falls_back_to_the_cluster_pipeline(
     rc: LocalCluster, cluster_tier: ClusterFactory
 ) -> None:

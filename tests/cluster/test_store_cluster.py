@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from kvstore.chains import KeyChain
 from kvstore.errors import LayoutError
 from kvstore.keys import Namespace
 from kvstore.results import EvictFilter, GetResult
@@ -245,3 +246,46 @@ def test_a_get_may_leave_storing_the_cluster_blocks_until_after_it_returns(host:
         time.sleep(0.01)
     assert calls[-1] == "soon" and b.try_lookup(NS, toks2).tiers == ["hbm"] * 3  # type: ignore[union-attr]
     assert b.stats().cluster["hits"] == 7  # type: ignore[index]
+
+
+def test_a_put_after_a_get_from_the_cluster_finds_its_parents_stored(host: HostFactory) -> None:
+    """An engine's next step after loading a prefix from the cluster: it stores the blocks it
+    computed after it. They hang off the loaded blocks, which a get with ``adopted`` stores only
+    later; the put waits for them (settle) rather than refusing its blocks as orphans."""
+    a, b = host("a"), host("b")
+    toks, x = tokens(6), kv(24, seed=4)
+    a.put(NS, toks, x[:, :, : 4 * T])
+    written(a, 4)
+    out = torch.zeros(LAYOUT.shape(6 * T), dtype=torch.bfloat16)
+    done: list[bool] = []
+    later = Adoption(lambda: done.append(True), wait=60.0)  # the client has not finished copying
+    assert b.get(NS, toks, out=out, adopted=later).tiers == ["cluster"] * 4
+    r = b.put(NS, toks, x[:, :, 4 * T :], start_block=4)
+    assert (r.stored, r.failed) == (2, []) and done == [True]
+    assert b.lookup(NS, toks).tiers == ["hbm"] * 6 and same(got(b.get(NS, toks)), x)
+
+
+def test_engine_pages_are_read_from_the_cluster_whatever_they_were_stored_after(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    """SGLang stores pages after their prefix pages and reads them back by their keys alone, from
+    the middle of a sequence. A page key already names everything before it: another host serves
+    such pages from the cluster as this one does from its own tiers, and deletes nothing."""
+    a, b, c = host("a"), host("b"), host("c")
+    pages = [bytes([i]) * 32 for i in range(1, 5)]
+    x = kv(16, seed=5)
+    a.put(NS, KeyChain.of(pages[:2]), x[:, :, : 2 * T])
+    a.put(NS, KeyChain.of(pages[2:], pages[:2]), x[:, :, 2 * T :])  # batch_set_v1 with prefix keys
+    written(a, 4)
+    assert a.get(NS, KeyChain.of(pages[2:])).tiers == ["hbm"] * 2
+    r = b.get(NS, KeyChain.of(pages[2:]))  # batch_get_v1: the pages alone
+    assert r.tiers == ["cluster"] * 2 and same(got(r), x[:, :, 2 * T :])
+    # pages stored again as a run of their own (no prefix given, on a host that did not hold
+    # them), then read as one run with the pages before them on a third host
+    d = host("d")
+    d.put(NS, KeyChain.of(pages[2:]), x[:, :, 2 * T :])
+    written(d, 2)
+    r = c.get(NS, KeyChain.of(pages))
+    assert r.tiers == ["cluster"] * 4 and same(got(r), x)
+    assert b.stats().cluster["corrupt"] == c.stats().cluster["corrupt"] == 0  # type: ignore[index]
+    assert len(rc.keys()) >= 4  # nothing deleted
