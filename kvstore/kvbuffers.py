@@ -201,7 +201,7 @@ class PagedKV:
         n = src.shape[2]
         if n <= 0:
             return
-        src = src.to(self.device, non_blocking=True)
+        src = self._onto(src)
         blk, off = self._where(t0, n)
         for layer in range(len(self.k)):
             s = src[layer]
@@ -224,12 +224,17 @@ class PagedKV:
             for b in range(n):
                 self.write(t0 + b * T, blocks[b])
             return
-        blocks = blocks.to(self.device, non_blocking=True)
+        blocks = self._onto(blocks)
         ids = self.ids[t0 // bs : (t0 + n * T) // bs].reshape(n, T // bs)
         for layer in range(len(self.k)):
             # [2, n, T/bs, bs, H, D], strided: no copy
             rows = blocks[:, layer].unflatten(2, (T // bs, bs)).permute(1, 0, 2, 3, 4, 5)
             self._put_rows(layer, ids, rows, batch)
+
+    def _onto(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the buffers' device. A copy onto a GPU runs on in its stream order; one off a GPU
+        is waited for, since the host reads it next (a non-blocking one would leave it unfilled)."""
+        return t.to(self.device, non_blocking=self.device.type == "cuda")
 
     def _put_rows(
         self, layer: int, ids: torch.Tensor, rows: torch.Tensor, batch: CopyBatch | None = None

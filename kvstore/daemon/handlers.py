@@ -358,10 +358,14 @@ class Handlers:
         k = min(located.rest, plane.per_client // nb)
         rest = located.rest
         try:
-            lease = plane.reserve(peer, k * nb, held=located, armed=False)
-        except (ProtocolError, StagingFull):  # no staging room now: the client reads these next time
-            k = 0
-            lease = plane.reserve(peer, 0, held=located, armed=False)
+            try:
+                lease = plane.reserve(peer, k * nb, held=located, armed=False)
+            except (ProtocolError, StagingFull):  # no staging room now: the client reads these next time
+                k = 0
+                lease = plane.reserve(peer, 0, held=located, armed=False)
+        except BaseException:
+            self.store.finish(located, 0)  # the located blocks' pins, at once: not at their lease's end
+            raise
         try:
             if k:  # blocks no shared pool holds (nvme): decoded by the daemon into staging
                 buf = plane.staging_tensor(lease).view(layout.torch_dtype)

@@ -176,11 +176,14 @@ class SharedPath:
         first: int,
     ) -> PutResult:
         nb = ns.layout.block_nbytes
+        tally = PutTally()
+        if nb > m.per_client:  # a block larger than this client's staging: it goes as a get of it does
+            tally.add(self._socket.put_from(ns, tokens, src, total, session, first=first))
+            return tally.result()
         chunk = max(1, min(self._socket.chunk(ns, tokens), m.per_client // nb))
         if total - first > chunk:
             chunk = max(1, min(chunk, m.per_client // (2 * nb)))
         starts = list(range(first, total, chunk))
-        tally = PutTally()
         try:
             if len(starts) > 1:
                 self._pipelined_commits(m, ns, tokens, src, starts, chunk, total, session, tally)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import KVStoreError
-from kvstore.shm.segment import Segment, private_dir, sweep
+from kvstore.shm.segment import NoRoom, Segment, private_dir, sweep
 from kvstore.tiers.pool import PoolMemory
 from kvstore.wire.errors import ProtocolError
 
@@ -63,7 +63,7 @@ class Lease:
     offset: int
     nbytes: int
     expires: float
-    held: Any = None  # a get's located blocks (kvstore.store.engine.Located)
+    held: Any = None  # a get's located blocks (kvstore.store.reads.Located)
     staging: Segment | None = None  # the client's staging segment the range is in
     readers: int = 0  # the daemon reading the range now (``hold`` or ``reading`` .. ``done_reading``)
     ended: bool = False  # taken or lapsed while read: given back when the last reader is done
@@ -275,7 +275,10 @@ class SharedPlane:
                     f"{len(self._clients)} clients hold staging segments of {self.per_client} bytes, all "
                     f"[server] shm_staging ({self.staging_bytes}) allows; retry shortly"
                 )
-            seg = Segment.create(self.directory, "staging", self.per_client)
+            try:
+                seg = Segment.create(self.directory, "staging", self.per_client)
+            except (NoRoom, OSError) as e:  # the filesystem is full now: this request uses the socket
+                raise StagingFull(f"no staging segment can be made now ({e}); retry shortly") from None
             staging = _Staging(
                 seg, torch.from_numpy(seg.array(0, self.per_client)), RangeAllocator(self.per_client)
             )

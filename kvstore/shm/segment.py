@@ -21,6 +21,7 @@ segments read-only (a write faults in the client; the daemon is unaffected).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -30,6 +31,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,8 @@ from kvstore.errors import ConfigError, KVStoreError
 log = logging.getLogger("kvstore.shm")
 
 _NAME = re.compile(r"kvs-\d+-[0-9a-f]{24}-[a-z]+")
+_NEW = re.compile(r"\.kvs-\d+-[0-9a-f]{24}-[a-z]+\.new")  # one being made (Segment.create)
+NEW_GRACE = 60.0  # seconds: an unlocked segment being made, younger than this, may be about to be locked
 ALIGN = 4096
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 
@@ -76,11 +80,19 @@ def private_dir(path: Path) -> Path:
 
 
 def sweep(path: Path) -> int:
-    """Remove the segments in ``path`` whose daemon is gone (no lock held on them). Returns how many."""
+    """Remove the segments in ``path`` whose daemon is gone (no lock held on them), and segments a
+    daemon died creating (unnamed yet, unlocked, and older than a minute). Returns how many."""
     removed = 0
     for entry in os.scandir(path):
         if not _NAME.fullmatch(entry.name):
-            continue
+            try:  # one being made is locked an instant after it is made: a young one is left alone
+                if (
+                    not _NEW.fullmatch(entry.name)
+                    or time.time() - entry.stat(follow_symlinks=False).st_mtime < NEW_GRACE
+                ):
+                    continue
+            except OSError:
+                continue
         try:
             fd = os.open(entry.path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
@@ -121,7 +133,9 @@ class Segment:
         """A new segment of ``size`` bytes (rounded up to 4 KiB), memory reserved, locked by this process."""
         size = max(ALIGN, -(-size // ALIGN) * ALIGN)
         name = f"kvs-{os.getpid()}-{secrets.token_hex(12)}-{role}"
-        path = directory / name
+        # made under a name another daemon's sweep leaves alone, and named once locked: a sweep
+        # between the open and the lock would take an unlocked segment for a dead daemon's
+        path = directory / f".{name}.new"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)
@@ -135,12 +149,15 @@ class Segment:
                         'the tier\'s capacity, enlarge /dev/shm, or set [server] shared_memory = "off"'
                     ) from None
                 raise
+            os.rename(path, directory / name)
+            path = directory / name
             seg = cls(path, fd, size, writable=True, owner=True)
             seg._populate()
             return seg
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             raise
 
     @classmethod

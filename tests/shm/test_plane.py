@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import torch
 from kvstore.codecs import get_codec
 from kvstore.errors import ConfigError
 from kvstore.shm.plane import ALIGN, RangeAllocator, SharedPlane, StagingFull
-from kvstore.shm.segment import Segment, ShmUnavailable, private_dir, sweep
+from kvstore.shm.segment import NEW_GRACE, Segment, ShmUnavailable, private_dir, sweep
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.paged import extents
 from kvstore.tiers.pool import PagePool
@@ -83,6 +86,41 @@ def test_sweep_removes_only_segments_whose_daemon_is_gone(shm_dir: Path) -> None
     assert sweep(shm_dir) == 1
     assert not dead.exists() and mine.path.exists() and (shm_dir / "unrelated").exists()
     mine.close()
+
+
+def _sweep_until(directory: str, started: Any, stop: Any) -> None:
+    started.set()
+    while not stop.is_set():
+        sweep(Path(directory))
+
+
+def test_another_daemon_s_sweep_never_takes_a_segment_being_made(shm_dir: Path) -> None:
+    """Two daemons of one user share the directory: one's start-up sweep runs while the other makes
+    segments. A segment is locked before it bears a segment's name, so the sweep never takes it
+    for a dead daemon's; one a daemon died making is removed once it is old enough."""
+    ctx = multiprocessing.get_context("spawn")
+    started, stop = ctx.Event(), ctx.Event()
+    sweeper = ctx.Process(target=_sweep_until, args=(str(shm_dir), started, stop))
+    sweeper.start()
+    try:
+        assert started.wait(60)
+        deadline = time.monotonic() + 3
+        made = 0
+        while time.monotonic() < deadline:
+            seg = Segment.create(shm_dir, "staging", 4096)
+            assert seg.path.exists()
+            seg.close()
+            made += 1
+    finally:
+        stop.set()
+        sweeper.join()
+    assert made > 100
+    dead = shm_dir / f".kvs-1-{'ab' * 12}-staging.new"  # a daemon died between open and rename
+    dead.write_bytes(b"x")
+    assert sweep(shm_dir) == 0 and dead.exists()  # it may be about to be locked
+    old = time.time() - 2 * NEW_GRACE
+    os.utime(dead, (old, old))
+    assert sweep(shm_dir) == 1 and not dead.exists()
 
 
 def test_a_segment_larger_than_the_filesystem_is_refused_at_creation(tmp_path: Path) -> None:

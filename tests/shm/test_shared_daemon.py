@@ -21,6 +21,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.kvbuffers import PagedKV
+from kvstore.layout import KVLayout
 from kvstore.wire.errors import RequestTimeout
 from kvstore.wire.messages import Finish, Locate, LocateOk
 from tests.hardening.conftest import (
@@ -501,6 +502,57 @@ def test_a_shared_memory_filesystem_too_small_for_the_pools_means_the_socket(
             assert not c.shared_memory and c.stats()["server"]["shm"] is None
         assert "shared memory off" in d.output() and "cannot be allocated" in d.output()
         assert not [p for p in small.iterdir() if p.name.startswith("kvs-")]
+
+
+def test_a_staging_segment_the_filesystem_cannot_hold_now_means_the_socket(
+    daemons: Any, tmp_path: Path
+) -> None:
+    """Staging segments are made when a client first needs one. Where the filesystem holds the pools
+    but not that segment, the client's put and its get of nvme blocks go over the socket; the blocks
+    the get located stay pinned no longer than the request."""
+    from tests.hardening.conftest import mounted
+
+    small = tmp_path / "small"
+    with mounted(small, "size=800k", "mode=0700") as ok:
+        if not ok:
+            pytest.skip("needs root to mount a small tmpfs")
+        cfg = write_config(tmp_path, server={**SHM, "shm_dir": str(small)})
+        ep = endpoint_of(cfg)
+        daemons(cfg)
+        rng = np.random.default_rng(12)
+        a, b = random_tokens(rng, 4), random_tokens(rng, 6)
+        with socket_client(ep) as s:
+            assert s.put(b, prefix_kv(b)).stored == 6 and s.flush(30)
+            for tier in ("hbm", "ram"):
+                s.evict(tier=tier)
+            assert s.lookup(b).tiers == ["nvme"] * 6
+        with attached(ep) as c:
+            assert c.put(a, prefix_kv(a)).stored == 4
+            got = c.get(b)
+            assert got.matched_blocks == 6
+            assert_exact(b, got.kv, got.matched_tokens)
+            assert c.stats()["store"]["pinned"] == 0 and shm_stats(c)["staging_clients"] == 0
+
+
+def test_a_block_larger_than_a_client_s_staging_is_put_over_the_socket(daemons: Any, tmp_path: Path) -> None:
+    """Blocks of 256 KiB, staging of 128 KiB a client: a put goes as a get of them does, whole."""
+    big = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16", block_tokens=64)
+    cfg = write_config(
+        tmp_path,
+        server={"shm_staging": "1MiB", "shm_staging_per_client": "128KiB"},
+        hbm={"capacity": "4MiB"},
+        ram={"capacity": "4MiB"},
+    )
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    toks = np.arange(3 * 64, dtype=np.uint32)
+    kv = torch.randn(big.shape(3 * 64), generator=torch.Generator().manual_seed(13)).half()
+    with KVStoreClient(ep, model=MODEL, layout=big, timeout=10.0) as c:
+        c.ping()
+        r = c.put(toks, kv)
+        assert c.shared_memory and (r.stored, r.failed) == (3, [])
+        got = c.get(toks)
+        assert got.matched_blocks == 3 and got.kv is not None and torch.equal(got.kv, kv)
 
 
 # staging for 64 blocks of 1 KiB: a put of 100 blocks goes in four chunks through two ranges
