@@ -191,6 +191,9 @@ def scatter_rows(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Te
     ``dst.shape[:dim] + index.shape + dst.shape[dim+1:]``. On the host, when every row (the dims of
     ``dst`` after ``dim``) is contiguous in both, each row is one memcpy; otherwise ``index_copy_``.
     Returns ``dst``."""
+    want = (*dst.shape[:dim], *index.shape, *dst.shape[dim + 1 :])
+    if tuple(src.shape) != want:  # numpy would broadcast a mismatch where index_copy_ refuses it
+        raise ValueError(f"scatter_rows: source {tuple(src.shape)} for rows of {want}")
     if (
         dst.dtype == src.dtype
         and dst.device.type == "cpu"

@@ -220,3 +220,5 @@ def test_a_scatter_of_rows_is_index_copy_s_bytes_for_any_index_shape(dtype: torc
     assert not cache[..., 8:].view(torch.uint8).any()  # V's half untouched
     with pytest.raises(IndexError):
         scatter_rows(dst, 1, torch.tensor([25]), src[:, :1])
+    with pytest.raises(ValueError, match="source"):  # one K/V row for two: refused, not broadcast
+        scatter_rows(dst, 1, ids[:1], src[:1, :1])
