@@ -143,8 +143,7 @@ class Store:
         if nvme is not None and writer is not None:
             report = restore(self._index, nvme, self.tiers.last, self._namespaces)
             self._mover.counters[self.tiers.last].corrupt += report.damaged
-            for name, d in nvme.iter_sessions():
-                self._sessions.set(self._restored_session(SessionState.from_dict(name, d)))
+            self._restore_sessions(nvme)
             sweep = not (self._write_through and self._admit is Admission.ALWAYS)
             self._writeback = WriteBack(
                 parts, self._mover, nvme, writer, ttl=ttl, backpressure=backpressure, sweep=sweep
@@ -477,7 +476,26 @@ class Store:
             self._writeback.record_changed(e, now)
         self._index.touch(e, now)
 
-    def _restored_session(self, s: SessionState) -> SessionState:
-        if s.tail is not None and s.tail not in self._index:
-            return replace(s, tail=None, tokens=0)
-        return s
+    def _restore_sessions(self, nvme: NvmeTier) -> None:
+        """The sessions nvme records, each ending at its tail block. A row journalled ahead of its last
+        put's blocks (a crash before they were written) names a tail that is not there: the session
+        then ends at the deepest block it stored that is (what its last flush made durable)."""
+        rows = [SessionState.from_dict(name, d) for name, d in nvme.iter_sessions()]
+        lost = {s.name: s.namespace for s in rows if s.tail is not None and s.tail not in self._index}
+        deepest: dict[str, tuple[int, Entry]] = {}
+        if lost:
+            for e in self._index.entries():
+                for name in e.sessions:
+                    if lost.get(name) == e.ns:
+                        depth = e.position()
+                        if name not in deepest or depth > deepest[name][0]:
+                            deepest[name] = (depth, e)
+        for s in rows:
+            if s.name in lost:
+                found = deepest.get(s.name)
+                if found is None:
+                    s = replace(s, tail=None, tokens=0)
+                else:
+                    T = self._namespaces.block_tokens(s.namespace)
+                    s = replace(s, tail=found[1].key, tokens=(found[0] + 1) * T)
+            self._sessions.set(s)

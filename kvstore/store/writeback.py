@@ -13,6 +13,9 @@
 
 Keys the queue refused (back-pressure) or whose write failed are *deferred*:
 kept, retried at the next tick or flush, and never called durable until written.
+A deferred key leaves the set only when it is written (or its block is gone):
+one queued again is still deferred while it waits and while it is written, so
+that a flush never finds the set empty while such a write may still fail.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class WriteBack:
         self._sweep = sweep
         self._closed = False
         self.deferred: dict[bytes, None] = {}  # keys to write that the queue refused or that failed
+        self._requeued: set[bytes] = set()  # deferred keys queued again, not yet through ``write``
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
         self._ready: dict[bytes, Buffer] = {}  # frames in nvme's codec already (from the cluster tier)
@@ -121,13 +125,11 @@ class WriteBack:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         with self._lock:
-            keys = list(self.deferred)
-            self.deferred.clear()
             snapshot = list(self._index.entries()) if self._sweep else []  # a C-level copy: brief
-        if snapshot:
-            keys += self._unwritten(snapshot)
         wait = left()
-        self.submit(keys, wait=math.inf if wait is None else wait)
+        self._requeue(None, wait=math.inf if wait is None else wait)
+        if snapshot:
+            self.submit(self._unwritten(snapshot), wait=math.inf if wait is None else left())
         self._writer.run_soon(self.persist_dirty)
         if not self._writer.drain(left()):
             return False
@@ -168,6 +170,10 @@ class WriteBack:
         finally:
             with self._lock:
                 self.writing.discard(key)
+                self._requeued.discard(key)
+                e = self._index.get(key)
+                if e is None or e.tiers & (1 << self._t) or e.pending is None or self._closed:
+                    self.deferred.pop(key, None)  # written, or nothing left to write (or to write it from)
 
     def _write(self, key: bytes) -> None:
         t_n, nvme = self._t, self._nvme
@@ -195,7 +201,9 @@ class WriteBack:
                 with self._lock:
                     self._mover.corrupt(e, t)
                 return
-        if block is None:
+        if block is None:  # moved under every try: not written now, not forgotten either
+            with self._lock:
+                self._failed(key)
             return
         for _ in range(3):
             try:
@@ -245,11 +253,26 @@ class WriteBack:
             if now is None or not now.tiers & TIER_MASK:
                 nvme.drop(key)  # dropped while it was being written: do not resurrect it
                 return
+            if not now.tiers & (1 << t_n) and key not in nvme:
+                # its nvme copy was written (a demotion) and dropped again meanwhile: not on nvme
+                self._failed(key)
+                return
             self._index.set_tier(now, t_n)
             now.pending = None
             self._counts.written += 1
             if now.sessions != rec.sessions or now.last_access != rec.last_access:
                 self._dirty.add(key)
+
+    def _requeue(self, most: int | None, *, wait: float) -> None:
+        """Queue (up to ``most`` of) the deferred keys that are not queued already; they stay deferred
+        until written."""
+        with self._lock:
+            keys = [k for k in self.deferred if k not in self._requeued][:most]
+            self._requeued.update(keys)
+        refused = self._writer.submit(keys, wait) if keys else []
+        if refused:
+            with self._lock:
+                self._requeued.difference_update(refused)
 
     def _failed(self, key: bytes) -> None:
         """(Lock held.) ``key`` did not reach nvme (full disk, I/O error): counted, and kept among the
@@ -261,11 +284,7 @@ class WriteBack:
     def idle(self) -> None:
         """Periodic upkeep on the writer thread."""
         self.expire()
-        with self._lock:
-            keys = list(self.deferred)[:1024]
-            for k in keys:
-                del self.deferred[k]
-        self.submit(keys, wait=0.0)
+        self._requeue(1024, wait=0.0)
         self.persist_dirty()
         with self._lock:
             self._pins.purge()

@@ -92,6 +92,64 @@ def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> N
         s.close()
 
 
+def test_a_crash_before_a_session_s_new_blocks_are_written_keeps_what_flush_made_durable(
+    tmp_path: Path,
+) -> None:
+    """The session's row (its tail: the put's last block) is journalled ahead of the put's blocks.
+    A crash between the two leaves a row naming a block that is not on disk: the session then ends
+    at the deepest block it stored that is, which its last flush made durable."""
+    path = tmp_path / "lmdb"
+    script = textwrap.dedent(f"""
+        import os, sys, threading, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from tests.store.storekit import NS, T, kv, tokens
+        from kvstore.codecs import get_codec
+        from kvstore.keys import block_keys
+        from kvstore.store.engine import Store
+        from kvstore.tiers.hbm import HbmTier
+        from kvstore.tiers.nvme import NvmeTier
+        from kvstore.tiers.ram import RamTier
+        s = Store(HbmTier(4096, page_bytes=1024), RamTier(8192, get_codec("raw"), page_bytes=2048, pin_memory=False),
+                  NvmeTier({str(path)!r}, 1 << 22, get_codec("int4")), tick=0.05)
+        toks = tokens(8, seed=3)
+        s.put(NS, toks[: 4 * T], kv(4 * T, 3), session="conv")  # turn 1, durable
+        assert s.flush(30)
+        nvme = s.tiers[2]
+        put = nvme.put
+        def slow(key, *a, **k):  # a slow disk: turn 2's blocks wait
+            if threading.current_thread().name == "kvstore-writer":
+                time.sleep(60)
+            return put(key, *a, **k)
+        nvme.put = slow
+        s.put(NS, toks, kv(8 * T, 3), session="conv")  # turn 2: blocks 4..7
+        tail = block_keys(NS, toks)[7]
+        deadline = time.monotonic() + 30
+        while dict(nvme.iter_sessions()).get("conv", {{}}).get("tail") != tail:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os._exit(0)  # the row names block 7; blocks 4..7 never reached the disk
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    from kvstore.codecs import get_codec
+    from kvstore.store.engine import Store
+    from kvstore.tiers.hbm import HbmTier
+    from kvstore.tiers.nvme import NvmeTier
+    from kvstore.tiers.ram import RamTier
+
+    s = Store(
+        HbmTier(4096, page_bytes=1024),
+        RamTier(8192, get_codec("raw"), page_bytes=2048, pin_memory=False),
+        NvmeTier(path, 1 << 22, get_codec("int4")),
+    )
+    try:
+        toks = tokens(8, seed=3)
+        assert s.lookup(NS, toks).matched_blocks == 4
+        assert s.session("conv").info.tokens == 4 * T
+        assert s.prefetch("conv", "ram").blocks == 4
+    finally:
+        s.close()
+
+
 def test_restart_drops_blocks_whose_parent_never_reached_disk(make_store, tmp_path: Path) -> None:
     path = tmp_path / "lmdb"
     s = make_store(path=path)

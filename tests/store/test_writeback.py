@@ -1,0 +1,145 @@
+"""The write-through to nvme against blocks that move while it writes them: flush never calls a
+block durable that is not on nvme.
+
+Each test hooks a tier call of the writer thread to run another client's calls in one gap of the
+write: a timing that can happen on its own, forced so that it happens every time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvstore.keys import block_keys
+from kvstore.results import EvictFilter
+from kvstore.tiers.base import TierIOError
+from tests.store.conftest import StoreFactory
+from tests.store.storekit import NS, T, kv, tokens
+
+
+def on_writer() -> bool:
+    return threading.current_thread().name == "kvstore-writer"
+
+
+def elsewhere(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on another thread (another client's request) and wait for it."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+            failed.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
+
+
+def test_a_block_that_moves_under_every_read_is_written_later_not_dropped(
+    make_store: StoreFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "nvme"
+    s = make_store(path=path)
+    hot = tokens(1, seed=9)
+    key = block_keys(NS, hot)[0]
+    hbm, ram = s.tiers[0], s.tiers[1]
+    moves = [0]
+    seed = [100]
+
+    def churn() -> None:  # four new blocks: hbm is full, the hot block goes down to ram
+        seed[0] += 1
+        s.put(NS, tokens(4, seed=seed[0]), kv(4 * T, seed[0]))
+
+    def hooked(orig: Callable[..., Any], move: Callable[[], Any]) -> Callable[..., Any]:
+        def get(k: bytes, *a: Any, **kw: Any) -> Any:
+            if k == key and on_writer() and moves[0] < 3:
+                moves[0] += 1
+                elsewhere(move)  # between the writer finding the block and reading it
+            return orig(k, *a, **kw)
+
+        return get
+
+    hbm.get = hooked(hbm.get, churn)  # type: ignore[method-assign]
+    ram.get = hooked(ram.get, lambda: s.get(NS, hot))  # type: ignore[method-assign]  # a hit: back up
+    s.put(NS, hot, kv(T, 9))
+    s.flush(10)  # False when the write it waited for was the one given up: not durable yet, not lost
+    assert s.flush(10)
+    assert moves[0] == 3 and key in s.tiers[2]
+    assert s.check_integrity() == []
+    s.close()
+    assert make_store(path=path).lookup(NS, hot).matched_blocks == 1
+
+
+def test_a_block_whose_nvme_copy_came_and_went_during_its_write_is_not_marked_on_nvme(
+    make_store: StoreFactory,
+) -> None:
+    s = make_store()
+    toks = tokens(1, seed=9)
+    key = block_keys(NS, toks)[0]
+    nvme = s.tiers[2]
+    put = nvme.put
+    done: list[bool] = []
+
+    def come_and_go() -> None:
+        s.evict(EvictFilter(tier="hbm"))  # hbm -> ram
+        s.evict(EvictFilter(tier="ram"))  # ram -> nvme: a copy of its own, the index's nvme bit set
+        s.get(NS, toks)  # a hit: promoted into ram
+        s.evict(EvictFilter(tier="nvme"))  # the nvme copy goes, the ram copy stays
+
+    def hooked(k: bytes, *a: Any, **kw: Any) -> Any:
+        r = put(k, *a, **kw)
+        if k == key and on_writer() and not done:
+            done.append(True)
+            elsewhere(come_and_go)  # after the writer's LMDB put, before it tells the index
+        return r
+
+    nvme.put = hooked  # type: ignore[method-assign,assignment]
+    s.put(NS, toks, kv(T, 9))
+    s.flush(10)
+    e = s._index.get(key)
+    assert e is not None and done
+    on_nvme = bool(e.tiers & (1 << s.tiers.last))
+    assert on_nvme == (key in nvme)  # the index says nvme only where LMDB holds it
+    assert s.check_integrity() == []
+    assert s.flush(10) and key in nvme  # written again once it could be
+
+
+def test_flush_never_says_durable_while_a_failed_block_is_written_again(make_store: StoreFactory) -> None:
+    """A write that failed is retried by the writer's idle tick; a flush that finds the queue empty
+    while that retry runs must not answer True."""
+    s = make_store(tick=0.05)
+    toks = tokens(1, seed=9)
+    key = block_keys(NS, toks)[0]
+    nvme = s.tiers[2]
+    put = nvme.put
+    attempts = [0]
+
+    def failing(k: bytes, *a: Any, **kw: Any) -> Any:
+        if k == key:
+            attempts[0] += 1
+            if attempts[0] % 2 == 0:
+                time.sleep(0.5)  # a disk error slow to come
+            raise TierIOError("injected: the disk refuses this block")
+        return put(k, *a, **kw)
+
+    nvme.put = failing  # type: ignore[method-assign,assignment]
+    writer = s._writeback._writer  # type: ignore[union-attr]
+    drain = writer.drain
+
+    def late(timeout: float | None = None) -> bool:
+        r = drain(timeout)
+        time.sleep(0.1)  # the flushing thread is descheduled after the queue drained
+        return r
+
+    writer.drain = late  # type: ignore[method-assign]
+    s.put(NS, toks, kv(T, 9))
+    assert [s.flush(5) for _ in range(4)] == [False] * 4
+    assert key not in nvme and s.stats().write_failures >= 4
+    nvme.put = put  # type: ignore[method-assign]  # the disk recovers
+    assert s.flush(10) and key in nvme
