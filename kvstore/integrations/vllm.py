@@ -283,8 +283,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 session=_session(request),
             )
             self._tracked[rid] = t
-            self._plan_load(meta, t)
-            self._plan_save(meta, t, nr.num_computed_tokens + so.num_scheduled_tokens[rid])
+            if not self._plan_load(meta, t):
+                self._plan_save(meta, t, nr.num_computed_tokens + so.num_scheduled_tokens[rid])
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, rid in enumerate(cached.req_ids):
@@ -292,12 +292,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             if known is None:
                 continue
             new = cached.new_block_ids[i]
+            loading = False
             if rid in resumed:  # back from preemption: these are all its blocks now
                 known.block_ids = list(new[0]) if new else []
-                self._plan_load(meta, known)
+                loading = self._plan_load(meta, known)
             elif new:
                 known.block_ids.extend(new[0])
-            self._plan_save(meta, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid])
+            if not loading:
+                self._plan_save(meta, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid])
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
         self._loads.clear()
         for rid in list(self._hits):  # asked again only if it goes back to waiting
@@ -305,14 +307,20 @@ class KVStoreConnector(KVConnectorBase_V1):
                 del self._hits[rid]
         return meta
 
-    def _plan_load(self, meta: KVStoreMetadata, t: _Tracked) -> None:
+    def _plan_load(self, meta: KVStoreMetadata, t: _Tracked) -> bool:
+        """Load what vLLM counted on from kvstore; True when a load is planned. The request's save
+        then waits for a later step: the tokens this step computes after the load are computed over
+        its blocks, and only once the workers' load errors reached vLLM (which recomputes what
+        followed a failed block) are they known good. Saved now, a failed load on any rank would
+        store K/V computed over missing blocks under the right keys."""
         rid = t.request.request_id
         span = self._loads.get(rid)
         tokens = _token_ids(t.request)
         if span is None or tokens is None:
-            return
+            return False
         start, end = span
         meta.loads.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), start, end))
+        return True
 
     def _plan_save(self, meta: KVStoreMetadata, t: _Tracked, computed: int) -> None:
         if not self.settings.save or _token_ids(t.request) is None:
@@ -375,11 +383,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         for t in meta.loads:
             got = t.start
-            try:
-                r = self._clients.get(t.variant, "load").get_into(t.tokens, self._paged(t), start=t.start)
-                got = r.matched_tokens
-            except Exception as e:  # the blocks are recomputed, never read as garbage
-                self._clients.failed(f"load of {t.req_id}", e)
+            if self._clients.available():  # else the daemon did not answer lately: recomputed
+                try:
+                    r = self._clients.get(t.variant, "load").get_into(t.tokens, self._paged(t), start=t.start)
+                    got = r.matched_tokens
+                except Exception as e:  # the blocks are recomputed, never read as garbage
+                    self._clients.failed(f"load of {t.req_id}", e)
             self.loaded_tokens += max(0, min(got, t.end) - t.start)
             if got < t.end:
                 bs = self._k[0].shape[1]

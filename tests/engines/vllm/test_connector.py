@@ -15,6 +15,7 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.integrations import vllm as connector
 from kvstore.integrations import vllm_layout
+from kvstore.wire.errors import ServerError
 from tests.hardening.conftest import endpoint_of, wait_until, write_config
 
 T = 32  # kvstore's block size; vLLM's is 16 here
@@ -71,9 +72,15 @@ class Worker:
             out.append(torch.stack([k, v]))
         return torch.stack(out)
 
-    def forward(self, block_ids: list[int], tokens: list[int], start: int, end: int) -> None:
+    def forward(
+        self, block_ids: list[int], tokens: list[int], start: int, end: int, over_missing: bool = False
+    ) -> None:
+        """Write what the model computes for positions start..end-1; ``over_missing``: computed over
+        blocks whose load failed, so wrong (as a real model's would be)."""
         L = self.layout
         want = expected(tokens, start, end, L.num_layers, L.num_kv_heads, L.head_dim)
+        if over_missing:
+            want = want + 7
         pos = torch.arange(start, end)
         blk = torch.tensor(block_ids)[pos // BS]
         off = pos % BS
@@ -112,6 +119,7 @@ class Engine:
             self.before_load()
         w.start_load_kv(None)
         errors = w.get_block_ids_with_load_errors()
+        failed = {t.req_id for t in meta.loads if set(t.block_ids) & errors}
         for t in meta.loads:
             self.worker.loads.append((t.req_id, t.start, t.end))
             bad = set(t.block_ids) & errors
@@ -126,7 +134,7 @@ class Engine:
             req = self.requests[rid]
             ids = list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
             start = req.num_computed_tokens - n  # the scheduler has counted this step's tokens already
-            self.worker.forward(ids, list(req.all_token_ids), start, start + n)
+            self.worker.forward(ids, list(req.all_token_ids), start, start + n, rid in failed)
             scheduled.append(req)
         w.wait_for_save()
         sending, _ = w.get_finished(so.finished_req_ids)
@@ -266,6 +274,41 @@ def test_blocks_gone_between_lookup_and_load_are_recomputed_not_read(
     # the scheduler was told, recomputed those tokens, and the request ran to its end
     req = e.requests["again"]
     assert req.is_finished() and req.num_computed_tokens >= 150
+    e.worker.c.shutdown()
+
+
+def test_a_step_whose_load_fails_stores_nothing_it_computed_over_the_missing_blocks(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load that fails while kvstore still holds the blocks (the daemon busy, a short read, on any
+    tensor-parallel rank): the step's forward pass computes the tokens after them over whatever the
+    blocks held. vLLM learns of it after the step and recomputes; kvstore never keeps what that step
+    computed (a block it holds is never written again, and would be served to every later request)."""
+    U, vcfg, ep = setup
+    a = prompt(300, 5)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.add(request(U, a[:128], "first"))
+    e.run()
+    check = e.worker.c._clients.get(connector.Variant(), "check")
+    assert wait_until(lambda: check.lookup(a).matched_tokens == 128, 10)
+    assert e.sched.reset_prefix_cache()
+    load = e.worker.c._clients.get(connector.Variant(), "load")
+    refused: list[bool] = []
+
+    def busy(*args: Any, **kw: Any) -> Any:
+        refused.append(True)
+        raise ServerError("busy", "injected: the daemon turns the load away")
+
+    monkeypatch.setattr(load, "get_into", busy)
+    e.add(request(U, a, "again"))
+    e.run()
+    assert refused and e.worker.loads[-1] == ("again", 0, 128)
+    assert e.requests["again"].is_finished()
+    assert wait_until(lambda: check.lookup(a).matched_tokens == 288, 10)  # 300 + 2 fed back
+    stored = check.get(a)
+    L = check._ns().layout
+    assert stored.kv is not None
+    assert torch.equal(stored.kv, expected(a, 0, 288, L.num_layers, L.num_kv_heads, L.head_dim))
     e.worker.c.shutdown()
 
 
