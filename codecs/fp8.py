@@ -48,7 +48,7 @@ import torch
 
 from kvstore.codecs.base import WideningCodec, expect_bytes
 from kvstore.codecs.kfix import KFix
-from kvstore.codecs.scales import require_finite, round_down, round_up
+from kvstore.codecs.scales import divide, require_finite, round_down, round_up
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
@@ -70,7 +70,7 @@ def fp8_scales(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     require_finite(amax, "fp8")
     cap = round_down(torch.finfo(dtype).max / FP8_MAX, torch.bfloat16)
-    scale = round_up(amax / FP8_MAX, torch.bfloat16).clamp_(max=cap)
+    scale = round_up(divide(amax, FP8_MAX), torch.bfloat16).clamp_(max=cap)
     # all zeros, or so small that absmax / 448 underflows: any scale will do, the codes are 0
     return scale.masked_fill_(scale == 0, 1.0)
 

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from kvstore.codecs.base import Codec, expect_bytes
-from kvstore.codecs.scales import require_finite, round_up
+from kvstore.codecs.scales import divide, require_finite, round_up
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
@@ -155,7 +155,7 @@ class Int4Codec(Codec):
             z = (lo * 0.5 + hi * 0.5).to(dtype)  # halves first: lo + hi may overflow
             zf = z.float()
             # Scale from the rounded centre, rounded up: every value lands inside 0..15.
-            s = round_up(torch.maximum(hi - zf, zf - lo) / _HALF, dtype)
+            s = round_up(divide(torch.maximum(hi - zf, zf - lo), _HALF), dtype)
             sf = s.float()
             # A constant group keeps s = 0 and decodes to z exactly, whatever its codes.
             q = torch.div(t - zf, sf.masked_fill(sf == 0, 1.0)).add_(_HALF).round_().clamp_(0, 15)

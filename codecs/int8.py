@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from kvstore.codecs.base import WideningCodec, expect_bytes
-from kvstore.codecs.scales import require_finite
+from kvstore.codecs.scales import divide, require_finite
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
@@ -69,10 +69,10 @@ def quantize(
     ``x = q * s``. Asymmetric needs ``hi - lo`` finite in float32 (see ``too_wide``).
     """
     if symmetric:
-        s = torch.maximum(hi, -lo) / 127
+        s = divide(torch.maximum(hi, -lo), 127)
         base = None
     else:
-        s = hi / 255 - lo / 255
+        s = divide(hi, 255) - divide(lo, 255)
         base = lo
     s.masked_fill_(s == 0, 1.0)  # constant group: any scale decodes it exactly
     q = torch.div(t if base is None else t - base, s).round_()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.codecs.scales import round_up
+from kvstore.codecs.scales import divide, round_up
 from kvstore.errors import FrameError
 
 
@@ -49,7 +49,7 @@ class KFix:
         at = _expand(index, k.shape[1])
         decoded = codes.view(torch.uint8).gather(-1, at).view(torch.float8_e4m3fn).to(torch.float32) * scales
         residual = k.gather(-1, at) - decoded
-        scale = round_up(residual.abs().amax(1, keepdim=True) / 127, torch.bfloat16)
+        scale = round_up(divide(residual.abs().amax(1, keepdim=True), 127), torch.bfloat16)
         scale.masked_fill_(scale == 0, 1.0)
         q = torch.div(residual, scale.float()).round_().clamp_(-127, 127).to(torch.int8)
         return cls(scale, index.to(torch.int16), q)

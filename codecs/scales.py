@@ -12,6 +12,18 @@ import torch
 from kvstore.errors import CodecError
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor``, correctly rounded on every device (a new tensor).
+
+    CUDA divides a tensor by a Python number as a product with the number's
+    rounded reciprocal, which lands one unit off the quotient for many values
+    (a third of them at 448): a scale one unit higher is another scale once
+    rounded up, and the same block would make another frame on a GPU than on
+    the CPU. A divisor on the tensor's own device is divided by elementwise.
+    """
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` (float32, every element >= 0) rounded up into ``dtype`` (a new tensor)."""
     out = x.to(dtype)
