@@ -66,7 +66,7 @@ import torch
 import zmq
 
 from kvstore.client import KVStoreClient
-from kvstore.codecs import decode_frame, get_codec
+from kvstore.codecs import decode_frame, decode_frames, get_codec
 from kvstore.daemon.endpoint import probe
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout
@@ -666,19 +666,24 @@ def gpu_section(repeat: int) -> list[Figure]:
         for f, s in zip(frames, slots, strict=True):
             codec.decode(f, layout=LAYOUT, device=dev, out=s)
 
+    def decode_batch() -> None:
+        if decode_frames(frames, layout=LAYOUT, device=dev)[1] != len(frames):
+            raise SystemExit("a batch of frames came back short")
+
     t = interleaved(
         {
             "device-to-device copy": lambda: d2d_dst.copy_(d2d_src),
             "fp8 encode": encode_all,
             "fp8 decode": decode_all,
+            "fp8 decode, one batch": decode_batch,
         },
         repeat,
         sync=sync,
     )
     codec_rates = {k: gb / v for k, v in t.items()}
-    print("  fp8 codec on the GPU (one block at a time: encode returns a host frame, decode takes one):")
+    print("  fp8 codec on the GPU (encode returns a host frame; decode takes one, or all 64 at once):")
     print_rates(codec_rates, "device-to-device copy")
-    for name in ("fp8 encode", "fp8 decode"):
+    for name in ("fp8 encode", "fp8 decode", "fp8 decode, one batch"):
         figures.append(
             Figure(
                 f"GPU {name}",

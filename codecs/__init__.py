@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvstore.codecs.base import Codec
+from kvstore.codecs.base import Codec, bytes_tensor
 from kvstore.codecs.fp8 import Fp8Codec
 from kvstore.codecs.frame import FrameHeader, check_frame, read_header
 from kvstore.codecs.int4 import Int4Codec
@@ -79,12 +79,61 @@ def decode_frame(
     return codec._decode_checked(frame, header, device, out)
 
 
+def decode_frames(
+    frames: Sequence[Any], *, layout: KVLayout, device: torch.device | str, batch: bool | None = None
+) -> tuple[torch.Tensor, int]:
+    """The frames of consecutive blocks decoded into one new tensor ``[n, L, 2, T, H, D]`` on ``device``.
+
+    Returns (blocks, good): ``good`` leading frames decoded; a damaged frame ends the run there and
+    rows from it on are undefined. Frames of one codec and parameters, none zstd-packed, go to the
+    codec's batch decoder where it has one for ``device`` (fp8 on a GPU: one set of kernels for them
+    all, where one frame at a time costs a dozen launches and several waits on the device each);
+    any other frame is decoded alone, as ``decode_frame`` does. ``batch``: whether to use a batch
+    decoder; by default only off the CPU (there one block at a time, straight into its destination,
+    is faster).
+    """
+    dev = torch.device(device)
+    if batch is None:
+        batch = dev.type != "cpu"
+    out = torch.empty((len(frames), *layout.shape()), dtype=layout.torch_dtype, device=dev)
+    headers: list[FrameHeader] = []
+    for f in frames:
+        try:
+            headers.append(read_header(f, expect=layout))
+        except FrameError:
+            if not headers:
+                raise
+            break
+    first = headers[0]
+    if (
+        batch
+        and len(headers) > 1
+        and all(h.codec_id == first.codec_id and h.params == first.params and not h.zstd for h in headers)
+    ):
+        payloads = [
+            bytes_tensor(memoryview(f).cast("B")[h.payload_offset : h.frame_len])
+            for f, h in zip(frames, headers, strict=False)
+        ]
+        good = codec_for_frame(first)().decode_batch(payloads, layout, first.params, dev, out)
+        if good is not None:
+            return out, good
+    for i, (f, h) in enumerate(zip(frames, headers, strict=False)):
+        try:
+            codec_for_frame(h)()._decode_checked(f, h, dev, out[i])
+        except FrameError:
+            if not i:
+                raise
+            return out, i
+    return out, len(headers)
+
+
 __all__ = [
     "CODECS",
     "Codec",
     "FrameHeader",
     "check_frame",
     "decode_frame",
+    "decode_frames",
     "get_codec",
     "read_header",
     "register",

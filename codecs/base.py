@@ -182,6 +182,23 @@ class Codec(ABC):
         """
         return None
 
+    def decode_batch(
+        self,
+        payloads: list[torch.Tensor],
+        layout: KVLayout,
+        params: dict[str, Any],
+        device: torch.device,
+        out: torch.Tensor,
+    ) -> int | None:
+        """Decode the payloads (host bytes, checked frames of this codec, none zstd-packed, all with
+        ``params``) of consecutive blocks into ``out`` ``[n, L, 2, T, H, D]`` on ``device`` at once.
+
+        Returns how many leading payloads were decoded (a payload that fails a check ends the batch,
+        before anything of it is written); None when this codec has no batch decoder for ``device``
+        (then each frame is decoded alone).
+        """
+        return None
+
     def max_frame_bytes(self, layout: KVLayout) -> int:
         """An upper bound of a frame's size for ``layout`` (sizes RAM-tier slots).
 
@@ -232,6 +249,33 @@ class WideningCodec(Codec):
 
     def _decode(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
         return cast_block(self._decode_f32(payload, layout, params), layout.torch_dtype)
+
+    def _decode_batch_f32(
+        self, payloads: list[torch.Tensor], layout: KVLayout, params: dict[str, Any], device: torch.device
+    ) -> tuple[torch.Tensor, int] | None:
+        """The leading good payloads decoded as float32 ``[n, L, 2, T, H, D]`` (rows past the count
+        undefined), and the count; None without a batch decoder for ``device``."""
+        return None
+
+    def decode_batch(
+        self,
+        payloads: list[torch.Tensor],
+        layout: KVLayout,
+        params: dict[str, Any],
+        device: torch.device,
+        out: torch.Tensor,
+    ) -> int | None:
+        try:
+            done = self._decode_batch_f32(payloads, layout, params, device)
+        except FrameError:
+            raise
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise FrameError(f"{self.name} frames do not decode: {e}") from e
+        if done is None:
+            return None
+        wide, good = done
+        out[:good].copy_(wide[:good])
+        return good
 
     def _decode_direct(
         self, data: Buffer, layout: KVLayout, params: dict[str, Any], out: torch.Tensor | None

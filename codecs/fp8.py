@@ -75,13 +75,19 @@ def fp8_scales(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return scale.masked_fill_(scale == 0, 1.0)
 
 
-def fp8_decode_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``codes`` ([G, n] uint8 E4M3) times ``scales`` ([G, 1] bfloat16), exactly, as a new float32 tensor."""
-    s32 = scales.float()
-    lo, hi = s32.aminmax()
+def fp8_check_scales(scales: torch.Tensor) -> float:
+    """The largest of a frame's ``scales`` (bfloat16); FrameError unless all are positive and finite."""
+    lo, hi = scales.float().aminmax()
     lo_f, hi_f = float(lo), float(hi)
     if not (lo_f > 0.0 and hi_f < float("inf")):
         raise FrameError("fp8 frame holds a scale that is not a positive finite number")
+    return hi_f
+
+
+def fp8_decode_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``codes`` ([G, n] uint8 E4M3) times ``scales`` ([G, 1] bfloat16), exactly, as a new float32 tensor."""
+    hi_f = fp8_check_scales(scales)
+    s32 = scales.float()
     if hi_f * _BIAS >= torch.finfo(torch.float32).max:  # the multiplier would overflow
         return codes.view(torch.float8_e4m3fn).to(torch.float32) * s32
     w = codes.view(torch.int8).to(torch.int32)
@@ -131,17 +137,7 @@ class Fp8Codec(WideningCodec):
         return _payload_bytes(layout, min(self.k_fix, layout.head_dim))
 
     def _decode_f32(self, payload: torch.Tensor, layout: KVLayout, params: dict[str, Any]) -> torch.Tensor:
-        r = params.get("k_fix", 0)
-        if (
-            params.get("group", GROUP) != GROUP
-            or isinstance(r, bool)
-            or not isinstance(r, int)
-            or not 0 <= r <= layout.head_dim
-        ):
-            raise FrameError(
-                f"fp8 frame has unusable parameters {params!r} (scale groups {GROUP!r}, "
-                f"k_fix 0..{layout.head_dim} expected)"
-            )
+        r = _k_fix(params, layout)
         expect_bytes(payload, _payload_bytes(layout, r), "fp8")
         L, _, T, H, D = layout.shape()
         G = _groups(layout)
@@ -151,6 +147,56 @@ class Fp8Codec(WideningCodec):
         if r:
             KFix.from_payload(payload[2 * G : at], L, T, H, D, r).apply(out[:, 0])
         return out
+
+    def _decode_batch_f32(
+        self, payloads: list[torch.Tensor], layout: KVLayout, params: dict[str, Any], device: torch.device
+    ) -> tuple[torch.Tensor, int] | None:
+        """On a GPU: the payloads' checks on the host bytes (a check on the device would wait for it),
+        one row each of a device buffer (one copy across PCIe each, queued), then one set of kernels
+        for them all; the same arithmetic as ``_decode_f32``, so the same values bit for bit."""
+        r = _k_fix(params, layout)
+        size = _payload_bytes(layout, r)
+        L, _, T, H, D = layout.shape()
+        G = _groups(layout)
+        at = 2 * G + sum(KFix.nbytes(L, T, H, r))
+        good = 0
+        for p in payloads:
+            try:
+                expect_bytes(p, size, "fp8")
+                fp8_check_scales(p[: 2 * G].view(torch.bfloat16))
+                if r:
+                    KFix.from_payload(p[2 * G : at], L, T, H, D, r)
+            except FrameError:
+                if not good:
+                    raise
+                break
+            good += 1
+        row = -(-size // 16) * 16  # rows 16-byte aligned: every piece views as its dtype
+        buf = torch.empty((good, row), dtype=torch.uint8, device=device)
+        for i, p in enumerate(payloads[:good]):
+            buf[i, :size].copy_(p, non_blocking=True)
+        scales = buf[:, : 2 * G].view(torch.bfloat16).float()  # [n, G]
+        codes = buf[:, at:size].view(torch.float8_e4m3fn).view(good, G, D)
+        out = codes.to(torch.float32).mul_(scales.unsqueeze(-1)).view(good, *layout.shape())
+        if r:
+            KFix.from_batch(buf[:, 2 * G : at], L, T, H, r).apply(out[:, :, 0])
+        return out, good
+
+
+def _k_fix(params: dict[str, Any], layout: KVLayout) -> int:
+    """The frame's ``k_fix``; FrameError for parameters no fp8 frame has."""
+    r = params.get("k_fix", 0)
+    if (
+        params.get("group", GROUP) != GROUP
+        or isinstance(r, bool)
+        or not isinstance(r, int)
+        or not 0 <= r <= layout.head_dim
+    ):
+        raise FrameError(
+            f"fp8 frame has unusable parameters {params!r} (scale groups {GROUP!r}, "
+            f"k_fix 0..{layout.head_dim} expected)"
+        )
+    return r
 
 
 def _groups(layout: KVLayout) -> int:

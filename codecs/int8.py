@@ -56,6 +56,7 @@ from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
 K_AXES = ("channel", "token")
+_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # float32's smallest subnormal
 _REDUCE = {"channel": 1, "token": 3}  # dim of [L, T, H, D] a group runs along
 
 
@@ -74,7 +75,9 @@ def quantize(
     else:
         s = divide(hi, 255) - divide(lo, 255)
         base = lo
-    s.masked_fill_(s == 0, 1.0)  # constant group: any scale decodes it exactly
+    # A constant group: any scale decodes it exactly. A range so small (subnormal) that dividing it
+    # underflows to 0: float32's smallest step, of which such values are exact multiples.
+    s = torch.where(s > 0, s, torch.where(hi > lo, _TINY, 1.0))
     q = torch.div(t if base is None else t - base, s).round_()
     q = q.clamp_(-127, 127) if base is None else q.clamp_(0, 255)
     limit = torch.finfo(dtype).max

@@ -77,13 +77,25 @@ class KFix:
             data[a + b :].view(torch.int8).view(L, T, H, r),
         )
 
+    @classmethod
+    def from_batch(cls, data: torch.Tensor, L: int, T: int, H: int, r: int) -> KFix:
+        """Views over ``data`` [n, bytes] (each row a payload's corrections, checked already by
+        ``from_payload``): scales [n, L, 1, H, r], index [n, L, H, r], codes [n, L, T, H, r]."""
+        a, b, _ = cls.nbytes(L, T, H, r)
+        n = data.shape[0]
+        return cls(
+            data[:, :a].view(torch.bfloat16).view(n, L, 1, H, r),
+            data[:, a : a + b].view(torch.int16).view(n, L, H, r),
+            data[:, a + b :].view(torch.int8).view(n, L, T, H, r),
+        )
+
     def apply(self, k: torch.Tensor) -> None:
-        """Add the residuals into ``k`` [L, T, H, D] (float32, changed in place)."""
-        at = _expand(self.index.to(torch.int64), k.shape[1])
+        """Add the residuals into ``k`` [..., L, T, H, D] (float32, changed in place)."""
+        at = _expand(self.index, k.shape[-3])
         k.scatter_add_(-1, at, self.codes.to(torch.float32).mul_(self.scales.float()))
 
 
 def _expand(index: torch.Tensor, tokens: int) -> torch.Tensor:
-    """[L, H, r] channel indices as a gather/scatter index over [L, T, H, r]."""
-    L, H, r = index.shape
-    return index.to(torch.int64)[:, None].expand(L, tokens, H, r)
+    """[..., L, H, r] channel indices as a gather/scatter index over [..., L, T, H, r]."""
+    *lead, H, r = index.shape
+    return index.to(torch.int64).unsqueeze(-3).expand(*lead, tokens, H, r)

@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.codecs import decode_frame
+from kvstore.codecs import decode_frame, decode_frames
 from kvstore.errors import FrameError
 from kvstore.kvbuffers import KVTarget, target_view, write_target
 from kvstore.layout import KVLayout
-from kvstore.memcopy import Copier
+from kvstore.memcopy import Copier, CopyBatch
 from kvstore.shm.segment import Segment, ShmUnavailable
 
 
@@ -191,6 +191,23 @@ class SharedMapping:
         j = 0
         while j < len(located):
             m, extents, _, _ = located[j]
+            if m.kind == "frames" and device.type != "cpu":  # a run of frames decoded at once on the device
+                k = j + 1
+                while k < len(located) and located[k][0].kind == "frames":
+                    k += 1
+                try:
+                    frames = [self._bytes(mk, ek).numpy().data for mk, ek, _, _ in located[j:k]]
+                    run, ok = decode_frames(frames, layout=layout, device=device)
+                except FrameError:
+                    ok = 0
+                if ok:
+                    self._write_run(target, t0 + j * T, run[:ok], scatters)
+                if ok < k - j:  # torn by a reuse (the generations will say) or damaged: not served
+                    self.torn += 1
+                    good = j + ok
+                    break
+                j = k
+                continue
             try:
                 if m.kind == "frames" or len(extents) != 1:  # one at a time: decoded, or gathered
                     data = self._bytes(m, extents)
@@ -217,11 +234,7 @@ class SharedMapping:
                 k = j + 1  # across PCIe each block goes as it is (a gapped run would be gathered first)
             src = torch.as_strided(m.arena, (k - j, nb), (stride, 1), int(extents[0][0]))
             src = src.view(layout.torch_dtype).view(k - j, *layout.shape(T))
-            if isinstance(target, torch.Tensor):
-                dst = target[:, :, t0 + j * T : t0 + k * T].unflatten(2, (k - j, T)).permute(2, 0, 1, 3, 4, 5)
-                self._copier.copy(dst, src, non_blocking=True)
-            else:
-                target.write_blocks(t0 + j * T, src, scatters)
+            self._write_run(target, t0 + j * T, src, scatters)
             j = k
         scatters.finish()
         # every copy has finished (on either side of PCIe) before the generations are read
@@ -233,6 +246,15 @@ class SharedMapping:
                 self.moved += 1
                 return j
         return good
+
+    def _write_run(self, target: KVTarget, t0: int, src: torch.Tensor, scatters: CopyBatch) -> None:
+        """Consecutive blocks ``src`` ``[n, L, 2, T, H, D]`` into ``target`` from token ``t0``."""
+        n, T = src.shape[0], src.shape[3]
+        if isinstance(target, torch.Tensor):
+            dst = target[:, :, t0 : t0 + n * T].unflatten(2, (n, T)).permute(2, 0, 1, 3, 4, 5)
+            self._copier.copy(dst, src, non_blocking=True)
+        else:
+            target.write_blocks(t0, src, scatters)
 
     def _parse(
         self, j: int, blk: list[Any], staging: list[Any] | None

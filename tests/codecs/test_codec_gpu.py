@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.codecs import decode_frame
+from kvstore.codecs import decode_frame, decode_frames
 from kvstore.layout import KVLayout
 from tests.codecs.codec_blocks import (
     DTYPES,
@@ -58,3 +58,17 @@ def test_gpu_encode_and_decode_match_the_cpu(
     assert bool(((got - want).abs() <= 2 * bound).all())
     if not matmul:  # a rotated code moves wherever a product's rounding crosses a step
         assert float((got == want).double().mean()) > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_batch_of_frames_decodes_on_the_gpu_as_each_frame_on_the_cpu(dtype: torch.dtype) -> None:
+    codec = make_codec(("fp8", {}))
+    blocks = [
+        structured_block(kind, (3, 2, 64, 3, 64), dtype, seed=i)
+        for i, kind in enumerate(["normal", "heavy", "wide"])
+    ]
+    frames = [codec.encode(b) for b in blocks]
+    got, good = decode_frames(frames, layout=KVLayout.of_block(blocks[0]), device="cuda")
+    assert good == 3 and got.device.type == "cuda"
+    for i, f in enumerate(frames):
+        assert torch.equal(got[i].cpu(), decode_frame(f)), i

@@ -150,3 +150,12 @@ def test_parameters_are_validated() -> None:
         Int8Codec()._decode(payload, layout, {"k_axis": "layer"})
     with pytest.raises(FrameError, match="payload has 22 bytes, the layout needs 16"):
         Int8Codec()._decode(payload, layout, {"symmetric": True})
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_a_group_whose_range_underflows_when_divided_decodes_exactly(symmetric: bool) -> None:
+    # 1.6e-43 / 255 is below float32's smallest step: the scale was 0, then 1, and the value decoded as 0
+    block = torch.zeros(1, 2, 1, 1, 1)
+    block[0, 0, 0, 0, 0] = 1.6255e-43
+    got = decode_frame(get_codec("int8", symmetric=symmetric).encode(block))
+    assert torch.equal(got, block)

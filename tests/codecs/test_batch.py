@@ -1,0 +1,72 @@
+"""decode_frames: a run of consecutive blocks' frames decoded at once, as each decodes alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.codecs import decode_frame, decode_frames, get_codec, read_header
+from kvstore.codecs import frame as framing
+from kvstore.errors import FrameError
+from kvstore.layout import KVLayout
+from tests.codecs.codec_blocks import DTYPES, structured_block
+
+SHAPE = (3, 2, 64, 3, 64)
+KINDS = ["normal", "heavy", "wide", "huge", "constant"]
+
+
+def blocks_of(dtype: torch.dtype) -> list[torch.Tensor]:
+    return [structured_block(kind, SHAPE, dtype, seed=i) for i, kind in enumerate(KINDS)]
+
+
+def forged(frame: bytearray, payload: bytes) -> bytearray:
+    """``frame`` with another payload and a checksum that fits it: damage only a decoder can see."""
+    h = read_header(frame)
+    return framing.pack(h.codec_id, h.layout, h.params, [payload])
+
+
+@pytest.mark.parametrize("k_fix", [8, 0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_batch_of_fp8_frames_decodes_bit_for_bit_as_each_frame_alone(
+    dtype: torch.dtype, k_fix: int
+) -> None:
+    codec = get_codec("fp8", k_fix=k_fix)
+    frames = [codec.encode(b) for b in blocks_of(dtype)]
+    blocks, good = decode_frames(
+        frames, layout=KVLayout.of_block(blocks_of(dtype)[0]), device="cpu", batch=True
+    )
+    assert good == len(frames) and blocks.dtype == dtype
+    for i, f in enumerate(frames):
+        assert torch.equal(blocks[i], decode_frame(f)), i
+
+
+def test_frames_of_several_codecs_are_decoded_one_by_one() -> None:
+    blocks = blocks_of(torch.bfloat16)[:3]
+    frames = [get_codec(name).encode(b) for name, b in zip(["fp8", "int8", "raw"], blocks, strict=True)]
+    got, good = decode_frames(frames, layout=KVLayout.of_block(blocks[0]), device="cpu", batch=True)
+    assert good == 3
+    for i, f in enumerate(frames):
+        assert torch.equal(got[i], decode_frame(f))
+
+
+@pytest.mark.parametrize("batch", [True, False])
+def test_a_damaged_frame_ends_the_run_before_it(batch: bool) -> None:
+    blocks = blocks_of(torch.bfloat16)
+    layout = KVLayout.of_block(blocks[0])
+    codec = get_codec("fp8")
+    frames = [codec.encode(b) for b in blocks]
+    torn = bytearray(frames[2])
+    torn[-1] ^= 1  # fails its checksum
+    got, good = decode_frames([*frames[:2], torn, *frames[3:]], layout=layout, device="cpu", batch=batch)
+    assert good == 2
+    assert all(torch.equal(got[i], decode_frame(frames[i])) for i in range(2))
+    # a checksum that fits, and a scale of 0 (no fp8 frame holds one): the batch decoder's own checks
+    h = read_header(frames[3])
+    payload = bytearray(memoryview(frames[3])[h.payload_offset : h.frame_len])
+    payload[0:2] = b"\x00\x00"
+    got, good = decode_frames(
+        [*frames[:3], forged(frames[3], bytes(payload))], layout=layout, device="cpu", batch=batch
+    )
+    assert good == 3
+    with pytest.raises(FrameError):
+        decode_frames([torn, *frames], layout=layout, device="cpu", batch=batch)
