@@ -139,6 +139,8 @@ class CopyBatch:
         (the first failure is raised then, after all the others ran: none is left queued, and none is
         still running, to land after the caller moved on)."""
         with self._finishing:
+            if not self._queue:  # nothing queued (a reader's flush, mostly): nothing to hand out
+                return
             threads = self._copier.threads or torch.get_num_threads()
             helpers = min(threads - 1, len(self._queue) - 1, self._bytes // self._copier.part_bytes - 1)
             self._bytes = 0
@@ -170,6 +172,8 @@ class CopyBatch:
 
 def _settle(running: list[Future[None]]) -> None:
     """Wait for every one of ``running``, then raise the first failure among them (if any)."""
+    if not running:
+        return
     wait(running)
     for f in running:
         f.result()

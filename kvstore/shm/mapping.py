@@ -47,6 +47,28 @@ class _Mapped:
     segments: list[Any]
 
 
+_Located = tuple[_Mapped, np.ndarray, np.ndarray, np.ndarray]  # mapping, extents, pages, generations
+
+
+def _first_moved(located: list[_Located]) -> int | None:
+    """The first of ``located`` whose pages' generations are no longer those the daemon located it
+    at (its pages were freed, perhaps reused, meanwhile), or None. One comparison for all blocks."""
+    rows: list[int] = []
+    now: list[np.ndarray] = []
+    then: list[np.ndarray] = []
+    for j, (m, _, p, g) in enumerate(located):
+        if m.gens is not None and len(p):
+            rows.append(j)
+            now.append(m.gens[p])
+            then.append(g)
+    if not rows:
+        return None
+    moved = np.concatenate(now) != np.concatenate(then)
+    if not moved.any():
+        return None
+    return int(np.repeat(rows, [len(g) for g in then])[moved.argmax()])
+
+
 class SharedMapping:
     """A daemon's shared segments, mapped in this process. ShmUnavailable when they cannot be."""
 
@@ -185,7 +207,7 @@ class SharedMapping:
         T, nb = layout.block_tokens, layout.block_nbytes
         device = target.device
         self._pin_for(device)
-        located = [self._parse(j, blk, staging) for j, blk in enumerate(blocks)]
+        located = self._parse(blocks, staging)
         good = len(located)
         scatters = self._copier.batch()  # a paged target's scatters, shared out over the copier's threads
         j = 0
@@ -241,10 +263,10 @@ class SharedMapping:
         for dev in {m.arena.device for m, _, _, _ in located} | {device}:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-        for j, (m, _, pages, gens) in enumerate(located[:good]):  # after every copy has finished
-            if m.gens is not None and not np.array_equal(m.gens[pages], gens):
-                self.moved += 1
-                return j
+        moved = _first_moved(located[:good])  # after every copy has finished
+        if moved is not None:
+            self.moved += 1
+            return moved
         return good
 
     def _write_run(self, target: KVTarget, t0: int, src: torch.Tensor, scatters: CopyBatch) -> None:
@@ -256,33 +278,52 @@ class SharedMapping:
         else:
             target.write_blocks(t0, src, scatters)
 
-    def _parse(
-        self, j: int, blk: list[Any], staging: list[Any] | None
-    ) -> tuple[_Mapped, np.ndarray, np.ndarray, np.ndarray]:
-        """(mapping, extents, pages, generations) of located block ``j``; ShmUnavailable if malformed."""
-        try:
-            seg, ext, pages, gens = int(blk[0]), blk[1], blk[2], blk[3]
-            m = self.staging(str(staging[0]), int(staging[1])) if seg == -1 and staging else None
-            if m is None and 0 <= seg < len(self.mapped):
-                m = self.mapped[seg]
-            extents = np.frombuffer(ext, dtype="<i8").reshape(-1, 2)
-            p = np.frombuffer(pages, dtype="<i8")
-            g = np.frombuffer(gens, dtype="<u8")
-        except (TypeError, ValueError, IndexError) as e:
-            raise ShmUnavailable(f"located block {j} is malformed: {e}") from None
-        if m is None:
-            raise ShmUnavailable(f"block {j} is located in segment {seg}, which is not mapped")
-        size = m.arena.numel()
-        if len(extents) == 0 or (extents < 0).any() or (extents[:, 0] + extents[:, 1] > size).any():
-            raise ShmUnavailable(f"block {j}'s extents are outside the {m.role} segment")
-        if m.gens is not None and (len(p) != len(g) or (len(p) and (p.min() < 0 or p.max() >= len(m.gens)))):
-            raise ShmUnavailable(f"block {j} names pages outside the {m.role} pool")
-        return m, extents, p, g
+    def _parse(self, blocks: list[list[Any]], staging: list[Any] | None) -> list[_Located]:
+        """(mapping, extents, pages, generations) of each located block; ShmUnavailable if one is
+        malformed. The bounds are checked for all blocks at once (a prefix has tens of blocks)."""
+        located: list[_Located] = []
+        for j, blk in enumerate(blocks):
+            try:
+                seg, ext, pages, gens = int(blk[0]), blk[1], blk[2], blk[3]
+                m = self.staging(str(staging[0]), int(staging[1])) if seg == -1 and staging else None
+                if m is None and 0 <= seg < len(self.mapped):
+                    m = self.mapped[seg]
+                extents = np.frombuffer(ext, dtype="<i8").reshape(-1, 2)
+                p = np.frombuffer(pages, dtype="<i8")
+                g = np.frombuffer(gens, dtype="<u8")
+            except (TypeError, ValueError, IndexError) as e:
+                raise ShmUnavailable(f"located block {j} is malformed: {e}") from None
+            if m is None:
+                raise ShmUnavailable(f"block {j} is located in segment {seg}, which is not mapped")
+            if len(extents) == 0:
+                raise ShmUnavailable(f"block {j} has no extents")
+            if m.gens is not None and len(p) != len(g):
+                raise ShmUnavailable(f"block {j} names {len(p)} pages and {len(g)} generations")
+            located.append((m, extents, p, g))
+        if not located:
+            return located
+        ext = np.concatenate([e for _, e, _, _ in located])
+        rows = np.repeat(np.arange(len(located)), [len(e) for _, e, _, _ in located])
+        size = np.array([m.arena.numel() for m, _, _, _ in located])[rows]
+        bad = (ext[:, 0] < 0) | (ext[:, 1] < 0) | (ext[:, 0] + ext[:, 1] > size)
+        if bad.any():
+            j = int(rows[bad.argmax()])
+            raise ShmUnavailable(f"block {j}'s extents are outside the {located[j][0].role} segment")
+        paged = [
+            (j, p, len(m.gens)) for j, (m, _, p, _) in enumerate(located) if m.gens is not None and len(p)
+        ]
+        if paged:
+            pages = np.concatenate([p for _, p, _ in paged])
+            lengths = [len(p) for _, p, _ in paged]
+            rows = np.repeat([j for j, _, _ in paged], lengths)
+            bad = (pages < 0) | (pages >= np.repeat([n for _, _, n in paged], lengths))
+            if bad.any():
+                j = int(rows[bad.argmax()])
+                raise ShmUnavailable(f"block {j} names pages outside the {located[j][0].role} pool")
+        return located
 
     @staticmethod
-    def _run(
-        located: list[tuple[_Mapped, np.ndarray, np.ndarray, np.ndarray]], j: int, nb: int
-    ) -> tuple[int, int]:
+    def _run(located: list[_Located], j: int, nb: int) -> tuple[int, int]:
         """The raw blocks ``j .. k-1`` that one strided copy reads: in one segment, each one run of
         ``nb`` bytes, at a constant stride. Returns (k, stride). ShmUnavailable for a raw block that is
         not ``nb`` bytes in one run (a pool's blocks always are)."""
