@@ -250,7 +250,14 @@ class SharedPath:
         for attempt in range(STALE_RETRIES + 1):
             r = self._reserve(m, nbytes)
             try:
-                return self._conn.call(self._stage(m, r, ns, tokens, src, s, e, session), idempotent=True)
+                commit = self._stage(m, r, ns, tokens, src, s, e, session)
+            except (
+                BaseException
+            ):  # an interrupt, a device's error: the range goes back now, not at its lease's end
+                _give_back(self._conn, Finish(handle=r.handle, used=0), wait=False)
+                raise
+            try:
+                return self._conn.call(commit, idempotent=True)
             except ServerError as err:
                 if err.code != "not_found" or attempt == STALE_RETRIES:
                     raise

@@ -665,3 +665,23 @@ def test_staging_that_cannot_be_mapped_mid_put_sends_the_rest_over_the_socket(
         assert len(calls) == 2 and not c.shared_memory  # the socket from now on, for this daemon
         assert c.ping()  # the connection is in step: no late commit answer read as the ping's
         assert_served(c, toks)
+
+
+def test_a_put_interrupted_while_staging_gives_its_range_back_at_once(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = write_config(tmp_path, server=SHM, policy={"pin_lease": "60s"})
+    daemons(cfg)
+    rng = np.random.default_rng(11)
+    toks = random_tokens(rng, 3)
+    with attached(endpoint_of(cfg)) as c:
+
+        def interrupted(*_: Any, **__: Any) -> None:
+            raise KeyboardInterrupt  # Ctrl-C while the blocks are copied into staging
+
+        monkeypatch.setattr(c._shm._copier, "copy", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.put_from(toks, prefix_kv(toks))
+        assert wait_until(lambda: shm_stats(c)["staging_used"] == 0, 5)  # not in 60 s, at the lease's end
+        monkeypatch.undo()
+        assert c.put_from(toks, prefix_kv(toks)).stored == 3
