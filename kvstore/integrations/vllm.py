@@ -207,6 +207,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._loads: dict[str, tuple[int, int]] = {}  # request -> (start, end) to load this step
         self._requests: dict[str, Any] = {}
         self._tracked: dict[str, _Tracked] = {}
+        self._final: list[Transfer] = []  # saves of finished requests, for the next step's workers
         self._lookup_failures = 0
         # worker side
         self._k: list[torch.Tensor] = []
@@ -284,7 +285,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             )
             self._tracked[rid] = t
             if not self._plan_load(meta, t):
-                self._plan_save(meta, t, nr.num_computed_tokens + so.num_scheduled_tokens[rid])
+                self._plan_save(meta.saves, t, nr.num_computed_tokens + so.num_scheduled_tokens[rid])
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, rid in enumerate(cached.req_ids):
@@ -299,7 +300,11 @@ class KVStoreConnector(KVConnectorBase_V1):
             elif new:
                 known.block_ids.extend(new[0])
             if not loading:
-                self._plan_save(meta, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid])
+                self._plan_save(
+                    meta.saves, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid]
+                )
+        meta.saves += self._final
+        self._final = []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
         self._loads.clear()
         for rid in list(self._hits):  # asked again only if it goes back to waiting
@@ -322,7 +327,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta.loads.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), start, end))
         return True
 
-    def _plan_save(self, meta: KVStoreMetadata, t: _Tracked, computed: int) -> None:
+    def _plan_save(self, saves: list[Transfer], t: _Tracked, computed: int) -> None:
+        """Save what ``t`` computed up to token ``computed`` that is not saved yet (whole blocks)."""
         if not self.settings.save or _token_ids(t.request) is None:
             return
         tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
@@ -330,9 +336,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if end <= t.saved:
             return
         rid = t.request.request_id
-        meta.saves.append(
-            Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), t.saved, end, t.session)
-        )
+        saves.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), t.saved, end, t.session))
         t.saved = end
         t.saving = True
 
@@ -342,6 +346,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._hits.pop(rid, None)
         self._loads.pop(rid, None)
         t = self._tracked.pop(rid, None)
+        if t is not None:
+            # What its last step computed after a load was not saved with that step (see _plan_load);
+            # vLLM has the step's load errors now, and rolled the request back to the first failed
+            # block: what it counts as computed is sound. Its blocks stay until the next step saves it.
+            self._plan_save(self._final, t, request.num_computed_tokens)
         # saves read the request's blocks on the workers' thread: keep them until they are done
         return (t is not None and t.saving), None
 

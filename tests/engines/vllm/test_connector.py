@@ -312,6 +312,30 @@ def test_a_step_whose_load_fails_stores_nothing_it_computed_over_the_missing_blo
     e.worker.c.shutdown()
 
 
+def test_a_request_that_loads_and_finishes_in_one_step_saves_what_it_computed_after_the_load(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its save waits for a step after the load (a failed load must not be stored over): the request
+    is gone by then, so its finish plans it, and its blocks are kept until the workers saved them."""
+    U, vcfg, ep = setup
+    a = prompt(200, 7)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.add(request(U, a[:128], "first"))
+    e.run()
+    check = e.worker.c._clients.get(connector.Variant(), "check")
+    assert wait_until(lambda: check.lookup(a).matched_tokens == 128, 10)
+    assert e.sched.reset_prefix_cache()
+    e.add(request(U, a, "again", max_tokens=1))  # 128 loaded, 72 computed and one token: one step
+    e.run()
+    assert e.worker.loads[-1] == ("again", 0, 128)
+    assert wait_until(lambda: check.lookup(a).matched_tokens == 192, 10)
+    stored = check.get(a)
+    L = check._ns().layout
+    assert stored.kv is not None
+    assert torch.equal(stored.kv, expected(a, 0, 192, L.num_layers, L.num_kv_heads, L.head_dim))
+    e.worker.c.shutdown()
+
+
 def test_a_daemon_that_is_not_there_costs_one_timeout_and_then_nothing(
     vllm_utils: Any, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
