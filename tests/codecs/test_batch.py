@@ -68,5 +68,14 @@ def test_a_damaged_frame_ends_the_run_before_it(batch: bool) -> None:
         [*frames[:3], forged(frames[3], bytes(payload))], layout=layout, device="cpu", batch=batch
     )
     assert good == 3
+    # an fp8 frame's K corrections name a channel past the head (the checks a scatter must not miss)
+    L, _, _, H, D = SHAPE
+    index_at = h.payload_offset + 2 * L * 2 * 64 * H + 2 * L * H * 8  # scales, then the corrections' scales
+    payload = bytearray(memoryview(frames[1])[h.payload_offset : h.frame_len])
+    payload[index_at - h.payload_offset : index_at - h.payload_offset + 2] = D.to_bytes(2, "little")
+    got, good = decode_frames(
+        [frames[0], forged(frames[1], bytes(payload))], layout=layout, device="cpu", batch=batch
+    )
+    assert good == 1
     with pytest.raises(FrameError):
         decode_frames([torn, *frames], layout=layout, device="cpu", batch=batch)
