@@ -171,10 +171,22 @@ class CopyBatch:
 
 
 def _settle(running: list[Future[None]]) -> None:
-    """Wait for every one of ``running``, then raise the first failure among them (if any)."""
+    """Wait for every one of ``running``, then raise the first failure among them (if any).
+
+    An interrupt (Ctrl-C) while waiting does not cut the wait short: the copies still running would
+    land after the caller moved on (into a staging range given back, say, and reused). It is raised
+    once they are done."""
     if not running:
         return
-    wait(running)
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            wait(running)
+            break
+        except BaseException as e:  # noqa: BLE001 - raised below, once every copy has ended
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted
     for f in running:
         f.result()
 

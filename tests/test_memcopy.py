@@ -222,3 +222,31 @@ def test_a_scatter_of_rows_is_index_copy_s_bytes_for_any_index_shape(dtype: torc
         scatter_rows(dst, 1, torch.tensor([25]), src[:, :1])
     with pytest.raises(ValueError, match="source"):  # one K/V row for two: refused, not broadcast
         scatter_rows(dst, 1, ids[:1], src[:1, :1])
+
+
+def test_an_interrupted_copy_returns_only_once_every_helper_has_copied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while helpers still copy: their writes must not land after copy() is left (into a
+    staging range given back and reused by the next put, say)."""
+    import os
+    import signal
+    import threading
+    import time
+    import types
+
+    import kvstore.memcopy as mc
+
+    def slow_copyto(d: np.ndarray, s: np.ndarray, **kw: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.5)  # a helper still copying (a large chunk, page faults)
+        np.copyto(d, s, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mc, "np", types.SimpleNamespace(copyto=slow_copyto))
+    cp = mc.Copier(2, part_bytes=1024)
+    dst, src = torch.zeros(4, 4096), torch.ones(4, 4096)
+    threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        cp.copy(dst, src)
+    assert bool((dst == 1).all())  # every part landed before the interrupt was raised
+    cp.close()

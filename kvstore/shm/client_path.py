@@ -18,6 +18,7 @@ instance. The caller (KVStoreClient) holds its lock and has said hello.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import TypeVar
@@ -251,10 +252,11 @@ class SharedPath:
             r = self._reserve(m, nbytes)
             try:
                 commit = self._stage(m, r, ns, tokens, src, s, e, session)
-            except (
-                BaseException
-            ):  # an interrupt, a device's error: the range goes back now, not at its lease's end
-                _give_back(self._conn, Finish(handle=r.handle, used=0), wait=False)
+            except BaseException:
+                # an interrupt, a device's error: the range goes back now, not at its lease's end (every
+                # copy into it has ended: the Copier waits for its helpers, interrupted or not)
+                with contextlib.suppress(Exception):
+                    _give_back(self._conn, Finish(handle=r.handle, used=0), wait=False)
                 raise
             try:
                 return self._conn.call(commit, idempotent=True)
