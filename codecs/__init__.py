@@ -96,6 +96,8 @@ def decode_frames(
     if batch is None:
         batch = dev.type != "cpu"
     out = torch.empty((len(frames), *layout.shape()), dtype=layout.torch_dtype, device=dev)
+    if not frames:
+        return out, 0
     headers: list[FrameHeader] = []
     for f in frames:
         try:

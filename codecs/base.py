@@ -269,6 +269,8 @@ class WideningCodec(Codec):
             done = self._decode_batch_f32(payloads, layout, params, device)
         except FrameError:
             raise
+        except torch.cuda.OutOfMemoryError:  # a batch needs n blocks of float32 at once: one by one, then
+            return None
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise FrameError(f"{self.name} frames do not decode: {e}") from e
         if done is None:

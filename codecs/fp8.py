@@ -175,6 +175,9 @@ class Fp8Codec(WideningCodec):
         fix = KFix.from_batch(buf[:, 2 * G : at], L, T, H, r) if r else None
         if fix is not None:  # a channel past the head would be a scatter out of bounds
             bad |= ((fix.index < 0) | (fix.index >= D)).flatten(1).any(1)
+        # E4M3's NaN (s1111111), which no encoder writes: a cast makes it NaN (the one-frame decode,
+        # a bit pattern, a finite value); either way not a block to serve
+        bad |= (buf[:, at:size] & 0x7F).eq(0x7F).any(1)
         flags = bad.cpu()
         good = int(flags.to(torch.uint8).argmax()) if bool(flags.any()) else n
         if not good:

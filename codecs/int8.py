@@ -56,7 +56,8 @@ from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
 K_AXES = ("channel", "token")
-_TINY = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23  # float32's smallest subnormal
+_NORMAL = float(torch.finfo(torch.float32).smallest_normal)
+_TINY = _NORMAL * 2.0**-23  # float32's smallest subnormal
 _REDUCE = {"channel": 1, "token": 3}  # dim of [L, T, H, D] a group runs along
 
 
@@ -75,9 +76,13 @@ def quantize(
     else:
         s = divide(hi, 255) - divide(lo, 255)
         base = lo
-    # A constant group: any scale decodes it exactly. A range so small (subnormal) that dividing it
-    # underflows to 0: float32's smallest step, of which such values are exact multiples.
-    s = torch.where(s > 0, s, torch.where(hi > lo, _TINY, 1.0))
+    # A range whose step is subnormal: the quotient lands on float32's coarse subnormal grid (or 0),
+    # often below the step the codes need, and they clamp short of the range. There the step is a
+    # whole number of float32's smallest units, rounded up (such values are exact multiples of it).
+    span = (torch.maximum(hi, -lo) if symmetric else hi - lo).double()
+    units = torch.ceil(divide(span, 127 if symmetric else 255) / _TINY)  # (by 2**-149: exact)
+    s = torch.where(s < _NORMAL, (units * _TINY).float(), s)
+    s.masked_fill_(s == 0, 1.0)  # a constant group (asymmetric) or zeros: any scale decodes it exactly
     q = torch.div(t if base is None else t - base, s).round_()
     q = q.clamp_(-127, 127) if base is None else q.clamp_(0, 255)
     limit = torch.finfo(dtype).max

@@ -79,3 +79,22 @@ def test_a_damaged_frame_ends_the_run_before_it(batch: bool) -> None:
     assert good == 1
     with pytest.raises(FrameError):
         decode_frames([torn, *frames], layout=layout, device="cpu", batch=batch)
+
+
+def test_an_fp8_nan_code_ends_a_batch_and_nothing_is_nan() -> None:
+    blocks = blocks_of(torch.bfloat16)[:3]
+    layout = KVLayout.of_block(blocks[0])
+    frames = [get_codec("fp8").encode(b) for b in blocks]
+    h = read_header(frames[1])
+    payload = bytearray(memoryview(frames[1])[h.payload_offset : h.frame_len])
+    payload[-1] = 0x7F  # E4M3's NaN, which no encoder writes
+    got, good = decode_frames(
+        [frames[0], forged(frames[1], bytes(payload)), frames[2]], layout=layout, device="cpu", batch=True
+    )
+    assert good == 1 and not bool(got[0].isnan().any())
+
+
+def test_no_frames_decode_to_nothing() -> None:
+    layout = KVLayout.of_block(blocks_of(torch.bfloat16)[0])
+    got, good = decode_frames([], layout=layout, device="cpu")
+    assert good == 0 and got.shape[0] == 0

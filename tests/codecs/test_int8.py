@@ -153,9 +153,16 @@ def test_parameters_are_validated() -> None:
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_a_group_whose_range_underflows_when_divided_decodes_exactly(symmetric: bool) -> None:
-    # 1.6e-43 / 255 is below float32's smallest step: the scale was 0, then 1, and the value decoded as 0
-    block = torch.zeros(1, 2, 1, 1, 1)
-    block[0, 0, 0, 0, 0] = 1.6255e-43
+@pytest.mark.parametrize("units", [116, 300, 5000])
+def test_a_group_whose_step_is_subnormal_decodes_exactly(symmetric: bool, units: int) -> None:
+    # 116 units / 255 is below float32's smallest step: the scale was 0, then 1, and the value decoded
+    # as 0; 300 / 255 rounded down to one unit and the codes clamped at 255 (0.15 of absmax off)
+    block = torch.zeros(1, 2, 2, 1, 1)
+    block[0, 0, 0, 0, 0] = units * 2.0**-149
     got = decode_frame(get_codec("int8", symmetric=symmetric).encode(block))
     assert torch.equal(got, block)
+
+
+def test_a_constant_subnormal_group_decodes_exactly_when_symmetric() -> None:
+    block = torch.full((1, 2, 1, 1, 1), 5 * 2.0**-149)
+    assert torch.equal(decode_frame(get_codec("int8", symmetric=True).encode(block)), block)
