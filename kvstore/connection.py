@@ -25,6 +25,7 @@ shows up as a RequestTimeout (its message says to check the allow-list).
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,15 @@ TRANSIENT = frozenset({"shutting_down"})
 BACKOFF = 0.05  # seconds before the first re-send after a transient error; doubles each time
 STARTING_POLL = 0.2  # seconds between re-sends to a daemon that answers "starting"
 BUSY_WAIT_MAX = 1.0  # longest pause between re-sends of a request the daemon answered "busy"
+
+
+def _release(live: list[zmq.Socket | None], ctx: zmq.Context | None) -> None:
+    """A dropped connection's socket, closed, then the context it owned, ended."""
+    sock = live[0]
+    if sock is not None and not sock.closed:
+        sock.close(linger=0)
+    if ctx is not None and not ctx.closed:
+        ctx.term()
 
 
 class Connection:
@@ -71,6 +81,11 @@ class Connection:
         self._own_ctx = context is None
         self.ctx = context or zmq.Context()
         self.sock: zmq.Socket | None = None
+        # A connection dropped without close() (a client never closed, in a reference cycle) lets go
+        # of its socket, then its context: pyzmq's own clean-up of a context collected in the same
+        # cycle as its socket terminates it first and blocks for ever on the socket still open.
+        self._live: list[zmq.Socket | None] = [None]
+        self._finalizer = weakref.finalize(self, _release, self._live, self.ctx if self._own_ctx else None)
         self.proto = ClientProtocol()
         self.reconnects = 0
         self._greeted = False
@@ -85,6 +100,7 @@ class Connection:
                 self.curve.apply(sock)  # before connect: the handshake starts with it
             sock.connect(self.endpoint)
             self.sock = sock
+            self._live[0] = sock
         return self.sock
 
     def reconnect(self) -> None:
@@ -92,14 +108,17 @@ class Connection:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+            self._live[0] = None
         self.proto = ClientProtocol()
         self._greeted = False
         self.reconnects += 1
 
     def close(self) -> None:
+        self._finalizer.detach()
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+            self._live[0] = None
         if self._own_ctx:
             self.ctx.term()
 

@@ -104,6 +104,7 @@ class _Tracked:
     saved: int  # tokens [0, saved) are in kvstore, or on their way
     session: str | None
     saving: bool = False  # a save was scheduled: its blocks are freed only when the workers say
+    loaded_at: int = -(1 << 30)  # the step that last loaded it from kvstore
 
 
 def _token_ids(request: Any) -> list[int] | None:
@@ -208,6 +209,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests: dict[str, Any] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._final: list[Transfer] = []  # saves of finished requests, for the next step's workers
+        self._step = 0  # steps scheduled (build_connector_meta calls)
+        # Steps in flight at once: with async scheduling (vLLM's default) step N+1 is scheduled before
+        # step N's output, its load errors included, reaches the scheduler; step N+depth only after.
+        self._depth = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
         self._lookup_failures = 0
         # worker side
         self._k: list[torch.Tensor] = []
@@ -216,6 +221,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._saving: set[str] = set()  # requests with saves queued at some point
         self._finishing: set[str] = set()  # finished requests whose saves are still running
         self._saver: _Saver | None = None
+        self._submitted: KVStoreMetadata | None = None  # the metadata whose saves are queued
         self.loaded_tokens = 0
         # seconds spent in this connector's hooks, on the engine's own thread (what it adds to a step)
         self.hook_seconds: dict[str, float] = {"lookup": 0.0, "meta": 0.0, "load": 0.0, "save": 0.0}
@@ -270,6 +276,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _build_meta(self, scheduler_output: Any) -> KVStoreMetadata:
         meta = KVStoreMetadata()
+        self._step += 1
         so = scheduler_output
         for nr in so.scheduled_new_reqs:
             rid = nr.req_id
@@ -284,7 +291,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 session=_session(request),
             )
             self._tracked[rid] = t
-            if not self._plan_load(meta, t):
+            if not self._plan_load(meta, t) and self._settled(t):
                 self._plan_save(meta.saves, t, nr.num_computed_tokens + so.num_scheduled_tokens[rid])
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
@@ -299,7 +306,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 loading = self._plan_load(meta, known)
             elif new:
                 known.block_ids.extend(new[0])
-            if not loading:
+            if not loading and self._settled(known):
                 self._plan_save(
                     meta.saves, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid]
                 )
@@ -325,7 +332,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             return False
         start, end = span
         meta.loads.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), start, end))
+        t.loaded_at = self._step
         return True
+
+    def _settled(self, t: _Tracked) -> bool:
+        """Whether the output of the step that last loaded ``t`` has reached vLLM (its load errors
+        applied: the request rolled back to the first failed block) before this step was scheduled."""
+        return self._step - t.loaded_at >= self._depth
 
     def _plan_save(self, saves: list[Transfer], t: _Tracked, computed: int) -> None:
         """Save what ``t`` computed up to token ``computed`` that is not saved yet (whole blocks)."""
@@ -346,10 +359,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._hits.pop(rid, None)
         self._loads.pop(rid, None)
         t = self._tracked.pop(rid, None)
-        if t is not None:
-            # What its last step computed after a load was not saved with that step (see _plan_load);
-            # vLLM has the step's load errors now, and rolled the request back to the first failed
-            # block: what it counts as computed is sound. Its blocks stay until the next step saves it.
+        aborted = getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED"
+        if t is not None and (self._settled(t) or not aborted):
+            # What it computed after its last load may not be saved yet (see _plan_load). Finished by
+            # its own output, vLLM had that output's load errors and rolled it back to the first failed
+            # block: what it counts as computed is sound. Aborted (a stop string, a client gone), that
+            # holds once its load's step is settled; else nothing more is saved. Its blocks stay until
+            # the next step's workers saved them.
             self._plan_save(self._final, t, request.num_computed_tokens)
         # saves read the request's blocks on the workers' thread: keep them until they are done
         return (t is not None and t.saving), None
@@ -414,9 +430,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         return  # saved after the step, from the caches, by wait_for_save
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
+        self._submit_saves()
+
+    def _submit_saves(self) -> None:
+        """Queue the bound step's saves, once: from wait_for_save, or from get_finished when vLLM asks
+        that first (with speculative decoding it saves after the draft model, and asks before): a
+        finished request's last save must be queued before it can be reported done."""
+        try:
+            meta = self._get_connector_metadata()
+        except AssertionError:  # none bound
+            return
         if not isinstance(meta, KVStoreMetadata) or self._saver is None or not meta.saves:
             return
+        if meta is self._submitted:
+            return
+        self._submitted = meta
         t0 = time.perf_counter()
         for t in meta.saves:
             self._saving.add(t.req_id)
@@ -431,6 +459,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._saver is None:
             return None, None
+        self._submit_saves()
         self._finishing |= finished_req_ids & self._saving
         done = {rid for rid in self._finishing if self._saver.pending(rid) == 0}
         self._finishing -= done

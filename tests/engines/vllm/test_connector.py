@@ -98,12 +98,23 @@ class Worker:
 class Engine:
     """vLLM's scheduler and one worker, stepped the way the engine core steps them."""
 
-    def __init__(self, U: Any, vllm_config: Any, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self,
+        U: Any,
+        vllm_config: Any,
+        backend: str,
+        monkeypatch: pytest.MonkeyPatch,
+        finish_first: bool = False,
+    ) -> None:
+        """``finish_first``: the workers are asked what finished before they save (vLLM's order with
+        speculative decoding, which saves after the draft model)."""
         self.U = U
+        self.finish_first = finish_first
         self.sched = U.create_scheduler(vllm_config, num_blocks=NUM_BLOCKS)
         self.worker = Worker(vllm_config, backend, monkeypatch)
         self.requests: dict[str, Any] = {}
         self.before_load: Any = None  # a hook run between scheduling and loading
+        self.before_output: Any = None  # a hook run after the workers' step, before vLLM takes its output
 
     def add(self, req: Any) -> None:
         self.requests[req.request_id] = req
@@ -136,12 +147,18 @@ class Engine:
             start = req.num_computed_tokens - n  # the scheduler has counted this step's tokens already
             self.worker.forward(ids, list(req.all_token_ids), start, start + n, rid in failed)
             scheduled.append(req)
-        w.wait_for_save()
-        sending, _ = w.get_finished(so.finished_req_ids)
+        if self.finish_first:
+            sending, _ = w.get_finished(so.finished_req_ids)
+            w.wait_for_save()
+        else:
+            w.wait_for_save()
+            sending, _ = w.get_finished(so.finished_req_ids)
         w.clear_connector_metadata()
         out = self.U.create_model_runner_output(
             scheduled, finished_sending=sending, invalid_block_ids=errors or None
         )
+        if self.before_output is not None:
+            self.before_output(meta)
         self.sched.update_from_output(so, out)
         return meta
 
@@ -312,14 +329,15 @@ def test_a_step_whose_load_fails_stores_nothing_it_computed_over_the_missing_blo
     e.worker.c.shutdown()
 
 
+@pytest.mark.parametrize("finish_first", [False, True], ids=["save-then-finished", "finished-then-save"])
 def test_a_request_that_loads_and_finishes_in_one_step_saves_what_it_computed_after_the_load(
-    setup: Any, monkeypatch: pytest.MonkeyPatch
+    setup: Any, monkeypatch: pytest.MonkeyPatch, finish_first: bool
 ) -> None:
     """Its save waits for a step after the load (a failed load must not be stored over): the request
     is gone by then, so its finish plans it, and its blocks are kept until the workers saved them."""
     U, vcfg, ep = setup
     a = prompt(200, 7)
-    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch, finish_first)
     e.add(request(U, a[:128], "first"))
     e.run()
     check = e.worker.c._clients.get(connector.Variant(), "check")
@@ -333,6 +351,42 @@ def test_a_request_that_loads_and_finishes_in_one_step_saves_what_it_computed_af
     L = check._ns().layout
     assert stored.kv is not None
     assert torch.equal(stored.kv, expected(a, 0, 192, L.num_layers, L.num_kv_heads, L.head_dim))
+    e.worker.c.shutdown()
+
+
+def test_a_request_aborted_before_vllm_had_its_load_step_saves_nothing_computed_after_the_load(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async scheduling an abort (a stop string, a client gone) can come while the step that
+    loaded the request is still in flight: what that step computed may stand on a failed load that
+    vLLM has not heard of yet, and is not saved."""
+    from vllm.v1.request import RequestStatus
+
+    U, vcfg, ep = setup
+    a = prompt(200, 9)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.add(request(U, a[:128], "first"))
+    e.run()
+    check = e.worker.c._clients.get(connector.Variant(), "check")
+    assert wait_until(lambda: check.lookup(a).matched_tokens == 128, 10)
+    assert e.sched.reset_prefix_cache()
+    load = e.worker.c._clients.get(connector.Variant(), "load")
+
+    def busy(*args: Any, **kw: Any) -> Any:
+        raise ServerError("busy", "injected: the daemon turns the load away")
+
+    monkeypatch.setattr(load, "get_into", busy)
+
+    def abort(meta: Any) -> None:
+        if any(t.req_id == "again" for t in meta.loads):
+            e.sched.finish_requests("again", RequestStatus.FINISHED_ABORTED)
+
+    e.before_output = abort
+    e.add(request(U, a, "again", max_tokens=5))
+    e.run()
+    assert e.worker.loads[-1] == ("again", 0, 128) and e.requests["again"].is_finished()
+    time.sleep(0.5)  # a save would have landed by now
+    assert check.lookup(a).matched_tokens == 128
     e.worker.c.shutdown()
 
 
