@@ -117,11 +117,13 @@ def serve(config: Config) -> int:
             code = EXIT_REFUSED
             server.stop("start failed")
     finally:
-        if server.store is not None:
-            server.store.close()  # flushes the write-through queue and closes LMDB
-        if server.plane is not None:
-            server.plane.close()  # removes the shared segments
-        copier.close()
+        try:
+            if server.store is not None:
+                server.store.close()  # flushes the write-through queue and closes LMDB
+        finally:
+            if server.plane is not None:
+                server.plane.close()  # moves every page's generation, removes the shared segments
+            copier.close()
         ctx.destroy(linger=1000)
         if held is not None:
             held.release()

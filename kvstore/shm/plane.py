@@ -406,7 +406,14 @@ class SharedPlane:
             }
 
     def close(self) -> None:
-        """Remove the segments (clients that mapped them keep their mappings until they let go)."""
+        """Remove the segments (clients that mapped them keep their mappings until they let go).
+
+        Every page's generation moves first: a client still copying (a get located just before the
+        stop) reads its blocks as missing. Host pages would keep their bytes in its mapping, but a
+        GPU arena is freed with this process while clients still hold its IPC handle, and what they
+        would copy from it then is anyone's."""
+        for p in self._pools:
+            p.gens_segment.array(p.gens_offset, 8 * p.num_pages).view(np.uint64)[:] += 1
         with self._lock:
             for c in self._clients.values():
                 c.tensor = torch.empty(0, dtype=torch.uint8)

@@ -247,6 +247,21 @@ def test_freeing_a_page_bumps_its_generation() -> None:
     assert pool.gens[b.pages[0]] == 1 and not np.array_equal(pool.generations(a), gens)
 
 
+def test_a_stopping_daemon_moves_every_page_s_generation(shm_dir: Path) -> None:
+    # a client mapped the generations and located a block; the daemon stops before the client's copy
+    # is checked: the block reads as moved (a GPU arena is freed at exit, its bytes are anyone's)
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
+    hbm = HbmTier(16 * 1024, page_bytes=1024, memory=plane.pool_memory("hbm", "raw"))
+    hbm.put(b"x" * 32, kv(4)[:, :, :4].contiguous())
+    gens = plane.offer()["segments"][0]
+    client = Segment.open(gens["gens_path"], gens["gens_size"], writable=False)
+    seen = client.array(gens["gens_offset"], 8 * gens["num_pages"]).view(np.uint64)
+    before = seen.copy()
+    plane.close()  # even where the tiers were not closed first (their own close failed)
+    assert (seen == before + 1).all()
+    client.close()
+
+
 def test_a_located_block_reads_back_from_its_extents(shm_dir: Path) -> None:
     plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
     try:
