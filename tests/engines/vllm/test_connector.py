@@ -226,6 +226,45 @@ def operator(ep: str) -> KVStoreClient:
     return KVStoreClient(ep, timeout=10.0)
 
 
+def check_client(e: Engine) -> KVStoreClient:
+    """The connector's own client of the engine's namespace, to see what kvstore holds."""
+    return e.worker.c._clients.get(connector.Variant(), "check")
+
+
+def assert_holds(check: KVStoreClient, tokens: list[int], n: int) -> None:
+    """kvstore holds exactly the first ``n`` tokens of ``tokens``, K and V as the model computed them."""
+    assert wait_until(lambda: check.lookup(tokens).matched_tokens == n, 10)
+    stored = check.get(tokens)
+    L = check._ns().layout
+    assert stored.kv is not None
+    assert torch.equal(stored.kv, expected(tokens, 0, n, L.num_layers, L.num_kv_heads, L.head_dim))
+
+
+def stored_then_forgotten(U: Any, e: Engine, tokens: list[int]) -> KVStoreClient:
+    """``e`` computes and saves the first 128 tokens of ``tokens`` (two blocks), then drops its own
+    prefix cache: the next request of ``tokens`` loads them from kvstore. Returns check_client(e)."""
+    e.add(request(U, tokens[:128], "first"))
+    e.run()
+    check = check_client(e)
+    assert wait_until(lambda: check.lookup(tokens).matched_tokens == 128, 10)
+    assert e.sched.reset_prefix_cache()
+    return check
+
+
+def refuse_loads(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every load of ``e`` is turned away by the daemon from now on (busy); returns the list that
+    records each refusal."""
+    load = e.worker.c._clients.get(connector.Variant(), "load")
+    refused: list[bool] = []
+
+    def busy(*args: Any, **kw: Any) -> Any:
+        refused.append(True)
+        raise ServerError("busy", "injected: the daemon turns the load away")
+
+    monkeypatch.setattr(load, "get_into", busy)
+    return refused
+
+
 @pytest.mark.parametrize("backend", ["CPU_ATTN", "FLASH_ATTN"])
 def test_prompts_saved_by_one_engine_load_into_another_where_the_kernels_read_them(
     setup: Any, monkeypatch: pytest.MonkeyPatch, backend: str
@@ -236,13 +275,9 @@ def test_prompts_saved_by_one_engine_load_into_another_where_the_kernels_read_th
     e1.add(request(U, a, "a"))
     e1.run()
     assert not e1.worker.loads  # nothing held yet
-    ns_client = e1.worker.c._clients.get(connector.Variant(), "check")
-    # prompt and the generated tokens fed back: 152 computed -> 4 blocks of 32
-    assert wait_until(lambda: ns_client.lookup(a + [0, 0]).matched_tokens == 128, 10)
-    stored = ns_client.get(a)  # kvstore's own [L, 2, T, H, D]: K and V as the model computed them
-    L = ns_client._ns().layout
-    assert stored.kv is not None
-    assert torch.equal(stored.kv, expected(a, 0, 128, L.num_layers, L.num_kv_heads, L.head_dim))
+    # prompt and the generated tokens fed back: 152 computed -> 4 blocks of 32 (kvstore's own
+    # [L, 2, T, H, D], K and V as the model computed them)
+    assert_holds(check_client(e1), a, 128)
 
     # vLLM's own prefix cache dropped: the same prompt comes back from kvstore
     assert e1.sched.reset_prefix_cache()
@@ -304,28 +339,13 @@ def test_a_step_whose_load_fails_stores_nothing_it_computed_over_the_missing_blo
     U, vcfg, ep = setup
     a = prompt(300, 5)
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
-    e.add(request(U, a[:128], "first"))
-    e.run()
-    check = e.worker.c._clients.get(connector.Variant(), "check")
-    assert wait_until(lambda: check.lookup(a).matched_tokens == 128, 10)
-    assert e.sched.reset_prefix_cache()
-    load = e.worker.c._clients.get(connector.Variant(), "load")
-    refused: list[bool] = []
-
-    def busy(*args: Any, **kw: Any) -> Any:
-        refused.append(True)
-        raise ServerError("busy", "injected: the daemon turns the load away")
-
-    monkeypatch.setattr(load, "get_into", busy)
+    check = stored_then_forgotten(U, e, a)
+    refused = refuse_loads(e, monkeypatch)
     e.add(request(U, a, "again"))
     e.run()
     assert refused and e.worker.loads[-1] == ("again", 0, 128)
     assert e.requests["again"].is_finished()
-    assert wait_until(lambda: check.lookup(a).matched_tokens == 288, 10)  # 300 + 2 fed back
-    stored = check.get(a)
-    L = check._ns().layout
-    assert stored.kv is not None
-    assert torch.equal(stored.kv, expected(a, 0, 288, L.num_layers, L.num_kv_heads, L.head_dim))
+    assert_holds(check, a, 288)  # 300 + 2 fed back, recomputed: not what the failed step computed
     e.worker.c.shutdown()
 
 
@@ -338,19 +358,11 @@ def test_a_request_that_loads_and_finishes_in_one_step_saves_what_it_computed_af
     U, vcfg, ep = setup
     a = prompt(200, 7)
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch, finish_first)
-    e.add(request(U, a[:128], "first"))
-    e.run()
-    check = e.worker.c._clients.get(connector.Variant(), "check")
-    assert wait_until(lambda: check.lookup(a).matched_tokens == 128, 10)
-    assert e.sched.reset_prefix_cache()
+    check = stored_then_forgotten(U, e, a)
     e.add(request(U, a, "again", max_tokens=1))  # 128 loaded, 72 computed and one token: one step
     e.run()
     assert e.worker.loads[-1] == ("again", 0, 128)
-    assert wait_until(lambda: check.lookup(a).matched_tokens == 192, 10)
-    stored = check.get(a)
-    L = check._ns().layout
-    assert stored.kv is not None
-    assert torch.equal(stored.kv, expected(a, 0, 192, L.num_layers, L.num_kv_heads, L.head_dim))
+    assert_holds(check, a, 192)
     e.worker.c.shutdown()
 
 
@@ -365,17 +377,8 @@ def test_a_request_aborted_before_vllm_had_its_load_step_saves_nothing_computed_
     U, vcfg, ep = setup
     a = prompt(200, 9)
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
-    e.add(request(U, a[:128], "first"))
-    e.run()
-    check = e.worker.c._clients.get(connector.Variant(), "check")
-    assert wait_until(lambda: check.lookup(a).matched_tokens == 128, 10)
-    assert e.sched.reset_prefix_cache()
-    load = e.worker.c._clients.get(connector.Variant(), "load")
-
-    def busy(*args: Any, **kw: Any) -> Any:
-        raise ServerError("busy", "injected: the daemon turns the load away")
-
-    monkeypatch.setattr(load, "get_into", busy)
+    check = stored_then_forgotten(U, e, a)
+    refuse_loads(e, monkeypatch)
 
     def abort(meta: Any) -> None:
         if any(t.req_id == "again" for t in meta.loads):
