@@ -13,7 +13,7 @@ counted).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,21 +131,30 @@ class PagedTier(Tier):
     def locate(self, key: bytes) -> Place:
         """Where ``key``'s bytes are now. KeyError when absent. The caller keeps it from being dropped
         (a pin) for as long as it is read, and checks the generations afterwards."""
+        return self.locate_many([key])[0]
+
+    def locate_many(self, keys: Sequence[bytes]) -> list[Place]:
+        """``locate`` of each of ``keys``, in order: one lock, and the generations of all their pages
+        read at once (a prefix is tens of blocks). KeyError when one is absent (none is located)."""
         with self._lock:
-            entry = self._entries[key]
-            span = entry.span
-            pages = span.index if span.index.device.type == "cpu" else None
-            pages_np = pages.numpy() if pages is not None else np.asarray(span.pages, dtype=np.int64)
-            gens = self._pool.gens[pages_np]
-            nbytes = entry.nbytes
-        # it is read from outside this pool: the batched write that published the entry has landed
-        # (flushed after the entry was found: a write published just before would be queued already)
+            slots = [self._entries[k] for k in keys]
+            pages = [s.span.array for s in slots]
+            gens = self._pool.gens[np.concatenate(pages)] if pages else None
+        # it is read from outside this pool: the batched writes that published the entries have landed
+        # (flushed after the entries were found: a write published just before would be queued already)
         self._pool.flush()
-        if span.contiguous:
-            runs = [(span.first * self.page_bytes, nbytes)]
-        else:
-            runs = extents(pages_np, self.page_bytes, nbytes)
-        return Place(runs, nbytes, pages_np, gens)
+        places: list[Place] = []
+        at = 0
+        for slot, p in zip(slots, pages, strict=True):
+            assert gens is not None
+            span, nbytes = slot.span, slot.nbytes
+            if span.contiguous:
+                runs = [(span.first * self.page_bytes, nbytes)]
+            else:
+                runs = extents(p, self.page_bytes, nbytes)
+            places.append(Place(runs, nbytes, p, gens[at : at + len(p)]))
+            at += len(p)
+        return places
 
     # -- Tier -------------------------------------------------------------------------
     def drop(self, key: bytes) -> int:

@@ -53,12 +53,14 @@ PoolMemory = Callable[[int, int, int, torch.device], tuple[torch.Tensor, np.ndar
 
 @dataclass(frozen=True)
 class PageSpan:
-    """The pages one entry holds. ``index`` is int64 on the pool's device (for index_copy_/select)."""
+    """The pages one entry holds. ``index`` is int64 on the pool's device (for index_copy_/select),
+    ``array`` the same on the host (for the generations)."""
 
     index: torch.Tensor
     pages: tuple[int, ...]
     first: int
     contiguous: bool
+    array: np.ndarray
 
     @property
     def count(self) -> int:
@@ -183,7 +185,7 @@ class PagePool:
         index = torch.from_numpy(taken)
         if self.device.type != "cpu":
             index = index.to(self.device)
-        return PageSpan(index=index, pages=pages, first=pages[0], contiguous=contiguous)
+        return PageSpan(index=index, pages=pages, first=pages[0], contiguous=contiguous, array=taken)
 
     def free(self, span: PageSpan) -> None:
         """Return the span's pages to the free list. The span must not be used afterwards."""
@@ -197,7 +199,7 @@ class PagePool:
 
     def generations(self, span: PageSpan) -> np.ndarray:
         """The span's page generations now (a copy)."""
-        return self.gens[list(span.pages)]
+        return self.gens[span.array]
 
     # -- data -------------------------------------------------------------------------
     def write(self, span: PageSpan, data: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
 SHARED_OPS = (Locate, Finish, Reserve, Commit)
 STAGING = -1  # a located block's segment index when it is in the client's staging segment
 
+_EXTENT = struct.Struct("<qq")  # one (offset, length) run of a located block, as the client reads it
 log = logging.getLogger("kvstore.daemon.server")
 
 PREFETCH_TARGETS = (TierName.RAM.value, TierName.HBM.value)  # nvme holds everything already
@@ -343,13 +345,16 @@ class Handlers:
         )
         blocks: list[list[Any]] = []
         tiers: list[str] = []
+        segments = {t: plane.segment_index(names[t]) for t in {t for _, t, _ in located.places}}
         for _, t, place in located.places:
             blocks.append(
                 [
-                    plane.segment_index(names[t]),
-                    np.asarray(place.extents, dtype="<i8").tobytes(),
-                    place.pages.astype("<i8").tobytes(),
-                    place.gens.astype("<u8").tobytes(),
+                    segments[t],
+                    _EXTENT.pack(*place.extents[0])
+                    if len(place.extents) == 1
+                    else np.asarray(place.extents, dtype="<i8").tobytes(),
+                    place.pages.astype("<i8", copy=False).tobytes(),
+                    place.gens.astype("<u8", copy=False).tobytes(),
                 ]
             )
             tiers.append(names[t])

@@ -201,7 +201,7 @@ class Reader:
             want = min(want, check_index("max_blocks", max_blocks))
         keys = names.iter_keys(ns, start if want else 0)
         lease = self._lease if lease is None else min(lease, self._lease)
-        places: list[tuple[Entry, int, Place]] = []
+        found: list[tuple[Entry, int]] = []
         rest = 0
         missed: bytes | None = None
         with self._lock:
@@ -212,18 +212,32 @@ class Reader:
                     missed = k
                     break
                 t = e.highest()
-                tier = self._tiers[t]
-                if rest or t not in tiers or not isinstance(tier, PagedTier):
+                if rest or t not in tiers or not isinstance(self._tiers[t], PagedTier):
                     rest += 1
                     continue
-                places.append((e, t, tier.locate(k)))
-            handle = self._pins.pin([e.key for e, _, _ in places], lease)
+                found.append((e, t))
+            places = self._places(found)
+            handle = self._pins.pin([e.key for e, _ in found], lease)
             self._counts.lookups += 1
             self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
         if missed is not None and self._cluster is not None and self._cluster.cluster.available():
             held = len(places) + rest
             rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])
         return Located(ns, start, handle, places, rest)
+
+    def _places(self, found: list[tuple[Entry, int]]) -> list[tuple[Entry, int, Place]]:
+        """(Lock held.) Each found block with its tier and its place there, in order: each tier asked
+        once for all of its blocks."""
+        by_tier: dict[int, list[int]] = {}
+        for j, (_, t) in enumerate(found):
+            by_tier.setdefault(t, []).append(j)
+        places: list[Place | None] = [None] * len(found)
+        for t, rows in by_tier.items():
+            tier = self._tiers[t]
+            assert isinstance(tier, PagedTier)
+            for j, place in zip(rows, tier.locate_many([found[j][0].key for j in rows]), strict=True):
+                places[j] = place
+        return [(e, t, p) for (e, t), p in zip(found, places, strict=True) if p is not None]
 
     def finish(self, located: Located, used: int) -> None:
         T = located.ns.layout.block_tokens

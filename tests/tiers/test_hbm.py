@@ -151,3 +151,23 @@ def test_cuda_pool_takes_cpu_blocks_and_returns_either_device() -> None:
     assert torch.equal(hbm.get(key(3), device="cpu"), b)
     hbm.put(key(4), b.cuda())
     assert torch.equal(hbm.get(key(4), device="cpu"), b)
+
+
+def test_locate_many_places_each_block_where_it_is_in_the_order_asked() -> None:
+    hbm = HbmTier(4096, page_bytes=256)
+    for i in range(4):
+        hbm.put(key(i), block(i))
+    hbm.drop(key(1))
+    hbm.put(key(4), block(4))  # takes key 1's freed pages: generation 1 there
+    places = hbm.locate_many([key(4), key(0), key(3)])
+    arena = hbm.pool._flat
+    for i, place in zip([4, 0, 3], places, strict=True):
+        data = torch.cat([arena[o : o + n] for o, n in place.extents])
+        assert torch.equal(data.view(torch.bfloat16).view(SHAPE), block(i))
+        assert place.nbytes == 512 and len(place.pages) == 2
+        assert list(place.gens) == list(hbm.pool.gens[place.pages])
+    assert list(places[0].gens) == [1, 1] and list(places[1].gens) == [0, 0]
+    assert [p.extents for p in places] == [hbm.locate(key(i)).extents for i in (4, 0, 3)]
+    with pytest.raises(KeyError):  # one absent: none located
+        hbm.locate_many([key(0), key(1)])
+    assert hbm.locate_many([]) == []
