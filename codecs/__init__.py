@@ -19,7 +19,7 @@ import torch
 
 from kvstore.codecs.base import Codec, bytes_tensor
 from kvstore.codecs.fp8 import Fp8Codec
-from kvstore.codecs.frame import FrameHeader, check_frame, read_header
+from kvstore.codecs.frame import FrameHeader, check_frame, read_header, verify_checksum
 from kvstore.codecs.int4 import Int4Codec
 from kvstore.codecs.int8 import Int8Codec
 from kvstore.codecs.raw import RawCodec
@@ -98,17 +98,20 @@ def decode_frames(
     out = torch.empty((len(frames), *layout.shape()), dtype=layout.torch_dtype, device=dev)
     if not frames:
         return out, 0
+    # a batch's checksums are checked while the device copies and decodes its frames (the host's
+    # CRC-32 of a 94 MB prefix's fp8 frames: 4.3 of a 13.8 ms get on an H200 host, before it did)
+    defer = batch and len(frames) > 1
     headers: list[FrameHeader] = []
     for f in frames:
         try:
-            headers.append(read_header(f, expect=layout))
+            headers.append(read_header(f, expect=layout, verify=not defer))
         except FrameError:
             if not headers:
                 raise
             break
     first = headers[0]
     if (
-        batch
+        defer
         and len(headers) > 1
         and all(h.codec_id == first.codec_id and h.params == first.params and not h.zstd for h in headers)
     ):
@@ -116,17 +119,35 @@ def decode_frames(
             bytes_tensor(memoryview(f).cast("B")[h.payload_offset : h.frame_len])
             for f, h in zip(frames, headers, strict=False)
         ]
-        good = codec_for_frame(first)().decode_batch(payloads, layout, first.params, dev, out)
+
+        def sound() -> int:
+            return _leading_sound(frames, headers)
+
+        good = codec_for_frame(first)().decode_batch(payloads, layout, first.params, dev, out, sound)
         if good is not None:
             return out, good
     for i, (f, h) in enumerate(zip(frames, headers, strict=False)):
         try:
+            if defer:
+                verify_checksum(f, h)
             codec_for_frame(h)()._decode_checked(f, h, dev, out[i])
         except FrameError:
             if not i:
                 raise
             return out, i
     return out, len(headers)
+
+
+def _leading_sound(frames: Sequence[Any], headers: list[FrameHeader]) -> int:
+    """How many of the leading frames pass their checksum; ChecksumMismatch when the first fails."""
+    for i, (f, h) in enumerate(zip(frames, headers, strict=False)):
+        try:
+            verify_checksum(f, h)
+        except FrameError:
+            if not i:
+                raise
+            return i
+    return len(headers)
 
 
 __all__ = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -189,13 +190,18 @@ class Codec(ABC):
         params: dict[str, Any],
         device: torch.device,
         out: torch.Tensor,
+        sound: Callable[[], int] | None = None,
     ) -> int | None:
-        """Decode the payloads (host bytes, checked frames of this codec, none zstd-packed, all with
+        """Decode the payloads (host bytes of frames of this codec, none zstd-packed, all with
         ``params``) of consecutive blocks into ``out`` ``[n, L, 2, T, H, D]`` on ``device`` at once.
+
+        ``sound``: the frames' own checks (their checksums), run on the host once the device has
+        its work and before waiting for it; it returns how many leading frames passed (raising
+        FrameError when none did). Without it the frames were checked already.
 
         Returns how many leading payloads were decoded (a payload that fails a check ends the batch,
         before anything of it is written); None when this codec has no batch decoder for ``device``
-        (then each frame is decoded alone).
+        (then each frame is decoded alone, and ``sound`` is not called).
         """
         return None
 
@@ -251,10 +257,16 @@ class WideningCodec(Codec):
         return cast_block(self._decode_f32(payload, layout, params), layout.torch_dtype)
 
     def _decode_batch_f32(
-        self, payloads: list[torch.Tensor], layout: KVLayout, params: dict[str, Any], device: torch.device
+        self,
+        payloads: list[torch.Tensor],
+        layout: KVLayout,
+        params: dict[str, Any],
+        device: torch.device,
+        sound: Callable[[], int] | None,
     ) -> tuple[torch.Tensor, int] | None:
         """The leading good payloads decoded as float32 ``[n, L, 2, T, H, D]`` (rows past the count
-        undefined), and the count; None without a batch decoder for ``device``."""
+        undefined), and the count; None without a batch decoder for ``device`` (``sound`` not
+        called). ``sound``: see ``decode_batch``."""
         return None
 
     def decode_batch(
@@ -264,9 +276,10 @@ class WideningCodec(Codec):
         params: dict[str, Any],
         device: torch.device,
         out: torch.Tensor,
+        sound: Callable[[], int] | None = None,
     ) -> int | None:
         try:
-            done = self._decode_batch_f32(payloads, layout, params, device)
+            done = self._decode_batch_f32(payloads, layout, params, device, sound)
         except FrameError:
             raise
         except torch.cuda.OutOfMemoryError:  # a batch needs n blocks of float32 at once: one by one, then

@@ -42,6 +42,7 @@ normal range decode as 0: an error under 2^-6 of the scale.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,12 +150,18 @@ class Fp8Codec(WideningCodec):
         return out
 
     def _decode_batch_f32(
-        self, payloads: list[torch.Tensor], layout: KVLayout, params: dict[str, Any], device: torch.device
+        self,
+        payloads: list[torch.Tensor],
+        layout: KVLayout,
+        params: dict[str, Any],
+        device: torch.device,
+        sound: Callable[[], int] | None,
     ) -> tuple[torch.Tensor, int] | None:
         """One row of a device buffer per payload (one copy across PCIe each, queued), the checks of
-        ``_decode_f32`` for all rows at once (one wait for the device, where each frame's own cost
-        three), then one set of kernels for the good rows: the same arithmetic as ``_decode_f32``,
-        so the same values bit for bit."""
+        ``_decode_f32`` and the scaling for all rows at once, the frames' checksums on the host
+        meanwhile (``sound``), one wait for the device (where each frame's own decode costs three),
+        then the K corrections of the good rows: the same arithmetic as ``_decode_f32``, so the same
+        values bit for bit."""
         r = _k_fix(params, layout)
         size = _payload_bytes(layout, r)
         L, _, T, H, D = layout.shape()
@@ -178,6 +185,10 @@ class Fp8Codec(WideningCodec):
         # E4M3's NaN (s1111111), which no encoder writes: a cast makes it NaN (the one-frame decode,
         # a bit pattern, a finite value); either way not a block to serve
         bad |= (buf[:, at:size] & 0x7F).eq(0x7F).any(1)
+        # every row scaled (a bad row's values are never read): elementwise, no index to go astray
+        codes = buf[:, at:size].view(torch.float8_e4m3fn).view(n, G, D)
+        out = codes.to(torch.float32).mul_(scales.unsqueeze(-1)).view(n, *layout.shape())
+        checked = n if sound is None else min(n, sound())  # host work while the device works
         flags = bad.cpu()
         good = int(flags.to(torch.uint8).argmax()) if bool(flags.any()) else n
         if not good:
@@ -185,10 +196,9 @@ class Fp8Codec(WideningCodec):
                 "fp8 frame holds a scale that is not a positive finite number, "
                 "or corrects a K channel outside the head"
             )
-        codes = buf[:good, at:size].view(torch.float8_e4m3fn).view(good, G, D)
-        out = codes.to(torch.float32).mul_(scales[:good].unsqueeze(-1)).view(good, *layout.shape())
-        if fix is not None:
-            KFix(fix.scales[:good], fix.index[:good], fix.codes[:good]).apply(out[:, :, 0])
+        good = min(good, checked)
+        if fix is not None:  # a scatter: only rows whose indices were checked
+            KFix(fix.scales[:good], fix.index[:good], fix.codes[:good]).apply(out[:good, :, 0])
         return out, good
 
 

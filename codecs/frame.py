@@ -150,10 +150,7 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
             f"the frame was damaged"
         )
     if verify:
-        got = crc32(mv[:_CRC_AT])
-        got = crc32(mv[HEADER_SIZE:end], got)
-        if got != crc:
-            raise ChecksumMismatch(f"frame checksum {got:08x} does not match the stored {crc:08x}")
+        _verify(mv, end, crc)
     # Frames of one layout and codec share these bytes, so their checks and decode are done once
     # (the checksum above covers them; any damaged byte makes another cache key and a fresh parse).
     codec_id, flags, layout, params = _parse_fixed(
@@ -165,6 +162,19 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
             f"expected {expect.canonical().decode()}"
         )
     return FrameHeader(codec_id, flags, layout, dict(params), HEADER_SIZE + plen, nlen, crc)
+
+
+def verify_checksum(frame: Buffer, header: FrameHeader) -> None:
+    """The checksum check ``read_header(verify=True)`` makes, for a header read without it (a batch
+    checks its frames while the device decodes them). Raises ChecksumMismatch."""
+    _verify(memoryview(frame).cast("B"), header.frame_len, header.checksum)
+
+
+def _verify(mv: memoryview, end: int, crc: int) -> None:
+    got = crc32(mv[:_CRC_AT])
+    got = crc32(mv[HEADER_SIZE:end], got)
+    if got != crc:
+        raise ChecksumMismatch(f"frame checksum {got:08x} does not match the stored {crc:08x}")
 
 
 def check_frame(frame: Buffer) -> FrameHeader:

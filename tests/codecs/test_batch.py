@@ -98,3 +98,28 @@ def test_no_frames_decode_to_nothing() -> None:
     layout = KVLayout.of_block(blocks_of(torch.bfloat16)[0])
     got, good = decode_frames([], layout=layout, device="cpu")
     assert good == 0 and got.shape[0] == 0
+
+
+def test_checksums_checked_beside_the_device_end_a_batch_at_the_first_damaged_frame() -> None:
+    # a batch reads its frames' headers without their checksums and checks those while the device
+    # decodes: the first frame that fails either check ends the result
+    blocks = blocks_of(torch.bfloat16)
+    layout = KVLayout.of_block(blocks[0])
+    frames = [get_codec("fp8").encode(b) for b in blocks]
+    torn = bytearray(frames[1])
+    torn[-2] ^= 0x10  # a code byte: only the checksum sees it
+    h = read_header(frames[3])
+    payload = bytearray(memoryview(frames[3])[h.payload_offset : h.frame_len])
+    payload[0:2] = b"\x00\x00"  # a scale of 0, with a checksum that fits: only the device sees it
+    got, good = decode_frames(
+        [frames[0], torn, frames[2], forged(frames[3], bytes(payload))],
+        layout=layout,
+        device="cpu",
+        batch=True,
+    )
+    assert good == 1 and torch.equal(got[0], decode_frame(frames[0]))
+    # frames of two codecs go one by one: each one's checksum is checked before it is decoded
+    odd = bytearray(get_codec("int8").encode(blocks[2]))
+    odd[-2] ^= 0x10  # a code byte: it would decode, slightly wrong
+    got, good = decode_frames([frames[0], frames[1], odd, frames[3]], layout=layout, device="cpu", batch=True)
+    assert good == 2 and all(torch.equal(got[i], decode_frame(frames[i])) for i in range(2))
