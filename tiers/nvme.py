@@ -488,10 +488,20 @@ class NvmeTier(Tier):
         old = txn.get(key, db=db)
         return self._value_cost(len(old)) if old is not None else 0
 
-    def _iter_map(self, db: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    def _iter_map(self, db: Any, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Every row of ``db`` that decodes as a map; a damaged one is logged and skipped (a later
+        write of the same name replaces it): one bad row must not keep the store from opening."""
         items = self._read(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db).iternext()])
         for key, value in items:
-            yield key.decode(errors="replace"), msgpack.unpackb(value, raw=False)
+            name = key.decode(errors="replace")
+            try:
+                info = msgpack.unpackb(value, raw=False)
+            except (ValueError, msgpack.UnpackException) as e:
+                info = e
+            if not isinstance(info, dict):
+                log.warning("nvme: the %s row %r is damaged (%s); it is skipped", what, name, info)
+                continue
+            yield name, info
 
     def put_session(self, name: str, info: dict[str, Any]) -> None:
         """Store (or replace) a session's info (msgpack-able map). TierFull when out of room."""
@@ -503,7 +513,7 @@ class NvmeTier(Tier):
 
     def iter_sessions(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """(name, info) of every stored session (a snapshot)."""
-        return self._iter_map(self._sessions)
+        return self._iter_map(self._sessions, "session")
 
     def put_namespace(self, ns_id: str, ns: dict[str, Any]) -> None:
         """Store a namespace's description (``Namespace.to_dict()``) under its id."""
@@ -511,7 +521,7 @@ class NvmeTier(Tier):
 
     def iter_namespaces(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """(ns id, description) of every stored namespace (a snapshot)."""
-        return self._iter_map(self._namespaces)
+        return self._iter_map(self._namespaces, "namespace")
 
     # -- lifecycle --------------------------------------------------------------------
     def sync(self) -> None:

@@ -34,6 +34,7 @@ contract; the work itself is done by the parts named above.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -84,6 +85,8 @@ if TYPE_CHECKING:
     from kvstore.config import Config, PolicyConfig
     from kvstore.memcopy import Copier
     from kvstore.tiers.pool import PoolMemory
+
+log = logging.getLogger("kvstore.store")
 
 
 class Store:
@@ -480,7 +483,12 @@ class Store:
         """The sessions nvme records, each ending at its tail block. A row journalled ahead of its last
         put's blocks (a crash before they were written) names a tail that is not there: the session
         then ends at the deepest block it stored that is (what its last flush made durable)."""
-        rows = [SessionState.from_dict(name, d) for name, d in nvme.iter_sessions()]
+        rows: list[SessionState] = []
+        for name, d in nvme.iter_sessions():
+            try:
+                rows.append(SessionState.from_dict(name, d))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("nvme: the session row %r lacks or mangles a field (%s); it is skipped", name, e)
         lost = {s.name: s.namespace for s in rows if s.tail is not None and s.tail not in self._index}
         deepest: dict[str, tuple[int, Entry]] = {}
         if lost:

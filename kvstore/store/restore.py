@@ -54,7 +54,7 @@ def restore(index: BlockIndex, nvme: NvmeTier, tier: int, namespaces: NamespaceT
         for _, d in nvme.iter_namespaces():
             try:
                 namespaces.add(Namespace.from_dict(d))
-            except ValueError:
+            except (KeyError, TypeError, ValueError):
                 continue  # a namespace row this build cannot read; its blocks keep the id only
         damaged: list[bytes] = []
 

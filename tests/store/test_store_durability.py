@@ -52,6 +52,34 @@ def test_restart_finds_every_flushed_block_and_session(make_store, tmp_path: Pat
     assert s2.check_integrity() == []
 
 
+def test_a_damaged_session_or_namespace_row_is_skipped_and_the_rest_comes_back(
+    make_store, tmp_path: Path
+) -> None:
+    from kvstore.codecs import get_codec
+    from kvstore.tiers.nvme import NvmeTier
+
+    path = tmp_path / "lmdb"
+    s = make_store(path=path)
+    a, b, c = tokens(3, seed=1), tokens(2, seed=2), tokens(2, seed=3)
+    s.put(NS, a, kv(3 * T, 1), session="cut")
+    s.put(NS, b, kv(2 * T, 2), session="odd")
+    s.put(NS, c, kv(2 * T, 3), session="fine")
+    s.close()
+    tier = NvmeTier(path, 1 << 22, get_codec("int4"))
+    rows = dict(tier.iter_sessions())
+    cut = tier._read(lambda txn: bytes(txn.get(b"cut", db=tier._sessions)))
+    tier._write(lambda txn: txn.put(b"cut", cut[:-3], db=tier._sessions))  # torn: does not unpack
+    odd = {**rows["odd"], "tokens": "many"}  # unpacks, but not as a session
+    tier.put_session("odd", odd)
+    tier.put_namespace("bogus", {"model": 7})  # a namespace row this build cannot read
+    tier.close()
+    s2 = make_store(path=path)  # opens: the damaged rows are logged and skipped
+    assert [i.name for i in s2.sessions()] == ["fine"]
+    for toks in (a, b, c):
+        assert s2.lookup(NS, toks).matched_blocks == len(toks) // T
+    assert s2.check_integrity() == []
+
+
 def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> None:
     # a separate process puts, flushes, and dies without closing (os._exit: no cleanup at all)
     path = tmp_path / "lmdb"
