@@ -166,7 +166,10 @@ class Environment:
         self._main = env.open_db()
         self._gate = ResizeGate()
         self._wlock = threading.Lock()
-        self._dirty = False
+        # a marker left by a process of this boot that went down unsynced (_check_clean keeps the
+        # store): the next sync syncs what it left and takes the marker away, as that process's would
+        with env.begin(db=dbs["meta"]) as txn:
+            self._dirty = txn.get(_DIRTY) is not None
         self._closed = False
 
     def disk_room(self) -> int:

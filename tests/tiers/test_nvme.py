@@ -345,6 +345,30 @@ def test_synced_fast_store_is_kept_after_a_reboot(tmp_path: Path) -> None:
     again.close()
 
 
+def test_a_fast_store_reopened_on_the_same_boot_and_synced_is_kept_after_a_reboot(tmp_path: Path) -> None:
+    # a process dies with unsynced commits (the marker stays); the next one, on the same boot, reads
+    # them, writes nothing and syncs: the store is clean, and a reboot later keeps it
+    path = tmp_path / "nvme"
+    tier = open_tier(path, durability="fast")
+    tier.put(key(1), block(1), record(1))
+    tier.sync()
+    tier.put(key(2), block(2), record(2))  # unsynced: the dirty marker is on disk now
+    tier._env.env.close()
+    os.close(tier._env._lock_fd)
+    again = open_tier(path, durability="fast")
+    assert again.reset_reason is None
+    again.sync()
+    again.close()
+    env = lmdb.open(str(path), max_dbs=8)
+    with env.begin() as txn:
+        assert txn.get(b"dirty_boot", db=env.open_db(b"meta", txn=txn, create=False)) is None
+    env.close()
+    after_reboot = open_tier(path)
+    assert after_reboot.reset_reason is None
+    assert torch.equal(after_reboot.get(key(1)), block(1)) and torch.equal(after_reboot.get(key(2)), block(2))
+    after_reboot.close()
+
+
 @pytest.mark.parametrize("mode", list(Durability))
 def test_every_durability_mode_stores_and_reopens(tmp_path: Path, mode: Durability) -> None:
     tier = open_tier(tmp_path / mode.value, durability=mode.value)  # as a config names it
