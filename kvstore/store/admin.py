@@ -191,7 +191,9 @@ class AdminOps:
                 if up:
                     present += 1
                     continue
-                got = None if gone else self._data.read(e, torch.device("cpu"))
+                ns = self._namespaces.get(e.ns)
+                layout = None if ns is None else ns.layout
+                got = None if gone else self._data.read(e, torch.device("cpu"), layout=layout)
                 if got is None:
                     failed += 1
                     broken = True

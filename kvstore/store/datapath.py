@@ -19,8 +19,9 @@ from collections.abc import Callable
 import torch
 
 from kvstore.codecs.frame import Buffer
-from kvstore.errors import FrameError, KVStoreError
+from kvstore.errors import FrameError, KVStoreError, LayoutError
 from kvstore.keys import Namespace
+from kvstore.layout import KVLayout
 from kvstore.store.counts import TierCounters
 from kvstore.store.index import SEEN, TIER_MASK, Entry
 from kvstore.store.movement import NO_FRAMES, Frames, Mover
@@ -133,18 +134,26 @@ class DataPath:
                 self._mover.busy.discard(p.key)
 
     def read(
-        self, e: Entry, device: torch.device, out: torch.Tensor | None = None
+        self, e: Entry, device: torch.device, out: torch.Tensor | None = None, layout: KVLayout | None = None
     ) -> tuple[torch.Tensor, int] | None:
         """(No lock held.) Decode ``e`` from its uppermost good copy, into ``out`` if given (then the
-        tensor returned is ``out``). None: it is gone or every copy was bad (those were deleted)."""
+        tensor returned is ``out``). None: it is gone or every copy was bad (those were deleted).
+
+        ``out`` (made in its namespace's layout) or ``layout`` (its namespace's) is what the block
+        must be: a copy of another layout (a value moved under this key on disk) is a bad copy."""
         while True:
             with self._lock:
                 t = e.highest() if self._index.get(e.key) is e else -1
             if t < 0:
                 return None
             try:
-                return self._tiers[t].get(e.key, device=device, out=out), t
-            except FrameError:
+                block = self._tiers[t].get(e.key, device=device, out=out)
+                if out is None and layout is not None:
+                    layout.check_tensor(
+                        block, tokens=layout.block_tokens, what=f"the {self._tiers.names[t]} copy"
+                    )
+                return block, t
+            except (FrameError, LayoutError):
                 with self._lock:
                     self._mover.corrupt(e, t)
             except KeyError:

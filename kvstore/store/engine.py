@@ -487,8 +487,8 @@ class Store:
         for name, d in nvme.iter_sessions():
             try:
                 rows.append(SessionState.from_dict(name, d))
-            except (KeyError, TypeError, ValueError) as e:
-                log.warning("nvme: the session row %r lacks or mangles a field (%s); it is skipped", name, e)
+            except (KeyError, TypeError, ValueError) as err:
+                log.warning("nvme: the session row %r lacks or mangles a field (%s); it is skipped", name, err)
         lost = {s.name: s.namespace for s in rows if s.tail is not None and s.tail not in self._index}
         deepest: dict[str, tuple[int, Entry]] = {}
         if lost:

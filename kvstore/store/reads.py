@@ -246,7 +246,7 @@ class Reader:
         for e, t, _ in located.places[:used]:
             block = None
             if t > 0 and self._data.promotes:
-                got = self._data.read(e, torch.device("cpu"))
+                got = self._data.read(e, torch.device("cpu"), layout=located.ns.layout)
                 block = None if got is None else got[0]
             read.append((e, block, t))
         ready = self._data.prepare_promotions(read)

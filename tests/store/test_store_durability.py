@@ -67,7 +67,7 @@ def test_a_damaged_session_or_namespace_row_is_skipped_and_the_rest_comes_back(
     s.close()
     tier = NvmeTier(path, 1 << 22, get_codec("int4"))
     rows = dict(tier.iter_sessions())
-    cut = tier._read(lambda txn: bytes(txn.get(b"cut", db=tier._sessions)))
+    cut = tier._read(lambda txn: bytes(txn.get(b"cut", db=tier._sessions) or b""))
     tier._write(lambda txn: txn.put(b"cut", cut[:-3], db=tier._sessions))  # torn: does not unpack
     odd = {**rows["odd"], "tokens": "many"}  # unpacks, but not as a session
     tier.put_session("odd", odd)
