@@ -318,7 +318,7 @@ class Handlers:
             assert ns is not None
             return self._locate(plane, request.peer, msg, ns)
         if isinstance(msg, Finish):
-            lease = plane.take(msg.handle)
+            lease = plane.take(msg.handle, request.peer)
             if lease is not None and lease.held is not None:
                 self.store.finish(lease.held, msg.used)
             return FinishOk(released=lease is not None)
@@ -335,7 +335,7 @@ class Handlers:
                 lease=max(0.0, got.expires - plane.clock()),
             )
         assert isinstance(msg, Commit) and ns is not None
-        return self._commit(plane, msg, ns)
+        return self._commit(plane, request.peer, msg, ns)
 
     def _locate(self, plane: SharedPlane, peer: bytes, msg: Locate, ns: Namespace) -> Message:
         names = self.store.tiers.names
@@ -410,8 +410,8 @@ class Handlers:
             rest=rest,
         )
 
-    def _commit(self, plane: SharedPlane, msg: Commit, ns: Namespace) -> Message:
-        lease = plane.hold(msg.handle)
+    def _commit(self, plane: SharedPlane, peer: bytes, msg: Commit, ns: Namespace) -> Message:
+        lease = plane.hold(msg.handle, peer)
         if lease is None:
             raise ProtocolError(
                 "not_found",

@@ -286,8 +286,9 @@ class SharedPlane:
         staging.last_used = now
         return staging
 
-    def take(self, handle: int) -> Lease | None:
-        """End the lease ``handle`` and give back its staging; None when unknown or lapsed.
+    def take(self, handle: int, peer: bytes | None = None) -> Lease | None:
+        """End the lease ``handle`` and give back its staging; None when unknown, lapsed or another
+        client's (``peer``: the client asking; None: the daemon itself).
 
         A range a commit reads now (``hold``) is given back when that commit is done
         (``done_reading``), not before: a client's finish can overtake its own commit (one that gave
@@ -297,7 +298,7 @@ class SharedPlane:
         with self._lock:
             self._sweep(now)
             lease = self._leases.get(handle)
-            if lease is None or lease.ended:
+            if lease is None or lease.ended or (peer is not None and lease.peer != peer):
                 return None
             lease.copied.set()
             if lease.readers:
@@ -307,14 +308,14 @@ class SharedPlane:
                 self._give_back(lease)
             return lease
 
-    def hold(self, handle: int) -> Lease | None:
+    def hold(self, handle: int, peer: bytes | None = None) -> Lease | None:
         """The live lease ``handle`` for a commit to read: kept from lapsing and from being given back
-        until ``done_reading``; None when unknown, lapsed or taken."""
+        until ``done_reading``; None when unknown, lapsed, taken or another client's (``peer``)."""
         now = self.clock()
         with self._lock:
             self._sweep(now)
             lease = self._leases.get(handle)
-            if lease is None or lease.ended:
+            if lease is None or lease.ended or (peer is not None and lease.peer != peer):
                 return None
             lease.expires = math.inf
             lease.readers += 1

@@ -199,6 +199,19 @@ def test_staging_leases_are_bounded_per_client_and_lapse(shm_dir: Path) -> None:
     assert not list(shm_dir.iterdir())
 
 
+def test_a_lease_answers_only_the_client_that_took_it(shm_dir: Path) -> None:
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 18, lease=5.0)
+    try:
+        mine = plane.reserve(b"me", 4096)
+        assert plane.hold(mine.handle, b"other") is None and plane.take(mine.handle, b"other") is None
+        assert plane.stats()["leases"] == 1  # untouched: still this client's
+        assert plane.hold(mine.handle, b"me") is mine
+        plane.done_reading(mine, keep=True)
+        assert plane.take(mine.handle, b"me") is mine and plane.stats()["leases"] == 0
+    finally:
+        plane.close()
+
+
 def test_a_range_the_daemon_reads_after_its_reply_outlives_the_lease(shm_dir: Path) -> None:
     """A get's blocks from the cluster are stored from the client's staging after the reply: the range
     is not given back while that reads it, whether the client finishes or its lease lapses first."""
