@@ -488,7 +488,9 @@ class Store:
             try:
                 rows.append(SessionState.from_dict(name, d))
             except (KeyError, TypeError, ValueError) as err:
-                log.warning("nvme: the session row %r lacks or mangles a field (%s); it is skipped", name, err)
+                log.warning(
+                    "nvme: the session row %r lacks or mangles a field (%s); it is skipped", name, err
+                )
         lost = {s.name: s.namespace for s in rows if s.tail is not None and s.tail not in self._index}
         deepest: dict[str, tuple[int, Entry]] = {}
         if lost:
