@@ -64,6 +64,7 @@ from kvstore.errors import KVStoreError
 from kvstore.wire.errors import RemoteProtocolError
 from kvstore.wire.messages import Commit, ErrorReply, Get, Hello, Message, Ping, Pong
 from kvstore.wire.protocol import (
+    MAX_FRAMES,
     PROTOCOL_VERSION,
     Limits,
     Request,
@@ -331,10 +332,16 @@ class Server:
                     peer: bytes = first if self.auth is None else first.bytes
                     tenant = None if self.auth is None else peer_tenant(first)
                     frames: list[Any] = []
+                    count = size = 0
                     while router.rcvmore:  # the header is small: copied; payloads stay zmq frames
-                        frames.append(router.recv(copy=not frames))
+                        frame = router.recv(copy=not frames)
+                        count, size = count + 1, size + nbytes(frame)
+                        # past what any request holds, frames are taken off the socket and let go:
+                        # a message of many frames each under the frame cap holds no more than that
+                        if count == 1 or (count <= MAX_FRAMES and size <= self.limits.max_message_bytes):
+                            frames.append(frame)
                     try:
-                        self._on_request(router, workers, peer, frames, tenant)
+                        self._on_request(router, workers, peer, frames, tenant, (count, size))
                     except Exception as e:  # a bug in our checks must not end the daemon
                         log.exception("a request from %s broke the loop; answering internal", peer.hex())
                         router.send_multipart(
@@ -348,12 +355,15 @@ class Server:
         peer: bytes,
         frames: list,
         tenant: str | None = None,
+        received: tuple[int, int] | None = None,
     ) -> None:
-        """Answer or dispatch one request; ``tenant``: the CURVE identity its connection authenticated as."""
+        """Answer or dispatch one request; ``tenant``: the CURVE identity its connection authenticated as;
+        ``received``: (frames, bytes) the message came in (``frames`` may keep fewer: see _loop)."""
         self.requests += 1
         arrived = time.perf_counter()
         try:
-            request = self.proto.receive(peer, frames)
+            confined = None if self.auth is None or tenant in (None, OPERATOR) else tenant
+            request = self.proto.receive(peer, frames, tenant=confined, received=received)
         except RemoteProtocolError as e:
             self.errors += 1
             self.metrics.observe("invalid", time.perf_counter() - arrived, e.code)

@@ -90,6 +90,9 @@ class Limits:
             raise RemoteProtocolError("bad_header", f"hello reply has malformed limits {d!r}") from e
 
 
+MAX_FRAMES = 2  # a request's frames: its header and at most one payload
+
+
 def nbytes(buf: Buffer) -> int:
     """Size in bytes of a frame or buffer."""
     n = getattr(buf, "nbytes", None)  # memoryview, numpy; bytes and zmq.Frame have len()
@@ -195,7 +198,14 @@ class ServerProtocol:
         self._per_tenant: dict[str, int] = {}  # tenant -> namespaces registered
         self.inflight: dict[bytes, int] = {}
 
-    def receive(self, peer: bytes, frames: list[Buffer]) -> Request:
+    def receive(
+        self,
+        peer: bytes,
+        frames: list[Buffer],
+        *,
+        tenant: str | None = None,
+        received: tuple[int, int] | None = None,
+    ) -> Request:
         """Validate a request; on success it counts as in flight until ``reply`` is called for it.
 
         Raises RemoteProtocolError (code and, when readable, the request id) for
@@ -207,7 +217,11 @@ class ServerProtocol:
         if rid is None:
             raise RemoteProtocolError("bad_header", "header has no request id")
         try:
-            total = sum(nbytes(f) for f in frames)
+            count, total = received if received is not None else (len(frames), sum(nbytes(f) for f in frames))
+            if count > MAX_FRAMES:
+                raise RemoteProtocolError(
+                    "bad_frames", f"message of {count} frames; a request has at most {MAX_FRAMES}"
+                )
             if total > self.limits.max_message_bytes:
                 raise RemoteProtocolError(
                     "too_large",
@@ -219,7 +233,7 @@ class ServerProtocol:
             if cls is None:
                 raise RemoteProtocolError("unknown_op", f"unknown op {op!r}; ops are {', '.join(REQUESTS)}")
             msg = cls.from_fields(header, list(frames[1:]))
-            namespace = self._check(msg)
+            namespace = self._check(msg, tenant)
             if self.inflight.get(peer, 0) >= self.limits.max_inflight:
                 raise RemoteProtocolError(
                     "busy",
@@ -232,7 +246,9 @@ class ServerProtocol:
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
         return Request(peer, rid, msg, namespace)
 
-    def _check(self, msg: Message) -> Namespace | None:
+    def _check(self, msg: Message, tenant: str | None) -> Namespace | None:
+        """The request's own checks; ``tenant``: the one a CURVE client is confined to (None: not
+        confined), whose requests see no namespace of another tenant, not even its layout."""
         tokens = getattr(msg, "tokens", None)
         if tokens is not None and len(tokens) > self.limits.max_tokens:
             raise RemoteProtocolError(
@@ -245,7 +261,7 @@ class ServerProtocol:
         if ns_id is None:
             return None
         namespace = self.namespaces.get(ns_id)
-        if namespace is None:
+        if namespace is None or (tenant is not None and namespace.tenant != tenant):
             raise RemoteProtocolError(
                 "unknown_namespace", f"namespace {ns_id!r} is not registered; send hello first"
             )

@@ -119,6 +119,17 @@ def test_a_payload_over_max_message_bytes_is_too_large(daemon: Daemon, raw: Raw)
     still_serving(daemon)
 
 
+def test_a_message_of_many_frames_each_under_the_cap_is_refused_and_not_kept(
+    daemon: Daemon, raw: Raw
+) -> None:
+    # every frame under the per-frame cap: the loop lets go of what no request can hold
+    r = raw.ask(header("ping", 8), *[b"\0" * (MAX_MESSAGE // 2)] * 40)
+    assert (r["op"], r["code"], r["id"]) == ("error", "bad_frames", 8) and "at most 2" in r["message"]
+    r = raw.ask(header("ping", 9), b"\0" * MAX_MESSAGE)  # two frames, together over the cap
+    assert (r["op"], r["code"], r["id"]) == ("error", "too_large", 9)
+    still_serving(daemon)
+
+
 def test_more_requests_in_flight_than_the_cap_get_busy(daemon: Daemon, raw: Raw) -> None:
     tokens = np.arange(9000, 9000 + 8 * T, dtype=np.uint32)
     with client(daemon.endpoint) as c:
