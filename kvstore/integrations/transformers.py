@@ -120,7 +120,8 @@ def cache_to_kv(cache: Any, *, tokens: int | None = None, dtype: torch.dtype | N
     """The first ``tokens`` positions (default: all) of a batch-1 cache as ``[L, 2, T, H, D]`` (a new tensor).
 
     Raises BatchNotSupported for a cache of several sequences, ValueError for an
-    empty cache or one holding fewer than ``tokens`` positions.
+    empty cache or one holding fewer than ``tokens`` positions, LayoutError for a cache with a
+    layer that does not hold the sequence from its start (a sliding window's).
     """
     layers = getattr(cache, "layers", None)
     if not layers or getattr(layers[0], "keys", None) is None or layers[0].keys.dim() != 4:
@@ -134,6 +135,20 @@ def cache_to_kv(cache: Any, *, tokens: int | None = None, dtype: torch.dtype | N
     t = held if tokens is None else tokens
     if t > held:
         raise ValueError(f"the cache holds {held} tokens, {t} were asked for")
+    for i, layer in enumerate(layers):
+        # a sliding window's (or a shorter) layer keeps the last positions, not the first: storing
+        # it as positions 0.. would store K/V of other tokens
+        keys = getattr(layer, "keys", None)
+        if (
+            getattr(layer, "is_sliding", False) is True
+            or keys is None
+            or keys.dim() != 4
+            or keys.shape[2] < t
+        ):
+            raise LayoutError(
+                f"layer {i} of the cache ({type(layer).__name__}) does not hold positions 0..{t - 1} "
+                "of the sequence: kvstore keeps full-attention caches only"
+            )
     _, heads, _, dim = k0.shape
     out = torch.empty((len(layers), 2, t, heads, dim), dtype=dtype or k0.dtype, device=k0.device)
     for i, layer in enumerate(layers):

@@ -158,3 +158,28 @@ def test_run_turn_reuses_the_last_turn_and_answers_as_without_cache(client: KVSt
             follow.unsqueeze(0), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
         )
     assert out[0, len(follow) :].tolist() == second.output_ids
+
+
+def test_a_sliding_window_cache_is_refused_and_nothing_is_stored(client: KVStoreClient) -> None:
+    # a Mistral-style config: a sliding window of 8 and no layer types; the cache keeps only the last
+    # positions of every layer once the sequence is longer than the window
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=8,
+    )
+    model = MistralForCausalLM(config).eval()
+    ids = torch.randint(0, 96, (12,))
+    with torch.inference_mode():
+        cache = model(ids.unsqueeze(0), use_cache=True).past_key_values
+    with pytest.raises(LayoutError, match="full-attention"):
+        save_cache(client, ids[:4], cache)
+    assert client.lookup(ids).matched_tokens == 0
