@@ -28,7 +28,7 @@ from kvstore.connection import Connection
 from kvstore.keys import Namespace
 from kvstore.kvbuffers import KVTarget, PagedKV
 from kvstore.memcopy import Copier
-from kvstore.results import PutResult
+from kvstore.results import FailedBlock, PutResult
 from kvstore.shm.mapping import SharedMapping
 from kvstore.shm.segment import ShmUnavailable
 from kvstore.socket_path import PutTally, SocketPath
@@ -202,6 +202,13 @@ class SharedPath:
             if s < total and not tally.failed:
                 log.debug("shared-memory put stopped at block %d (%s); the rest goes over the socket", s, err)
                 tally.add(self._socket.put_from(ns, tokens, src, total, session, first=s))
+            elif s < total:  # blocks were refused before: the rest is not stored either, and says so
+                named = {f.block for f in tally.failed}
+                tally.failed.extend(
+                    FailedBlock(b, err.code or "internal", f"not stored: {err}")
+                    for b in range(s, total)
+                    if b not in named
+                )
         return tally.result()
 
     def _pipelined_commits(
