@@ -331,8 +331,15 @@ def _duration(*, never: bool) -> Callable[[Any], float]:
 
 
 def _endpoint(v: Any) -> str:
-    if not isinstance(v, str) or not re.fullmatch(r"(ipc://.+|tcp://.+:(\d+|\*)|inproc://.+)", v.strip()):
-        raise _Invalid("'ipc:///path/to/socket', 'tcp://host:port' or 'inproc://name'")
+    m = (
+        re.fullmatch(r"(ipc://[^@].*|tcp://.+:(\d+|\*)|inproc://.+)", v.strip())
+        if isinstance(v, str)
+        else None
+    )
+    if m is None or (m.group(2) or "*") != "*" and not 1 <= int(m.group(2)) <= 65535:
+        raise _Invalid(
+            "'ipc:///path/to/socket' (a file path), 'tcp://host:port' (port 1-65535 or *) or 'inproc://name'"
+        )
     return v.strip()
 
 
@@ -499,6 +506,10 @@ def _read_file(path: Path, values: dict[str, dict[str, Any]]) -> None:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path} is not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     for section, table in doc.items():
         if section not in _CHECKS:
             hint = _suggest(section, list(_CHECKS))

@@ -93,12 +93,16 @@ class Connection:
     def _open(self) -> zmq.Socket:
         if self.sock is None:
             sock = self.ctx.socket(zmq.DEALER)
-            sock.linger = 0  # never block close on requests nobody will answer
-            # a DEALER with no usable peer (a refused CURVE key, a daemon never reached) blocks on send
-            sock.sndtimeo = max(1, int(self.timeout * 1000))
-            if self.curve is not None:
-                self.curve.apply(sock)  # before connect: the handshake starts with it
-            sock.connect(self.endpoint)
+            try:
+                sock.linger = 0  # never block close on requests nobody will answer
+                # a DEALER with no usable peer (a refused CURVE key, a daemon never reached) blocks on send
+                sock.sndtimeo = _ms(self.timeout)
+                if self.curve is not None:
+                    self.curve.apply(sock)  # before connect: the handshake starts with it
+                sock.connect(self.endpoint)
+            except BaseException:  # a socket left open would hang the context's term for ever
+                sock.close(linger=0)
+                raise
             self.sock = sock
             self._live[0] = sock
         return self.sock
@@ -148,7 +152,7 @@ class Connection:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            sock.rcvtimeo = max(1, int(left * 1000))
+            sock.rcvtimeo = _ms(left)
             try:
                 frames: list[Any] = [sock.recv()]  # the header: small, copying is cheapest
             except zmq.Again:
@@ -311,3 +315,9 @@ class Connection:
 
 
 __all__ = ["Connection", "ServerError"]
+
+
+def _ms(seconds: float) -> int:
+    """A socket time-out in milliseconds: at least 1, at most what the option holds (int32, ~24 days;
+    longer is as good as for ever)."""
+    return max(1, min(int(seconds * 1000), 2**31 - 1))

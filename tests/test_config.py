@@ -248,6 +248,9 @@ def test_env_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None
     "section, key, value, allowed",
     [
         ("server", "endpoint", '"http://x"', "ipc://"),
+        ("server", "endpoint", '"tcp://127.0.0.1:99999"', "port 1-65535"),
+        ("server", "endpoint", '"tcp://127.0.0.1:0"', "port 1-65535"),
+        ("server", "endpoint", '"ipc://@abstract"', "a file path"),
         ("server", "workers", "0", "integer from 1"),
         ("server", "workers", '"four"', "integer from 1"),
         ("server", "max_message_bytes", '"lots"', "size"),
@@ -292,6 +295,13 @@ def test_invalid_value_names_key_value_and_allowed(
     msg = str(e.value)
     assert str(path) in msg and f"[{section}] {key}" in msg and allowed in msg
     assert value.strip('"') in msg
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b"\xff\xfe[server]\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path, env={})
 
 
 def test_invalid_env_value_names_the_variable() -> None:

@@ -97,6 +97,8 @@ def read_tokens(path: str, stdin: IO[str] | None = None) -> list[int]:
         text = (stdin or sys.stdin).read() if path == "-" else Path(path).read_text()
     except OSError as e:
         raise UsageError(f"cannot read tokens from {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not text (token ids as a JSON list or separated by spaces)") from None
     try:
         data = (
             json.loads(text)

@@ -140,6 +140,9 @@ def test_read_tokens(tmp_path: Path) -> None:
             read_tokens(str(f))
     with pytest.raises(UsageError, match="cannot read"):
         read_tokens(str(tmp_path / "missing"))
+    f.write_bytes(bytes(range(128, 256)))  # binary: not text at all
+    with pytest.raises(UsageError, match="is not text"):
+        read_tokens(str(f))
 
 
 def test_plain_makes_results_json_ready() -> None:

@@ -76,6 +76,14 @@ def test_put_lookup_get_round_trip(shared_daemon: Daemon) -> None:
         assert got.kv is not None and torch.equal(got.kv, kv[:, :, :20])
 
 
+def test_a_time_out_longer_than_a_socket_option_holds_is_as_good_as_for_ever(shared_daemon: Daemon) -> None:
+    # ~24.8 days is the most a socket time-out holds (int32 ms); past it the option refused the value
+    # and the half-made socket hung the context's end for ever
+    with KVStoreClient(shared_daemon.endpoint, model=MODEL, layout=LAYOUT, timeout=30 * 86400.0) as c:
+        assert c.ping()["pid"] == shared_daemon.proc.pid
+        assert c.lookup(list(range(8))).matched_tokens == 0
+
+
 def test_long_prefix_streams_in_chunks(shared_daemon: Daemon) -> None:
     tokens = list(range(5000, 5000 + 23 * T))
     kv = kv_for(tokens, seed=1)
