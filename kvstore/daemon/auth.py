@@ -86,12 +86,14 @@ def _is_key(text: str) -> bool:
 
 def check_private(path: Path, what: str) -> None:
     """Raise ConfigError when the secret file ``path`` can be read by group or others (as ssh does)."""
-    mode = os.stat(path).st_mode
+    st = os.stat(path)
+    mode = st.st_mode
     if mode & 0o077:
         raise ConfigError(
             f"{what} {path} has mode {oct(stat.S_IMODE(mode))}; others could read the secret key. "
             f"Run: chmod 600 {path}"
         )
+    _check_owner(st, path, what, "read the secret key")
 
 
 def load_key(value: str | bytes, what: str, *, secret: bool) -> bytes:
@@ -191,7 +193,18 @@ def read_allow_list(path: Path) -> dict[bytes, str]:
             f"curve_allowed_keys file {path} has mode {oct(stat.S_IMODE(st.st_mode))}; others could "
             f"grant themselves access. Run: chmod go-w {path}"
         )
+    _check_owner(st, path, "curve_allowed_keys file", "grant themselves access")
     return parse_allow_list(text, str(path))
+
+
+def _check_owner(st: os.stat_result, path: Path, what: str, risk: str) -> None:
+    """ConfigError unless ``path`` belongs to this process's user or root: its owner could change its
+    mode, and its contents, after the check."""
+    if st.st_uid not in (os.getuid(), 0):
+        raise ConfigError(
+            f"{what} {path} belongs to user {st.st_uid}, not to this daemon's user ({os.getuid()}) or "
+            f"root; its owner could {risk}. Run: chown {os.getuid()} {path}"
+        )
 
 
 # ---------------------------------------------------------------- the daemon side

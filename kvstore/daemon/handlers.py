@@ -323,6 +323,8 @@ class Handlers:
                 self.store.finish(lease.held, msg.used)
             return FinishOk(released=lease is not None)
         if isinstance(msg, Reserve):
+            if msg.nbytes < 1:  # a lease of nothing holds no staging, only the daemon's bookkeeping
+                raise ProtocolError("invalid_argument", f"reserve of {msg.nbytes} bytes: reserve at least 1")
             got = plane.reserve(request.peer, msg.nbytes)
             seg = got.staging
             return ReserveOk(

@@ -67,6 +67,28 @@ def test_allow_list_maps_each_key_to_its_tenant(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_an_allow_list_or_secret_key_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    # mode 0644 is fine for an allow list, but its owner could rewrite it and put the mode back
+    from kvstore.daemon.auth import check_private
+    from kvstore.errors import ConfigError
+
+    listed = tmp_path / "clients"
+    listed.write_text(f"{zmq.curve_keypair()[0].decode()} alice\n")
+    listed.chmod(0o644)
+    assert list(read_allow_list(listed).values()) == ["alice"]
+    os.chown(listed, 4242, 4242)
+    with pytest.raises(ConfigError, match="belongs to user 4242"):
+        read_allow_list(listed)
+    secret = tmp_path / "server.key_secret"
+    secret.write_text("x\n")
+    secret.chmod(0o600)
+    check_private(secret, "curve_secret_key")
+    os.chown(secret, 4242, 4242)
+    with pytest.raises(ConfigError, match="belongs to user 4242"):
+        check_private(secret, "curve_secret_key")
+
+
 @pytest.mark.parametrize(
     "line, complaint",
     [

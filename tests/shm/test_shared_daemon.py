@@ -22,8 +22,8 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout
-from kvstore.wire.errors import RequestTimeout
-from kvstore.wire.messages import Finish, Locate, LocateOk
+from kvstore.wire.errors import RequestTimeout, ServerError
+from kvstore.wire.messages import Finish, Locate, LocateOk, Reserve
 from tests.hardening.conftest import (
     LAYOUT,
     MODEL,
@@ -325,6 +325,11 @@ def test_segments_are_private_and_a_mapped_pool_cannot_be_written(daemons: Any, 
         got = c.get(a)
         assert got.matched_blocks == 3
         assert_exact(a, got.kv, got.matched_tokens)
+        # a reserve of nothing (a lease that holds no staging, only bookkeeping) is refused
+        before = shm_stats(c)["leases"]
+        with pytest.raises(ServerError, match="at least 1"):
+            c._conn.call(Reserve(nbytes=0), idempotent=True)
+        assert shm_stats(c)["leases"] == before
     assert d.proc.poll() is None
 
 
