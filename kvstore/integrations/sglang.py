@@ -26,6 +26,7 @@ fails its checksum is reported False (never filled with wrong data).
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -64,6 +65,15 @@ class KVStoreHiCache(HiCacheStorage):
                 "over tp ranks); use it with MHA/GQA models"
             )
         extra = dict(storage_config.extra_config or {})
+        # SGLang keeps keys of its own in extra_config too: a key close to one of ours is a typo (a
+        # misspelt tenant would share the default tenant's blocks), any other is left alone
+        for key in extra:
+            close = difflib.get_close_matches(str(key), sorted(_OPTIONS), n=1, cutoff=0.75)
+            if key not in _OPTIONS and close:
+                raise ValueError(
+                    f"kvstore: unknown extra_config key {key!r} (did you mean {close[0]!r}?); "
+                    f"kvstore reads {', '.join(sorted(_OPTIONS))}"
+                )
         model = extra.get("model") or storage_config.model_name
         if not model:
             raise ValueError(

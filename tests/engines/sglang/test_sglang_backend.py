@@ -125,6 +125,16 @@ def test_legacy_calls_say_to_set_interface_v1_and_mla_is_refused(daemon: Any) ->
     cfg.is_mla_model = True
     with pytest.raises(ValueError, match="MLA"):
         KVStoreHiCache(cfg, {})
+    # a misspelt option of ours is refused (a tenant typo would share the default tenant's pages);
+    # SGLang's own keys in extra_config are left alone
+    for typo, meant in (("tennant", "tenant"), ("timout", "timeout")):
+        cfg = storage_config(daemon.endpoint)
+        cfg.extra_config[typo] = "acme"
+        with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
+            KVStoreHiCache(cfg, {})
+    cfg = storage_config(daemon.endpoint)
+    cfg.extra_config["hicache_storage_pass_prefix_keys"] = True
+    assert KVStoreHiCache(cfg, {}).tenant == "default"
 
 
 def test_a_daemon_that_is_not_there_costs_one_timeout_and_then_nothing(tmp_path: Any) -> None:
