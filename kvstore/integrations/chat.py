@@ -16,19 +16,25 @@ time to first token with and without the cache.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvstore.errors import KVStoreError
 from kvstore.integrations.transformers import (
     CacheClient,
+    CacheHit,
     cache_kwargs,
     fetch_cache,
     save_cache,
     single_sequence,
 )
+from kvstore.wire.errors import RequestTimeout, ServerError
+
+log = logging.getLogger("kvstore.integrations.chat")
 
 
 @dataclass(frozen=True)
@@ -63,13 +69,21 @@ def run_turn(
     ``max_new_tokens`` or at an end token (``eos_token_id``, default the
     model's). With ``store`` the whole blocks of the prompt and the answer are
     saved under ``session`` for the next turn (after the answer; not timed in
-    the TTFT). Raises BatchNotSupported for a batch > 1.
+    the TTFT). Raises BatchNotSupported for a batch > 1. A daemon that does not answer (or is
+    busy) costs the fetch its time-out and counts as a miss; a store that fails is logged, and
+    the turn's answer is returned with ``stored_blocks`` 0.
     """
     ids = single_sequence(input_ids)
     eos = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     t0 = time.perf_counter()
-    hit = fetch_cache(client, ids, config=model.config, device=model.device)
+    try:
+        hit = fetch_cache(client, ids, config=model.config, device=model.device)
+    except (RequestTimeout, ServerError) as e:  # the daemon away or busy: a miss, not a failed turn
+        from transformers import DynamicCache
+
+        log.warning("kvstore: the cached prefix could not be fetched (%s); computing the whole prompt", e)
+        hit = CacheHit(DynamicCache(config=model.config), 0, [])
     cache = hit.cache
     out = model(ids[hit.tokens :].unsqueeze(0).to(model.device), **cache_kwargs(model, cache))
     nxt = int(out.logits[0, -1].argmax())
@@ -82,7 +96,10 @@ def run_turn(
     stored = 0
     if store:  # the cache now holds the prompt and every answer token but the last
         full = torch.cat([ids, torch.tensor(generated, dtype=ids.dtype)])
-        stored = save_cache(client, full, cache, session=session).stored
+        try:
+            stored = save_cache(client, full, cache, session=session).stored
+        except KVStoreError as e:  # the answer stands; the next turn recomputes what was not stored
+            log.warning("kvstore: this turn's cache was not stored (%s)", e)
     return TurnResult(generated, hit.tokens, len(ids), hit.tiers, ttft, time.perf_counter() - t0, stored)
 
 

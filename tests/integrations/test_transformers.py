@@ -183,3 +183,14 @@ def test_a_sliding_window_cache_is_refused_and_nothing_is_stored(client: KVStore
     with pytest.raises(LayoutError, match="full-attention"):
         save_cache(client, ids[:4], cache)
     assert client.lookup(ids).matched_tokens == 0
+
+
+def test_a_daemon_that_does_not_answer_costs_a_miss_not_the_turn(tiny: Any, tmp_path: Any) -> None:
+    ids = torch.randint(0, 96, (12,))
+    layout = layout_of(tiny.config, dtype="float32", block_tokens=T)
+    with KVStoreClient(f"ipc://{tmp_path}/nobody.sock", model="tiny-llama", layout=layout, timeout=0.3) as c:
+        turn = run_turn(tiny, c, ids, max_new_tokens=3)
+    assert (turn.reused_tokens, turn.stored_blocks, len(turn.output_ids)) == (0, 0, 3)
+    with torch.inference_mode():
+        want = int(tiny(ids.unsqueeze(0)).logits[0, -1].argmax())
+    assert turn.output_ids[0] == want
