@@ -177,8 +177,8 @@ def cmd_prefetch(args: argparse.Namespace, out: IO[str], err: IO[str] | None = N
     bar = not args.json and err.isatty()  # a bar in a pipe or a log is noise
     total = dict.fromkeys(("moved", "present", "failed", "bytes_moved"), 0)
     blocks = requests = start = 0
-    started = time.monotonic()
     with connect(args) as client:
+        started = time.monotonic()  # the requests', not the imports' and the connection's
         try:
             while True:
                 r = client.prefetch(args.session, to=args.to, start_block=start, max_blocks=args.chunk)

@@ -144,9 +144,10 @@ def render_stats(data: Mapping[str, Any]) -> str:
         f"namespaces {format_count(c('namespaces'))}  pinned {format_count(c('pinned'))}",
         f"write-through: queued {format_count(c('write_queue'))}  written {format_count(c('written'))}  "
         f"deferred {format_count(c('write_deferred'))}  expired {format_count(c('expired'))}",
+        # a lookup adds to matched, a get to served, both to asked (the ratio the metrics export)
         f"lookups {format_count(c('lookups'))}: tokens asked {format_count(c('tokens_asked'))}, "
-        f"matched {format_count(c('tokens_matched'))} ({format_ratio(c('tokens_matched'), c('tokens_asked'))}), "
-        f"served {format_count(c('tokens_served'))}",
+        f"matched {format_count(c('tokens_matched'))}, served {format_count(c('tokens_served'))} "
+        f"(hit rate {format_ratio((c('tokens_matched') or 0) + (c('tokens_served') or 0), c('tokens_asked'))})",
     ]
     cluster = c("cluster")
     if isinstance(cluster, Mapping):

@@ -121,7 +121,9 @@ class AdminOps:
                     seen.add(e.key)
                     keys.append(e.key)
                     freed[self._tiers.names[t]] += self._tiers[t].nbytes(e.key)
-                    moved += not e.tiers & TIER_MASK & ~(1 << t)
+                    # what Mover.evict_from does: no copy above it and none in the next tier, it moves down
+                    bit = 1 << t
+                    moved += t < self._tiers.last and not e.tiers & (bit - 1) and not e.tiers & (bit << 1)
                 plan.append((e, drops_all))
             if not dry_run:
                 for e, drops_all in plan:

@@ -237,7 +237,7 @@ STATS = {
         "written": 5,
         "expired": 0,
         "lookups": 4,
-        "tokens_asked": 100,
+        "tokens_asked": 200,  # a lookup and a get of 100 tokens each
         "tokens_matched": 64,
         "tokens_served": 64,
     },
@@ -251,7 +251,7 @@ def test_render_stats() -> None:
     assert hbm[:4] == ["hbm", "3", "3.0", "MiB"] and "90.0%" in hbm
     assert any(line.startswith("nvme") and line.endswith("2") for line in out)  # corrupt column
     assert not any(line.startswith("ram") for line in out)  # a tier the daemon did not report
-    assert "matched 64 (64.0%)" in out[-1]
+    assert "matched 64, served 64 (hit rate 64.0%)" in out[-1]  # what the metrics export
     # a daemon that sends fewer counters still renders
     assert "blocks -" in display.render_stats({"store": {}, "server": {}})
     # same-host clients' shared memory: on, or off

@@ -71,6 +71,18 @@ def test_evict_by_tier_moves_blocks_down_one_tier(make_store) -> None:
     assert s.check_integrity() == []
 
 
+def test_evict_by_tier_counts_a_block_moved_down_also_when_nvme_holds_a_copy(make_store) -> None:
+    s = make_store()  # write-through: every block on nvme too
+    toks = tokens(3)
+    s.put(NS, toks, kv(3 * T))
+    assert s.flush(10)
+    r = s.evict(EvictFilter(tier="hbm"))
+    assert r.blocks == 3 and r.moved == 3  # hbm -> ram, as without nvme
+    assert s.lookup(NS, toks).tiers == ["ram"] * 3
+    r = s.evict(EvictFilter(tier="ram"))  # the next tier (nvme) holds them: ram's copies just go
+    assert r.blocks == 3 and r.moved == 0 and s.lookup(NS, toks).tiers == ["nvme"] * 3
+
+
 def test_evict_by_model_and_tenant_and_all(make_store) -> None:
     s = make_store(hbm_blocks=8, ram_blocks=8)
     other = Namespace("other-model", NS.layout, tenant="t2")
