@@ -69,6 +69,9 @@ class WriteBack:
         self._mover = mover
         self._writer = writer
         self._ttl = ttl
+        # access times reach disk when they move to another slot: 10 minutes, or a tenth of the TTL
+        # when that is shorter (a block used within its TTL must not expire after a restart)
+        self._slot = min(600.0, ttl / 10) if math.isfinite(ttl) else 600.0
         self._backpressure = backpressure
         self._sweep = sweep
         self._closed = False
@@ -105,8 +108,8 @@ class WriteBack:
 
     def record_changed(self, e: Entry, now: float) -> None:
         """(Lock held.) ``e`` is being touched at ``now``: its nvme record follows at the next idle
-        tick when its access time moves to another 10-minute slot."""
-        if e.tiers & (1 << self._t) and int(e.last_access // 600) != int(now // 600):
+        tick when its access time moves to another slot (10 minutes, or a tenth of the TTL)."""
+        if e.tiers & (1 << self._t) and int(e.last_access // self._slot) != int(now // self._slot):
             self._dirty.add(e.key)
 
     def depth(self) -> int:

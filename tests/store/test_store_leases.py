@@ -81,3 +81,22 @@ def test_an_access_renews_the_ttl(make_store) -> None:
     clock.advance(90)  # 180 s after the put, 90 s after the get
     time.sleep(0.2)  # several ticks
     assert s.lookup(NS, toks).matched_blocks == 2
+
+
+def test_an_access_within_a_short_ttl_survives_a_restart(make_store, tmp_path) -> None:
+    # ttl 300 s: a block used 290 s after it was stored, the store closed and opened 20 s later,
+    # is 20 s old, not 310 (access times reach disk every tenth of the TTL, not every 10 minutes)
+    clock = Clock(1_000_200.0)  # the start of a 10-minute slot
+    path = tmp_path / "lmdb"
+    s = make_store(path=path, clock=clock, ttl=300.0, tick=0.02)
+    toks = tokens(2)
+    s.put(NS, toks, kv(2 * T))
+    assert s.flush(10)
+    clock.advance(290)
+    assert s.get(NS, toks).matched_blocks == 2
+    assert s.flush(10)
+    s.close()
+    clock.advance(20)
+    s2 = make_store(path=path, clock=clock, ttl=300.0, tick=0.02)
+    time.sleep(0.2)  # several ticks, each a TTL sweep
+    assert s2.lookup(NS, toks).matched_blocks == 2
