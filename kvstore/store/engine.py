@@ -429,10 +429,21 @@ class Store:
         """Wait until every stored block has reached nvme and LMDB is synced: the durable acknowledgement.
 
         With write-through off or admission on second use, the blocks not yet on nvme are written now
-        (parents first). False when ``timeout`` passed first or a block could not be written (it stays
-        queued: a later flush goes on)."""
+        (parents first). False when ``timeout`` passed first or a block, or a session's or namespace's
+        row, could not be written (it stays queued: a later flush goes on)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         self.settle(timeout)
-        return True if self._writeback is None else self._writeback.flush(timeout)
+        if self._writeback is None:
+            return True
+        done = self._writeback.flush(left())
+        if self._journal.pending:  # session or namespace rows whose write failed: once more
+            self._journal.retry()
+            done = self._writeback.flush(left()) and done
+        return done and not self._journal.pending
 
     def settle(self, timeout: float | None = ADOPT_WAIT) -> bool:
         """Wait (up to ``timeout`` seconds) until the blocks earlier gets read from the cluster with

@@ -263,3 +263,32 @@ def test_a_block_keeps_the_tag_of_the_session_that_stored_it(make_store, tmp_pat
     # a stored them, but b's conversation ends on them: evicting a's own blocks leaves them
     assert s2.evict(EvictFilter(session="a")).blocks == 0
     assert s2.lookup(NS, toks).matched_blocks == 2
+
+
+def test_a_session_row_whose_write_failed_is_written_again_and_flush_waits_for_it(
+    make_store, tmp_path: Path
+) -> None:
+    from kvstore.tiers.base import TierIOError
+
+    path = tmp_path / "lmdb"
+    s = make_store(path=path)
+    nvme = s.tiers[-1]
+    real = nvme.put_session
+    failures = [2]  # the disk refuses the row twice (EIO), then takes it
+
+    def flaky(name: str, info: dict) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise TierIOError("injected: the disk refused the write")
+        real(name, info)
+
+    nvme.put_session = flaky
+    toks = tokens(3)
+    s.put(NS, toks, kv(3 * T), session="conv")
+    assert not s.flush(10)  # the row failed at the put and again at this flush's retry
+    assert "conv" not in dict(nvme.iter_sessions())
+    assert s.flush(10)  # written now: durable
+    assert dict(nvme.iter_sessions())["conv"]["tokens"] == 3 * T
+    s.close()
+    s2 = make_store(path=path)
+    assert s2.session("conv").info.tokens == 3 * T
