@@ -63,6 +63,7 @@ from kvstore.tiers import lmdb_env
 from kvstore.tiers.base import Tier, TierFull, TierName, TierUsage
 from kvstore.tiers.lmdb_env import DEFAULT_DURABILITY, Durability
 from kvstore.tiers.nvme_format import (
+    HEAD,
     EntryDecoder,
     IndexColumns,
     IndexEntry,
@@ -265,6 +266,14 @@ class NvmeTier(Tier):
             frame = txn.get(key, db=self._blocks)
             if frame is None:
                 raise KeyError(key)
+            # the entry written with the frame records its length: another block's frame under this
+            # key (a value moved on disk) is sound in itself, and seldom of the same length with zstd
+            entry = txn.get(key, db=self._records)
+            if entry is not None and len(entry) >= HEAD.size and frame_len(entry) != len(frame):
+                raise FrameError(
+                    f"the frame of block {key.hex()[:16]} is {len(frame)} bytes, its entry says "
+                    f"{frame_len(entry)}: it is not this block's"
+                )
             return decode_frame(frame, device=device, out=out, codecs=codecs)
 
         return self._read(decode, buffers=True)

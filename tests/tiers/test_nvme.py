@@ -179,6 +179,21 @@ def test_iter_records_spans_many_chunks(tier: NvmeTier) -> None:
     assert [r.position for r in tier.iter_records()] == list(range(n))
 
 
+def test_another_block_s_frame_under_a_key_is_detected_by_its_length(tmp_path: Path) -> None:
+    # two blocks' frames swapped on disk: each is sound in itself; with zstd their lengths differ,
+    # and the entry written with each frame says how long it was
+    tier = NvmeTier(tmp_path / "nvme", 8 << 20, get_codec("int4", zstd=3))
+    tier.put(key(1), block(1), record(1))
+    tier.put(key(2), torch.zeros_like(block(2)), record(2))
+    one, two = tier.get_frame(key(1)), tier.get_frame(key(2))
+    assert len(one) != len(two)
+    tier._write(lambda txn: (txn.put(key(1), two, db=tier._blocks), txn.put(key(2), one, db=tier._blocks)))
+    for k in (key(1), key(2)):
+        with pytest.raises(FrameError, match="not this block's"):
+            tier.get(k)
+    tier.close()
+
+
 def test_corrupt_frame_on_disk_is_detected(tmp_path: Path) -> None:
     tier = open_tier(tmp_path / "nvme")
     tier.put(key(1), block(1), record(1))
