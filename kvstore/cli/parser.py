@@ -260,11 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", default="demo", help="session tag of the conversation (default: demo)")
     p.add_argument("--tenant", default="default", help="tenant of the conversation (default: default)")
     p.add_argument(
-        "--max-new-tokens", type=int, default=48, metavar="N", help="answer length cap (default 48)"
+        "--max-new-tokens", type=_positive_int, default=48, metavar="N", help="answer length cap (default 48)"
     )
     p.add_argument(
         "--document-tokens",
-        type=int,
+        type=_positive_int,
         default=1024,
         metavar="N",
         help="tokens of the document handed over in turn 1 (default 1024)",

@@ -69,6 +69,8 @@ def test_evict_filters_combine() -> None:
         (["stats", "--timeout", "soon"], "--timeout"),
         (["inspect", "--layout", "L=2,H=x"], "--layout"),
         (["stat"], "invalid choice: 'stat'"),
+        (["demo", "--max-new-tokens", "-5"], "--max-new-tokens"),
+        (["demo", "--document-tokens", "0"], "--document-tokens"),
         ([], "COMMAND"),
     ],
 )
