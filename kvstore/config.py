@@ -336,9 +336,10 @@ def _endpoint(v: Any) -> str:
         if isinstance(v, str)
         else None
     )
-    if m is None or (m.group(2) or "*") != "*" and not 1 <= int(m.group(2)) <= 65535:
+    if m is None or (m.group(2) or "*") != "*" and not 0 <= int(m.group(2)) <= 65535:
         raise _Invalid(
-            "'ipc:///path/to/socket' (a file path), 'tcp://host:port' (port 1-65535 or *) or 'inproc://name'"
+            "'ipc:///path/to/socket' (a file path), 'tcp://host:port' (port up to 65535; 0 or *: any "
+            "free one) or 'inproc://name'"
         )
     return v.strip()
 
