@@ -493,7 +493,8 @@ class Store:
     def _restore_sessions(self, nvme: NvmeTier) -> None:
         """The sessions nvme records, each ending at its tail block. A row journalled ahead of its last
         put's blocks (a crash before they were written) names a tail that is not there: the session
-        then ends at the deepest block it stored that is (what its last flush made durable)."""
+        then ends at its tail before that put (the row keeps it), or else at the deepest block it
+        stored that is (what its last flush made durable)."""
         rows: list[SessionState] = []
         for name, d in nvme.iter_sessions():
             try:
@@ -512,7 +513,9 @@ class Store:
                         if name not in deepest or depth > deepest[name][0]:
                             deepest[name] = (depth, e)
         for s in rows:
-            if s.name in lost:
+            if s.name in lost and s.before is not None and s.before in self._index:
+                s = replace(s, tail=s.before, tokens=s.before_tokens)  # where its last flush left it
+            elif s.name in lost:
                 found = deepest.get(s.name)
                 if found is None:
                     s = replace(s, tail=None, tokens=0)

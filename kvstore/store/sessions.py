@@ -41,25 +41,34 @@ def check_session_name(name: object, limit: int = MAX_STORED_SESSION_BYTES) -> s
 
 @dataclass(frozen=True)
 class SessionState:
+    """``before``/``before_tokens``: the tail the session had before its last put moved it, kept in
+    its row: the row is journalled ahead of that put's blocks, and a crash between the two leaves a
+    tail that is not on disk, where the one before it (made durable by a flush) may be."""
+
     name: str
     namespace: str
     tail: bytes | None
     tokens: int
     created: float
     last_access: float
+    before: bytes | None = None
+    before_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "ns": self.namespace,
             "tail": self.tail,
             "tokens": self.tokens,
             "created": self.created,
             "last_access": self.last_access,
         }
+        if self.before is not None:
+            d["before"], d["before_tokens"] = self.before, self.before_tokens
+        return d
 
     @classmethod
     def from_dict(cls, name: str, d: dict[str, Any]) -> SessionState:
-        tail = d.get("tail")
+        tail, before = d.get("tail"), d.get("before")
         return cls(
             name=name,
             namespace=str(d["ns"]),
@@ -67,6 +76,8 @@ class SessionState:
             tokens=int(d["tokens"]),
             created=float(d["created"]),
             last_access=float(d["last_access"]),
+            before=None if before is None else bytes(before),
+            before_tokens=int(d.get("before_tokens", 0)),
         )
 
 
@@ -110,7 +121,10 @@ class SessionTable:
         """A put under ``name`` ended at block ``tail`` covering ``tokens``: that is the session's prefix now."""
         old = self._by_name.get(name)
         created = now if old is None else old.created
-        return self.set(SessionState(name, namespace, tail, tokens, created, now))
+        before, before_tokens = (None, 0) if old is None else (old.before, old.before_tokens)
+        if old is not None and old.tail is not None and old.tail != tail:
+            before, before_tokens = old.tail, old.tokens
+        return self.set(SessionState(name, namespace, tail, tokens, created, now, before, before_tokens))
 
     def touch(self, name: str, now: float) -> SessionState | None:
         old = self._by_name.get(name)

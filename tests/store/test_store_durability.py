@@ -8,6 +8,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from kvstore.keys import block_keys
 from kvstore.results import EvictFilter
 from tests.store.storekit import NS, T, close_to, kv, tokens
@@ -120,13 +122,16 @@ def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> N
         s.close()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own-blocks", "blocks-another-session-stored"])
 def test_a_crash_before_a_session_s_new_blocks_are_written_keeps_what_flush_made_durable(
-    tmp_path: Path,
+    tmp_path: Path, shared: bool
 ) -> None:
     """The session's row (its tail: the put's last block) is journalled ahead of the put's blocks.
     A crash between the two leaves a row naming a block that is not on disk: the session then ends
-    at the deepest block it stored that is, which its last flush made durable."""
+    where its last flush left it (the row keeps its tail before the put). ``shared``: turn 1's
+    blocks were stored by another session first (so they carry no tag of this one)."""
     path = tmp_path / "lmdb"
+    first = 's.put(NS, toks[: 4 * T], kv(4 * T, 3), session="other")' if shared else "pass"
     script = textwrap.dedent(f"""
         import os, sys, threading, time
         sys.path.insert(0, {str(Path(__file__).parent)!r})
@@ -140,6 +145,7 @@ def test_a_crash_before_a_session_s_new_blocks_are_written_keeps_what_flush_made
         s = Store(HbmTier(4096, page_bytes=1024), RamTier(8192, get_codec("raw"), page_bytes=2048, pin_memory=False),
                   NvmeTier({str(path)!r}, 1 << 22, get_codec("int4")), tick=0.05)
         toks = tokens(8, seed=3)
+        {first}
         s.put(NS, toks[: 4 * T], kv(4 * T, 3), session="conv")  # turn 1, durable
         assert s.flush(30)
         nvme = s.tiers[2]
