@@ -28,12 +28,10 @@ from kvstore.integrations.transformers import (
 T = 4  # block tokens
 
 
-@pytest.fixture(scope="module")
-def tiny() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def tiny_model(config_cls: Any, model_cls: Any, **kw: Any) -> Any:
+    """A random model of 2 layers, 2 KV heads of 8 dims (seeded: the same weights every time)."""
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = config_cls(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=64,
@@ -41,8 +39,16 @@ def tiny() -> Any:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
+        **kw,
     )
-    return LlamaForCausalLM(config).eval()
+    return model_cls(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return tiny_model(LlamaConfig, LlamaForCausalLM)
 
 
 @pytest.fixture
@@ -165,18 +171,7 @@ def test_a_sliding_window_cache_is_refused_and_nothing_is_stored(client: KVStore
     # positions of every layer once the sequence is longer than the window
     from transformers import MistralConfig, MistralForCausalLM
 
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=8,
-    )
-    model = MistralForCausalLM(config).eval()
+    model = tiny_model(MistralConfig, MistralForCausalLM, sliding_window=8)
     ids = torch.randint(0, 96, (12,))
     with torch.inference_mode():
         cache = model(ids.unsqueeze(0), use_cache=True).past_key_values

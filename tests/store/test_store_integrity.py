@@ -72,26 +72,30 @@ def test_a_damaged_lmdb_value_is_never_served(make_store, tmp_path: Path) -> Non
     assert s2.check_integrity() == []
 
 
-def test_a_frame_of_another_model_under_a_block_s_key_is_a_miss_not_an_error(
-    make_store, tmp_path: Path
-) -> None:
-    # the same tokens stored for a model of another dtype; its block 1's value copied over this
-    # model's block 1 on disk (sound in itself: only the layout it holds tells)
+def with_a_frame_of_another_model(make_store, path: Path, session: str | None = None):
+    """A store on ``path`` holding 3 blocks of NS, whose block 1's value on disk was replaced by the
+    same tokens' block 1 of a model of another dtype (sound in itself: only the layout it holds
+    tells). Returns the reopened store, the tokens and the K/V put."""
     from kvstore.keys import Namespace
     from kvstore.layout import KVLayout
 
     other = Namespace("other-model", KVLayout(**{**NS.layout.to_dict(), "dtype": "float16"}))
-    path = tmp_path / "lmdb"
     s = make_store(path=path)
     toks, data = tokens(3), kv(3 * T)
-    s.put(NS, toks, data)
+    s.put(NS, toks, data, session=session)
     s.put(other, toks, data.to(other.layout.torch_dtype))
     s.close()
     env = lmdb.open(str(path), max_dbs=8, subdir=True)
     with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
         txn.put(block_keys(NS, toks)[1], bytes(txn.get(block_keys(other, toks)[1]) or b""))
     env.close()
-    s2 = make_store(path=path)
+    return make_store(path=path), toks, data
+
+
+def test_a_frame_of_another_model_under_a_block_s_key_is_a_miss_not_an_error(
+    make_store, tmp_path: Path
+) -> None:
+    s2, toks, data = with_a_frame_of_another_model(make_store, tmp_path / "lmdb")
     got = s2.get(NS, toks)  # decoded into a tensor of this model's layout
     assert got.matched_blocks == 1 and close_to(got.kv, data[:, :, :T])
     assert s2.stats().tiers["nvme"].corrupt == 1
@@ -102,21 +106,7 @@ def test_a_frame_of_another_model_under_a_block_s_key_is_a_miss_not_an_error(
 def test_a_frame_of_another_model_is_a_bad_copy_also_where_it_is_decoded_alone(
     make_store, tmp_path: Path
 ) -> None:
-    from kvstore.keys import Namespace
-    from kvstore.layout import KVLayout
-
-    other = Namespace("other-model", KVLayout(**{**NS.layout.to_dict(), "dtype": "float16"}))
-    path = tmp_path / "lmdb"
-    s = make_store(path=path)
-    toks, data = tokens(3), kv(3 * T)
-    s.put(NS, toks, data, session="s")
-    s.put(other, toks, data.to(other.layout.torch_dtype))
-    s.close()
-    env = lmdb.open(str(path), max_dbs=8, subdir=True)
-    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
-        txn.put(block_keys(NS, toks)[1], bytes(txn.get(block_keys(other, toks)[1]) or b""))
-    env.close()
-    s2 = make_store(path=path)
+    s2, toks, _ = with_a_frame_of_another_model(make_store, tmp_path / "lmdb", session="s")
     r = s2.prefetch("s", to="ram")  # each block decoded on its own, then stored in ram
     assert (r.moved, r.failed) == (1, 1)
     assert s2.stats().tiers["nvme"].corrupt == 1 and s2.lookup(NS, toks).matched_blocks == 1
