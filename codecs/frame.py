@@ -177,6 +177,13 @@ def _verify(mv: memoryview, end: int, crc: int) -> None:
         raise ChecksumMismatch(f"frame checksum {got:08x} does not match the stored {crc:08x}")
 
 
+def stored_checksum(frame: Buffer) -> int | None:
+    """The CRC-32 a frame's header records, unchecked (None when shorter than a header): what binds
+    the frame to the nvme entry written with it."""
+    mv = memoryview(frame).cast("B")
+    return int.from_bytes(mv[_CRC_AT : _CRC_AT + 4], "little") if mv.nbytes >= HEADER_SIZE else None
+
+
 def check_frame(frame: Buffer) -> FrameHeader:
     """The header of a whole, undamaged frame, before a tier stores it as it is: FrameError when
     the header or checksum fails or ``frame`` is longer or shorter than its header says."""

@@ -6,7 +6,7 @@
     <path>/kvstore.lock          flock'd while a process has the store open (StoreLocked otherwise)
 
     db blocks      key (32 B) -> frame
-    db records     key (32 B) -> entry: frame length, CRC, record (nvme_format.py; record optional)
+    db records     key (32 B) -> entry: frame length and CRC, CRC from the key, record (nvme_format.py)
     db sessions    name       -> msgpack map
     db namespaces  ns id      -> msgpack map
     db meta        format_version, created, dirty_boot
@@ -54,7 +54,7 @@ import msgpack
 import torch
 
 from kvstore.codecs import Codec, check_frame, decode_frame
-from kvstore.codecs.frame import Buffer
+from kvstore.codecs.frame import Buffer, stored_checksum
 from kvstore.errors import ConfigError, FrameError, KVStoreError
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
@@ -63,13 +63,14 @@ from kvstore.tiers import lmdb_env
 from kvstore.tiers.base import Tier, TierFull, TierName, TierUsage
 from kvstore.tiers.lmdb_env import DEFAULT_DURABILITY, Durability
 from kvstore.tiers.nvme_format import (
-    HEAD,
     EntryDecoder,
     IndexColumns,
     IndexEntry,
+    check_binding,
+    frame_crc,
     frame_len,
     pack_entry,
-    with_frame_len,
+    with_frame,
 )
 
 log = logging.getLogger(__name__)
@@ -235,14 +236,18 @@ class NvmeTier(Tier):
             raise KVStoreError(f"nvme keys are {KEY_BYTES} bytes, got {key!r:.40}")
         if record is not None and record.key != key:
             raise KVStoreError("the record's key differs from the key it is stored under")
-        flen = memoryview(frame).nbytes
-        packed = pack_entry(flen, record) if record is not None else None
+        flen, fcrc = memoryview(frame).nbytes, stored_checksum(frame)
+        if fcrc is None:
+            raise FrameError(f"a frame of {flen} bytes is shorter than a frame header")
+        packed = pack_entry(key, flen, fcrc, record) if record is not None else None
 
         def txn_put(txn: lmdb.Transaction) -> int:
             value = packed
             if value is None:
                 old = txn.get(key, db=self._records)
-                value = with_frame_len(old, flen) if old is not None else pack_entry(flen, None)
+                value = (
+                    with_frame(key, old, flen, fcrc) if old is not None else pack_entry(key, flen, fcrc, None)
+                )
             cost = self._entry_cost(flen, len(value))
             self._largest = max(self._largest, self._value_cost(flen))
             self._admit(txn, cost, self._cost_of(txn, key))
@@ -266,14 +271,9 @@ class NvmeTier(Tier):
             frame = txn.get(key, db=self._blocks)
             if frame is None:
                 raise KeyError(key)
-            # the entry written with the frame records its length: another block's frame under this
-            # key (a value moved on disk) is sound in itself, and seldom of the same length with zstd
-            entry = txn.get(key, db=self._records)
-            if entry is not None and len(entry) >= HEAD.size and frame_len(entry) != len(frame):
-                raise FrameError(
-                    f"the frame of block {key.hex()[:16]} is {len(frame)} bytes, its entry says "
-                    f"{frame_len(entry)}: it is not this block's"
-                )
+            # another block's frame under this key (a value moved on disk) is sound in itself: the
+            # entry written with the frame, under this key, records its length and CRC
+            check_binding(key, txn.get(key, db=self._records), frame)
             return decode_frame(frame, device=device, out=out, codecs=codecs)
 
         return self._read(decode, buffers=True)
@@ -369,11 +369,20 @@ class NvmeTier(Tier):
             for rec in recs:
                 old = txn.get(rec.key, db=self._records)
                 if old is not None:
-                    txn.put(rec.key, pack_entry(frame_len(old), rec), db=self._records)
+                    txn.put(rec.key, self._rewritten(txn, old, rec), db=self._records)
                     done += 1
             return done
 
         return self._write(txn_update) if recs else 0
+
+    def _rewritten(self, txn: lmdb.Transaction, old: bytes | memoryview, rec: BlockRecord) -> bytes:
+        """``rec`` as the entry replacing ``old``, for the same frame: a format-1 entry recorded no
+        frame CRC, so it is read from the frame's header (the frame is checked on every get)."""
+        fcrc = frame_crc(old)
+        if fcrc is None:
+            frame = txn.get(rec.key, db=self._blocks)
+            fcrc = stored_checksum(frame) if frame is not None else None
+        return pack_entry(rec.key, frame_len(old), fcrc or 0, rec)
 
     def iter_records(
         self, on_damaged: Callable[[bytes, FrameError], None] | None = None

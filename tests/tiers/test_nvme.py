@@ -6,11 +6,13 @@ Many short stories, one per promise of the nvme tier.
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 import tempfile
 import textwrap
 import threading
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -192,6 +194,78 @@ def test_another_block_s_frame_under_a_key_is_detected_by_its_length(tmp_path: P
         with pytest.raises(FrameError, match="not this block's"):
             tier.get(k)
     tier.close()
+
+
+def stored(txn: lmdb.Transaction, k: bytes, db: lmdb._Database) -> bytes:
+    value = txn.get(k, db=db)
+    assert value is not None
+    return bytes(value)
+
+
+def test_another_block_s_frame_of_the_same_length_under_a_key_is_detected(tmp_path: Path) -> None:
+    # int4 without zstd: every frame of a layout has one length; the entry records its frame's CRC
+    tier = NvmeTier(tmp_path / "nvme", 8 << 20, get_codec("int4"))
+    tier.put(key(1), block(1), record(1))
+    tier.put(key(2), block(2), record(2))
+    one, two = tier.get_frame(key(1)), tier.get_frame(key(2))
+    assert len(one) == len(two)
+    tier._write(lambda txn: (txn.put(key(1), two, db=tier._blocks), txn.put(key(2), one, db=tier._blocks)))
+    for k in (key(1), key(2)):
+        with pytest.raises(FrameError, match="not this block's"):
+            tier.get(k)
+    tier.close()
+
+
+def test_a_block_moved_whole_under_another_key_is_detected(tmp_path: Path) -> None:
+    # frame and entry moved together: they match each other, but the entry's CRC starts from its key
+    tier = open_tier(tmp_path / "nvme")
+    tier.put(key(1), block(1), record(1))
+    tier.put(key(2), block(2), None)  # stored bare: an entry without a record
+    for src, dst in ((key(1), key(7)), (key(2), key(8))):
+
+        def move(txn: lmdb.Transaction, src: bytes = src, dst: bytes = dst) -> None:
+            txn.put(dst, stored(txn, src, tier._blocks), db=tier._blocks)
+            txn.put(dst, stored(txn, src, tier._records), db=tier._records)
+
+        tier._write(move)
+        with pytest.raises(FrameError, match="another key"):
+            tier.get(dst)
+        assert torch.equal(tier.get(src), block(int(src[-1])))
+    tier.close()
+    damaged: list[bytes] = []
+    again = open_tier(tmp_path / "nvme")
+    assert [e.key for e in again.iter_index(lambda k, e: damaged.append(k))] == [key(1)]
+    assert damaged == [key(7), key(8)]  # an entry without a record is bound to its key too
+    again.close()
+
+
+def test_a_store_written_with_format_1_entries_is_still_read(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path / "nvme")
+    for i in range(1, 4):
+        tier.put(key(i), block(i), record(i))
+
+    def to_format_1(txn: lmdb.Transaction) -> None:  # the entries as the format before binding wrote them
+        for i in range(1, 4):
+            value = stored(txn, key(i), tier._records)
+            body = value[16:]
+            flen = len(stored(txn, key(i), tier._blocks))
+            txn.put(
+                key(i), struct.pack("<BBxxII", 1, value[1], flen, zlib.crc32(body)) + body, db=tier._records
+            )
+
+    tier._write(to_format_1)
+    tier.close()
+    again = open_tier(tmp_path / "nvme")
+    assert [e.key for e in again.iter_index()] == [key(1), key(2), key(3)]
+    assert [c.positions.tolist() for c in again.iter_index_columns()] == [[1, 2, 3]]
+    assert again.record(key(2)) == record(2)
+    assert torch.equal(again.get(key(2)), block(2))
+    # a record update rewrites the entry bound to its key and frame
+    moved = record(2, sessions=("s",))
+    assert again.update_records([moved]) == 1
+    assert again._read(lambda txn: stored(txn, key(2), again._records)[0]) == 2
+    assert again.record(key(2)) == moved and torch.equal(again.get(key(2)), block(2))
+    again.close()
 
 
 def test_corrupt_frame_on_disk_is_detected(tmp_path: Path) -> None:
