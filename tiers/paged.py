@@ -84,7 +84,8 @@ class PagedTier(Tier):
         need = self._pool.pages_for(n)
         with self._lock:
             old = self._entries.get(key)
-            room = self._pool.free_pages + (old.span.count if old is not None else 0)
+            # the old entry's pages are room only when no reader holds them (they are freed at once)
+            room = self._pool.free_pages + (old.span.count if old is not None and not old.readers else 0)
             if need > room:
                 raise TierFull(
                     f"{self.name} tier: an entry of {n} bytes needs {need} pages of "

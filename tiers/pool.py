@@ -145,6 +145,7 @@ class PagePool:
         self._top = self.num_pages
         self._lock = threading.Lock()
         self._batcher: int | None = None  # the thread whose writes are batched now (``batched``)
+        self._failed: BaseException | None = None  # a batched copy's failure another thread's flush met
         self._batch = self.copier.batch()
         self._pending: set[int] = set()  # the first pages of the spans written in the batch
         self._flushing = threading.Lock()  # held while pending writes run: a reader waits for all of them
@@ -189,13 +190,15 @@ class PagePool:
 
     def free(self, span: PageSpan) -> None:
         """Return the span's pages to the free list. The span must not be used afterwards."""
-        self.flush()  # a batched write into these pages must not land after they are taken again
-        with self._lock:
-            if self._top + span.count > self.num_pages:
-                raise RuntimeError("page pool: freeing more pages than were taken (double free)")
-            self.gens[list(span.pages)] += 1  # before the pages can be taken again: readers see the change
-            self._free[self._top : self._top + span.count] = span.pages[::-1]
-            self._top += span.count
+        try:
+            self.flush()  # a batched write into these pages must not land after they are taken again
+        finally:  # the batch has ended either way: nothing lands in them later
+            with self._lock:
+                if self._top + span.count > self.num_pages:
+                    raise RuntimeError("page pool: freeing more pages than were taken (double free)")
+                self.gens[list(span.pages)] += 1  # before the pages can be taken again: readers see it
+                self._free[self._top : self._top + span.count] = span.pages[::-1]
+                self._top += span.count
 
     def generations(self, span: PageSpan) -> np.ndarray:
         """The span's page generations now (a copy)."""
@@ -303,13 +306,22 @@ class PagePool:
             finally:
                 with self._lock:
                     self._batcher = None
+                    failed, self._failed = self._failed, None
+            if failed is not None:  # met by another thread's flush: the batch's own thread answers for it
+                raise failed
 
     def flush(self) -> None:
         """Run the batched writes still pending (see ``batched``); returns when all have landed (also
-        when one failed: that failure is raised then)."""
+        when one failed). A failure is raised to the batch's own thread, which withdraws what it
+        wrote: on another thread (a reader, a free) it is kept for the batch's end."""
         with self._flushing:
             try:
                 self._batch.finish()
+            except BaseException as e:
+                batcher = self._batcher
+                if batcher is None or batcher == threading.get_ident():
+                    raise
+                self._failed = e
             finally:
                 self._pending.clear()
 

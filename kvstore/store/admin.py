@@ -206,7 +206,7 @@ class AdminOps:
                 with self._lock:
                     if t <= target:
                         present += 1
-                    elif self._mover.promote(e, block, target, t, ready):
+                    elif self._mover.promote(e, block, target, t, ready, mine=handle):
                         moved += 1
                         moved_bytes += self._tiers[target].nbytes(e.key)
                     else:

@@ -32,6 +32,9 @@ from kvstore.tiers.base import TierFull, TierIOError
 Read = tuple[Entry, torch.Tensor | None, int]
 
 
+_LOST_TRIES = 3  # reads of a copy the index holds and the tier does not find, before it counts as lost
+
+
 class DataPath:
     """Block placement and reads over one index; ``touch(e, now)`` marks a block used (lock held),
     ``admit(keys)`` queues blocks for nvme on their second use (lock held)."""
@@ -141,6 +144,7 @@ class DataPath:
 
         ``out`` (made in its namespace's layout) or ``layout`` (its namespace's) is what the block
         must be: a copy of another layout (a value moved under this key on disk) is a bad copy."""
+        lost = 0
         while True:
             with self._lock:
                 t = e.highest() if self._index.get(e.key) is e else -1
@@ -157,8 +161,16 @@ class DataPath:
                 with self._lock:
                     self._mover.corrupt(e, t)
             except KeyError:
+                # a move between the memory tiers (a promotion) drops the source copy and puts it
+                # back when the tier above has no room: read again unless it is truly lost
+                lost += 1
                 with self._lock:
-                    self._mover.corrupt(e, t, damaged=False)  # the index said it was there: a lost copy
+                    if (
+                        self._index.get(e.key) is e
+                        and e.tiers & (1 << t)
+                        and (lost > _LOST_TRIES or e.key not in self._tiers[t])
+                    ):
+                        self._mover.corrupt(e, t, damaged=False)  # the index says it is there: a lost copy
 
     def after_get(self, read: list[Read], missed: bool, now: float, ready: Frames = NO_FRAMES) -> None:
         """(Lock held.) Count hits and misses, touch what was read, admit on second use, promote."""

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.results import (
     EvictFilter,
@@ -211,6 +212,12 @@ class Store:
         from kvstore.tiers.ram import RamTier
 
         p = config.policy
+        for name, capacity in (("hbm", config.hbm.capacity), ("ram", config.ram.capacity)):
+            if capacity < p.page_bytes:  # the pool would have no page: every block would skip the tier
+                raise ConfigError(
+                    f"[{name}] capacity = {capacity} bytes is less than one page ([policy] page_bytes = "
+                    f"{p.page_bytes}); give the tier at least one page (a block takes several)"
+                )
         hbm = HbmTier(
             config.hbm.capacity,
             device=config.hbm.resolved_device(),
@@ -462,9 +469,8 @@ class Store:
         with self._lock:
             if self._closed:
                 return
+            self._closed = True  # before the last flush: a put accepted after it would not be written
         self.flush()
-        with self._lock:
-            self._closed = True
         if self._cluster is not None:
             self._cluster.close()
         if self._writeback is not None:
@@ -478,7 +484,6 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- internals (lock held unless said otherwise) -------------------------------------
     # -- internals (lock held unless said otherwise) -------------------------------------
     def _check_open(self) -> None:
         if self._closed:

@@ -28,6 +28,7 @@ from kvstore.record import ENGINE_KEY, BlockRecord
 from kvstore.store.counts import TierCounters
 from kvstore.store.index import LOSSY, TIER_MASK, Entry, Pending
 from kvstore.store.parts import StoreParts
+from kvstore.store.pins import PinHandle
 from kvstore.store.sessions import SessionState
 from kvstore.tiers.base import TierFull, TierIOError
 
@@ -142,7 +143,7 @@ class Mover:
             self.corrupt(e, t)
             return True
         except KeyError:
-            self.index.clear_tier(e, t)
+            self.corrupt(e, t, damaged=False)  # a lost copy: the block goes if it was the last
             return True
         self.busy.add(e.key)
         try:
@@ -304,7 +305,15 @@ class Mover:
                 out.append(e)
         return out
 
-    def promote(self, e: Entry, block: torch.Tensor, to: int, source: int, ready: Frames = NO_FRAMES) -> bool:
+    def promote(
+        self,
+        e: Entry,
+        block: torch.Tensor,
+        to: int,
+        source: int,
+        ready: Frames = NO_FRAMES,
+        mine: PinHandle | None = None,
+    ) -> bool:
         """Bring ``block`` (read from tier ``source`` below) up into tier ``to``.
 
         From nvme it is a copy (the durable one stays); between the memory
@@ -315,6 +324,9 @@ class Mover:
         if self.index.get(e.key) is not e or e.tiers & (1 << to):
             return False
         move = source != self.tiers.nvme_t and bool(e.tiers & (1 << source))
+        if move and (e.key in self.busy or self.pins.is_pinned(e.key, besides=mine)):
+            return False  # another holds its pages by lease (a located read): they stay
+            return False
         self.busy.add(e.key)
         try:
             if move:

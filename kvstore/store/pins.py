@@ -13,6 +13,8 @@ import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+_PURGE_EVERY = 256  # pins taken between two sweeps of expired leases
+
 
 @dataclass(frozen=True)
 class PinHandle:
@@ -37,6 +39,8 @@ class PinTable:
         if not lease > 0:
             raise ValueError(f"a pin lease must be positive seconds, got {lease!r}")
         handle = PinHandle(next(self._ids), tuple(keys), self._clock() + lease)
+        if handle.id % _PURGE_EVERY == 0:  # leases of clients that died go even where nothing else purges
+            self.purge()
         self._handles[handle.id] = handle
         for k in handle.keys:
             self._by_key.setdefault(k, {})[handle.id] = handle.expires
@@ -54,17 +58,19 @@ class PinTable:
                     del self._by_key[k]
         return True
 
-    def is_pinned(self, key: bytes) -> bool:
-        """Whether some unexpired lease holds ``key`` (expired leases found here are purged)."""
+    def is_pinned(self, key: bytes, besides: PinHandle | None = None) -> bool:
+        """Whether some unexpired lease (other than ``besides``) holds ``key`` (expired leases found
+        here are purged)."""
         holders = self._by_key.get(key)
         if not holders:
             return False
         now = self._clock()
-        if any(exp > now for exp in holders.values()):
+        mine = None if besides is None else besides.id
+        if any(exp > now and hid != mine for hid, exp in holders.items()):
             return True
-        for hid in list(holders):
+        for hid, exp in list(holders.items()):
             h = self._handles.get(hid)
-            if h is not None:
+            if h is not None and exp <= now:
                 self.release(h)
         return False
 

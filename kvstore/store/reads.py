@@ -141,10 +141,12 @@ class Reader:
         # each block is decoded or copied straight into its place in the result: one copy, not two
         given = out is not None
         remote = missed is not None and self._cluster is not None and self._cluster.cluster.available()
-        if out is None and blocks_out is None and (chain or remote):
-            out = empty_kv(ns.layout.shape((want if remote else len(chain)) * T), ns.layout.torch_dtype, dev)
         read: list[Read] = []
-        try:
+        try:  # from here on the pin is released whatever fails (the result's allocation too)
+            if out is None and blocks_out is None and (chain or remote):
+                out = empty_kv(
+                    ns.layout.shape((want if remote else len(chain)) * T), ns.layout.torch_dtype, dev
+                )
             for j, e in enumerate(chain):
                 if blocks_out is not None:
                     dst = blocks_out[j]

@@ -305,7 +305,14 @@ class WriteBack:
                     break
                 old.append(e)
             for e in old:
-                if self._index.get(e.key) is e and not self._mover.subtree_pinned(e):
+                if self._index.get(e.key) is not e:
+                    continue
+                sub = self._index.subtree(e)
+                fresh = max(d.last_access for d in sub)
+                if fresh >= cutoff:  # continued since (a put from a later block): it lives as they do
+                    self.record_changed(e, fresh)
+                    self._index.touch(e, fresh)
+                elif not any(self._mover.pinned(d) for d in sub):
                     dropped += len(self._mover.drop_block(e))
             self._counts.expired += dropped
         return dropped

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from kvstore.config import Config, HbmConfig, NvmeConfig, PolicyConfig, RamConfig
+from kvstore.errors import ConfigError
 from kvstore.store.engine import Store
 from tests.store.storekit import NS, T, kv, same, tokens
 
@@ -93,3 +96,11 @@ def test_demoted_blocks_get_the_head_policy_too(tmp_path: Path) -> None:
         assert ids == [int8 if i == 0 else int4 for i in on_nvme]
         got = s.get(NS, toks).kv
         assert got is not None and got.shape[2] == 30 * T
+
+
+def test_a_memory_tier_smaller_than_one_page_is_refused(tmp_path: Path) -> None:
+    # with 60 KiB and 64 KiB pages the pool had no page: every block skipped the tier, silently
+    config = replace(small_config(tmp_path / "nvme"), policy=PolicyConfig(page_bytes=64 * 1024))
+    with pytest.raises(ConfigError, match=r"\[hbm\] capacity = 8192 bytes is less than one page"):
+        Store.from_config(config)
+    assert not (tmp_path / "nvme").exists()

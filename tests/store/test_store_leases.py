@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+import torch
+
 from kvstore.keys import block_keys
+from kvstore.store import reads
 from tests.store.storekit import NS, Clock, T, kv, tokens
 
 
@@ -100,3 +104,38 @@ def test_an_access_within_a_short_ttl_survives_a_restart(make_store, tmp_path) -
     s2 = make_store(path=path, clock=clock, ttl=300.0, tick=0.02)
     time.sleep(0.2)  # several ticks, each a TTL sweep
     assert s2.lookup(NS, toks).matched_blocks == 2
+
+
+def test_a_prefix_continued_later_lives_as_long_as_its_new_blocks(make_store) -> None:
+    # an engine saves as it computes: a put from block 2 never touches blocks 0-1; past their TTL
+    # they went, and the blocks stored 20 s before went with them (a lookup starts at block 0)
+    clock = Clock()
+    s = make_store(clock=clock, ttl=3600.0, tick=0.02)
+    toks, x = tokens(4), kv(4 * T)
+    s.put(NS, toks, x[:, :, : 2 * T])
+    clock.advance(3590)
+    assert s.put(NS, toks, x[:, :, 2 * T :], start_block=2).stored == 2
+    clock.advance(20)  # blocks 0-1 are 3610 s old, blocks 2-3 20 s
+    time.sleep(0.2)  # several ticks, each a TTL sweep
+    assert s.lookup(NS, toks).matched_blocks == 4
+    assert s.stats().expired == 0
+    clock.advance(3600)  # now all four are past it
+    deadline = time.monotonic() + 10
+    while s.lookup(NS, toks).matched_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s.stats().expired == 4
+    assert s.check_integrity() == []
+
+
+def test_a_get_whose_result_cannot_be_made_leaves_no_pin(make_store, monkeypatch) -> None:
+    s = make_store(nvme=False)
+    toks = tokens(2)
+    s.put(NS, toks, kv(2 * T))
+
+    def no_memory(*_: object) -> None:
+        raise torch.cuda.OutOfMemoryError("out of memory")  # what a full device answers
+
+    monkeypatch.setattr(reads, "empty_kv", no_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        s.get(NS, toks)
+    assert s.stats().pinned == 0

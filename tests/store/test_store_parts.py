@@ -71,6 +71,18 @@ def test_pins_are_leases() -> None:
         pins.pin([b"c"], 0)
 
 
+def test_lapsed_leases_are_swept_as_pins_are_taken() -> None:
+    # without nvme no writer thread purges: leases of clients that died stayed, each key they named too
+    clock = Clock()
+    pins = PinTable(clock)
+    for i in range(200):
+        pins.pin([i.to_bytes(4, "big")], 10)
+    clock.advance(11)
+    for i in range(100):
+        pins.release(pins.pin([b"live"], 10))
+    assert len(pins._handles) == 0 and len(pins._by_key) == 0
+
+
 def test_write_queue_applies_back_pressure_and_drains() -> None:
     gate = threading.Event()
     written: list[bytes] = []

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
+import torch
+
 from kvstore.keys import block_keys
 from kvstore.results import NO_ROOM
 from tests.store.storekit import NS, T, close_to, kv, same, tokens
@@ -142,8 +146,6 @@ def test_get_pins_nothing_after_it_returns(make_store) -> None:
 def test_demotion_frames_are_encoded_outside_the_lock(tmp_path) -> None:
     from typing import Any, cast
 
-    import torch
-
     from kvstore.codecs.raw import RawCodec
     from kvstore.store.engine import Store
     from kvstore.tiers.hbm import HbmTier
@@ -174,3 +176,79 @@ def test_demotion_frames_are_encoded_outside_the_lock(tmp_path) -> None:
         assert Watching.locked == [False] * 4
     finally:
         store.close()
+
+
+def test_a_read_during_a_promotion_that_finds_no_room_keeps_the_block(make_store) -> None:
+    # a promotion from ram to a full (pinned) hbm drops the ram copy, finds no room, and puts it back;
+    # a read in that gap found no ram copy, took it for lost, and deleted the block put back
+    s = make_store(hbm_blocks=2, ram_blocks=6, nvme=False)
+    a, b = tokens(2, seed=1), tokens(2, seed=2)
+    s.put(NS, a, kv(2 * T, 1))
+    s.put(NS, b, kv(2 * T, 2))
+    assert s.lookup(NS, a).tiers == ["ram", "ram"]
+    s.pin(block_keys(NS, b), lease=100)  # another client reads b: hbm has no room to make
+    ram = s.tiers[1]
+    e0 = s._index.get(block_keys(NS, a)[0])
+    dropped, missed = threading.Event(), threading.Event()
+    real_get, real_drop = ram.get, ram.drop
+
+    def get(key: bytes, *args: object, **kw: object) -> torch.Tensor:
+        if threading.current_thread().name == "reader":
+            dropped.wait(5)  # read in the gap
+        try:
+            return real_get(key, *args, **kw)
+        except KeyError:
+            missed.set()
+            raise
+
+    def drop(key: bytes) -> int:
+        n = real_drop(key)
+        if threading.current_thread().name == "promoter":
+            dropped.set()
+            missed.wait(5)
+        return n
+
+    ram.get, ram.drop = get, drop  # type: ignore[method-assign]
+    got: dict[str, object] = {}
+
+    def promote() -> None:
+        block = real_get(e0.key)
+        with s._lock:
+            got["placed"] = s._mover.promote(e0, block, 0, 1)
+
+    threads = [
+        threading.Thread(
+            target=lambda: got.update(read=s._data.read(e0, torch.device("cpu"))), name="reader"
+        ),
+        threading.Thread(target=promote, name="promoter"),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    ram.get, ram.drop = real_get, real_drop  # type: ignore[method-assign]
+    assert missed.is_set() and got["placed"] is False
+    assert got["read"] is not None  # read again once the copy was back
+    assert s.lookup(NS, a).tiers == ["ram", "ram"]
+    assert same(s.get(NS, a).kv, kv(2 * T, 1))
+    assert s.check_integrity() == []
+
+
+def test_a_located_block_is_not_moved_up_under_its_reader(make_store) -> None:
+    # a shared-memory reader holds a's ram pages by lease; another client's get of a promoted them
+    # to hbm, freed the ram pages, and the located read came back a miss
+    s = make_store(hbm_blocks=2, ram_blocks=6, nvme=False)
+    a, b = tokens(2, seed=1), tokens(2, seed=2)
+    s.put(NS, a, kv(2 * T, 1))
+    s.put(NS, b, kv(2 * T, 2))
+    located = s.locate(NS, a, tiers={1})
+    pool = s.tiers[1].pool
+    before = [pool.gens[p.pages].copy() for _, _, p in located.places]
+    assert s.get(NS, a).matched_blocks == 2
+    assert all((pool.gens[p.pages] == g).all() for (_, _, p), g in zip(located.places, before, strict=True))
+    s.finish(located, 0)
+    assert s.get(NS, a).tiers == ["ram", "ram"] and s.lookup(NS, a).tiers == [
+        "hbm",
+        "hbm",
+    ]  # no lease: moved up
+    assert s.check_integrity() == []

@@ -73,6 +73,18 @@ def test_replace_may_reuse_its_own_room() -> None:
     assert hbm.usage().blocks == 1 and hbm.usage().used_bytes == 512
 
 
+def test_a_replace_while_the_old_entry_is_read_is_tier_full_and_keeps_it() -> None:
+    # its own room is held by the reader: the old entry was unpublished, then the alloc failed
+    hbm = HbmTier(512, page_bytes=256)
+    hbm.put(key(0), block(0))
+    with hbm._reading(key(0)):
+        with pytest.raises(TierFull):
+            hbm.put(key(0), block(9))
+        assert key(0) in hbm
+    assert torch.equal(hbm.get(key(0)), block(0))
+    assert hbm.put(key(0), block(9)) == 512  # no reader: its room is had
+
+
 def test_missing_keys_and_drop_of_absent_key() -> None:
     hbm = HbmTier(1024, page_bytes=256)
     with pytest.raises(KeyError):

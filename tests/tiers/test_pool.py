@@ -293,3 +293,47 @@ def test_a_readers_flush_cannot_come_between_a_batched_write_and_its_mark(
         assert torch.equal(pool.read(span, page).view(torch.int16), y)
     finally:
         pool.copier.close()
+
+
+def test_a_failed_batched_copy_is_raised_to_the_batch_and_a_free_elsewhere_still_frees(monkeypatch) -> None:
+    # another thread's free flushed the batch first: the failure was raised there (its pages never
+    # returned) and the batch ended as if its copy had landed (its block served unwritten)
+    import kvstore.memcopy as memcopy
+
+    page = 1 << 16
+    pool = PagePool(page * 4, page_bytes=page)
+    theirs, mine = pool.alloc(page), pool.alloc(page)
+    queued, freed = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def fails(d: torch.Tensor, s: torch.Tensor) -> None:
+        raise OSError("a bus error on the source")
+
+    def batch() -> None:
+        try:
+            with pool.batched():
+                pool.write_tensor(mine, torch.full((page // 2,), 1, dtype=torch.int16))  # queued
+                queued.set()
+                freed.wait(5)
+            outcome["batch"] = "ended"
+        except OSError as e:
+            outcome["batch"] = e
+
+    def free() -> None:
+        queued.wait(5)
+        try:
+            pool.free(theirs)  # runs the pending copy first
+            outcome["free"] = "freed"
+        except OSError as e:
+            outcome["free"] = e
+        freed.set()
+
+    monkeypatch.setattr(memcopy, "_memcpy", fails)
+    threads = [threading.Thread(target=batch), threading.Thread(target=free)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert outcome["free"] == "freed"
+    assert isinstance(outcome["batch"], OSError)
+    assert pool.used_pages == 1
