@@ -179,6 +179,12 @@ class Connection:
         self.limits = Limits.from_dict(reply.limits)
         self.shm_offer = reply.shm
 
+    def hello_again(self) -> None:
+        """Say hello now on this socket (a reply showed the daemon is not the one greeted: it
+        restarted), refreshing ``limits`` and ``shm_offer``; a no-op for a client without a namespace."""
+        self._greeted = False
+        self.ensure_hello()
+
     def call(self, msg: Message, *, idempotent: bool, greet: bool = True) -> Message:
         """Send one request and return its reply (error replies raise)."""
         out: list[Message] = []

@@ -307,11 +307,11 @@ class Handlers:
     # -- the same-host data plane (kvstore.shm) ------------------------------------------
     def _shared(self, request: Request) -> Message:
         plane = self.plane
-        if plane is None:
+        if plane is None or not plane.offered:
             raise ProtocolError(
-                "invalid_argument",
+                "no_shared_memory",
                 f"{request.msg.op}: this daemon offers no shared memory on this endpoint "
-                '(tcp, or [server] shared_memory = "off"); use get and put',
+                '(tcp, [server] shared_memory = "off", or not on this machine); use get and put',
             )
         msg, ns = request.msg, request.namespace
         if isinstance(msg, Locate):

@@ -11,9 +11,11 @@
            stores the last (its commits run in order).
 
 A block whose pages were reused meanwhile ends the read (a miss, never a wrong block). A reply
-naming another daemon instance (it restarted) maps the new segments and starts over, up to
-STALE_RETRIES times; segments that cannot be mapped send this client to the socket for that
-instance. The caller (KVStoreClient) holds its lock and has said hello.
+naming another daemon instance (it restarted) gives back what it leased, says hello again, maps the
+new segments and starts over, up to STALE_RETRIES times; a daemon that answers ``no_shared_memory``
+(restarted with ``shared_memory = "off"``) gets a hello too, its offer of none unmaps the old
+segments and the call goes over the socket. Segments that cannot be mapped send this client to the
+socket for that instance. The caller (KVStoreClient) holds its lock and has said hello.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvstore.kvbuffers import KVTarget, PagedKV
 from kvstore.memcopy import Copier
 from kvstore.results import FailedBlock, PutResult
 from kvstore.shm.mapping import SharedMapping
+from kvstore.shm.plane import ALIGN
 from kvstore.shm.segment import ShmUnavailable
 from kvstore.socket_path import PutTally, SocketPath
 from kvstore.wire.errors import ServerError
@@ -91,8 +94,8 @@ class SharedPath:
 
     def _mapped(self, what: str, run: Callable[[SharedMapping], _T]) -> _T | None:
         """``run(mapping)``, started over on the new segments of a daemon that restarted meanwhile (up
-        to STALE_RETRIES times); None: use the socket (no mapping, or it failed now: that instance's
-        segments are not used again)."""
+        to STALE_RETRIES times); None: use the socket (no mapping, a daemon that offers none now, or
+        it failed now: that instance's segments are not used again)."""
         for _ in range(STALE_RETRIES + 1):
             m = self.mapping()
             if m is None:
@@ -100,12 +103,27 @@ class SharedPath:
             try:
                 return run(m)
             except _Stale:
+                self._hello_again(m)
+                continue
+            except ServerError as e:
+                if e.code != "no_shared_memory":
+                    raise
+                log.info("the daemon offers no shared memory now (it restarted); using the socket")
+                self._hello_again(m)  # its reply offers none: mapping() unmaps the old segments
                 continue
             except ShmUnavailable as e:
                 log.warning("shared-memory %s failed (%s); using the socket", what, e)
                 self._refused.add(m.instance)
                 return None
         return None
+
+    def _hello_again(self, m: SharedMapping) -> None:
+        """A reply contradicted the offer ``m`` was mapped from (the daemon restarted): hello again,
+        unless a hello since (a request that carries the namespace makes one) brought a new offer.
+        Shared ops without a namespace (reserve, finish) never cause one by themselves."""
+        offer = self._conn.shm_offer
+        if offer is not None and str(offer.get("instance")) == m.instance:
+            self._conn.hello_again()
 
     # -- reads --------------------------------------------------------------------------
     def read_into(
@@ -181,9 +199,10 @@ class SharedPath:
         if nb > m.per_client:  # a block larger than this client's staging: it goes as a get of it does
             tally.add(self._socket.put_from(ns, tokens, src, total, session, first=first))
             return tally.result()
-        chunk = max(1, min(self._socket.chunk(ns, tokens), m.per_client // nb))
+        # a range takes whole pages (RangeAllocator): sized so that one, or two taken in turn, fit
+        chunk = max(1, min(self._socket.chunk(ns, tokens), _pages(m.per_client) // nb))
         if total - first > chunk:
-            chunk = max(1, min(chunk, m.per_client // (2 * nb)))
+            chunk = max(1, min(chunk, _pages(m.per_client // 2) // nb))
         starts = list(range(first, total, chunk))
         try:
             if len(starts) > 1:
@@ -276,7 +295,8 @@ class SharedPath:
         """A staging range of ``nbytes`` in this client's segment (_Stale: the daemon restarted)."""
         r = self._conn.call(Reserve(nbytes=nbytes), idempotent=True)
         assert isinstance(r, ReserveOk)
-        if r.instance != m.instance:
+        if r.instance != m.instance:  # a new daemon's range: given back now, not at its lease's end
+            _give_back(self._conn, Finish(handle=r.handle, used=0), wait=True)
             raise _Stale
         return r
 
@@ -311,6 +331,11 @@ class SharedPath:
             session=session,
             keep=keep,
         )
+
+
+def _pages(nbytes: int) -> int:
+    """``nbytes`` rounded down to whole staging pages (ALIGN)."""
+    return nbytes // ALIGN * ALIGN
 
 
 def _give_back(conn: Connection, done: Finish, *, wait: bool) -> None:

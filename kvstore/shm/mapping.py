@@ -11,12 +11,22 @@ miss, never a wrong block.
 
 The generation check relies on the daemon bumping a page's counter before the
 page can be written again, and on this process's loads of the counters not
-passing its loads of the data (x86's memory order; the copy has finished, and
-on a GPU it is synchronized, before the counters are read).
+passing its loads of the data: x86's memory order (the copy has finished, and
+on a GPU it is synchronized, before the counters are read). Elsewhere (aarch64
+and other weakly ordered machines) a counter could be read before the data it
+guards, and Python has no portable fence: the daemon offers shared memory on
+x86_64 only (kvstore.shm.plane).
+
+Blocks in this client's staging segment have no generations: the daemon
+writes them for this client alone. It frees an idle staging segment's memory
+when it removes it, so after copying from staging the client checks that the
+segment is still there (it is removed before it is freed): a block read from
+a freed segment is a miss too.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -113,8 +123,16 @@ class SharedMapping:
                 ipc = IpcArena(bytes(s["ipc"]), int(s["capacity"]), device)
             except ShmUnavailable:
                 return None  # this client reads that pool's blocks through staging
-            gseg = Segment.open(s["gens_path"], int(s["gens_size"]), writable=False)
-            gens = gseg.array(int(s["gens_offset"]), 8 * num_pages).view(np.uint64)
+            try:  # the arena is not in self.mapped yet: closed here if its generations fail
+                gseg = Segment.open(s["gens_path"], int(s["gens_size"]), writable=False)
+                try:
+                    gens = gseg.array(int(s["gens_offset"]), 8 * num_pages).view(np.uint64)
+                except BaseException:
+                    gseg.close()
+                    raise
+            except BaseException:
+                ipc.close()
+                raise
             return _Mapped(role, kind, ipc.tensor, gens, [ipc, gseg])
         seg = Segment.open(s["path"], int(s["size"]), writable=False)
         arena = _tensor(seg.array(0, int(s["capacity"])))
@@ -210,10 +228,11 @@ class SharedMapping:
         located = self._parse(blocks, staging)
         good = len(located)
         scatters = self._copier.batch()  # a paged target's scatters, shared out over the copier's threads
+        batched = device.type != "cpu"  # runs of frames decoded at once on the device
         j = 0
         while j < len(located):
             m, extents, _, _ = located[j]
-            if m.kind == "frames" and device.type != "cpu":  # a run of frames decoded at once on the device
+            if m.kind == "frames" and batched:
                 k = j + 1
                 while k < len(located) and located[k][0].kind == "frames":
                     k += 1
@@ -222,6 +241,9 @@ class SharedMapping:
                     run, ok = decode_frames(frames, layout=layout, device=device)
                 except FrameError:
                     ok = 0
+                except torch.OutOfMemoryError:  # no room on the device for the run decoded at once:
+                    batched = False  # one frame at a time, each straight into its place
+                    continue
                 if ok:
                     self._write_run(target, t0 + j * T, run[:ok], scatters)
                 if ok < k - j:  # torn by a reuse (the generations will say) or damaged: not served
@@ -251,6 +273,9 @@ class SharedMapping:
                 self.torn += 1
                 good = j
                 break
+            except torch.OutOfMemoryError:  # no room on the device even for one frame: the result ends here
+                good = j
+                break
             k, stride = self._run(located, j, nb)
             if stride != nb and m.arena.device != device:
                 k = j + 1  # across PCIe each block goes as it is (a gapped run would be gathered first)
@@ -264,10 +289,20 @@ class SharedMapping:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         moved = _first_moved(located[:good])  # after every copy has finished
+        if moved is None:
+            moved = self._first_freed(located[:good])
         if moved is not None:
             self.moved += 1
             return moved
         return good
+
+    def _first_freed(self, located: list[_Located]) -> int | None:
+        """The first of ``located`` read from this client's staging segment if the daemon removed it
+        meanwhile (it frees its memory after removing it: the copy may have read zeros), or None."""
+        for j, (m, _, _, _) in enumerate(located):
+            if m is self._staging:
+                return None if os.path.exists(self._staging_path) else j
+        return None
 
     def _write_run(self, target: KVTarget, t0: int, src: torch.Tensor, scatters: CopyBatch) -> None:
         """Consecutive blocks ``src`` ``[n, L, 2, T, H, D]`` into ``target`` from token ``t0``."""

@@ -15,8 +15,16 @@ A lease ends at ``take`` or when it lapses, so a client that dies between
 reserve and commit, or in the middle of a get, leaks nothing: ``sweep`` (run
 by every staging call and by ``stats``) takes back what lapsed, and removes
 the staging segment of a client that holds no lease and has been idle for
-IDLE seconds (a later request makes a new one). Each client's segment is
-``per_client`` bytes; all of them together stay within ``staging_bytes``.
+IDLE seconds (a later request makes a new one): its memory is freed as it is
+removed, so a client that still maps it holds no pages of it (and reads zeros
+there). Each client's segment is ``per_client`` bytes (rounded down to whole
+pages: every range takes whole pages); all of them together stay within
+``staging_bytes``.
+
+The offer is made on x86_64 only (``offered``): a client's generation check
+after a copy relies on x86's memory order (see kvstore.shm.mapping), and
+Python has no portable fence to give it elsewhere. On other machines the
+daemon's clients use the socket.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import platform
 import secrets
 import threading
 import time
@@ -45,6 +54,7 @@ log = logging.getLogger("kvstore.shm")
 ALIGN = 4096  # staging ranges start on a page: client copies stay aligned
 IDLE = 60.0  # seconds a client's unused staging segment is kept
 MIN_RESERVE_LEASE = 1.0  # a put's reservation lasts at least this long, whatever the pin lease
+ORDERED_MACHINES = frozenset({"x86_64", "amd64"})  # loads are not reordered with older loads (TSO)
 
 
 class StagingFull(KVStoreError):
@@ -142,6 +152,20 @@ class SharedPlane:
     instance: str = field(default_factory=lambda: secrets.token_hex(16))
 
     def __post_init__(self) -> None:
+        whole = max(ALIGN, self.per_client // ALIGN * ALIGN)
+        if whole != self.per_client:
+            log.info(
+                "[server] shm_staging_per_client rounded down to %d bytes (whole %d-byte pages)", whole, ALIGN
+            )
+            self.per_client = whole
+        machine = platform.machine()
+        self.offered = machine.lower() in ORDERED_MACHINES
+        if not self.offered:
+            log.warning(
+                "shared memory is not offered to clients on %s (only x86_64): a client's check that a "
+                "block was not reused while it copied needs x86's memory order; clients use the socket",
+                machine or "this machine",
+            )
         private_dir(self.directory)
         gone = sweep(self.directory)
         if gone:
@@ -188,12 +212,15 @@ class SharedPlane:
 
         return allocate
 
-    def offer(self) -> dict[str, Any]:
-        """What a hello reply tells a same-host client: the segments to map and how to read them. A GPU
-        pool is named by its device's UUID too: ``cuda:N`` is another GPU in a process that sees
-        another set of devices (CUDA_VISIBLE_DEVICES)."""
+    def offer(self) -> dict[str, Any] | None:
+        """What a hello reply tells a same-host client: the segments to map and how to read them; None
+        where none is offered (not ``offered``: not x86_64). A GPU pool is named by its device's UUID
+        too: ``cuda:N`` is another GPU in a process that sees another set of devices
+        (CUDA_VISIBLE_DEVICES)."""
         from kvstore.shm.cuda import device_uuid
 
+        if not self.offered:
+            return None
         segments = []
         for p in self._pools:
             segments.append(
@@ -379,7 +406,9 @@ class SharedPlane:
             if staging.leases == 0 and now - staging.last_used > IDLE:
                 del self._clients[peer]
                 staging.tensor = torch.empty(0, dtype=torch.uint8)
-                staging.segment.close()
+                # freed, not only removed: the client keeps its mapping (it is not told), and with it
+                # the segment's memory, for as long as it lives
+                staging.segment.close(free=True)
         return len(lapsed)
 
     def _give_back(self, lease: Lease) -> None:
@@ -418,7 +447,7 @@ class SharedPlane:
         with self._lock:
             for c in self._clients.values():
                 c.tensor = torch.empty(0, dtype=torch.uint8)
-                c.segment.close()
+                c.segment.close(free=True)
             self._clients.clear()
         for p in self._pools:
             if p.segment is not None:

@@ -204,13 +204,23 @@ class Segment:
             )
         return self._array[offset:end]
 
-    def close(self, unlink: bool | None = None) -> None:
-        """Unmap (once nothing views the memory any more) and, for the owner, remove the file."""
+    def close(self, unlink: bool | None = None, *, free: bool = False) -> None:
+        """Unmap (once nothing views the memory any more) and, for the owner, remove the file.
+
+        ``free`` (a writable mapping): give the memory back now, after the file is removed, whoever
+        still maps it: every other mapping reads zeros from then on (never a fault), and holds no
+        pages until it writes. A reader that sees the file still there after its copy read what was
+        written (it is removed before it is freed)."""
         if unlink if unlink is not None else self.owner:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        if free and self._map is not None:
+            try:
+                self._map.madvise(mmap.MADV_REMOVE)
+            except OSError as e:  # a filesystem that cannot punch holes: freed when the last map goes
+                log.debug("the memory of %s is not freed until it is unmapped: %s", self.path.name, e)
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

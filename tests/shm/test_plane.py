@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import platform
 import stat
 import subprocess
 import sys
@@ -266,7 +268,9 @@ def test_a_stopping_daemon_moves_every_page_s_generation(shm_dir: Path) -> None:
     plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
     hbm = HbmTier(16 * 1024, page_bytes=1024, memory=plane.pool_memory("hbm", "raw"))
     hbm.put(b"x" * 32, kv(4)[:, :, :4].contiguous())
-    gens = plane.offer()["segments"][0]
+    offer = plane.offer()
+    assert offer is not None
+    gens = offer["segments"][0]
     client = Segment.open(gens["gens_path"], gens["gens_size"], writable=False)
     seen = client.array(gens["gens_offset"], 8 * gens["num_pages"]).view(np.uint64)
     before = seen.copy()
@@ -289,6 +293,7 @@ def test_a_located_block_reads_back_from_its_extents(shm_dir: Path) -> None:
         ram.put(b"y" * 32, block)
         assert sum(n for _, n in ram.locate(b"y" * 32).extents) == ram.locate(b"y" * 32).nbytes
         offer = plane.offer()
+        assert offer is not None
         assert [s["role"] for s in offer["segments"]] == ["hbm", "ram"]
         hbm.close()
         ram.close()
@@ -299,3 +304,30 @@ def test_a_located_block_reads_back_from_its_extents(shm_dir: Path) -> None:
 def test_extents_merge_runs_of_pages() -> None:
     assert extents(np.array([3, 4, 5, 9, 10, 1]), 100, 550) == [(300, 300), (900, 200), (100, 50)]
     assert extents(np.array([7]), 100, 1) == [(700, 1)]
+
+
+@pytest.mark.parametrize(("machine", "offered"), [("x86_64", True), ("aarch64", False), ("ppc64le", False)])
+def test_shared_memory_is_offered_on_x86_64_only(
+    shm_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    machine: str,
+    offered: bool,
+) -> None:
+    # a client's generation check after a copy needs x86's memory order: elsewhere, the socket
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    with caplog.at_level(logging.WARNING, logger="kvstore.shm"):
+        plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 18, lease=5.0)
+    try:
+        assert plane.offered is offered
+        offer = plane.offer()
+        assert (offer is not None) is offered
+        why = [r.getMessage() for r in caplog.records if "not offered" in r.getMessage()]
+        if offered:
+            assert offer is not None and offer["instance"] == plane.instance and not why
+        else:
+            assert len(why) == 1 and machine in why[0] and "x86_64" in why[0]  # said once, with why
+            plane.offer()
+            assert len([r for r in caplog.records if "not offered" in r.getMessage()]) == 1
+    finally:
+        plane.close()

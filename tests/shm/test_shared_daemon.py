@@ -360,7 +360,7 @@ def test_tcp_clients_and_a_daemon_with_shared_memory_off_use_the_socket(daemons:
             hello = raw.ask(header("hello", namespace=NS.to_dict(), shm=True))
             assert hello["op"] == "hello" and hello.get("shm") is None
             r = raw.ask(header("reserve", rid=2, nbytes=4096))
-            assert r["op"] == "error" and r["code"] == "invalid_argument"
+            assert r["op"] == "error" and r["code"] == "no_shared_memory"
         finally:
             raw.close()
 

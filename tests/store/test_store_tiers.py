@@ -208,7 +208,7 @@ def test_a_read_during_a_promotion_that_finds_no_room_keeps_the_block(make_store
             missed.wait(5)
         return n
 
-    ram.get, ram.drop = get, drop  # type: ignore[method-assign]
+    ram.get, ram.drop = get, drop
     got: dict[str, object] = {}
 
     def promote() -> None:
@@ -226,7 +226,7 @@ def test_a_read_during_a_promotion_that_finds_no_room_keeps_the_block(make_store
         t.start()
     for t in threads:
         t.join(10)
-    ram.get, ram.drop = real_get, real_drop  # type: ignore[method-assign]
+    ram.get, ram.drop = real_get, real_drop
     assert missed.is_set() and got["placed"] is False
     assert got["read"] is not None  # read again once the copy was back
     assert s.lookup(NS, a).tiers == ["ram", "ram"]

@@ -1,0 +1,131 @@
+"""A client with the daemon's segments mapped, across restarts: no error, no leaked lease, no stale mapping.
+
+Daemons here are the hardening tests' (tests/hardening/conftest.py), on one
+ipc endpoint, restarted under the same client.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.client import KVStoreClient
+from kvstore.wire.messages import Message
+from tests.hardening.conftest import (
+    LAYOUT,
+    T,
+    assert_exact,
+    client,
+    endpoint_of,
+    prefix_kv,
+    random_tokens,
+    wait_until,
+    write_config,
+)
+
+SHM = {"shm_staging": "1MiB", "shm_staging_per_client": "512KiB"}
+
+
+def attached(endpoint: str) -> KVStoreClient:
+    c = client(endpoint, retries=5)
+    c.ping()
+    c.lookup([])
+    assert c.shared_memory, "an ipc client of the daemon's user is offered shared memory"
+    return c
+
+
+def sent_ops(c: KVStoreClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ops ``c`` sends from now on, in order."""
+    ops: list[str] = []
+    send = c._conn._send
+
+    def spy(msg: Message) -> int:
+        ops.append(msg.op)
+        return send(msg)
+
+    monkeypatch.setattr(c._conn, "_send", spy)
+    return ops
+
+
+def staging_maps() -> list[str]:
+    """The staging segments this process maps now."""
+    return [line.split()[-1] for line in open("/proc/self/maps") if "-staging" in line]
+
+
+def test_a_daemon_restarted_with_shared_memory_off_is_read_and_written_over_the_socket(
+    daemons: Any, tmp_path: Path
+) -> None:
+    on = write_config(tmp_path, "on.toml", server=SHM)
+    off = write_config(tmp_path, "off.toml", server={"shared_memory": "off"})
+    ep = endpoint_of(on)
+    assert endpoint_of(off) == ep
+    rng = np.random.default_rng(21)
+    a, b, c2 = random_tokens(rng, 4), random_tokens(rng, 4), random_tokens(rng, 4)
+    d = daemons(on)
+    with attached(ep) as c:
+        assert c.put(a, prefix_kv(a)).stored == 4
+        assert c.flush(30)
+        old = c._shm.mapping()
+        assert old is not None and staging_maps()
+        d.stop()
+        d = daemons(off)
+        # the first read after the restart: the socket, not an error (its Locate is answered
+        # no_shared_memory; the hello it makes offers none)
+        out = torch.zeros(LAYOUT.shape(4 * T), dtype=torch.float16)
+        r = c.get_into(a, out)
+        assert r.matched_blocks == 4
+        assert_exact(a, r.kv, r.matched_tokens)
+        assert not c.shared_memory
+        assert c._shm._mapping is None and not staging_maps()  # the old daemon's segments let go
+
+        d.stop()
+        d = daemons(on)
+        assert c.get(a).matched_blocks == 4 and c.shared_memory  # mapped again
+        d.stop()
+        d = daemons(off)
+        # the first put after the restart: its Reserve carries no namespace, so only its answer
+        # says the daemon changed; stored over the socket, not refused
+        r = c.put(b, prefix_kv(b))
+        assert (r.stored, r.failed) == (4, [])
+        assert not c.shared_memory and c._shm._mapping is None
+        assert c.put_from(c2, prefix_kv(c2)).stored == 4
+        for toks in (b, c2):
+            got = c.get(toks)
+            assert_exact(toks, got.kv, got.matched_tokens)
+            assert got.matched_blocks == 4
+
+
+def test_a_put_first_after_a_restart_gives_back_the_new_daemon_s_range_and_maps_its_segments(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = write_config(tmp_path, server=SHM, policy={"pin_lease": "30s"})
+    ep = endpoint_of(cfg)
+    rng = np.random.default_rng(22)
+    a, b = random_tokens(rng, 5), random_tokens(rng, 5)
+    d = daemons(cfg)
+    with attached(ep) as c, client(ep) as other:
+        assert c.put(a, prefix_kv(a)).stored == 5
+        first = c._shm.mapping()
+        assert first is not None
+        d.stop()
+        daemons(cfg)
+        ops = sent_ops(c, monkeypatch)
+        r = c.put(b, prefix_kv(b))
+        assert (r.stored, r.failed) == (5, [])
+        # reserve (the new daemon's range) -> finish (given back) -> hello (its offer) -> reserve on
+        # its segments -> commit: not three reserves on the old mapping, then the socket
+        assert ops[:3] == ["reserve", "finish", "hello"], ops
+        assert "commit" in ops and "put" not in ops, ops
+        now = c._shm.mapping()
+        assert now is not None and now.instance != first.instance
+        # nothing is held on the new daemon: not until the 30 s lease runs out
+        shm = other.stats()["server"]["shm"]
+        assert (shm["leases"], shm["staging_used"]) == (0, 0), shm
+        monkeypatch.undo()
+        got = c.get(b)
+        assert_exact(b, got.kv, got.matched_tokens)
+        assert wait_until(lambda: other.stats()["server"]["shm"]["leases"] == 0, 5)

@@ -1,0 +1,117 @@
+"""A client's staging segment: sized in whole pages, freed when the daemon removes it while idle."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.layout import KVLayout
+from kvstore.shm.mapping import SharedMapping
+from kvstore.shm.plane import ALIGN, IDLE, SharedPlane
+from kvstore.shm.segment import Segment, private_dir
+from kvstore.wire.messages import Message
+from tests.hardening.conftest import client, endpoint_of, prefix_kv, random_tokens, write_config
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Path:
+    return private_dir(tmp_path / "shm")
+
+
+def test_an_idle_client_s_staging_segment_is_freed_as_it_is_removed(shm_dir: Path) -> None:
+    clock = Clock()
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=256 << 10, lease=5.0, clock=clock)
+    try:
+        lease = plane.reserve(b"a", 64 << 10)
+        assert lease.staging is not None
+        path, size = lease.staging.path, lease.staging.size
+        mine = Segment.open(path, size, writable=True)  # the client's mapping, as a put makes it
+        mine.array(0, 64 << 10)[:] = 7
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.fstat(fd).st_blocks * 512 >= size  # reserved in full when made
+            assert plane.take(lease.handle) is lease
+            clock.now += IDLE + 1
+            plane.sweep()  # idle, no lease: removed
+            assert not path.exists() and plane.stats()["staging_clients"] == 0
+            # the client was not told and still maps it, but no page of it is held any more
+            assert os.fstat(fd).st_blocks == 0
+            assert not mine.array(0, 64 << 10).any()  # zeros, not a fault
+        finally:
+            os.close(fd)
+            mine.close()
+    finally:
+        plane.close()
+
+
+def test_a_block_read_from_a_staging_segment_freed_meanwhile_is_a_miss(shm_dir: Path) -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=4)
+    nb, T = layout.block_nbytes, layout.block_tokens
+    daemon_side = Segment.create(shm_dir, "staging", ALIGN)
+    want = torch.randn(layout.shape(T)).to(torch.float16)
+    daemon_side.array(0, nb)[:] = want.contiguous().view(torch.uint8).flatten().numpy()
+    m = SharedMapping({"instance": "test", "per_client": ALIGN, "segments": []})
+    staged = [[-1, np.array([[0, nb]], "<i8").tobytes(), b"", b""]]  # segment -1: this client's staging
+    where = [str(daemon_side.path), daemon_side.size]
+    try:
+        out = torch.zeros(layout.shape(T), dtype=torch.float16)
+        assert m.read_blocks(staged, layout, out, 0, where) == 1 and torch.equal(out, want)
+        daemon_side.close(free=True)  # the daemon's sweep: removed, then freed
+        assert m.read_blocks(staged, layout, out, 0, where) == 0  # it read zeros: not served
+        assert m.moved == 1
+    finally:
+        m.close()
+        daemon_side.close()
+
+
+def test_a_staging_size_that_is_not_whole_pages_is_rounded_down(shm_dir: Path) -> None:
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=70_000, lease=5.0)
+    try:
+        offer = plane.offer()
+        assert offer is not None and plane.per_client == offer["per_client"] == 17 * ALIGN
+        whole = plane.reserve(b"a", plane.per_client)  # as much as a client is told it may hold
+        assert whole.nbytes == plane.per_client
+    finally:
+        plane.close()
+
+
+def test_a_put_in_chunks_fits_a_staging_size_that_is_not_whole_pages(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = write_config(tmp_path, server={"shm_staging": "1MiB", "shm_staging_per_client": 70_000})
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(31)
+    toks = random_tokens(rng, 100)  # 100 KiB: more than one client's staging, so two ranges in turn
+    with client(ep) as c:
+        c.ping()
+        c.lookup([])
+        assert c.shared_memory
+        ops: list[str] = []
+        send = c._conn._send
+
+        def spy(msg: Message) -> int:
+            ops.append(msg.op)
+            return send(msg)
+
+        monkeypatch.setattr(c._conn, "_send", spy)
+        r = c.put(toks, prefix_kv(toks))
+        assert (r.stored, r.failed) == (100, [])
+        # every chunk through staging: no range refused for want of room, none sent over the socket
+        assert ops.count("reserve") == 2 and "put" not in ops, ops
+        monkeypatch.undo()
+        got = c.get(toks)
+        assert got.matched_blocks == 100
