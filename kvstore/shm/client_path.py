@@ -106,6 +106,9 @@ class SharedPath:
                 self._hello_again(m)
                 continue
             except ServerError as e:
+                if e.code == "busy":  # this client holds all the leases it may: this call uses the socket
+                    log.info("shared-memory %s refused now (%s); using the socket", what, e)
+                    return None
                 if e.code != "no_shared_memory":
                     raise
                 log.info("the daemon offers no shared memory now (it restarted); using the socket")

@@ -30,6 +30,7 @@ daemon's clients use the socket.
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import math
 import platform
@@ -54,6 +55,8 @@ log = logging.getLogger("kvstore.shm")
 ALIGN = 4096  # staging ranges start on a page: client copies stay aligned
 IDLE = 60.0  # seconds a client's unused staging segment is kept
 MIN_RESERVE_LEASE = 1.0  # a put's reservation lasts at least this long, whatever the pin lease
+MAX_LEASES_PER_CLIENT = 64  # live leases one client holds at once (a client pipelines two or three)
+MAX_LEASES = 4096  # live leases of all clients: each holds pins, and a sweep looks at the lapsed ones
 ORDERED_MACHINES = frozenset({"x86_64", "amd64"})  # loads are not reordered with older loads (TSO)
 
 
@@ -173,6 +176,8 @@ class SharedPlane:
         self._pools: list[_Pool] = []
         self._lock = threading.Lock()
         self._leases: dict[int, Lease] = {}
+        self._per_peer: dict[bytes, int] = {}  # live leases by client
+        self._clock_heap: list[tuple[float, int]] = []  # (expires, handle) as set; stale rows skipped
         self._clients: dict[bytes, _Staging] = {}
         self.lapsed = 0  # leases taken back because they ran out
 
@@ -271,6 +276,14 @@ class SharedPlane:
         now = self.clock()
         with self._lock:
             self._sweep(now)
+            mine = self._per_peer.get(peer, 0)
+            if mine >= MAX_LEASES_PER_CLIENT or len(self._leases) >= MAX_LEASES:
+                raise ProtocolError(
+                    "busy",
+                    f"this client holds {mine} shared-memory leases (at most {MAX_LEASES_PER_CLIENT}; "
+                    f"{MAX_LEASES} for all clients): finish the requests it located or reserved, or "
+                    "wait for their leases to end",
+                )
             offset, staging = 0, None
             if nbytes:
                 staging = self._client(peer, now)
@@ -290,6 +303,9 @@ class SharedPlane:
             if staging is not None:
                 got_lease.staging = staging.segment
             self._leases[handle] = got_lease
+            self._per_peer[peer] = mine + 1
+            if armed:
+                heapq.heappush(self._clock_heap, (got_lease.expires, handle))
             return got_lease
 
     def _client(self, peer: bytes, now: float) -> _Staging:
@@ -331,8 +347,7 @@ class SharedPlane:
             if lease.readers:
                 lease.ended = True
             else:
-                del self._leases[handle]
-                self._give_back(lease)
+                self._end(lease)
             return lease
 
     def hold(self, handle: int, peer: bytes | None = None) -> Lease | None:
@@ -367,8 +382,7 @@ class SharedPlane:
                 if lease.expires == math.inf:  # held by a commit (or not armed yet)
                     self._start_clock(lease, None)
             elif self._leases.get(lease.handle) is lease:
-                del self._leases[lease.handle]
-                self._give_back(lease)
+                self._end(lease)
 
     def arm(self, lease: Lease, seconds: float | None = None) -> None:
         """Start ``lease``'s clock now (one taken with ``reserve(..., armed=False)``)."""
@@ -380,6 +394,7 @@ class SharedPlane:
         if lease.held is None:  # a put's reservation
             span = max(span, MIN_RESERVE_LEASE)
         lease.expires = self.clock() + span
+        heapq.heappush(self._clock_heap, (lease.expires, lease.handle))
 
     def staging_tensor(self, lease: Lease) -> torch.Tensor:
         """The lease's staging range as uint8 (empty for a lease without one)."""
@@ -393,15 +408,21 @@ class SharedPlane:
             return self._sweep(self.clock())
 
     def _sweep(self, now: float) -> int:
-        lapsed = [lease for lease in self._leases.values() if lease.expires <= now]
-        for lease in lapsed:
+        """Take back the leases that ran out (the clock heap's due rows: a row whose lease ended or
+        whose clock was set again since is stale and skipped) and remove idle staging segments."""
+        heap, lapsed = self._clock_heap, 0
+        while heap and heap[0][0] <= now:
+            expires, handle = heapq.heappop(heap)
+            lease = self._leases.get(handle)
+            if lease is None or lease.expires != expires:
+                continue
+            lapsed += 1
             lease.copied.set()
             if lease.readers:  # the daemon still reads its range: given back when it is done
                 lease.ended, lease.expires = True, math.inf
                 continue
-            del self._leases[lease.handle]
-            self._give_back(lease)
-        self.lapsed += len(lapsed)
+            self._end(lease)
+        self.lapsed += lapsed
         for peer, staging in list(self._clients.items()):
             if staging.leases == 0 and now - staging.last_used > IDLE:
                 del self._clients[peer]
@@ -409,7 +430,17 @@ class SharedPlane:
                 # freed, not only removed: the client keeps its mapping (it is not told), and with it
                 # the segment's memory, for as long as it lives
                 staging.segment.close(free=True)
-        return len(lapsed)
+        return lapsed
+
+    def _end(self, lease: Lease) -> None:
+        """Forget ``lease`` (lock held) and give its range back."""
+        del self._leases[lease.handle]
+        left = self._per_peer.get(lease.peer, 1) - 1
+        if left > 0:
+            self._per_peer[lease.peer] = left
+        else:
+            self._per_peer.pop(lease.peer, None)
+        self._give_back(lease)
 
     def _give_back(self, lease: Lease) -> None:
         staging = self._clients.get(lease.peer)

@@ -201,6 +201,50 @@ def test_staging_leases_are_bounded_per_client_and_lapse(shm_dir: Path) -> None:
     assert not list(shm_dir.iterdir())
 
 
+def test_live_leases_are_bounded_per_client_and_in_all(shm_dir: Path, monkeypatch) -> None:
+    # a client locating in a loop without finishing held a lease (and its blocks' pins) each time
+    from kvstore.shm import plane as plane_mod
+
+    monkeypatch.setattr(plane_mod, "MAX_LEASES", 10)
+    clock = Clock()
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 18, lease=5.0, clock=clock)
+    try:
+        monkeypatch.setattr(plane_mod, "MAX_LEASES_PER_CLIENT", 6)
+        held = [plane.reserve(b"a", 0) for _ in range(6)]
+        with pytest.raises(ProtocolError, match="holds 6 shared-memory leases") as e:
+            plane.reserve(b"a", 0)
+        assert e.value.code == "busy"
+        others = [plane.reserve(b"b", 0) for _ in range(4)]
+        with pytest.raises(ProtocolError, match="at most 6; 10 for all"):
+            plane.reserve(b"c", 0)  # all clients' leases together are at their bound
+        assert plane.take(held[0].handle, b"a") is held[0]
+        plane.reserve(b"a", 0)  # one given back: one more
+        clock.now += 6  # all lapse: a sweep takes back each once
+        assert plane.stats()["leases"] == 0 and plane.lapsed == 10
+        assert [plane.take(x.handle) for x in others] == [None] * 4
+        plane.reserve(b"a", 0)
+    finally:
+        plane.close()
+
+
+def test_a_sweep_takes_back_lapsed_leases_only_once_their_clock_runs_out(shm_dir: Path) -> None:
+    clock = Clock()
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 18, lease=5.0, clock=clock)
+    try:
+        a = plane.reserve(b"a", 4096, lease=1.0)
+        b = plane.reserve(b"a", 4096, lease=3.0)
+        clock.now += 0.5
+        plane.arm(a, 4.0)  # its clock set again: 4.5 from the start
+        clock.now += 1.0  # a's first clock is past, b's not
+        assert plane.stats()["leases"] == 2
+        clock.now += 2.0  # b's ran out
+        assert plane.stats()["leases"] == 1 and plane.take(b.handle) is None
+        clock.now += 1.5
+        assert plane.stats()["leases"] == 0 and plane.take(a.handle) is None and plane.lapsed == 2
+    finally:
+        plane.close()
+
+
 def test_a_lease_answers_only_the_client_that_took_it(shm_dir: Path) -> None:
     plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 18, lease=5.0)
     try:
