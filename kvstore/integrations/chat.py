@@ -20,10 +20,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
 from kvstore.errors import KVStoreError
+from kvstore.integrations.backoff import Backoff
 from kvstore.integrations.transformers import (
     CacheClient,
     CacheHit,
@@ -51,6 +53,16 @@ class TurnResult:
     stored_blocks: int = 0
 
 
+_BACKOFFS: WeakKeyDictionary[Any, Backoff] = WeakKeyDictionary()  # per client: its daemon's outages
+
+
+def _backoff_of(client: CacheClient) -> Backoff:
+    try:
+        return _BACKOFFS.setdefault(client, Backoff(log))
+    except TypeError:  # a client that cannot be weakly referenced: an outage is waited for each turn
+        return Backoff(log)
+
+
 @torch.inference_mode()
 def run_turn(
     model: Any,
@@ -70,19 +82,24 @@ def run_turn(
     model's). With ``store`` the whole blocks of the prompt and the answer are
     saved under ``session`` for the next turn (after the answer; not timed in
     the TTFT). Raises BatchNotSupported for a batch > 1. A daemon that does not answer (or is
-    busy) costs the fetch its time-out and counts as a miss; a store that fails is logged, and
-    the turn's answer is returned with ``stored_blocks`` 0.
+    busy) costs the fetch its time-out and counts as a miss; it is then not asked again, neither
+    for fetches nor stores, for BACKOFF seconds (per client: the next turns do not each wait for
+    it). A store that fails is logged, and the turn's answer is returned with ``stored_blocks`` 0.
     """
     ids = single_sequence(input_ids)
     eos = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    backoff = _backoff_of(client)
     t0 = time.perf_counter()
-    try:
-        hit = fetch_cache(client, ids, config=model.config, device=model.device)
-    except (RequestTimeout, ServerError) as e:  # the daemon away or busy: a miss, not a failed turn
+    hit = None
+    if backoff.available():
+        try:
+            hit = fetch_cache(client, ids, config=model.config, device=model.device)
+        except (RequestTimeout, ServerError) as e:  # the daemon away or busy: a miss, not a failed turn
+            backoff.failed("fetch of the cached prefix (the whole prompt is computed)", e)
+    if hit is None:
         from transformers import DynamicCache
 
-        log.warning("kvstore: the cached prefix could not be fetched (%s); computing the whole prompt", e)
         hit = CacheHit(DynamicCache(config=model.config), 0, [])
     cache = hit.cache
     out = model(ids[hit.tokens :].unsqueeze(0).to(model.device), **cache_kwargs(model, cache))
@@ -94,12 +111,12 @@ def run_turn(
         nxt = int(out.logits[0, -1].argmax())
         generated.append(nxt)
     stored = 0
-    if store:  # the cache now holds the prompt and every answer token but the last
+    if store and backoff.available():  # the cache now holds the prompt and every answer token but the last
         full = torch.cat([ids, torch.tensor(generated, dtype=ids.dtype)])
         try:
             stored = save_cache(client, full, cache, session=session).stored
         except KVStoreError as e:  # the answer stands; the next turn recomputes what was not stored
-            log.warning("kvstore: this turn's cache was not stored (%s)", e)
+            backoff.failed("store of this turn's cache (not stored)", e)
     return TurnResult(generated, hit.tokens, len(ids), hit.tiers, ttft, time.perf_counter() - t0, stored)
 
 
