@@ -116,7 +116,14 @@ def run_demo(
         for i, question in enumerate(questions, 1):
             ids = chat.ask(f"{doc}\n\n{question}" if i == 1 else question)
             scratch = time_to_first_token(loaded.model, ids)  # the same prompt, recomputed from nothing
-            turn = run_turn(loaded.model, client, ids, max_new_tokens=max_new_tokens, session=session)
+            turn = run_turn(
+                loaded.model,
+                client,
+                ids,
+                max_new_tokens=max_new_tokens,
+                session=session,
+                backoff=chat.backoff,
+            )
             answer = chat.answer(turn.output_ids)
             result = DemoTurn(
                 turn.prompt_tokens, turn.reused_tokens, turn.tiers, turn.ttft_s, scratch, answer

@@ -4,7 +4,7 @@
 
     chat = Conversation(tokenizer)
     for question in questions:
-        turn = run_turn(model, client, chat.ask(question), session="conv-42")
+        turn = run_turn(model, client, chat.ask(question), session="conv-42", backoff=chat.backoff)
         print(chat.answer(turn.output_ids), turn.reused_tokens, turn.ttft_s, turn.tiers)
 
 ``Conversation`` keeps the conversation as token ids and extends it with the
@@ -20,7 +20,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 
@@ -53,16 +52,6 @@ class TurnResult:
     stored_blocks: int = 0
 
 
-_BACKOFFS: WeakKeyDictionary[Any, Backoff] = WeakKeyDictionary()  # per client: its daemon's outages
-
-
-def _backoff_of(client: CacheClient) -> Backoff:
-    try:
-        return _BACKOFFS.setdefault(client, Backoff(log))
-    except TypeError:  # a client that cannot be weakly referenced: an outage is waited for each turn
-        return Backoff(log)
-
-
 @torch.inference_mode()
 def run_turn(
     model: Any,
@@ -73,6 +62,7 @@ def run_turn(
     session: str | None = None,
     eos_token_id: int | list[int] | None = None,
     store: bool = True,
+    backoff: Backoff | None = None,
 ) -> TurnResult:
     """Answer ``input_ids`` greedily, reusing every cached block and storing the new ones.
 
@@ -82,14 +72,15 @@ def run_turn(
     model's). With ``store`` the whole blocks of the prompt and the answer are
     saved under ``session`` for the next turn (after the answer; not timed in
     the TTFT). Raises BatchNotSupported for a batch > 1. A daemon that does not answer (or is
-    busy) costs the fetch its time-out and counts as a miss; it is then not asked again, neither
-    for fetches nor stores, for BACKOFF seconds (per client: the next turns do not each wait for
-    it). A store that fails is logged, and the turn's answer is returned with ``stored_blocks`` 0.
+    busy) costs the fetch its time-out and counts as a miss; with a ``backoff`` kept across turns
+    (``Conversation.backoff``) it is then not asked again, for fetches nor stores, for a while: the
+    next turns do not each wait for it. A store that fails is logged, and the turn's answer is
+    returned with ``stored_blocks`` 0.
     """
     ids = single_sequence(input_ids)
     eos = eos_token_id if eos_token_id is not None else getattr(model.config, "eos_token_id", None)
     stops = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    backoff = _backoff_of(client)
+    backoff = backoff or Backoff(log)
     t0 = time.perf_counter()
     hit = None
     if backoff.available():
@@ -147,6 +138,7 @@ class Conversation:
         )
         self.ids: list[int] = []
         self._end = tokenizer.eos_token  # the template's end-of-turn string, e.g. <|im_end|>
+        self.backoff = Backoff(log)  # this chat's daemon, left alone a while once it did not answer
 
     def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
         text: str = self.tokenizer.apply_chat_template(

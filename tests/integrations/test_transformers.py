@@ -6,6 +6,7 @@ reused prefix is then the very K/V the model computed.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import LayoutError
+from kvstore.integrations.backoff import Backoff
 from kvstore.integrations.chat import run_turn
 from kvstore.integrations.models import layout_of
 from kvstore.integrations.transformers import (
@@ -185,10 +187,11 @@ def test_a_daemon_that_does_not_answer_costs_a_miss_not_the_turn(tiny: Any, tmp_
     ids = torch.randint(0, 96, (12,))
     layout = layout_of(tiny.config, dtype="float32", block_tokens=T)
     with KVStoreClient(f"ipc://{tmp_path}/nobody.sock", model="tiny-llama", layout=layout, timeout=0.3) as c:
-        turn = run_turn(tiny, c, ids, max_new_tokens=3)
-        # the next turns do not wait for it again: the client's daemon is left alone a while
+        backoff = Backoff(logging.getLogger("test"))
+        turn = run_turn(tiny, c, ids, max_new_tokens=3, backoff=backoff)
+        # the next turns do not wait for it again: the chat's daemon is left alone a while
         t0 = time.perf_counter()
-        again = run_turn(tiny, c, ids, max_new_tokens=3)
+        again = run_turn(tiny, c, ids, max_new_tokens=3, backoff=backoff)
         assert time.perf_counter() - t0 < 0.3 <= turn.ttft_s
         assert again.output_ids == turn.output_ids and again.reused_tokens == 0
     assert (turn.reused_tokens, turn.stored_blocks, len(turn.output_ids)) == (0, 0, 3)
