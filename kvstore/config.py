@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from kvstore.errors import ConfigError
 from kvstore.store.writer import Admission
@@ -388,9 +389,35 @@ def _nodes(v: Any) -> tuple[str, ...]:
     if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
         raise _Invalid(allowed)
     urls = tuple(i.strip() for i in items if i.strip())
-    if not urls or not all(re.fullmatch(r"(redis|rediss|valkey|valkeys)://\S+", u) for u in urls):
+    if not urls:
         raise _Invalid(allowed)
+    for u in urls:
+        if not re.fullmatch(r"(redis|rediss|valkey|valkeys)://\S+", u):
+            raise _Invalid(f"{allowed}; {_redact_url(u)!r} is not one")
+        try:
+            urlsplit(u).port  # noqa: B018 - read for its check (ValueError: not a port number)
+        except ValueError:
+            raise _Invalid(f"{allowed}; {_redact_url(u)!r} has a port that is not a number 1-65535") from None
     return urls
+
+
+def _redact_url(url: str) -> str:
+    """``url`` with its password (``redis://user:secret@host``) shown as ``***``."""
+    head, at, host = url.rpartition("@")
+    if not at or ":" not in head.partition("://")[2]:
+        return url
+    return f"{head.rpartition(':')[0]}:***@{host}"
+
+
+def _shown(section: str, key: str, raw: Any) -> str:
+    """``raw`` as a config error may show it: never a [cluster] password, alone or in a node URL."""
+    if section == "cluster" and key == "password":
+        return "***"
+    if section == "cluster" and key == "nodes":
+        items = raw.split(",") if isinstance(raw, str) else raw
+        if isinstance(items, (list, tuple)):
+            return repr([_redact_url(i) if isinstance(i, str) else i for i in items])
+    return repr(raw)
 
 
 def _path(v: Any) -> Path:
@@ -494,7 +521,9 @@ def _apply(values: dict[str, dict[str, Any]], section: str, key: str, raw: Any, 
     try:
         values[section][key] = check(raw)
     except _Invalid as e:
-        raise ConfigError(f"{where}: [{section}] {key} = {raw!r} is not allowed; expected {e}") from None
+        raise ConfigError(
+            f"{where}: [{section}] {key} = {_shown(section, key, raw)} is not allowed; expected {e}"
+        ) from None
 
 
 def _read_file(path: Path, values: dict[str, dict[str, Any]]) -> None:

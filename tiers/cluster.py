@@ -4,7 +4,8 @@
 
     <prefix>:b:<key hex>    block value: b"KVC1" | key (32) | record length (u32 LE) | record | frame
     <prefix>:s:<sha256>     a session (msgpack map): namespace, block keys, token ids, time
-    <prefix>:sessions       the set of those session keys (what evict --session must leave alone)
+    <prefix>:session-expiry the session keys, a sorted set scored by expiry (what evict --session must
+                            leave alone); the expired leave it as sessions are written
 
 (the values and the seed nodes are written and parsed in cluster_format.py; the redis-py client
 and the wording of its errors are in cluster_client.py)
@@ -22,10 +23,10 @@ node and written to every node before any answer is read (reads by
 ``cluster_client.by_node``, writes and redirected reads by redis-py's
 ClusterPipeline, which does the same with more work per command). It is
 also shared and can fail, so every call is guarded (``_call``): an error or a
-time-out marks the cluster *down* for ``retry_after`` seconds, during which
-calls return at once as misses (the daemon keeps serving from its local tiers),
-then the next call tries again, reconnecting when needed. A write the cluster
-refuses (``maxmemory``) is counted, not an outage.
+time-out marks the cluster *down*: calls return at once as misses (the daemon
+keeps serving from its local tiers) while a thread of the tier's own reconnects
+every ``retry_after`` seconds, so no request ever waits on a reconnect. A write
+the cluster refuses (``maxmemory``) is counted, not an outage.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class ClusterCounters:
     """What the cluster tier did since start (``stats`` and the metrics)."""
 
     written: int = 0  # blocks stored
-    write_dropped: int = 0  # not written: the write queue was full, or the cluster was down
+    write_dropped: int = 0  # blocks not written: the write queue was full, or the cluster was down
+    session_dropped: int = 0  # session records not written: too many waiting, or the cluster was down
     write_refused: int = 0  # refused by the cluster (maxmemory)
     hits: int = 0  # blocks served from the cluster
     misses: int = 0  # blocks asked for and not there
@@ -99,57 +101,97 @@ class ClusterTier:
         self._lock = threading.Lock()  # guards the client, the state and the counters
         self._client: Any = None
         self._down_until = 0.0
+        self._closed = False
+        self._stop = threading.Event()  # set by close: the reconnector ends
+        self._reconnecting = False  # the reconnector thread owns getting a new client
         self.state = "connecting"
         self.last_error = ""
 
     # -- connection -----------------------------------------------------------------
+    #
+    #   up --(a call fails)--> down: calls miss at once --(retry_after)--> reconnector thread tries
+    #    ^                                                                   |  fails: down again
+    #    +------------------------- connected ------------------------------+
+    #
+    # Reconnecting is never on a request's path: the reconnector (one thread, started by the failure)
+    # keeps the tier down while it tries. Only a tier never connected (no ``connect()``) connects on
+    # its first call, once: concurrent callers miss meanwhile.
+
     def connect(self) -> None:
-        """Connect now; ClusterUnavailable (saying why) when the cluster cannot be used. Later calls
-        retry by themselves, so a failed connect leaves the tier usable once the cluster is back."""
+        """Connect now; ClusterUnavailable (saying why) when the cluster cannot be used. A failure
+        starts the reconnector, so the tier becomes usable by itself once the cluster is back."""
         try:
-            client = self._factory(self.nodes, self.timeout)
-            client.ping()
+            client = self._open()
         except Exception as e:  # redis-py raises many types; all mean "not usable now"
             self._failed(e)
             raise ClusterUnavailable(self.last_error) from None
-        with self._lock:
-            self._client, self.state, self.last_error = client, "up", ""
+        self._up(client)
 
     def available(self) -> bool:
-        """Whether a call would be tried now (False while the cluster is marked down)."""
-        return self._clock() >= self._down_until
+        """Whether a call would be tried now (False while the cluster is down or being reconnected)."""
+        return not self._reconnecting and self._clock() >= self._down_until
+
+    def _open(self) -> Any:
+        """A new client, answering a PING; raises redis-py's error (or ClusterUnavailable)."""
+        client = self._factory(self.nodes, self.timeout)
+        try:
+            client.ping()
+        except BaseException:
+            _close_quietly(client)
+            raise
+        return client
 
     def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)``, or ClusterUnavailable at once while down; any failure marks it down."""
-        if not self.available():
-            raise ClusterUnavailable(f"the cluster is down ({self.last_error}); retrying soon")
         with self._lock:
+            if self._reconnecting or self._clock() < self._down_until:
+                raise ClusterUnavailable(f"the cluster is down ({self.last_error}); retrying soon")
+            if self._closed:
+                raise ClusterUnavailable("the cluster tier is closed")
             client = self._client
+            if client is None:  # never connected: this caller connects, the others miss meanwhile
+                self._down_until = math.inf
+        if client is None:
+            try:
+                client = self._open()
+            except Exception as e:
+                self._failed(e, "connect")
+                raise ClusterUnavailable(self.last_error) from None
+            self._up(client)
         try:
-            if client is None:
-                client = self._factory(self.nodes, self.timeout)
-                with self._lock:
-                    self._client = client
-            result = fn(client)
+            return fn(client)
         except ClusterUnavailable:
             raise
         except Exception as e:
             self._failed(e, what)
             raise ClusterUnavailable(self.last_error) from None
-        if self.state != "up":
+
+    def _up(self, client: Any) -> None:
+        """Use ``client`` from now on (closed instead when the tier was closed meanwhile)."""
+        with self._lock:
+            closed, was = self._closed, self.state
+            if not closed:
+                self._client, self.state, self.last_error, self._down_until = client, "up", "", 0.0
+                self._reconnecting = False  # (its thread ends now)
+        if closed:
+            _close_quietly(client)
+        elif was == "down":
             log.warning("cluster %s is reachable again; reads and writes resume", self.nodes.describe())
-            with self._lock:
-                self.state, self.last_error = "up", ""
-        return result
 
     def _failed(self, err: Exception, what: str = "connect") -> None:
+        """Mark the tier down for ``retry_after`` seconds and make sure the reconnector runs."""
         why = reason(err)
         with self._lock:
             was = self.state
             self.counters.errors += 1
             self.state, self.last_error = "down", why
             self._down_until = self._clock() + self.retry_after
-            stale, self._client = self._client, None  # reconnect on the next try: the topology may have moved
+            stale, self._client = self._client, None  # a new client: the topology may have moved
+            if not self._closed and not self._reconnecting:
+                self._reconnecting = True
+                threading.Thread(
+                    target=self._reconnect, name="kvstore-cluster-reconnect", daemon=True
+                ).start()
         if was != "down":
             log.warning(
                 "cluster %s failed (%s: %s); serving from the local tiers, retrying every %g s",
@@ -159,15 +201,35 @@ class ClusterTier:
                 self.retry_after,
             )
         if stale is not None:
-            try:
-                stale.close()
-            except Exception:  # noqa: BLE001 - closing a broken client may fail too; nothing to do
-                pass
+            _close_quietly(stale)
+
+    def _reconnect(self) -> None:
+        """(The reconnector thread.) Once ``retry_after`` has passed, a new client, until one connects
+        or the tier is closed. While it tries, the tier stays down: calls miss at once."""
+        while True:
+            with self._lock:
+                wait = self._down_until - self._clock()
+            if wait > 0 and self._stop.wait(min(wait, self.retry_after)):
+                return
+            with self._lock:
+                if self._closed:
+                    return
+                if self._clock() < self._down_until:
+                    continue
+            try:  # calls miss meanwhile (``_reconnecting``): none waits on this connect
+                client = self._open()
+            except Exception as e:  # noqa: BLE001 - every failure means "still down"
+                self._failed(e, "reconnect")
+                continue
+            self._up(client)
+            return
 
     def close(self) -> None:
+        """Close the client and stop reconnecting; later calls raise ClusterUnavailable."""
         with self._lock:
             client, self._client = self._client, None
-            self.state = "closed"
+            self.state, self._closed = "closed", True
+        self._stop.set()
         if client is not None:
             client.close()
 
@@ -277,15 +339,22 @@ class ClusterTier:
     def session_key(self, name: str) -> str:
         return f"{self.prefix}:s:{hashlib.sha256(name.encode()).hexdigest()}"
 
+    def sessions_key(self) -> str:
+        """The sorted set of the session keys, each scored by when its record expires (Unix time)."""
+        return f"{self.prefix}:session-expiry"
+
     def put_session(self, name: str, info: dict[str, Any]) -> None:
-        """Record a session (its namespace, token ids or block keys); ClusterUnavailable on an outage."""
+        """Record a session (its namespace, token ids or block keys); ClusterUnavailable on an outage.
+        Members of expired records leave the sorted set as this runs: it holds the live sessions."""
         value = msgpack.packb({"v": SESSION_VERSION, "name": name, **info}, use_bin_type=True)
         px = _px(self.ttl)
         key = self.session_key(name)
 
         def write(c: Any) -> None:
+            now = time.time()  # wall time: the score is read by every host
             c.set(key, value, px=px)
-            c.sadd(f"{self.prefix}:sessions", key)
+            c.zadd(self.sessions_key(), {key: math.inf if px is None else now + px / 1000})
+            c.zremrangebyscore(self.sessions_key(), "-inf", f"({now}")
 
         self._call("session write", write)
 
@@ -299,17 +368,17 @@ class ClusterTier:
         key = self.session_key(name)
 
         def drop(c: Any) -> bool:
-            c.srem(f"{self.prefix}:sessions", key)
+            c.zrem(self.sessions_key(), key)
             return bool(c.delete(key))
 
         return bool(self._call("session delete", drop))
 
     def sessions(self) -> list[dict[str, Any]]:
-        """Every session recorded (expired ones are forgotten as they are met). ClusterUnavailable on
-        an outage."""
+        """Every session recorded and not expired (members whose record is gone are removed as they
+        are met). ClusterUnavailable on an outage."""
 
         def read(c: Any) -> list[dict[str, Any]]:
-            members = sorted(c.smembers(f"{self.prefix}:sessions"))
+            members = sorted(c.zrangebyscore(self.sessions_key(), time.time(), "+inf"))
             pipe = c.pipeline(transaction=False)
             for m in members:
                 pipe.get(m)
@@ -321,7 +390,7 @@ class ClusterTier:
                 else:
                     out.append(d)
             if gone:
-                c.srem(f"{self.prefix}:sessions", *gone)
+                c.zrem(self.sessions_key(), *gone)
             return out
 
         return list(self._call("session list", read))
@@ -335,6 +404,13 @@ class ClusterTier:
                 "last_error": self.last_error,
                 **asdict(self.counters),
             }
+
+
+def _close_quietly(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - closing a broken client may fail too; nothing to do
+        pass
 
 
 def _px(seconds: float) -> int | None:

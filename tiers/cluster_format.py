@@ -65,8 +65,14 @@ class ClusterNodes:
                     f"[cluster] nodes: {_redact(url)!r} is not a cluster node; expected "
                     "'redis://host:port' or 'rediss://host:port' (TLS)"
                 )
+            try:
+                port = u.port or 6379
+            except ValueError:
+                raise ConfigError(
+                    f"[cluster] nodes: {_redact(url)!r} has a port that is not a number 1-65535"
+                ) from None
             schemes.add(u.scheme in ("rediss", "valkeys"))
-            hosts.append((u.hostname, u.port or 6379))
+            hosts.append((u.hostname, port))
             username = username or (unquote(u.username) if u.username else None)
             password = password or (unquote(u.password) if u.password else None)
         if len(schemes) > 1:

@@ -90,7 +90,7 @@ class AdminOps:
             with self._lock:
                 now = self._clock()
                 chosen_keys = [e.key for e in self._index.entries() if self._selected(e, flt, None, now)]
-            return self._cluster.evict(chosen_keys, flt.session, dry_run=dry_run)
+            return self._cluster.evict(chosen_keys, flt.session, dry_run=dry_run, continued=self._continued)
         t = None if flt.tier is None else self._tiers.names.index(flt.tier)
         with self._lock:
             now = self._clock()
@@ -144,7 +144,7 @@ class AdminOps:
             dry_run=dry_run,
         )
         if flt.session is not None and t is None and self._cluster is not None:
-            remote = self._cluster.evict([], flt.session, dry_run=dry_run)
+            remote = self._cluster.evict([], flt.session, dry_run=dry_run, continued=self._continued)
             result = EvictResult(
                 blocks=result.blocks + remote.blocks,
                 bytes_freed={**result.bytes_freed, **remote.bytes_freed},
@@ -379,6 +379,24 @@ class AdminOps:
         """(Lock held.) Whether ``e`` belongs to more than ``session``: stored by another session (or
         none), or the end of another session's prefix."""
         return e.sessions != (session,) or bool(self._sessions.ending_at(e.key) - {session})
+
+    def _continued(self, keys: list[bytes], session: str) -> set[bytes]:
+        """Those of ``keys`` this host knows something other than ``session`` builds on (the rule evict
+        --session keeps locally, for the cluster's copies): a block of theirs, or one another session
+        ends at, in the block's subtree. Takes the lock."""
+        out: set[bytes] = set()
+        clean: set[bytes] = set()  # in the subtree of a block nothing else continues: neither is it
+        with self._lock:
+            for k in keys:
+                e = self._index.get(k)
+                if e is None or k in clean:
+                    continue
+                sub = self._index.subtree(e)
+                if any(self._shared(d, session) for d in sub):
+                    out.add(k)
+                else:
+                    clean.update(d.key for d in sub)
+        return out
 
     def _session_info(self, s: SessionState, tail: Entry | None) -> tuple[SessionInfo, list[Entry]]:
         chain = self._index.chain(tail) if tail is not None else []

@@ -3,9 +3,9 @@
 ::
 
     put()    new keys --> [ bounded queue ([cluster] write_queue) ] --> cluster thread: write(key)
-             (full: dropped, counted; never a wait)                      read best copy, encode (int4),
-                                                                         SET key value PX ttl
-             session --> the cluster thread's task list ---------------> SET session record
+             (full: dropped, counted, remembered:                        read best copy, encode (int4),
+              the next put of the block sends it again; never a wait)    SET key value PX ttl
+             session --> [ newest record per session, bounded ] -------> SET session record
     lookup   local walk ends at block i --> leading(keys i..)           one pipelined EXISTS round trip
     get      local blocks read --> read(keys i.., outs)                 pipelined GETEX in batches,
                                                                          checked and decoded into ``outs``
@@ -22,6 +22,7 @@ find a block.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice, takewhile
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 FETCH_BATCH = 16  # blocks per pipelined GETEX: bounds the memory one read holds in flight
 LOOKUP_LIMIT = 4096  # blocks one lookup asks the cluster about at most
+UNSENT_LIMIT = 1 << 16  # dropped blocks remembered to send again (2 MiB of keys at most)
 
 
 class ClusterLink:
@@ -71,6 +73,10 @@ class ClusterLink:
         self._counts = parts.counts
         self._put, self._offer = put, offer
         self.cluster = cluster
+        self._unsent_lock = threading.Lock()  # guards the two below
+        self._unsent: dict[bytes, None] = {}  # blocks dropped and not sent since (oldest first)
+        self._records: dict[str, dict[str, Any]] = {}  # session records waiting (oldest first)
+        self._records_limit = queue
         self._writer = WriteThrough(maxsize=queue, tick=tick, name="kvstore-cluster")
         self._writer.start(self._write, self._idle)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-cluster-fetch")
@@ -78,35 +84,78 @@ class ClusterLink:
         self._adopter = Adopter()
 
     # -- writes -----------------------------------------------------------------------
-    def submit(self, keys: list[bytes]) -> None:
+    def submit(self, new: list[bytes], touched: Sequence[bytes] = ()) -> None:
         """Queue new blocks for the cluster without waiting: what does not fit, or arrives while the
-        cluster is down, is dropped and counted (the local tiers keep every block regardless)."""
+        cluster is down, is dropped and counted (the local tiers keep every block regardless).
+
+        ``touched``: the blocks of the put, in chain order (``new`` among them). One of them dropped
+        before and not written since goes again with them: lookups are prefix-closed, so without it
+        the blocks after it would be unreachable in the cluster."""
+        keys = new
+        if self._unsent:  # (cheap while nothing was dropped: a put costs no more than before)
+            with self._unsent_lock:
+                again = {k for k in touched if k in self._unsent}
+                for k in again:
+                    del self._unsent[k]
+            if again:
+                fresh = set(new)
+                keys = [k for k in touched if k in again or k in fresh]
         if not keys:
             return
         if not self.cluster.available():
-            self.cluster.count(write_dropped=len(keys))
+            self._dropped(keys)
             return
         refused = self._writer.submit(keys, 0.0)
         if refused:
-            self.cluster.count(write_dropped=len(refused))
+            self._dropped(refused)
+
+    def _dropped(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were not written: counted, and remembered so that the next put of them sends them."""
+        self.cluster.count(write_dropped=len(keys))
+        with self._unsent_lock:
+            for k in keys:
+                self._unsent[k] = None
+            while len(self._unsent) > UNSENT_LIMIT:  # the oldest are forgotten first
+                del self._unsent[next(iter(self._unsent))]
 
     def session(self, name: str, ns: Namespace, keys: list[bytes], tokens: bytes | None, now: float) -> None:
         """Record session ``name`` in the cluster (from the cluster thread): its namespace, the keys of
-        its blocks from block 0 and, for a token chain, its token ids, so another host can find it."""
+        its blocks from block 0 and, for a token chain, its token ids, so another host can find it.
+
+        One record waits per session, the newest (it names the whole chain); at most ``queue``
+        sessions wait, the oldest dropped first (counted in ``session_dropped``), as is a record the
+        cluster could not take."""
         info: dict[str, Any] = {
             "ns": ns.to_dict(),
             "keys": b"".join(keys),
             "tokens": tokens,
             "updated": now,
         }
+        with self._unsent_lock:
+            idle = not self._records
+            self._records.pop(name, None)  # the newest goes last
+            self._records[name] = info
+            dropped = 0
+            while len(self._records) > self._records_limit:
+                del self._records[next(iter(self._records))]
+                dropped += 1
+        if dropped:
+            self.cluster.count(session_dropped=dropped)
+        if idle:
+            self._writer.run_soon(self._write_sessions)
 
-        def write() -> None:
+    def _write_sessions(self) -> None:
+        """(The cluster thread.) Write the waiting session records, oldest first, until none waits."""
+        while True:
+            with self._unsent_lock:
+                if not self._records:
+                    return
+                name = next(iter(self._records))
+                info = self._records.pop(name)
             try:
                 self.cluster.put_session(name, info)
             except ClusterUnavailable:
-                self.cluster.count(write_dropped=1)
-
-        self._writer.run_soon(write)
+                self.cluster.count(session_dropped=1)
 
     def _write(self, key: bytes) -> None:
         """Write one block: its best local copy, encoded for the cluster, with its record."""
@@ -130,7 +179,7 @@ class ClusterLink:
         try:
             self.cluster.store([(key, pack_value(rec, frame))])
         except ClusterUnavailable:
-            self.cluster.count(write_dropped=1)
+            self._dropped([key])
 
     def _record(self, key: bytes) -> BlockRecord:
         """The block's record: from memory while it has no nvme copy, else nvme's."""
@@ -157,10 +206,16 @@ class ClusterLink:
         return self._writer.drain(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Write what is queued for up to ``timeout`` seconds, then stop (the cluster is a copy)."""
+        """Write what is queued for up to ``timeout`` seconds, then stop (the cluster is a copy): what
+        is still queued then is dropped and counted (``write_dropped``, ``session_dropped``); the one
+        write under way ends within the tier's time-out."""
         self._adopter.close()  # what gets read from the cluster is stored first
-        self._writer.drain(timeout)
-        self._writer.close()
+        if not self._writer.drain(timeout):
+            with self._unsent_lock:
+                sessions, self._records = len(self._records), {}
+            blocks, _ = self._writer.discard()
+            self.cluster.count(write_dropped=blocks, session_dropped=sessions)
+        self._writer.close(timeout)
         self._pool.shutdown(wait=True)
         self._decoders.shutdown(wait=True)
         self.cluster.close()
@@ -186,6 +241,7 @@ class ClusterLink:
         parent (an engine's page key names its page whatever it was stored after). A value that fails a check (its key,
         record, namespace, parent, CRC or layout) is deleted from the cluster and ends the read.
         ``frames`` (if given) receives each served block's frame, by key (for nvme: WriteBack.offer).
+        Counted per block: ``hits`` those served, ``misses`` the others asked for.
         """
         codecs = self.cluster.codecs()
         want = min(len(keys), len(outs))
@@ -239,10 +295,10 @@ class ClusterLink:
                         frames[keys[j]] = frame
                     n += 1
                 if held < len(values):
-                    self.cluster.count(misses=1)
                     return n
             return n
         finally:
+            self.cluster.count(misses=want - n)  # per block: those asked for and not served
             if ahead is not None:  # a read cut short: its prefetch is waited for, not left running
                 try:
                     ahead.result()

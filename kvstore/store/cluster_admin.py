@@ -47,7 +47,7 @@ class ClusterAdmin:
     def __init__(
         self, parts: StoreParts, link: ClusterLink, journal: Journal, get: Callable[..., GetResult]
     ) -> None:
-        self._lock, self._clock = parts.lock, parts.clock
+        self._lock, self._clock, self._index, self._tiers = parts.lock, parts.clock, parts.index, parts.tiers
         self._sessions, self._namespaces = parts.sessions, parts.namespaces
         self.cluster = link.cluster
         self.status = link.status  # the tier's state and counters, and the write queue
@@ -85,10 +85,20 @@ class ClusterAdmin:
         blocks = [BlockInfo(i, k.hex(), ["cluster"], d["updated"]) for i, k in enumerate(keys[:held])]
         return SessionDetail(info=info, blocks=blocks)
 
-    def evict(self, keys: list[bytes], session: str | None, *, dry_run: bool) -> EvictResult:
+    def evict(
+        self,
+        keys: list[bytes],
+        session: str | None,
+        *,
+        dry_run: bool,
+        continued: Callable[[list[bytes], str], set[bytes]],
+    ) -> EvictResult:
         """Delete the cluster's copies of ``keys`` and, with ``session``, the blocks that session stored
-        there (its record names them; blocks other sessions stored stay) and its record. InvalidRequest
-        when the cluster cannot be reached (nothing is deleted then)."""
+        there (its record names them) and its record. With ``session`` a block is deleted only when
+        nothing known continues it: not in another session's record, and not among
+        ``continued(candidates, session)`` (the blocks this host knows something else builds on; a
+        deleted block would orphan what follows it, lookups being prefix-closed). InvalidRequest when
+        the cluster cannot be reached (nothing is deleted then)."""
         try:
             if session is not None:
                 d = self.find_session(session)
@@ -101,8 +111,11 @@ class ClusterAdmin:
                 values = self.cluster.peek(theirs)
                 for k, v in zip(theirs, values, strict=True):
                     rec = None if v is None else record_of(k, v)
-                    if rec is not None and rec.sessions[:1] == (session,) and k not in others:
+                    if rec is not None and rec.sessions[:1] == (session,):
                         keys.append(k)
+                keys = list(dict.fromkeys(keys))
+                kept = others | continued(keys, session)
+                keys = [k for k in keys if k not in kept]
             keys = list(dict.fromkeys(keys))
             present = [k for k, there in zip(keys, self.cluster.exists(keys), strict=True) if there]
             if not dry_run:
@@ -118,33 +131,52 @@ class ClusterAdmin:
     ) -> PrefetchResult:
         """Read session ``session`` (``found``: find_session's answer) from the cluster into this host's
         tiers (blocks ``start_block ..``, at most ``max_blocks``) and, once its whole chain is here,
-        record it here. InvalidRequest for a session stored by engine page keys (no tokens to read)."""
+        record it here. The blocks are stored as a put stores them (in the top tier, making room), so
+        ``moved`` counts those now held at ``to`` or above; one the put could not keep there is
+        ``failed``. InvalidRequest for a session stored by engine page keys (no tokens to read), or
+        for ``start_block`` past blocks this host does not hold yet (they come first: the chain is
+        stored from its root)."""
         ns, keys, tokens = found["ns"], found["keys"], found["tokens"]
         if tokens is None:
             raise InvalidRequest(
                 f"session {session!r} was stored by engine page keys on another host; the engine's own "
                 "lookups read it from the cluster, prefetch cannot"
             )
+        if 0 < start_block <= len(keys):
+            with self._lock:
+                held = keys[start_block - 1] in self._index
+            if not held:
+                raise InvalidRequest(
+                    f"session {session!r} is not on this host yet and its block {start_block - 1} is not "
+                    "here: prefetch it from block 0 (start_block 0) first"
+                )
         T = ns.layout.block_tokens
         r = self._get(ns, tokens[: len(keys) * T], start_block=start_block, max_blocks=max_blocks)
         end = start_block + r.matched_blocks
-        if r.matched_blocks and start_block + r.matched_blocks == len(keys):
-            with self._lock:
+        target = self._tiers.names.index(to)
+        came = [k for k, t in zip(keys[start_block:end], r.tiers, strict=False) if t == "cluster"]
+        with self._lock:
+            entries = [self._index.get(k) for k in came]
+            moved = sum(1 for e in entries if e is not None and e.highest() <= target)
+            whole = r.matched_blocks > 0 and end == len(keys) and keys[end - 1] in self._index
+            if whole:  # its tail is here, and with it the whole chain
                 if self._namespaces.add(ns):
                     self._journal.namespace(ns)
                 s = self._sessions.record_put(session, ns.id, keys[end - 1], end * T, self._clock())
                 self._journal.session(s)
-        moved = r.tiers.count("cluster")
+        present = r.matched_blocks - len(came)
         want = len(keys) - start_block if max_blocks is None else min(max_blocks, len(keys) - start_block)
+        want = max(0, want)
+        failed = want - present - moved
         return PrefetchResult(
             session=session,
             to=to,
             moved=moved,
-            present=r.matched_blocks - moved,
-            failed=0 if r.matched_blocks == want else 1,
+            present=present,
+            failed=failed,
             start_block=start_block,
             blocks=len(keys),
-            remaining=0 if r.matched_blocks < want else len(keys) - end,
+            remaining=0 if failed else len(keys) - end,
             bytes_moved=moved * ns.layout.block_nbytes,
         )
 

@@ -119,7 +119,7 @@ class Putter:
                 if self._through is not None:
                     job.deferred += self._through.submit(new)
                 if self._cluster is not None and not adopted:
-                    self._cluster.submit(new)
+                    self._cluster.submit(new, job.keys[c0:c1])  # and those dropped before (an outage)
                 if job.failed:
                     break
         finally:

@@ -105,6 +105,15 @@ class WriteThrough:
                 self._cv.wait(left if left is not None else 1.0)
             return not (self._keys or self._tasks or self._busy)
 
+    def discard(self) -> tuple[int, int]:
+        """Forget the keys and tasks still waiting (not the one being run); returns how many of each."""
+        with self._cv:
+            n = len(self._keys), len(self._tasks)
+            self._keys.clear()
+            self._tasks.clear()
+            self._cv.notify_all()
+        return n
+
     def close(self, timeout: float | None = None) -> bool:
         """Finish what is queued, then stop the thread. False if it did not finish within ``timeout``."""
         drained = self.drain(timeout)

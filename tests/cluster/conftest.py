@@ -70,17 +70,20 @@ HostFactory = Callable[..., Store]
 
 @pytest.fixture
 def host(tmp_path: Path, cluster_tier: ClusterFactory) -> Iterator[HostFactory]:
-    """``host(name)``: a store with its own tiers and LMDB under tmp_path/name, on the cluster."""
+    """``host(name)``: a store with its own tiers and LMDB under tmp_path/name, on the cluster
+    (``cluster_queue``: its [cluster] write_queue; other keywords go to the ClusterTier)."""
     opened: list[Store] = []
 
-    def make(name: str, *, codec: str = "raw", connect: bool = True, **kw: Any) -> Store:
+    def make(
+        name: str, *, codec: str = "raw", connect: bool = True, cluster_queue: int = 1024, **kw: Any
+    ) -> Store:
         hbm = HbmTier(8 * HBM_PAGE, page_bytes=HBM_PAGE)
         ram = RamTier(8 * RAM_PAGE, get_codec("raw"), page_bytes=RAM_PAGE, pin_memory=False)
         nvme = NvmeTier(tmp_path / name, 1 << 22, get_codec("int4"))
         tier = cluster_tier(codec, **kw)
         if connect:
             tier.connect()
-        s = Store(hbm, ram, nvme, cluster=tier, tick=0.05)
+        s = Store(hbm, ram, nvme, cluster=tier, tick=0.05, cluster_queue=cluster_queue)
         opened.append(s)
         return s
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,7 @@ from kvstore.errors import ConfigError, FrameError
 from kvstore.record import BlockRecord
 from kvstore.store.cluster_admin import cluster_from_config
 from kvstore.tiers.cluster import ClusterUnavailable
-from kvstore.tiers.cluster_client import by_node
+from kvstore.tiers.cluster_client import by_node, open_client
 from kvstore.tiers.cluster_format import ClusterNodes, TlsFiles, pack_value, record_of, unpack_value
 from tests.cluster.conftest import ClusterFactory
 from tests.cluster.rediscluster import LocalCluster
@@ -55,6 +58,33 @@ def test_node_urls_are_checked_and_secrets_never_shown() -> None:
         ClusterNodes.parse(["http://h:1"], None, None)
     with pytest.raises(ConfigError, match="mix of TLS"):
         ClusterNodes.parse(["rediss://h:1", "redis://h:2"], None, None)
+
+
+@pytest.mark.parametrize("port", ["7000x", "70000"])
+def test_a_node_port_that_is_no_port_is_a_config_error(tmp_path: Path, port: str) -> None:
+    with pytest.raises(ConfigError, match=f"'redis://:\\*\\*\\*@cache-1:{port}' has a port that is not"):
+        ClusterNodes.parse([f"redis://:pw@cache-1:{port}"], None, None)
+    path = tmp_path / "kvstore.toml"
+    path.write_text(f'[cluster]\nenabled = true\nnodes = ["redis://cache-1:{port}"]\n')
+    with pytest.raises(ConfigError, match=r"\[cluster\] nodes = .* has a port that is not a number"):
+        load_config(path, env={})  # at load, before anything starts
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        'nodes = ["redis://:s3cret-pw@cache-1:7000", "cache-2:7000"]',  # the second has no scheme
+        'nodes = "redis://app:s3cret-pw@cache-1:7000,cache-2"',
+        'nodes = ["redis://cache-1:7000"]\npassword = 83129471',  # not a string
+    ],
+)
+def test_a_cluster_config_error_never_shows_the_password(tmp_path: Path, body: str) -> None:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(f"[cluster]\nenabled = true\n{body}\n")
+    with pytest.raises(ConfigError, match=r"\[cluster\]") as err:
+        load_config(path, env={})
+    assert "s3cret-pw" not in str(err.value) and "83129471" not in str(err.value)
+    assert "***" in str(err.value)
 
 
 def test_blocks_round_trip_with_a_ttl_refreshed_on_read(
@@ -151,6 +181,21 @@ def test_sessions_are_recorded_under_the_hash_of_their_name(
     assert c.drop_session("tenant-a/conv-42") and c.get_session("tenant-a/conv-42") is None
 
 
+def test_the_set_of_sessions_forgets_those_that_expired(
+    rc: LocalCluster, cluster_tier: ClusterFactory
+) -> None:
+    c = cluster_tier(ttl=0.5)
+    c.connect()
+    for i in range(20):
+        c.put_session(f"conv-{i}", {"keys": b"k" * 32, "tokens": None})
+    index = rc.node(rc.master_of(c.sessions_key()))
+    assert index.zcard(c.sessions_key()) == 20 and len(c.sessions()) == 20
+    time.sleep(0.7)  # every record expired
+    assert c.sessions() == []
+    c.put_session("conv-new", {"keys": b"k" * 32, "tokens": None})
+    assert index.zcard(c.sessions_key()) == 1  # the expired went as a session was written
+
+
 def test_a_wrong_password_is_a_clear_refusal(rc: LocalCluster, cluster_tier: ClusterFactory) -> None:
     rc.set_password("the-password")
     try:
@@ -182,6 +227,49 @@ def test_an_unreachable_cluster_costs_one_timeout_then_none_until_the_retry(
         c.fetch([b"\x01" * 32])
     assert time.monotonic() - t < 0.1  # marked down: no call is tried
     assert not c.available() and c.status()["errors"] == 1
+
+
+def test_seeds_that_refuse_are_asked_once_each_without_backoff() -> None:
+    # redis-py's default retry (3 tries, backoff up to 10 s) would make this take seconds
+    nodes = ClusterNodes.parse([f"redis://127.0.0.1:{p}" for p in (1, 2, 3)], None, None)
+    t = time.monotonic()
+    with pytest.raises(Exception, match="refused|Error 111"):
+        open_client(nodes, 0.5)
+    assert time.monotonic() - t < 1.0
+
+
+@pytest.fixture
+def hung_node() -> Iterator[str]:
+    """A node that accepts connections and never answers (a hung host): each try costs a time-out."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"redis://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_requests_never_wait_on_a_reconnect(cluster_tier: ClusterFactory, hung_node: str) -> None:
+    c = cluster_tier(urls=[hung_node], timeout=0.3, retry_after=0.2)
+    with pytest.raises(ClusterUnavailable, match="Timeout"):
+        c.connect()
+    # four request threads while the tier reconnects (0.3 s a try) every 0.2 s: none waits on it
+    slowest: list[float] = []
+
+    def requests() -> None:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            t = time.monotonic()
+            assert c.leading([b"\x01" * 32]) == 0
+            slowest.append(time.monotonic() - t)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=requests) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(slowest) > 100 and max(slowest) < 0.1
+    st = c.status()
+    assert st["state"] == "down" and st["errors"] >= 3  # the tier kept trying on its own thread
 
 
 def test_a_full_cluster_refuses_writes_counted_not_fatal(

@@ -14,7 +14,7 @@ import torch
 from kvstore.chains import KeyChain
 from kvstore.errors import LayoutError
 from kvstore.keys import Namespace
-from kvstore.results import EvictFilter, GetResult
+from kvstore.results import EvictFilter, GetResult, InvalidRequest
 from kvstore.store.adoption import Adoption
 from kvstore.store.engine import Store
 from tests.cluster.conftest import HostFactory
@@ -54,6 +54,16 @@ def test_host_b_serves_what_host_a_stored_then_from_its_own_tiers(host: HostFact
     assert st is not None and st["hits"] == 4 and st["state"] == "up"
     time.sleep(0.3)
     assert b.stats().cluster["written"] == 0  # type: ignore[index]  # what came from the cluster is not sent back
+
+
+def test_cluster_hits_and_misses_count_blocks(host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(6), kv(24)
+    a.put(NS, toks[: 2 * T], x[:, :, : 2 * T])
+    written(a, 2)
+    assert b.get(NS, toks).tiers == ["cluster"] * 2  # six blocks asked for, two served
+    st = b.stats().cluster
+    assert st is not None and (st["hits"], st["misses"]) == (2, 4)
 
 
 def test_local_blocks_then_cluster_blocks_in_one_get(host: HostFactory) -> None:
@@ -132,6 +142,23 @@ def test_sessions_are_seen_and_warmed_up_on_another_host(host: HostFactory) -> N
     assert b.lookup(NS, toks).tiers == ["hbm"] * 4
 
 
+def test_a_session_from_the_cluster_is_prefetched_from_its_root(host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(6), kv(24, seed=3)
+    a.put(NS, toks, x, session="S")
+    written(a, 6)
+    time.sleep(0.2)  # the session record follows on the cluster thread
+    with pytest.raises(InvalidRequest, match="from block 0"):
+        b.prefetch("S", "ram", start_block=3)  # blocks 3.. cannot be stored here without 0..2
+    assert b.lookup(NS, toks).tiers == ["cluster"] * 6  # nothing was stored, nothing recorded
+    first = b.prefetch("S", "ram", max_blocks=3)
+    assert (first.moved, first.present, first.failed, first.remaining) == (3, 0, 0, 3)
+    assert b.session("S").info.tiers == {"cluster": 6}  # not this host's yet: its tail is not here
+    rest = b.prefetch("S", "ram", start_block=3)
+    assert (rest.moved, rest.present, rest.failed, rest.remaining) == (3, 0, 0, 0)
+    assert b.session("S").info.tiers["hbm"] == 6 and b.lookup(NS, toks).tiers == ["hbm"] * 6
+
+
 def test_evict_reaches_the_cluster_copies(host: HostFactory) -> None:
     a, b = host("a"), host("b")
     toks, x = tokens(4), kv(16)
@@ -152,6 +179,30 @@ def test_evict_reaches_the_cluster_copies(host: HostFactory) -> None:
     assert (
         r.blocks == 4 and a.lookup(NS, shared).tiers == ["hbm"] * 4
     )  # the cluster held 4; local copies stay
+
+
+def test_evict_of_a_session_leaves_the_cluster_blocks_others_build_on(host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(6), kv(24)
+    a.put(NS, toks[: 3 * T], x[:, :, : 3 * T], session="A")  # A: blocks 0..2
+    a.put(NS, toks, x, session="B")  # B builds on them: 3..5
+    written(a, 6)
+    # --tier cluster: A's blocks stay in the cluster, as they stay here (B goes on below them)
+    assert a.evict(EvictFilter(session="A", tier="cluster")).blocks == 0
+    assert b.lookup(NS, toks).tiers == ["cluster"] * 6
+
+
+def test_evict_of_a_session_leaves_the_cluster_blocks_a_request_continued(host: HostFactory) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(6), kv(24)
+    a.put(NS, toks[: 3 * T], x[:, :, : 3 * T], session="A")
+    a.put(NS, toks, x)  # an engine's request continues A's conversation, naming no session
+    written(a, 6)
+    r = a.evict(EvictFilter(session="A"))
+    assert r.blocks == 0 and a.lookup(NS, toks).matched_blocks == 6  # kept here: something continues them
+    assert b.lookup(NS, toks).tiers == ["cluster"] * 6  # and kept in the cluster: nothing is orphaned
+    with pytest.raises(KeyError):
+        b.session("A")  # the session itself is gone, here and in the cluster
 
 
 def test_a_dead_cluster_degrades_to_local_tiers(host: HostFactory) -> None:

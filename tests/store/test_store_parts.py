@@ -78,7 +78,7 @@ def test_lapsed_leases_are_swept_as_pins_are_taken() -> None:
     for i in range(200):
         pins.pin([i.to_bytes(4, "big")], 10)
     clock.advance(11)
-    for i in range(100):
+    for _ in range(100):
         pins.release(pins.pin([b"live"], 10))
     assert len(pins._handles) == 0 and len(pins._by_key) == 0
 

@@ -1,0 +1,119 @@
+"""The write side of the cluster link under pressure: a full queue, a slow cluster, a close.
+
+::
+
+    put --> [ queue ([cluster] write_queue) ] --> cluster thread --> SET block
+        \\-> [ newest record per session ]    --/                --> SET session record
+    dropped (queue full, cluster down): counted, and sent again by the next put of the block
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import msgpack
+
+from kvstore.store.engine import Store
+from kvstore.tiers.cluster_client import open_client
+from tests.cluster.conftest import HostFactory
+from tests.cluster.rediscluster import LocalCluster
+from tests.store.storekit import NS, T, kv, tokens
+
+
+class Gated:
+    """A redis-py client whose session writes (SET) wait for ``gate``: the cluster thread stays busy."""
+
+    def __init__(self, client: Any, gate: threading.Event, waiting: threading.Event) -> None:
+        self._client, self._gate, self._waiting = client, gate, waiting
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def set(self, *args: Any, **kw: Any) -> Any:
+        self._waiting.set()
+        self._gate.wait(30)
+        return self._client.set(*args, **kw)
+
+
+class SlowPipelines:
+    """A redis-py client whose block writes (a pipeline) take ``delay`` seconds each: a slow link."""
+
+    def __init__(self, client: Any, delay: float) -> None:
+        self._client, self._delay = client, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def pipeline(self, *args: Any, **kw: Any) -> Any:
+        pipe, delay = self._client.pipeline(*args, **kw), self._delay
+
+        class Slow:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(pipe, name)
+
+            def execute(self, *a: Any, **k: Any) -> Any:
+                time.sleep(delay)
+                return pipe.execute(*a, **k)
+
+        return Slow()
+
+
+def drained(s: Store) -> bool:
+    """Whether what waits for the cluster was written (or given up) within 10 s."""
+    assert s._cluster is not None
+    return s._cluster.drain(10)
+
+
+def test_a_block_dropped_from_a_full_queue_goes_with_the_next_put_of_it(host: HostFactory) -> None:
+    a, b = host("a", cluster_queue=2), host("b")
+    toks, x = tokens(3), kv(3 * T)
+    a.put(NS, toks, x, session="S")  # blocks 0, 1 queued; block 2 finds the queue full
+    assert drained(a) and a.stats().cluster["write_dropped"] == 1  # type: ignore[index]
+    assert b.lookup(NS, toks).matched_blocks == 2
+    a.put(NS, toks, x, session="S")  # nothing new here, but block 2 never reached the cluster
+    assert drained(a)
+    assert b.lookup(NS, toks).tiers == ["cluster"] * 3
+    st = a.stats().cluster
+    assert st is not None and (st["written"], st["write_dropped"]) == (3, 1)
+
+
+def test_one_record_waits_per_session_and_few_wait_in_all(rc: LocalCluster, host: HostFactory) -> None:
+    gate, waiting = threading.Event(), threading.Event()
+    a = host("a", cluster_queue=2, client_factory=lambda n, t: Gated(open_client(n, t), gate, waiting))
+    toks, x = tokens(4), kv(4 * T)
+    for n in (2, 4):  # the blocks first, two at a time (the queue's size): below only records wait
+        a.put(NS, toks[: n * T], x[:, :, : n * T])
+        assert drained(a)
+    try:
+        a.put(NS, toks[:T], x[:, :, :T], session="s0")
+        assert waiting.wait(10)  # the cluster thread is writing s0's record: the others wait
+        for n in (1, 2, 3):  # one record of s1 waits, the newest
+            a.put(NS, toks[: n * T], x[:, :, : n * T], session="s1")
+        a.put(NS, toks[:T], x[:, :, :T], session="s2")
+        a.put(NS, toks[:T], x[:, :, :T], session="s3")  # three sessions wait, two may: s1 is dropped
+        a.put(NS, toks, x, session="s2")  # s2's newest record, sent after s3's
+        st = a.stats().cluster
+        assert st is not None and st["session_dropped"] == 1 and st["write_dropped"] == 0
+    finally:
+        gate.set()
+    assert drained(a)
+    cluster = a._cluster.cluster  # type: ignore[union-attr]
+    assert cluster.get_session("s1") is None
+    assert cluster.get_session("s0") is not None and cluster.get_session("s3") is not None
+    s2 = cluster.get_session("s2")
+    assert s2 is not None and len(s2["keys"]) == 4 * 32  # the newest: all four blocks
+    node = rc.node(rc.master_of(cluster.session_key("s2")))
+    assert msgpack.unpackb(node.get(cluster.session_key("s2")))["keys"] == s2["keys"]
+
+
+def test_close_writes_what_it_can_in_its_time_and_drops_the_rest(host: HostFactory) -> None:
+    a = host("a", client_factory=lambda n, t: SlowPipelines(open_client(n, t), 0.4))
+    a.put(NS, tokens(24), kv(24 * T))  # 24 writes of 0.4 s: ~10 s to write them all
+    cluster = a._cluster.cluster  # type: ignore[union-attr]
+    t = time.monotonic()
+    a.close()
+    assert time.monotonic() - t < 7.0  # 5 s to write, and the write under way
+    c = cluster.counters
+    assert c.written + c.write_dropped == 24 and c.write_dropped >= 8
