@@ -404,7 +404,14 @@ class KVStoreClient:
         )
         reply = self._call(msg, idempotent=dry_run)
         assert isinstance(reply, EvictOk)
-        return EvictResult(reply.blocks, dict(reply.bytes_freed), reply.moved, list(reply.keys), dry_run)
+        return EvictResult(
+            reply.blocks,
+            dict(reply.bytes_freed),
+            reply.moved,
+            list(reply.keys),
+            dry_run,
+            reply.not_done or "",
+        )
 
     def sessions(self) -> list[SessionInfo]:
         reply = self._call(Inspect())

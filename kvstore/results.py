@@ -114,13 +114,16 @@ class EvictFilter:
 @dataclass(frozen=True)
 class EvictResult:
     """``blocks`` affected (dropped or moved, descendants included), bytes freed per tier,
-    ``moved`` (of ``blocks``, those that went down a tier instead of away), their keys."""
+    ``moved`` (of ``blocks``, those that went down a tier instead of away), their keys.
+    ``not_done``: a part that could not be done, and why (the cluster's part of an evict of a
+    session while the cluster is down); empty when all was done."""
 
     blocks: int
     bytes_freed: dict[str, int]
     moved: int
     keys: list[bytes]
     dry_run: bool = False
+    not_done: str = ""
 
 
 @dataclass(frozen=True)

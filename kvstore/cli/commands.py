@@ -166,8 +166,9 @@ def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
             if not _ask(f"{display.render_evict(preview)}.\nProceed? [y/N] "):
                 sys.stderr.write("nothing evicted\n")
                 return EXIT_FAILED
-        _emit(args, plain(client.evict(**flt, dry_run=args.dry_run)), display.render_evict, out)
-    return EXIT_OK
+        result = plain(client.evict(**flt, dry_run=args.dry_run))
+        _emit(args, result, display.render_evict, out)
+    return EXIT_FAILED if result.get("not_done") else EXIT_OK  # a part left to do: scripts see it
 
 
 def cmd_prefetch(args: argparse.Namespace, out: IO[str], err: IO[str] | None = None) -> int:

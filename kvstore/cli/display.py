@@ -161,7 +161,8 @@ def _cluster_line(cl: Mapping[str, Any]) -> str:
     """The cluster tier: its state, what was written and dropped, the last error while it is down."""
     line = (
         f"cluster: {cl.get('state', '?')} ({cl.get('nodes', '?')}); written {format_count(cl.get('written'))}  "
-        f"queued {format_count(cl.get('queue'))}  dropped {format_count(cl.get('write_dropped'))}  "
+        f"queued {format_count(cl.get('queue'))}  dropped {format_count(cl.get('write_dropped'))}"
+        f" (sessions {format_count(cl.get('session_dropped'))})  "
         f"refused (full) {format_count(cl.get('write_refused'))}  errors {format_count(cl.get('errors'))}"
     )
     if cl.get("last_error"):
@@ -254,8 +255,9 @@ def render_evict(result: Mapping[str, Any]) -> str:
     """``kvstore evict``: what went (or, with --dry-run, would go), and the bytes freed per tier."""
     dry = bool(result.get("dry_run"))
     blocks, moved = int(result.get("blocks") or 0), int(result.get("moved") or 0)
+    not_done = f"\nnot done: {result['not_done']}" if result.get("not_done") else ""
     if blocks == 0:
-        return "no blocks matched" + (" (dry run)" if dry else "")
+        return "no blocks matched" + (" (dry run)" if dry else "") + not_done
     freed = result.get("bytes_freed") or {}
     freed_text = (
         ", ".join(
@@ -265,8 +267,8 @@ def render_evict(result: Mapping[str, Any]) -> str:
     )
     moved_text = f" ({format_count(moved)} of them moved down a tier)" if moved else ""
     if dry:
-        return f"would evict {format_count(blocks)} blocks{moved_text}; would free {freed_text}"
-    return f"evicted {format_count(blocks)} blocks{moved_text}; freed {freed_text}"
+        return f"would evict {format_count(blocks)} blocks{moved_text}; would free {freed_text}{not_done}"
+    return f"evicted {format_count(blocks)} blocks{moved_text}; freed {freed_text}{not_done}"
 
 
 def format_seconds(seconds: float | None) -> str:

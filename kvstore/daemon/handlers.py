@@ -219,7 +219,13 @@ class Handlers:
             all=msg.all,
         )
         r = self.store.evict(flt, dry_run=msg.dry_run)
-        return EvictOk(blocks=r.blocks, bytes_freed=dict(r.bytes_freed), moved=r.moved, keys=list(r.keys))
+        return EvictOk(
+            blocks=r.blocks,
+            bytes_freed=dict(r.bytes_freed),
+            moved=r.moved,
+            keys=list(r.keys),
+            not_done=r.not_done or None,
+        )
 
     def _stats(self, msg: Stats, ns: Namespace | None) -> Message:
         return DataOk(data={"store": self.store.stats().to_dict(), "server": self.server_info()})

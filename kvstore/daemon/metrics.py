@@ -344,6 +344,11 @@ _CLUSTER_COUNTERS = (
         "kvstore_cluster_dropped_blocks",
         "Blocks not written to the cluster: its queue was full or it was down (local tiers keep them)",
     ),
+    (
+        "session_dropped",
+        "kvstore_cluster_dropped_sessions",
+        "Session records not written to the cluster: too many were waiting, or it was down",
+    ),
     ("write_refused", "kvstore_cluster_refused_blocks", "Writes the cluster refused for memory (maxmemory)"),
     (
         "errors",

@@ -16,6 +16,8 @@ evicted, not even on request; they are left out.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvstore.results import (
@@ -144,7 +146,10 @@ class AdminOps:
             dry_run=dry_run,
         )
         if flt.session is not None and t is None and self._cluster is not None:
-            remote = self._cluster.evict([], flt.session, dry_run=dry_run, continued=self._continued)
+            try:
+                remote = self._cluster.evict([], flt.session, dry_run=dry_run, continued=self._continued)
+            except InvalidRequest as e:  # the cluster is down: this host's part stands, and says so
+                return replace(result, not_done=f"{e}; evict --session again once it is back")
             result = EvictResult(
                 blocks=result.blocks + remote.blocks,
                 bytes_freed={**result.bytes_freed, **remote.bytes_freed},

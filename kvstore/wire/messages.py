@@ -429,11 +429,18 @@ class PutOk(Message):
 @dataclass(frozen=True)
 class EvictOk(Message):
     op = "evict"
-    schema = {"blocks": F.nonneg_int, "bytes_freed": F.a_map, "moved": F.nonneg_int, "keys": F.a_list}
+    schema = {
+        "blocks": F.nonneg_int,
+        "bytes_freed": F.a_map,
+        "moved": F.nonneg_int,
+        "keys": F.a_list,
+        "not_done": F.opt_text,
+    }
     blocks: int
     bytes_freed: dict[str, int]
     moved: int
     keys: list[bytes]
+    not_done: str | None = None  # a part not done, and why (see results.EvictResult)
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,14 @@ def test_read_tokens(tmp_path: Path) -> None:
 
 def test_plain_makes_results_json_ready() -> None:
     r = plain(EvictResult(blocks=1, bytes_freed={"hbm": 10}, moved=0, keys=[b"\x01\xff"], dry_run=True))
-    assert r == {"blocks": 1, "bytes_freed": {"hbm": 10}, "moved": 0, "keys": ["01ff"], "dry_run": True}
+    assert r == {
+        "blocks": 1,
+        "bytes_freed": {"hbm": 10},
+        "moved": 0,
+        "keys": ["01ff"],
+        "dry_run": True,
+        "not_done": "",
+    }
     assert json.loads(json.dumps(r)) == r
 
 
@@ -360,6 +367,9 @@ def test_render_session_prefix_evict_prefetch() -> None:
         )
         == "would evict 3 blocks; would free hbm 1.0 KiB, nvme 10 B"
     )
+    assert display.render_evict(
+        {"blocks": 2, "bytes_freed": {"hbm": 1024}, "not_done": "the cluster is down"}
+    ).splitlines() == ["evicted 2 blocks; freed hbm 1.0 KiB", "not done: the cluster is down"]
     assert (
         display.render_prefetch({"session": "s", "to": "hbm", "moved": 2, "present": 1, "failed": 0})
         == "session s: 2 blocks brought up to hbm, 1 already there, 0 failed"

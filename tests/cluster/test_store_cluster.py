@@ -340,3 +340,28 @@ def test_engine_pages_are_read_from_the_cluster_whatever_they_were_stored_after(
     assert r.tiers == ["cluster"] * 4 and same(got(r), x)
     assert b.stats().cluster["corrupt"] == c.stats().cluster["corrupt"] == 0  # type: ignore[index]
     assert len(rc.keys()) >= 4  # nothing deleted
+
+
+def test_evict_of_a_session_while_the_cluster_is_down_does_this_host_s_part_and_says_what_is_left(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # it raised after dropping the local blocks and the session: the operator was told it failed
+    a = host("a", timeout=0.3, retry_after=30.0)
+    toks = tokens(3)
+    a.put(NS, toks, kv(3 * T), session="S")
+    written(a, 3)
+    masters = list(rc.live_masters())
+    for port in masters:
+        rc.pause(port)
+    try:
+        a.lookup(NS, tokens(4, seed=9))  # meets the outage: the cluster is marked down
+        dry = a.evict(EvictFilter(session="S"), dry_run=True)
+        assert dry.blocks == 3 and "cluster" in dry.not_done and a.lookup(NS, toks).matched_blocks == 3
+        done = a.evict(EvictFilter(session="S"))
+        assert done.blocks == 3 and "evict --session again" in done.not_done
+        assert a.lookup(NS, toks).matched_blocks == 0
+        with pytest.raises(KeyError):
+            a.session("S")
+    finally:
+        for port in masters:
+            rc.resume(port)

@@ -243,6 +243,7 @@ def test_a_full_cluster_is_counted_and_the_metrics_show_the_tier(
         text = r.read().decode()
     assert 'kvstore_tier_hits_total{tier="cluster"}' in text
     assert "kvstore_cluster_up 1.0" in text and "kvstore_cluster_refused_blocks_total 4.0" in text
+    assert "kvstore_cluster_dropped_sessions_total 0.0" in text
 
 
 def test_evict_from_the_cli_reaches_the_cluster(rc: LocalCluster, hosts: HostStarter) -> None:
