@@ -54,7 +54,10 @@ from kvstore.tiers.base import TierFull, TierIOError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: records entries may be of entry format 2 (nvme_format.py), which builds of 1 drop
+READS_VERSIONS = (1, 2)  # a store of version 1 is opened and marked 2 at once: no older build then
+# takes it for one it can read (a build of version 1 took every format-2 entry for a damaged one and
+# dropped it: it now refuses the store, naming the version)
 
 
 class Durability(str, Enum):
@@ -407,13 +410,15 @@ def _open_dbs(env: lmdb.Environment, path: Path) -> tuple[dict[str, Any], float]
                 txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=meta)
                 txn.put(b"created", repr(time.time()).encode(), db=meta)
             found = txn.get(b"format_version", db=meta)
-            if found != str(FORMAT_VERSION).encode():
+            if found not in {str(v).encode() for v in READS_VERSIONS}:
                 shown = found.decode(errors="replace") if found is not None else "none"
                 raise StoreFormatError(
                     f"{path} holds a kvstore nvme store of format version {shown}; "
-                    f"this build reads version {FORMAT_VERSION}. Point [nvme] path at "
-                    "another directory, or delete this one to start empty"
+                    f"this build reads versions {', '.join(map(str, READS_VERSIONS))}. Point [nvme] "
+                    "path at another directory, or delete this one to start empty"
                 )
+            if found != str(FORMAT_VERSION).encode():  # an older store: readable, and marked as ours
+                txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=meta)
             created = float(txn.get(b"created", default=b"0", db=meta))
     except lmdb.IncompatibleError as e:
         raise StoreFormatError(f"{path} holds an LMDB database that is not a kvstore nvme store: {e}") from e

@@ -376,12 +376,18 @@ class NvmeTier(Tier):
         return self._write(txn_update) if recs else 0
 
     def _rewritten(self, txn: lmdb.Transaction, old: bytes | memoryview, rec: BlockRecord) -> bytes:
-        """``rec`` as the entry replacing ``old``, for the same frame: a format-1 entry recorded no
-        frame CRC, so it is read from the frame's header (the frame is checked on every get)."""
+        """``rec`` as the entry replacing ``old``, for the same frame. A format-1 entry recorded no
+        frame CRC: it is taken from the frame under the key when that frame is sound and of the
+        length the entry recorded (what a format-1 entry could check); otherwise the entry records
+        none that fits (0), and the next get finds the frame is not this block's."""
         fcrc = frame_crc(old)
         if fcrc is None:
             frame = txn.get(rec.key, db=self._blocks)
-            fcrc = stored_checksum(frame) if frame is not None else None
+            if frame is not None and len(frame) == frame_len(old):
+                try:
+                    fcrc = check_frame(frame).checksum
+                except FrameError:
+                    fcrc = None
         return pack_entry(rec.key, frame_len(old), fcrc or 0, rec)
 
     def iter_records(

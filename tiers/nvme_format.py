@@ -165,23 +165,25 @@ def pack_entry(key: bytes, frame_len: int, frame_crc: int, record: BlockRecord |
 
 
 def frame_len(value: bytes | memoryview) -> int:
-    """The frame length an entry records (no checks: sizes only)."""
-    return int(_LENGTH.unpack_from(value, 4)[0])
+    """The frame length an entry records (no checks: sizes only; 0 for an entry too short to say)."""
+    return int(_LENGTH.unpack_from(value, 4)[0]) if len(value) >= 8 else 0
 
 
 def frame_crc(value: bytes | memoryview) -> int | None:
     """The frame CRC an entry records (no checks); None for a format-1 entry, which records none."""
-    return int(HEAD.unpack_from(value)[3]) if value[0] == ENTRY_FORMAT and len(value) >= HEAD.size else None
+    return int(HEAD.unpack_from(value)[3]) if len(value) >= HEAD.size and value[0] == ENTRY_FORMAT else None
 
 
 def has_record(value: bytes | memoryview) -> bool:
-    return bool(value[1] & _HAS_RECORD)
+    return len(value) > 1 and bool(value[1] & _HAS_RECORD)
 
 
 def with_frame(key: bytes, value: bytes | memoryview, new_len: int, new_crc: int) -> bytes:
     """The same entry (same record) for a new frame of ``new_len`` bytes and header CRC ``new_crc``;
     the entry's CRC does not cover them. A format-1 entry comes back in format 2, its CRC started
     from the key only when the old one held: a damaged entry stays damaged."""
+    if len(value) < HEAD.size and not (len(value) >= _HEAD_V1.size and value[0] == _V1):
+        return pack_entry(key, new_len, new_crc, None)  # too short to hold a record: damaged, none kept
     if value[0] == _V1 and len(value) >= _HEAD_V1.size:
         fmt, flags, _, crc = _HEAD_V1.unpack_from(value)
         body = bytes(value[_HEAD_V1.size :])
@@ -196,7 +198,7 @@ def check_binding(key: bytes, entry: bytes | memoryview | None, frame: bytes | m
     """FrameError unless ``entry`` (the records value under ``key``) was written under ``key`` with
     ``frame``: its CRC, started from the key, holds, and it records the frame's length and CRC.
     A format-1 entry is checked by the frame's length alone (it recorded nothing more)."""
-    if entry is None:
+    if entry is None or not len(entry):
         raise _damaged(key, "is missing, though a frame is stored")
     n = memoryview(frame).nbytes
     if entry[0] == _V1 and len(entry) >= _HEAD_V1.size:

@@ -346,6 +346,7 @@ class Handlers:
         return self._commit(plane, request.peer, msg, ns)
 
     def _locate(self, plane: SharedPlane, peer: bytes, msg: Locate, ns: Namespace) -> Message:
+        plane.admit(peer)  # before anything is pinned: a client at its lease bound pins nothing
         names = self.store.tiers.names
         shared = {t for t, name in enumerate(names) if name in msg.tiers and plane.shares(name)}
         located = self.store.locate(

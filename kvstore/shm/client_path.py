@@ -106,7 +106,7 @@ class SharedPath:
                 self._hello_again(m)
                 continue
             except ServerError as e:
-                if e.code == "busy":  # this client holds all the leases it may: this call uses the socket
+                if e.code == "too_many_leases":  # this call uses the socket
                     log.info("shared-memory %s refused now (%s); using the socket", what, e)
                     return None
                 if e.code != "no_shared_memory":
@@ -216,10 +216,10 @@ class SharedPath:
             if isinstance(err, ShmUnavailable):  # this client's staging cannot be mapped: the socket
                 log.warning("shared-memory put failed (%s); using the socket", err)  # from now on
                 self._refused.add(m.instance)
-            elif err.code not in ("no_staging", "not_found"):
-                raise
-            # no staging room now, or a range lapsed under a paused client: the rest one way or another,
-            # the chunks stored so far counted as stored
+            elif err.code not in ("no_staging", "not_found", "too_many_leases"):
+                raise  # no_shared_memory among them: a daemon that restarted, which holds none of it
+            # no staging room or lease now, or a range lapsed under a paused client: the rest one way
+            # or another, the chunks stored so far counted as stored
             s = starts[tally.replies] if tally.replies < len(starts) else total
             if s < total and not tally.failed:
                 log.debug("shared-memory put stopped at block %d (%s); the rest goes over the socket", s, err)

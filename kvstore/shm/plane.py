@@ -276,14 +276,7 @@ class SharedPlane:
         now = self.clock()
         with self._lock:
             self._sweep(now)
-            mine = self._per_peer.get(peer, 0)
-            if mine >= MAX_LEASES_PER_CLIENT or len(self._leases) >= MAX_LEASES:
-                raise ProtocolError(
-                    "busy",
-                    f"this client holds {mine} shared-memory leases (at most {MAX_LEASES_PER_CLIENT}; "
-                    f"{MAX_LEASES} for all clients): finish the requests it located or reserved, or "
-                    "wait for their leases to end",
-                )
+            mine = self._admit(peer)
             offset, staging = 0, None
             if nbytes:
                 staging = self._client(peer, now)
@@ -307,6 +300,25 @@ class SharedPlane:
             if armed:
                 heapq.heappush(self._clock_heap, (got_lease.expires, handle))
             return got_lease
+
+    def admit(self, peer: bytes) -> None:
+        """ProtocolError (too_many_leases) when ``peer`` may take no lease now: checked before a
+        locate pins anything."""
+        with self._lock:
+            self._sweep(self.clock())
+            self._admit(peer)
+
+    def _admit(self, peer: bytes) -> int:
+        """The leases ``peer`` holds (lock held); ProtocolError (too_many_leases) at a bound."""
+        mine = self._per_peer.get(peer, 0)
+        if mine >= MAX_LEASES_PER_CLIENT or len(self._leases) >= MAX_LEASES:
+            raise ProtocolError(
+                "too_many_leases",
+                f"this client holds {mine} shared-memory leases (at most {MAX_LEASES_PER_CLIENT}; "
+                f"{MAX_LEASES} for all clients): finish the requests it located or reserved; "
+                "meanwhile use get and put",
+            )
+        return mine
 
     def _client(self, peer: bytes, now: float) -> _Staging:
         """``peer``'s staging segment, made now if it has none (lock held). StagingFull when all the
@@ -344,8 +356,8 @@ class SharedPlane:
             if lease is None or lease.ended or (peer is not None and lease.peer != peer):
                 return None
             lease.copied.set()
-            if lease.readers:
-                lease.ended = True
+            if lease.readers:  # ended, not lapsed: given back by the last reader (the sweep skips it)
+                lease.ended, lease.expires = True, math.inf
             else:
                 self._end(lease)
             return lease

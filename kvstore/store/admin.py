@@ -211,7 +211,7 @@ class AdminOps:
                 with self._lock:
                     if t <= target:
                         present += 1
-                    elif self._mover.promote(e, block, target, t, ready, mine=handle):
+                    elif self._mover.promote(e, block, target, t, ready):
                         moved += 1
                         moved_bytes += self._tiers[target].nbytes(e.key)
                     else:

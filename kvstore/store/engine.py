@@ -122,6 +122,7 @@ class Store:
         self._lock = threading.RLock()
         self._clock = clock
         self._closed = False
+        self._closing = False  # close's last flush runs: only blocks read from the cluster are stored
         self.tiers = TierSet(hbm, ram, nvme)
         self._index = BlockIndex(len(self.tiers))
         self._pins = PinTable(clock)
@@ -467,10 +468,12 @@ class Store:
         """Flush, stop the writer threads and close the tiers. Further calls raise StoreClosed.
         What waits for the cluster is written for up to 5 s more (it is a copy: nothing is lost)."""
         with self._lock:
-            if self._closed:
+            if self._closed or self._closing:
                 return
-            self._closed = True  # before the last flush: a put accepted after it would not be written
-        self.flush()
+            self._closing = True  # before the last flush: a put accepted after it would not be written
+        self.flush()  # blocks earlier gets read from the cluster are stored first (settle)
+        with self._lock:
+            self._closed = True
         if self._cluster is not None:
             self._cluster.close()
         if self._writeback is not None:
@@ -485,8 +488,10 @@ class Store:
         self.close()
 
     # -- internals (lock held unless said otherwise) -------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
+    def _check_open(self, adopted: bool = False) -> None:
+        """StoreClosed once the store is closed, or closing (``adopted``: a put of blocks read from
+        the cluster, which close's last flush waits for, goes on while it closes)."""
+        if self._closed or (self._closing and not adopted):
             raise StoreClosed("the store is closed; open a new Store on the same nvme path")
 
     def _touch(self, e: Entry, now: float) -> None:

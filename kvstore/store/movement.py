@@ -28,7 +28,6 @@ from kvstore.record import ENGINE_KEY, BlockRecord
 from kvstore.store.counts import TierCounters
 from kvstore.store.index import LOSSY, TIER_MASK, Entry, Pending
 from kvstore.store.parts import StoreParts
-from kvstore.store.pins import PinHandle
 from kvstore.store.sessions import SessionState
 from kvstore.tiers.base import TierFull, TierIOError
 
@@ -312,7 +311,6 @@ class Mover:
         to: int,
         source: int,
         ready: Frames = NO_FRAMES,
-        mine: PinHandle | None = None,
     ) -> bool:
         """Bring ``block`` (read from tier ``source`` below) up into tier ``to``.
 
@@ -324,9 +322,8 @@ class Mover:
         if self.index.get(e.key) is not e or e.tiers & (1 << to):
             return False
         move = source != self.tiers.nvme_t and bool(e.tiers & (1 << source))
-        if move and (e.key in self.busy or self.pins.is_pinned(e.key, besides=mine)):
-            return False  # another holds its pages by lease (a located read): they stay
-            return False
+        if move and (e.key in self.busy or self.pins.is_located(e.key)):
+            return False  # a client reads its pages in place, by lease (a located read): they stay
         self.busy.add(e.key)
         try:
             if move:

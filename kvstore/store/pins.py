@@ -23,6 +23,7 @@ class PinHandle:
     id: int
     keys: tuple[bytes, ...]
     expires: float
+    located: bool = False  # a client reads the blocks' pages in place (kvstore.shm): they must stay put
 
 
 class PinTable:
@@ -34,11 +35,12 @@ class PinTable:
         self._by_key: dict[bytes, dict[int, float]] = {}
         self._handles: dict[int, PinHandle] = {}
 
-    def pin(self, keys: Iterable[bytes], lease: float) -> PinHandle:
-        """Pin ``keys`` for ``lease`` seconds from now. Returns the handle to release them with."""
+    def pin(self, keys: Iterable[bytes], lease: float, *, located: bool = False) -> PinHandle:
+        """Pin ``keys`` for ``lease`` seconds from now (``located``: for a client that reads their
+        pages in place). Returns the handle to release them with."""
         if not lease > 0:
             raise ValueError(f"a pin lease must be positive seconds, got {lease!r}")
-        handle = PinHandle(next(self._ids), tuple(keys), self._clock() + lease)
+        handle = PinHandle(next(self._ids), tuple(keys), self._clock() + lease, located)
         if handle.id % _PURGE_EVERY == 0:  # leases of clients that died go even where nothing else purges
             self.purge()
         self._handles[handle.id] = handle
@@ -58,21 +60,29 @@ class PinTable:
                     del self._by_key[k]
         return True
 
-    def is_pinned(self, key: bytes, besides: PinHandle | None = None) -> bool:
-        """Whether some unexpired lease (other than ``besides``) holds ``key`` (expired leases found
-        here are purged)."""
+    def is_pinned(self, key: bytes) -> bool:
+        """Whether some unexpired lease holds ``key`` (expired leases found here are purged)."""
         holders = self._by_key.get(key)
         if not holders:
             return False
         now = self._clock()
-        mine = None if besides is None else besides.id
-        if any(exp > now and hid != mine for hid, exp in holders.items()):
+        if any(exp > now for exp in holders.values()):
             return True
         for hid, exp in list(holders.items()):
             h = self._handles.get(hid)
             if h is not None and exp <= now:
                 self.release(h)
         return False
+
+    def is_located(self, key: bytes) -> bool:
+        """Whether an unexpired lease of a client reading ``key``'s pages in place holds it."""
+        holders = self._by_key.get(key)
+        if not holders:
+            return False
+        now = self._clock()
+        return any(
+            exp > now and self._handles[hid].located for hid, exp in holders.items() if hid in self._handles
+        )
 
     def purge(self) -> int:
         """Drop every expired lease; returns how many."""

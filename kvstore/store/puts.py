@@ -40,8 +40,8 @@ from kvstore.store.writeback import WriteBack
 class Putter:
     """Puts into one store's parts. ``through``: the write-through to nvme a put feeds (None: off,
     or blocks reach nvme later: admission on second use, demotion); ``cluster``: the shared tier's
-    link (None: none). ``touch(e, now)`` marks a block used; ``check_open`` raises once the store
-    is closed (called with the lock held)."""
+    link (None: none). ``touch(e, now)`` marks a block used; ``check_open(adopted)`` raises once the
+    store is closed, or closing for a put not ``adopted`` (called with the lock held)."""
 
     def __init__(
         self,
@@ -54,7 +54,7 @@ class Putter:
         *,
         lease: float,
         touch: Callable[[Entry, float], None],
-        check_open: Callable[[], None],
+        check_open: Callable[[bool], None],
     ) -> None:
         self._lock, self._clock, self._tiers = parts.lock, parts.clock, parts.tiers
         self._index, self._pins, self._sessions = parts.index, parts.pins, parts.sessions
@@ -102,7 +102,7 @@ class Putter:
                 c1 = min(c0 + CHUNK, job.end)
                 ready = self._data.prepare_demotions(ns, job.keys[c0:c1])  # codec work: before the lock
                 with self._lock:
-                    self._check_open()
+                    self._check_open(adopted)
                     fresh = [k for k in job.keys[c0:c1] if k not in self._index]
                     try:
                         with self._tiers.batched_writes():  # landed before the lock is let go

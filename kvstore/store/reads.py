@@ -219,7 +219,7 @@ class Reader:
                     continue
                 found.append((e, t))
             places = self._places(found)
-            handle = self._pins.pin([e.key for e, _ in found], lease)
+            handle = self._pins.pin([e.key for e, _ in found], lease, located=True)
             self._counts.lookups += 1
             self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
         if missed is not None and self._cluster is not None and self._cluster.cluster.available():

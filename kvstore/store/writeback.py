@@ -309,12 +309,28 @@ class WriteBack:
                     continue
                 sub = self._index.subtree(e)
                 fresh = max(d.last_access for d in sub)
-                if fresh >= cutoff:  # continued since (a put from a later block): it lives as they do
-                    self.record_changed(e, fresh)
+                if fresh >= cutoff:  # continued since (a put from a later block): it lives as they do,
+                    self.record_changed(e, fresh)  # and goes with them (see below)
                     self._index.touch(e, fresh)
                 elif not any(self._mover.pinned(d) for d in sub):
+                    parent = e.parent
                     dropped += len(self._mover.drop_block(e))
+                    dropped += self._expire_up(parent, cutoff)
             self._counts.expired += dropped
+        return dropped
+
+    def _expire_up(self, e: Entry | None, cutoff: float) -> int:
+        """(Lock held.) The ancestors of a block just expired that were kept only for it (``expire``
+        gave them its access time, which is past ``cutoff`` now): each goes once nothing under it is
+        fresh or pinned. Returns blocks dropped."""
+        dropped = 0
+        while e is not None and self._index.get(e.key) is e and e.last_access < cutoff:
+            sub = self._index.subtree(e)
+            if any(d.last_access >= cutoff or self._mover.pinned(d) for d in sub):
+                break
+            parent = e.parent
+            dropped += len(self._mover.drop_block(e))
+            e = parent
         return dropped
 
     def persist_dirty(self) -> None:

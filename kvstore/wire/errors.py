@@ -28,6 +28,8 @@ ERROR_CODES: dict[str, str] = {
     "too_large": "the message or its header is over the daemon's limit",
     "too_many_tokens": "more token ids than max_tokens_per_request",
     "no_staging": "no shared-memory staging room for this client now; nothing was done (use the socket)",
+    "too_many_leases": "this client holds all the shared-memory leases it may (it located or reserved "
+    "without finishing): nothing was done; use the socket for this request",
     "no_shared_memory": "a shared-memory op to a daemon that offers none now (it restarted with shared "
     "memory off): nothing was done; hello again and use the socket",
     "busy": "requests in flight are at a limit (this client's, its tenant's or the daemon's); retry",

@@ -7,16 +7,19 @@ host B: lookup -> cluster tiers; get -> from the cluster, checked, decoded, stor
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvstore.chains import KeyChain
+from kvstore.codecs import get_codec
 from kvstore.errors import LayoutError
 from kvstore.keys import Namespace
 from kvstore.results import EvictFilter, GetResult, InvalidRequest
 from kvstore.store.adoption import Adoption
 from kvstore.store.engine import Store
+from kvstore.tiers.nvme import NvmeTier
 from tests.cluster.conftest import HostFactory
 from tests.cluster.rediscluster import LocalCluster
 from tests.store.storekit import LAYOUT, NS, T, close_to, kv, same, tokens
@@ -365,3 +368,27 @@ def test_evict_of_a_session_while_the_cluster_is_down_does_this_host_s_part_and_
     finally:
         for port in masters:
             rc.resume(port)
+
+
+def test_close_stores_what_gets_read_from_the_cluster_before_it_closes(
+    tmp_path: Path, host: HostFactory
+) -> None:
+    # close refused the puts of blocks a get had read from the cluster (the store was already
+    # marked closed when its last flush started them): they were lost from this host
+    a, b = host("a"), host("b")
+    toks, x = tokens(3, seed=4), kv(12, seed=4)
+    a.put(NS, toks, x)
+    written(a, 3)
+    stored: list[str] = []
+    out = torch.zeros(LAYOUT.shape(3 * T), dtype=torch.bfloat16)
+    assert (
+        b.get(NS, toks, out=out, adopted=Adoption(lambda: stored.append("done"), wait=60.0)).matched_blocks
+        == 3
+    )
+    b.close()  # its last flush starts storing them, and waits
+    assert stored == ["done"]
+    again = NvmeTier(tmp_path / "b", 1 << 22, get_codec("int4"))
+    try:
+        assert sum(k in again for k in _keys(toks)) == 3
+    finally:
+        again.close()

@@ -213,7 +213,7 @@ def test_live_leases_are_bounded_per_client_and_in_all(shm_dir: Path, monkeypatc
         held = [plane.reserve(b"a", 0) for _ in range(6)]
         with pytest.raises(ProtocolError, match="holds 6 shared-memory leases") as e:
             plane.reserve(b"a", 0)
-        assert e.value.code == "busy"
+        assert e.value.code == "too_many_leases"
         others = [plane.reserve(b"b", 0) for _ in range(4)]
         with pytest.raises(ProtocolError, match="at most 6; 10 for all"):
             plane.reserve(b"c", 0)  # all clients' leases together are at their bound

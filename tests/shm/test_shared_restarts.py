@@ -6,6 +6,7 @@ ipc endpoint, restarted under the same client.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +130,35 @@ def test_a_put_first_after_a_restart_gives_back_the_new_daemon_s_range_and_maps_
         got = c.get(b)
         assert_exact(b, got.kv, got.matched_tokens)
         assert wait_until(lambda: other.stats()["server"]["shm"]["leases"] == 0, 5)
+
+
+def test_a_client_at_its_lease_bound_uses_the_socket_at_once(
+    daemons: Any, tmp_path: Path, monkeypatch
+) -> None:
+    # the bound was answered busy: the connection re-sent for its whole time-out, each try pinning
+    # the blocks again, before the call fell back
+    from kvstore.shm.plane import MAX_LEASES_PER_CLIENT
+    from kvstore.wire.messages import Locate, LocateOk
+
+    cfg = write_config(tmp_path, server=SHM)
+    daemons(cfg)
+    rng = np.random.default_rng(5)
+    a, b = random_tokens(rng, 4), random_tokens(rng, 4)
+    with attached(endpoint_of(cfg)) as c:
+        assert c.put(a, prefix_kv(a)).stored == 4
+        m = c._shm.mapping()
+        assert m is not None
+        for _ in range(MAX_LEASES_PER_CLIENT):  # located, never finished (a client's bug)
+            assert isinstance(
+                c._conn.call(Locate(ns=c.namespace.id, tokens=a, tiers=m.tiers), idempotent=True), LocateOk
+            )
+        pinned = c.stats()["store"]["pinned"]
+        ops = sent_ops(c, monkeypatch)
+        out = torch.zeros(LAYOUT.shape(4 * T), dtype=torch.float16)
+        t0 = time.monotonic()
+        assert c.get_into(a, out).matched_blocks == 4
+        assert_exact(a, out, 4 * T)
+        assert c.put(b, prefix_kv(b)).stored == 4
+        assert time.monotonic() - t0 < c._conn.timeout
+        assert ops.count("locate") == 1 and ops.count("reserve") == 1  # refused once each: the socket
+        assert c.stats()["store"]["pinned"] == pinned  # the refused locate pinned nothing

@@ -108,22 +108,26 @@ def test_an_access_within_a_short_ttl_survives_a_restart(make_store, tmp_path) -
 
 def test_a_prefix_continued_later_lives_as_long_as_its_new_blocks(make_store) -> None:
     # an engine saves as it computes: a put from block 2 never touches blocks 0-1; past their TTL
-    # they went, and the blocks stored 20 s before went with them (a lookup starts at block 0)
+    # they went, and the blocks stored after them went too (a lookup starts at block 0); kept for
+    # them, they then stayed up to a TTL longer than the blocks they were kept for
     clock = Clock()
     s = make_store(clock=clock, ttl=3600.0, tick=0.02)
     toks, x = tokens(4), kv(4 * T)
-    s.put(NS, toks, x[:, :, : 2 * T])
-    clock.advance(3590)
-    assert s.put(NS, toks, x[:, :, 2 * T :], start_block=2).stored == 2
-    clock.advance(20)  # blocks 0-1 are 3610 s old, blocks 2-3 20 s
+    s.put(NS, toks, x[:, :, : 2 * T])  # t = 0
+    clock.advance(10)
+    assert s.put(NS, toks, x[:, :, 2 * T :], start_block=2).stored == 2  # t = 10
+    clock.advance(2990)
+    s.put(NS, tokens(1, seed=5), kv(T, 5))  # t = 3000: another prompt
+    clock.advance(605)  # t = 3605: blocks 0-1 are past the TTL, 2-3 not
     time.sleep(0.2)  # several ticks, each a TTL sweep
-    assert s.lookup(NS, toks).matched_blocks == 4
-    assert s.stats().expired == 0
-    clock.advance(3600)  # now all four are past it
+    assert s.lookup(NS, toks).matched_blocks == 4 and s.stats().expired == 0
+    clock.advance(10)  # t = 3615: blocks 2-3 are past it too: all four go, the other prompt stays
     deadline = time.monotonic() + 10
     while s.lookup(NS, toks).matched_blocks and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert s.stats().expired == 4
+    time.sleep(0.1)
+    assert s.lookup(NS, toks).matched_blocks == 0 and s.stats().expired == 4
+    assert s.lookup(NS, tokens(1, seed=5)).matched_blocks == 1
     assert s.check_integrity() == []
 
 

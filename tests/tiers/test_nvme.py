@@ -337,6 +337,12 @@ def test_other_format_version_is_refused(tmp_path: Path) -> None:
         txn.put(b"format_version", b"1", db=env.open_db(b"meta", txn=txn))
     env.close()
     open_tier(tmp_path / "nvme").close()
+    # version 1 is read, and marked 2: a build of version 1 (which dropped format-2 entries as
+    # damaged) now refuses it instead
+    env = lmdb.open(str(tmp_path / "nvme"), max_dbs=8)
+    with env.begin() as txn:
+        assert txn.get(b"format_version", db=env.open_db(b"meta", txn=txn)) == b"2"
+    env.close()
 
 
 def test_foreign_lmdb_is_refused(tmp_path: Path) -> None:
@@ -611,3 +617,21 @@ def test_debug_corrupt_makes_get_fail_closed(tier: NvmeTier) -> None:
     assert tier.record(key(1)) == record(1)  # the record is separate and intact
     with pytest.raises(KeyError):
         tier._debug_corrupt(key(2), 0)
+
+
+@pytest.mark.parametrize("entry", [b"", b"\x02\x01\x00", bytes(12)])
+def test_a_records_entry_too_short_to_read_is_a_bad_copy_and_can_be_replaced(
+    tmp_path: Path, entry: bytes
+) -> None:
+    # an empty entry made get raise IndexError (not a bad copy: never deleted), a put over it and
+    # its drop raised struct errors
+    tier = open_tier(tmp_path / "nvme")
+    tier.put(key(1), block(1), record(1))
+    tier._write(lambda txn: txn.put(key(1), entry, db=tier._records))
+    with pytest.raises(FrameError):
+        tier.get(key(1))
+    tier.put(key(1), block(1), None)  # the record was lost with the entry: the block is stored bare
+    assert torch.equal(tier.get(key(1)), block(1))
+    tier._write(lambda txn: txn.put(key(1), entry, db=tier._records))
+    assert tier.drop(key(1)) >= 0 and key(1) not in tier
+    tier.close()
