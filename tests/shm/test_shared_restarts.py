@@ -146,11 +146,11 @@ def test_a_client_at_its_lease_bound_uses_the_socket_at_once(
     a, b = random_tokens(rng, 4), random_tokens(rng, 4)
     with attached(endpoint_of(cfg)) as c:
         assert c.put(a, prefix_kv(a)).stored == 4
-        m = c._shm.mapping()
-        assert m is not None
+        m, ns = c._shm.mapping(), c.namespace
+        assert m is not None and ns is not None
         for _ in range(MAX_LEASES_PER_CLIENT):  # located, never finished (a client's bug)
             assert isinstance(
-                c._conn.call(Locate(ns=c.namespace.id, tokens=a, tiers=m.tiers), idempotent=True), LocateOk
+                c._conn.call(Locate(ns=ns.id, tokens=a, tiers=m.tiers), idempotent=True), LocateOk
             )
         pinned = c.stats()["store"]["pinned"]
         ops = sent_ops(c, monkeypatch)
