@@ -393,20 +393,31 @@ def _nodes(v: Any) -> tuple[str, ...]:
         raise _Invalid(allowed)
     for u in urls:
         if not re.fullmatch(r"(redis|rediss|valkey|valkeys)://\S+", u):
-            raise _Invalid(f"{allowed}; {_redact_url(u)!r} is not one")
+            raise _Invalid(f"{allowed}; {redact_url(u)!r} is not one")
         try:
             urlsplit(u).port  # noqa: B018 - read for its check (ValueError: not a port number)
         except ValueError:
-            raise _Invalid(f"{allowed}; {_redact_url(u)!r} has a port that is not a number 1-65535") from None
+            raise _Invalid(f"{allowed}; {redact_url(u)!r} has a port that is not a number 1-65535") from None
+        if urlsplit(u).port == 0:
+            raise _Invalid(f"{allowed}; {redact_url(u)!r} has a port that is not a number 1-65535 (0)")
     return urls
 
 
-def _redact_url(url: str) -> str:
-    """``url`` with its password (``redis://user:secret@host``) shown as ``***``."""
-    head, at, host = url.rpartition("@")
-    if not at or ":" not in head.partition("://")[2]:
-        return url
-    return f"{head.rpartition(':')[0]}:***@{host}"
+_URL_PART = re.compile(r"([^\s,;]+)")  # one URL of several, however separated
+
+
+def redact_url(url: str) -> str:
+    """``url`` (or several, however separated) with every password (``user:secret@host``, with or
+    without a scheme) shown as ``***``."""
+
+    def one(m: re.Match[str]) -> str:
+        scheme, sep, rest = m.group(1).rpartition("://")
+        userinfo, at, host = rest.rpartition("@")
+        if not at or ":" not in userinfo:
+            return m.group(1)
+        return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{host}"
+
+    return _URL_PART.sub(one, url)
 
 
 def _shown(section: str, key: str, raw: Any) -> str:
@@ -416,7 +427,7 @@ def _shown(section: str, key: str, raw: Any) -> str:
     if section == "cluster" and key == "nodes":
         items = raw.split(",") if isinstance(raw, str) else raw
         if isinstance(items, (list, tuple)):
-            return repr([_redact_url(i) if isinstance(i, str) else i for i in items])
+            return repr([redact_url(i) if isinstance(i, str) else i for i in items])
     return repr(raw)
 
 

@@ -6,6 +6,7 @@
     <prefix>:s:<sha256>     a session (msgpack map): namespace, block keys, token ids, time
     <prefix>:session-expiry the session keys, a sorted set scored by expiry (what evict --session must
                             leave alone); the expired leave it as sessions are written
+    <prefix>:sessions       the same as a plain set, as earlier builds wrote it: read too
 
 (the values and the seed nodes are written and parsed in cluster_format.py; the redis-py client
 and the wording of its errors are in cluster_client.py)
@@ -157,17 +158,18 @@ class ClusterTier:
             except Exception as e:
                 self._failed(e, "connect")
                 raise ClusterUnavailable(self.last_error) from None
-            self._up(client)
+            if not self._up(client):
+                raise ClusterUnavailable("the cluster tier is closed")
         try:
             return fn(client)
         except ClusterUnavailable:
             raise
         except Exception as e:
-            self._failed(e, what)
+            self._failed(e, what, client)
             raise ClusterUnavailable(self.last_error) from None
 
-    def _up(self, client: Any) -> None:
-        """Use ``client`` from now on (closed instead when the tier was closed meanwhile)."""
+    def _up(self, client: Any) -> bool:
+        """Use ``client`` from now on; False (and it is closed) when the tier was closed meanwhile."""
         with self._lock:
             closed, was = self._closed, self.state
             if not closed:
@@ -177,13 +179,18 @@ class ClusterTier:
             _close_quietly(client)
         elif was == "down":
             log.warning("cluster %s is reachable again; reads and writes resume", self.nodes.describe())
+        return not closed
 
-    def _failed(self, err: Exception, what: str = "connect") -> None:
-        """Mark the tier down for ``retry_after`` seconds and make sure the reconnector runs."""
+    def _failed(self, err: Exception, what: str = "connect", client: Any = None) -> None:
+        """Mark the tier down for ``retry_after`` seconds and make sure the reconnector runs. A call
+        that failed on ``client``, a client replaced since (a reconnect happened meanwhile), only
+        counts its error: the new client is not thrown away for the old one's failure."""
         why = reason(err)
         with self._lock:
-            was = self.state
             self.counters.errors += 1
+            if client is not None and client is not self._client:
+                return
+            was = self.state
             self.state, self.last_error = "down", why
             self._down_until = self._clock() + self.retry_after
             stale, self._client = self._client, None  # a new client: the topology may have moved
@@ -343,20 +350,37 @@ class ClusterTier:
         """The sorted set of the session keys, each scored by when its record expires (Unix time)."""
         return f"{self.prefix}:session-expiry"
 
-    def put_session(self, name: str, info: dict[str, Any]) -> None:
-        """Record a session (its namespace, token ids or block keys); ClusterUnavailable on an outage.
-        Members of expired records leave the sorted set as this runs: it holds the live sessions."""
+    def _legacy_sessions_key(self) -> str:
+        """The set of session keys that builds before the sorted set wrote (read, and emptied as
+        its records expire, while such hosts may still write it)."""
+        return f"{self.prefix}:sessions"
+
+    def put_session(self, name: str, info: dict[str, Any]) -> bool:
+        """Record a session (its namespace, token ids or block keys); False when the cluster refused
+        it for memory (counted in ``write_refused``), ClusterUnavailable on an outage. Members of
+        expired records leave the sorted set as this runs: it holds the live sessions."""
         value = msgpack.packb({"v": SESSION_VERSION, "name": name, **info}, use_bin_type=True)
         px = _px(self.ttl)
         key = self.session_key(name)
 
-        def write(c: Any) -> None:
+        def write(c: Any) -> list[Any]:
             now = time.time()  # wall time: the score is read by every host
-            c.set(key, value, px=px)
-            c.zadd(self.sessions_key(), {key: math.inf if px is None else now + px / 1000})
-            c.zremrangebyscore(self.sessions_key(), "-inf", f"({now}")
+            pipe = c.pipeline(transaction=False)  # one round trip
+            pipe.set(key, value, px=px)
+            pipe.zadd(self.sessions_key(), {key: math.inf if px is None else now + px / 1000})
+            pipe.zremrangebyscore(self.sessions_key(), "-inf", f"({now}")
+            return list(pipe.execute(raise_on_error=False))
 
-        self._call("session write", write)
+        results = self._call("session write", write)
+        errors = [r for r in results if isinstance(r, Exception) and not out_of_memory(r)]
+        if errors:  # a node down or moving: as any failed call
+            self._failed(errors[0], "session write")
+            raise ClusterUnavailable(self.last_error)
+        if any(out_of_memory(r) for r in results):  # the cluster is full: refused, not an outage
+            with self._lock:
+                self.counters.write_refused += 1
+            return False
+        return True
 
     def get_session(self, name: str) -> dict[str, Any] | None:
         """The session recorded under ``name`` (None when absent or not a session of this name).
@@ -369,6 +393,7 @@ class ClusterTier:
 
         def drop(c: Any) -> bool:
             c.zrem(self.sessions_key(), key)
+            c.srem(self._legacy_sessions_key(), key)
             return bool(c.delete(key))
 
         return bool(self._call("session delete", drop))
@@ -378,7 +403,9 @@ class ClusterTier:
         are met). ClusterUnavailable on an outage."""
 
         def read(c: Any) -> list[dict[str, Any]]:
-            members = sorted(c.zrangebyscore(self.sessions_key(), time.time(), "+inf"))
+            live = c.zrangebyscore(self.sessions_key(), time.time(), "+inf")
+            older = c.smembers(self._legacy_sessions_key())  # hosts of builds before the sorted set
+            members = sorted(set(live) | set(older))
             pipe = c.pipeline(transaction=False)
             for m in members:
                 pipe.get(m)
@@ -391,6 +418,8 @@ class ClusterTier:
                     out.append(d)
             if gone:
                 c.zrem(self.sessions_key(), *gone)
+                if older:
+                    c.srem(self._legacy_sessions_key(), *gone)
             return out
 
         return list(self._call("session list", read))

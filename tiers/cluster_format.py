@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 import msgpack
 
+from kvstore.config import redact_url
 from kvstore.errors import ConfigError, FrameError
 from kvstore.record import BlockRecord
 
@@ -62,14 +63,16 @@ class ClusterNodes:
             u = urlsplit(url.strip())
             if u.scheme not in ("redis", "rediss", "valkey", "valkeys") or not u.hostname:
                 raise ConfigError(
-                    f"[cluster] nodes: {_redact(url)!r} is not a cluster node; expected "
+                    f"[cluster] nodes: {redact_url(url)!r} is not a cluster node; expected "
                     "'redis://host:port' or 'rediss://host:port' (TLS)"
                 )
             try:
-                port = u.port or 6379
+                port = 6379 if u.port is None else u.port
+                if port == 0:
+                    raise ValueError("port 0")
             except ValueError:
                 raise ConfigError(
-                    f"[cluster] nodes: {_redact(url)!r} has a port that is not a number 1-65535"
+                    f"[cluster] nodes: {redact_url(url)!r} has a port that is not a number 1-65535"
                 ) from None
             schemes.add(u.scheme in ("rediss", "valkeys"))
             hosts.append((u.hostname, port))
@@ -89,11 +92,6 @@ class ClusterNodes:
         scheme = "rediss" if self.tls else "redis"
         who = f"{self.username}@" if self.username else ""
         return ", ".join(f"{scheme}://{who}{h}:{p}" for h, p in self.hosts)
-
-
-def _redact(url: str) -> str:
-    u = urlsplit(url)
-    return url if u.password is None else url.replace(f":{u.password}@", ":***@")
 
 
 def pack_value(record: BlockRecord, frame: Any) -> bytes:

@@ -162,7 +162,7 @@ def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
             preview = plain(client.evict(**flt, dry_run=True))
             if not preview["blocks"]:
                 _emit(args, preview, display.render_evict, out)
-                return EXIT_OK
+                return EXIT_FAILED if preview.get("not_done") else EXIT_OK
             if not _ask(f"{display.render_evict(preview)}.\nProceed? [y/N] "):
                 sys.stderr.write("nothing evicted\n")
                 return EXIT_FAILED

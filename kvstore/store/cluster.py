@@ -88,30 +88,45 @@ class ClusterLink:
         """Queue new blocks for the cluster without waiting: what does not fit, or arrives while the
         cluster is down, is dropped and counted (the local tiers keep every block regardless).
 
-        ``touched``: the blocks of the put, in chain order (``new`` among them). One of them dropped
+        ``touched``: the blocks of the put, in chain order (``new`` among them). One of them, or of the
+        blocks before them (a put from a later block: an engine saving as it computes), dropped
         before and not written since goes again with them: lookups are prefix-closed, so without it
         the blocks after it would be unreachable in the cluster."""
         keys = new
-        if self._unsent:  # (cheap while nothing was dropped: a put costs no more than before)
+        again: set[bytes] = set()
+        if self._unsent and touched:  # (cheap while nothing was dropped: a put costs no more than before)
+            chain = self._ancestors(touched[0]) + list(touched)
             with self._unsent_lock:
-                again = {k for k in touched if k in self._unsent}
+                again = {k for k in chain if k in self._unsent}
                 for k in again:
                     del self._unsent[k]
             if again:
                 fresh = set(new)
-                keys = [k for k in touched if k in again or k in fresh]
+                keys = [k for k in chain if k in again or k in fresh]
         if not keys:
             return
         if not self.cluster.available():
-            self._dropped(keys)
+            self._dropped(keys, again)
             return
         refused = self._writer.submit(keys, 0.0)
         if refused:
-            self._dropped(refused)
+            self._dropped(refused, again)
 
-    def _dropped(self, keys: Sequence[bytes]) -> None:
-        """``keys`` were not written: counted, and remembered so that the next put of them sends them."""
-        self.cluster.count(write_dropped=len(keys))
+    def _ancestors(self, key: bytes) -> list[bytes]:
+        """The keys of the blocks before ``key`` in its chain, root first."""
+        with self._lock:
+            e = self._index.get(key)
+            out = []
+            p = None if e is None else e.parent
+            while p is not None:
+                out.append(p.key)
+                p = p.parent
+        return out[::-1]
+
+    def _dropped(self, keys: Sequence[bytes], counted: set[bytes] | frozenset[bytes] = frozenset()) -> None:
+        """``keys`` were not written: counted (but those of ``counted``, dropped before and counted
+        then), and remembered so that the next put of them sends them."""
+        self.cluster.count(write_dropped=sum(1 for k in keys if k not in counted))
         with self._unsent_lock:
             for k in keys:
                 self._unsent[k] = None
@@ -153,8 +168,12 @@ class ClusterLink:
                 name = next(iter(self._records))
                 info = self._records.pop(name)
             try:
-                self.cluster.put_session(name, info)
+                if not self.cluster.put_session(name, info):  # refused for memory (counted there)
+                    self.cluster.count(session_dropped=1)
             except ClusterUnavailable:
+                self.cluster.count(session_dropped=1)
+            except Exception:  # one record that cannot be written must not stop the others
+                log.exception("the record of session %r could not be written to the cluster", name)
                 self.cluster.count(session_dropped=1)
 
     def _write(self, key: bytes) -> None:

@@ -223,5 +223,6 @@ def cluster_from_config(config: Config) -> ClusterTier | None:
         tier.connect()
     except ClusterUnavailable as e:
         if c.required:
+            tier.close()  # its reconnector stops: the daemon does not start
             raise ConfigError(f"[cluster] required = true, but the cluster cannot be used: {e}") from None
     return tier

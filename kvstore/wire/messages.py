@@ -38,7 +38,25 @@ class Message:
     payload: ClassVar[str | None] = None
 
     def header_fields(self) -> dict[str, Any]:
-        return {name: F.wire(getattr(self, name)) for name in self.schema}
+        """The header's fields; a field that is None and None by default is left out (the receiver
+        takes the default): a field added later reaches an older peer only when it is set."""
+        optional = self._none_by_default()
+        out = {}
+        for name in self.schema:
+            value = getattr(self, name)
+            if value is None and name in optional:
+                continue
+            out[name] = F.wire(value)
+        return out
+
+    @classmethod
+    def _none_by_default(cls) -> frozenset[str]:
+        """The fields whose default is None (found once per message class)."""
+        got: frozenset[str] | None = cls.__dict__.get("_none_fields")
+        if got is None:
+            got = frozenset(f.name for f in fields(cls) if f.default is None)
+            setattr(cls, "_none_fields", got)  # noqa: B010 - a class's own cache, not a field
+        return got
 
     def payload_frames(self) -> list[Buffer]:
         if self.payload is None:

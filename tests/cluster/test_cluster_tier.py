@@ -60,7 +60,7 @@ def test_node_urls_are_checked_and_secrets_never_shown() -> None:
         ClusterNodes.parse(["rediss://h:1", "redis://h:2"], None, None)
 
 
-@pytest.mark.parametrize("port", ["7000x", "70000"])
+@pytest.mark.parametrize("port", ["7000x", "70000", "0"])
 def test_a_node_port_that_is_no_port_is_a_config_error(tmp_path: Path, port: str) -> None:
     with pytest.raises(ConfigError, match=f"'redis://:\\*\\*\\*@cache-1:{port}' has a port that is not"):
         ClusterNodes.parse([f"redis://:pw@cache-1:{port}"], None, None)
@@ -76,6 +76,9 @@ def test_a_node_port_that_is_no_port_is_a_config_error(tmp_path: Path, port: str
         'nodes = ["redis://:s3cret-pw@cache-1:7000", "cache-2:7000"]',  # the second has no scheme
         'nodes = "redis://app:s3cret-pw@cache-1:7000,cache-2"',
         'nodes = ["redis://cache-1:7000"]\npassword = 83129471',  # not a string
+        'nodes = ["default:s3cret-pw@cache-1:7000"]',  # no scheme at all
+        'nodes = "redis://u:s3cret-pw@h:1;redis://u:s3cret-pw@h:2"',  # one string, two URLs
+        'nodes = ["redis://u:s3cret-pw:more@h:x"]',  # a password with a colon in it
     ],
 )
 def test_a_cluster_config_error_never_shows_the_password(tmp_path: Path, body: str) -> None:
@@ -285,6 +288,9 @@ def test_a_full_cluster_refuses_writes_counted_not_fatal(
         assert c.store(items) == 0
         assert c.counters.write_refused == 3 and c.available()  # the cluster is up, only full
         assert c.leading([k for k, _ in items]) == 0
+        # a session record too (it marked the tier down: every lookup missed for retry_after)
+        assert c.put_session("S", {"ns": {}, "keys": b"", "tokens": None, "updated": 0.0}) is False
+        assert c.counters.write_refused == 4 and c.available() and c.counters.errors == 0
     finally:
         for p in masters:
             rc.node(p).config_set("maxmemory", "0")
@@ -317,3 +323,52 @@ def test_tls_nodes_with_the_operators_ca(tmp_path: Path, cluster_tier: ClusterFa
         configured.close()
     with pytest.raises(ConfigError, match="rediss://"):
         ClusterNodes.parse(["redis://cache-1:7000"], None, None, TlsFiles(ca="/etc/ca.crt"))
+
+
+def test_a_late_failure_on_a_replaced_client_leaves_the_new_one_alone() -> None:
+    # a call that took the client before an outage and failed after the reconnect threw the new
+    # client away: a second outage, a second reconnect
+    from kvstore.codecs import get_codec
+    from kvstore.tiers.cluster import ClusterTier
+
+    made: list[Any] = []
+
+    class Client:
+        def __init__(self) -> None:
+            self.closed = False
+            made.append(self)
+
+        def ping(self) -> bool:
+            return True
+
+        def close(self) -> None:
+            self.closed = True
+
+    tier = ClusterTier(
+        ClusterNodes.parse(["redis://h:1"], None, None),
+        get_codec("raw"),
+        retry_after=0.2,
+        client_factory=lambda n, t: Client(),
+    )
+    tier.connect()
+    started, release = threading.Event(), threading.Event()
+
+    def late(c: Any) -> None:
+        started.set()
+        release.wait(10)
+        raise ConnectionError("the old client failed late")
+
+    slow = threading.Thread(target=lambda: pytest.raises(ClusterUnavailable, tier._call, "read", late))
+    slow.start()
+    assert started.wait(10)
+    with pytest.raises(ClusterUnavailable):
+        tier._call("read", lambda c: (_ for _ in ()).throw(ConnectionError("down")))
+    deadline = time.monotonic() + 5
+    while tier.state != "up" and time.monotonic() < deadline:  # the reconnector made a new client
+        time.sleep(0.02)
+    assert tier.state == "up" and len(made) == 2
+    release.set()
+    slow.join(10)
+    assert tier.state == "up" and tier.available() and not made[1].closed and len(made) == 2
+    assert tier.counters.errors == 2  # the late failure is counted, nothing more
+    tier.close()

@@ -23,7 +23,8 @@ from tests.store.storekit import NS, T, kv, tokens
 
 
 class Gated:
-    """A redis-py client whose session writes (SET) wait for ``gate``: the cluster thread stays busy."""
+    """A redis-py client whose session writes (a pipeline that SETs a session key) wait for
+    ``gate``: the cluster thread stays busy."""
 
     def __init__(self, client: Any, gate: threading.Event, waiting: threading.Event) -> None:
         self._client, self._gate, self._waiting = client, gate, waiting
@@ -31,10 +32,26 @@ class Gated:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
-    def set(self, *args: Any, **kw: Any) -> Any:
-        self._waiting.set()
-        self._gate.wait(30)
-        return self._client.set(*args, **kw)
+    def pipeline(self, *args: Any, **kw: Any) -> Any:
+        return _GatedPipeline(self._client.pipeline(*args, **kw), self)
+
+
+class _GatedPipeline:
+    def __init__(self, pipe: Any, gated: Gated) -> None:
+        self._pipe, self._gated, self._session = pipe, gated, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def set(self, key: Any, *args: Any, **kw: Any) -> Any:
+        self._session = self._session or ":s:" in str(key)
+        return self._pipe.set(key, *args, **kw)
+
+    def execute(self, *args: Any, **kw: Any) -> Any:
+        if self._session:
+            self._gated._waiting.set()
+            self._gated._gate.wait(30)
+        return self._pipe.execute(*args, **kw)
 
 
 class SlowPipelines:
@@ -117,3 +134,33 @@ def test_close_writes_what_it_can_in_its_time_and_drops_the_rest(host: HostFacto
     assert time.monotonic() - t < 7.0  # 5 s to write, and the write under way
     c = cluster.counters
     assert c.written + c.write_dropped == 24 and c.write_dropped >= 8
+
+
+def test_a_block_dropped_goes_with_a_later_put_from_a_block_after_it(host: HostFactory) -> None:
+    # an engine saves as it computes (put from block k): block 2, dropped, was never among the
+    # blocks such a put named, so blocks 3.. reached the cluster and no host could reach them
+    a, b = host("a", cluster_queue=2), host("b")
+    toks, x = tokens(4), kv(4 * T)
+    a.put(NS, toks, x[:, :, : 3 * T])  # blocks 0, 1 queued; block 2 finds the queue full
+    assert drained(a) and a.stats().cluster["write_dropped"] == 1  # type: ignore[index]
+    assert a.put(NS, toks, x[:, :, 3 * T :], start_block=3).stored == 1  # block 3: 2 goes with it
+    assert drained(a)
+    assert b.lookup(NS, toks).tiers == ["cluster"] * 4
+    st = a.stats().cluster
+    assert st is not None and (st["written"], st["write_dropped"]) == (4, 1)
+
+
+def test_a_block_dropped_again_is_counted_once(rc: LocalCluster, host: HostFactory) -> None:
+    a = host("a", timeout=0.3, retry_after=60.0)
+    toks, x = tokens(2), kv(2 * T)
+    masters = list(rc.live_masters())
+    for port in masters:
+        rc.pause(port)
+    try:
+        a.lookup(NS, tokens(3, seed=9))  # meets the outage: the cluster is marked down
+        for _ in range(3):  # each put would send the dropped blocks again: still down
+            a.put(NS, toks, x)
+        assert a.stats().cluster["write_dropped"] == 2  # type: ignore[index]
+    finally:
+        for port in masters:
+            rc.resume(port)

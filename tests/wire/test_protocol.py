@@ -427,3 +427,14 @@ def test_engine_keys_travel_as_raw_bytes_in_place_of_tokens() -> None:
         with pytest.raises(RemoteProtocolError) as info:
             roundtrip(client, server, bad)
         assert info.value.code == code, bad
+
+
+def test_a_field_left_unset_is_not_sent_so_older_peers_still_read_the_message() -> None:
+    # EvictOk gained not_done: sent as nil, an older client refused every evict reply (unknown field)
+    from kvstore.wire.messages import EvictOk
+
+    plain = EvictOk(blocks=1, bytes_freed={}, moved=0, keys=[])
+    assert "not_done" not in plain.header_fields()
+    assert EvictOk.from_fields(plain.header_fields(), []) == plain
+    told = EvictOk(blocks=1, bytes_freed={}, moved=0, keys=[], not_done="the cluster is down")
+    assert EvictOk.from_fields(told.header_fields(), []) == told
