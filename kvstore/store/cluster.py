@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 FETCH_BATCH = 16  # blocks per pipelined GETEX: bounds the memory one read holds in flight
 LOOKUP_LIMIT = 4096  # blocks one lookup asks the cluster about at most
-UNSENT_LIMIT = 1 << 16  # dropped blocks remembered to send again (2 MiB of keys at most)
+UNSENT_LIMIT = 1 << 16  # dropped blocks remembered to send again (2 MiB of keys, ~7 MB as Python objects)
 
 
 class ClusterLink:

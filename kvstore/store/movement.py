@@ -304,14 +304,7 @@ class Mover:
                 out.append(e)
         return out
 
-    def promote(
-        self,
-        e: Entry,
-        block: torch.Tensor,
-        to: int,
-        source: int,
-        ready: Frames = NO_FRAMES,
-    ) -> bool:
+    def promote(self, e: Entry, block: torch.Tensor, to: int, source: int, ready: Frames = NO_FRAMES) -> bool:
         """Bring ``block`` (read from tier ``source`` below) up into tier ``to``.
 
         From nvme it is a copy (the durable one stays); between the memory

@@ -68,9 +68,9 @@ class PinTable:
         now = self._clock()
         if any(exp > now for exp in holders.values()):
             return True
-        for hid, exp in list(holders.items()):
+        for hid in list(holders):
             h = self._handles.get(hid)
-            if h is not None and exp <= now:
+            if h is not None:
                 self.release(h)
         return False
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.wire.messages import Message
 from tests.hardening.conftest import (
     LAYOUT,
     T,
@@ -27,6 +26,7 @@ from tests.hardening.conftest import (
     wait_until,
     write_config,
 )
+from tests.shm.spy import sent_ops
 
 SHM = {"shm_staging": "1MiB", "shm_staging_per_client": "512KiB"}
 
@@ -37,19 +37,6 @@ def attached(endpoint: str) -> KVStoreClient:
     c.lookup([])
     assert c.shared_memory, "an ipc client of the daemon's user is offered shared memory"
     return c
-
-
-def sent_ops(c: KVStoreClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The ops ``c`` sends from now on, in order."""
-    ops: list[str] = []
-    send = c._conn._send
-
-    def spy(msg: Message) -> int:
-        ops.append(msg.op)
-        return send(msg)
-
-    monkeypatch.setattr(c._conn, "_send", spy)
-    return ops
 
 
 def staging_maps() -> list[str]:

@@ -14,8 +14,8 @@ from kvstore.layout import KVLayout
 from kvstore.shm.mapping import SharedMapping
 from kvstore.shm.plane import ALIGN, IDLE, SharedPlane
 from kvstore.shm.segment import Segment, private_dir
-from kvstore.wire.messages import Message
 from tests.hardening.conftest import client, endpoint_of, prefix_kv, random_tokens, write_config
+from tests.shm.spy import sent_ops
 
 
 class Clock:
@@ -100,14 +100,7 @@ def test_a_put_in_chunks_fits_a_staging_size_that_is_not_whole_pages(
         c.ping()
         c.lookup([])
         assert c.shared_memory
-        ops: list[str] = []
-        send = c._conn._send
-
-        def spy(msg: Message) -> int:
-            ops.append(msg.op)
-            return send(msg)
-
-        monkeypatch.setattr(c._conn, "_send", spy)
+        ops = sent_ops(c, monkeypatch)
         r = c.put(toks, prefix_kv(toks))
         assert (r.stored, r.failed) == (100, [])
         # every chunk through staging: no range refused for want of room, none sent over the socket
