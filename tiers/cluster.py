@@ -45,7 +45,7 @@ import msgpack
 
 from kvstore.codecs import Codec
 from kvstore.tiers.cluster_client import ClusterUnavailable, by_node, open_client, out_of_memory, reason
-from kvstore.tiers.cluster_format import SESSION_VERSION, ClusterNodes, session_of
+from kvstore.tiers.cluster_format import RECORD_READ, SESSION_VERSION, ClusterNodes, record_span, session_of
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +284,21 @@ class ClusterTier:
         values = self._call("read", lambda c: self._pipeline(c, "get", keys))
         return [v if isinstance(v, bytes) else None for v in values]
 
+    def records(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The start of each value of ``keys``, through its record (what ``record_of`` reads; None
+        where absent), without the frame: for operator calls, TTL left alone. One round trip, two
+        when a record is longer than ``RECORD_READ``."""
+        if not keys:
+            return []
+        heads = self._call(
+            "read", lambda c: self._pipeline(c, "getrange", keys, start=0, end=RECORD_READ - 1)
+        )
+        out = [h if isinstance(h, bytes) and h else None for h in heads]
+        longer = [i for i, h in enumerate(out) if h is not None and record_span(h) > len(h) == RECORD_READ]
+        for i, v in zip(longer, self.peek([keys[i] for i in longer]), strict=True):
+            out[i] = v
+        return out
+
     def fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` (None where absent), TTL refreshed; one pipelined round trip.
         ClusterUnavailable when the cluster is down or the call fails."""
@@ -398,24 +413,30 @@ class ClusterTier:
 
         return bool(self._call("session delete", drop))
 
-    def sessions(self) -> list[dict[str, Any]]:
+    def sessions(self, visit: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         """Every session recorded and not expired (members whose record is gone are removed as they
-        are met). ClusterUnavailable on an outage."""
+        are met). With ``visit``, each record is passed to it as read, a batch of ``SESSION_BATCH``
+        at a time, and none is kept (the answer is empty): a fleet's records need not fit in memory
+        at once. ClusterUnavailable on an outage."""
 
         def read(c: Any) -> list[dict[str, Any]]:
             live = c.zrangebyscore(self.sessions_key(), time.time(), "+inf")
             older = c.smembers(self._legacy_sessions_key())  # hosts of builds before the sorted set
             members = sorted(set(live) | set(older))
-            pipe = c.pipeline(transaction=False)
-            for m in members:
-                pipe.get(m)
             out, gone = [], []
-            for m, raw in zip(members, pipe.execute(), strict=True):
-                d = session_of(raw)
-                if d is None:
-                    gone.append(m)
-                else:
-                    out.append(d)
+            for at in range(0, len(members), SESSION_BATCH):
+                batch = members[at : at + SESSION_BATCH]
+                pipe = c.pipeline(transaction=False)
+                for m in batch:
+                    pipe.get(m)
+                for m, raw in zip(batch, pipe.execute(), strict=True):
+                    d = session_of(raw)
+                    if d is None:
+                        gone.append(m)
+                    elif visit is not None:
+                        visit(d)
+                    else:
+                        out.append(d)
             if gone:
                 c.zrem(self.sessions_key(), *gone)
                 if older:
@@ -447,10 +468,13 @@ def _px(seconds: float) -> int | None:
     return None if math.isinf(seconds) else max(1, int(seconds * 1000))
 
 
+SESSION_BATCH = 256  # session records read in one round trip by ``sessions``
+
 # The single-key reads ``_pipeline`` sends with ``by_node``: op -> the command for one key.
 _READS: dict[str, Callable[..., tuple[Any, ...]]] = {
     "exists": lambda key: ("EXISTS", key),
     "get": lambda key: ("GET", key),
+    "getrange": lambda key, start, end: ("GETRANGE", key, start, end),
     "getex": lambda key, px=None, persist=False: (
         ("GETEX", key, "PERSIST") if persist else ("GETEX", key, "PX", px)
     ),

@@ -100,8 +100,20 @@ def pack_value(record: BlockRecord, frame: Any) -> bytes:
     return b"".join((_HEAD.pack(MAGIC, record.key, len(rec)), rec, memoryview(frame).cast("B")))
 
 
+RECORD_READ = 4096  # bytes read first for a value's record alone (a record is about 4 bytes per token)
+
+
+def record_span(head: bytes) -> int:
+    """How many bytes from its start a value needs for its record (``record_of``), read from its first
+    bytes ``head``; 0 when ``head`` is not the start of a block value."""
+    if len(head) < _HEAD.size or head[:4] != MAGIC:
+        return 0
+    return int(_HEAD.size + _HEAD.unpack_from(head)[2])
+
+
 def record_of(key: bytes, value: bytes) -> BlockRecord | None:
-    """The record in ``value`` if it is a well-formed value of block ``key``, else None."""
+    """The record in ``value`` (a block value, or its first ``record_span`` bytes or more) if it is a
+    well-formed value of block ``key``, else None."""
     try:
         magic, k, n = _HEAD.unpack_from(value)
         if magic != MAGIC or k != key:

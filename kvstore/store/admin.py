@@ -102,17 +102,20 @@ class AdminOps:
             moved = 0
             seen: set[bytes] = set()
             plan: list[tuple[Entry, bool]] = []  # (block, whole subtree goes)
+            session = flt.session
+
+            def keeps(d: Entry) -> bool:  # a block that keeps its ancestors: read now, or another session's
+                return self._mover.pinned(d) or (session is not None and self._shared(d, session))
+
+            kept: dict[bytes, bool] = {}
             for e in chosen:
                 if e.key in seen or self._mover.pinned(e):
                     continue
                 drops_all = t is None or (t == len(self._tiers) - 1 and e.tiers & TIER_MASK == 1 << t)
                 if drops_all:
-                    sub = self._index.subtree(e)
-                    if any(self._mover.pinned(d) for d in sub):
-                        continue
-                    if flt.session is not None and any(self._shared(d, flt.session) for d in sub):
-                        continue  # another session's conversation goes on below it: it stays
-                    for d in sub:
+                    if self._index.any_below(e, keeps, kept):
+                        continue  # pinned below, or another session's conversation goes on below it
+                    for d in self._index.subtree(e):
                         if d.key not in seen:
                             seen.add(d.key)
                             keys.append(d.key)
@@ -389,19 +392,12 @@ class AdminOps:
         """Those of ``keys`` this host knows something other than ``session`` builds on (the rule evict
         --session keeps locally, for the cluster's copies): a block of theirs, or one another session
         ends at, in the block's subtree. Takes the lock."""
-        out: set[bytes] = set()
-        clean: set[bytes] = set()  # in the subtree of a block nothing else continues: neither is it
+        memo: dict[bytes, bool] = {}
         with self._lock:
-            for k in keys:
-                e = self._index.get(k)
-                if e is None or k in clean:
-                    continue
-                sub = self._index.subtree(e)
-                if any(self._shared(d, session) for d in sub):
-                    out.add(k)
-                else:
-                    clean.update(d.key for d in sub)
-        return out
+            entries = [e for e in map(self._index.get, keys) if e is not None]
+            return {
+                e.key for e in entries if self._index.any_below(e, lambda d: self._shared(d, session), memo)
+            }
 
     def _session_info(self, s: SessionState, tail: Entry | None) -> tuple[SessionInfo, list[Entry]]:
         chain = self._index.chain(tail) if tail is not None else []

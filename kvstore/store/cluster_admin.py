@@ -101,14 +101,20 @@ class ClusterAdmin:
         the cluster cannot be reached (nothing is deleted then)."""
         try:
             if session is not None:
-                d = self.find_session(session)
+                raw = self.cluster.get_session(session)  # ClusterUnavailable when down: nothing is deleted
+                d = None if raw is None else _session(raw)
                 theirs = [] if d is None else d["keys"]
                 others: set[bytes] = set()  # blocks another session's prefix runs through stay
-                for o in self.cluster.sessions():
-                    found = _session(o)
-                    if found is not None and o.get("name") != session:
-                        others.update(found["keys"])
-                values = self.cluster.peek(theirs)
+
+                def other(o: dict[str, Any]) -> None:
+                    found = _session(o) if o.get("name") != session else None
+                    if found is not None:
+                        others.update(k for k in found["keys"] if k in candidates)
+
+                candidates = set(theirs)
+                if candidates:
+                    self.cluster.sessions(other)
+                values = self.cluster.records(theirs)  # the records alone, not the frames
                 for k, v in zip(theirs, values, strict=True):
                     rec = None if v is None else record_of(k, v)
                     if rec is not None and rec.sessions[:1] == (session,):

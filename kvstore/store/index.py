@@ -164,6 +164,24 @@ class BlockIndex:
                 stack.extend((c, False) for c in e.child_list())
         return out
 
+    @staticmethod
+    def any_below(entry: Entry, pred: Callable[[Entry], bool], memo: dict[bytes, bool]) -> bool:
+        """Whether ``pred`` holds for ``entry`` or any of its descendants. ``memo`` keeps the answer
+        for every block visited, so that asking about each block of a chain costs one walk of the
+        tree below it, not one per block (pass the same dict for one question)."""
+        known = memo.get(entry.key)
+        if known is not None:
+            return known
+        stack: list[tuple[Entry, bool]] = [(entry, False)]
+        while stack:
+            e, expanded = stack.pop()
+            if expanded:
+                memo[e.key] = pred(e) or any(memo[c.key] for c in e.child_list())
+            else:
+                stack.append((e, True))
+                stack.extend((c, False) for c in e.child_list() if c.key not in memo)
+        return memo[entry.key]
+
     def chain(self, entry: Entry) -> list[Entry]:
         """Block 0 .. ``entry`` (its ancestors and itself), root first."""
         out = []

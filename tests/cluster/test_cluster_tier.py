@@ -172,6 +172,29 @@ def test_reads_go_straight_to_the_nodes_and_a_moved_slot_falls_back_to_the_clust
     assert c.counters.errors == 0 and c.state == "up"
 
 
+def test_records_read_the_record_and_not_the_frame(rc: LocalCluster, cluster_tier: ClusterFactory) -> None:
+    c = cluster_tier()
+    c.connect()
+    long = BlockRecord(key=b"L" * 32, parent=PARENT, namespace=NS, position=0, tokens=b"\x07\0\0\0" * 2048)
+    frame = bytes(range(256)) * 400  # 100 KB
+    c.store([(rec(1).key, pack_value(rec(1), frame)), (long.key, pack_value(long, frame))])
+    short, whole, absent = c.records([rec(1).key, long.key, b"\x09" * 32])
+    assert short is not None and len(short) < 5000 and record_of(rec(1).key, short) == rec(1)
+    assert whole is not None and record_of(long.key, whole) == long  # longer than the first read: read again
+    assert absent is None
+    assert c.records([]) == []
+
+
+def test_sessions_can_be_visited_without_keeping_them(rc: LocalCluster, cluster_tier: ClusterFactory) -> None:
+    c = cluster_tier()
+    c.connect()
+    for i in range(600):  # more than one batch
+        c.put_session(f"conv-{i}", {"keys": b"k" * 32, "tokens": None})
+    seen: list[str] = []
+    assert c.sessions(lambda d: seen.append(d["name"])) == []
+    assert sorted(seen) == sorted(f"conv-{i}" for i in range(600)) and len(c.sessions()) == 600
+
+
 def test_sessions_are_recorded_under_the_hash_of_their_name(
     rc: LocalCluster, cluster_tier: ClusterFactory
 ) -> None:

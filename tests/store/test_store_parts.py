@@ -46,6 +46,32 @@ def test_index_keeps_a_prefix_closed_tree() -> None:
     assert [e.key[-1] for e in idx.entries()] == [2, 0]
 
 
+def test_any_below_asks_each_block_once_for_a_whole_chain() -> None:
+    # evict --session asks it of every block of a chain: one walk per block was quadratic under the lock
+    idx = BlockIndex(1)
+    chain = [entry(0, None)]
+    idx.add(chain[0], 0)
+    for i in range(1, 2000):
+        chain.append(entry(i, chain[-1]))
+        idx.add(chain[-1], 0)
+    side = entry(5000, chain[1500])  # another conversation leaves the chain at block 1500
+    idx.add(side, 0)
+    asked: list[int] = []
+
+    def is_side(e: Entry) -> bool:
+        asked.append(int.from_bytes(e.key, "big"))
+        return e is side
+
+    memo: dict[bytes, bool] = {}
+    found = [idx.any_below(e, is_side, memo) for e in chain]
+    assert found == [True] * 1501 + [False] * 499
+    assert sorted(asked) == sorted(range(2000)) + [5000]  # each block once, whatever the order of questions
+    assert idx.any_below(chain[3], lambda e: True, memo)  # answered from memo
+    assert not idx.any_below(chain[1999], lambda e: False, {}) and idx.any_below(
+        chain[1999], lambda e: True, {}
+    )
+
+
 def test_index_check_reports_disagreement_with_the_tiers() -> None:
     idx = BlockIndex(2)
     root = entry(0, None)
