@@ -311,22 +311,27 @@ class ClusterTier:
 
     def store(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         """SET each ``(key, value)`` with the TTL; returns how many were stored. A refusal for
-        memory (maxmemory) is counted in ``write_refused``; ClusterUnavailable on an outage."""
+        memory (maxmemory) is counted in ``write_refused``; ClusterUnavailable on an outage, also
+        when a node failed its part alone (a time-out in the pipeline: the caller's blocks are then
+        not written, and must be taken for dropped)."""
 
-        def run(c: Any) -> list[Any]:
+        def run(c: Any) -> int:
             pipe = c.pipeline(transaction=False)
             for k, v in items:
                 pipe.set(self.block_key(k), v, px=_px(self.ttl))
-            return list(pipe.execute(raise_on_error=False))
+            results = list(pipe.execute(raise_on_error=False))
+            ok = sum(1 for r in results if r is True)
+            refused = sum(1 for r in results if out_of_memory(r))
+            with self._lock:
+                self.counters.written += ok
+                self.counters.write_refused += refused
+            failed = [r for r in results if r is not True and not out_of_memory(r)]
+            if failed:  # counted in errors, and the tier marked down, by _call
+                err = failed[0]
+                raise err if isinstance(err, Exception) else RuntimeError(f"SET answered {err!r}")
+            return ok
 
-        results = self._call("write", run)
-        ok = sum(1 for r in results if r is True)
-        refused = sum(1 for r in results if out_of_memory(r))
-        with self._lock:
-            self.counters.written += ok
-            self.counters.write_refused += refused
-            self.counters.errors += len(results) - ok - refused
-        return ok
+        return int(self._call("write", run))
 
     def delete(self, keys: Sequence[bytes]) -> int:
         """Delete the blocks under ``keys``; returns how many existed. ClusterUnavailable on an outage."""
@@ -383,7 +388,7 @@ class ClusterTier:
             pipe = c.pipeline(transaction=False)  # one round trip
             pipe.set(key, value, px=px)
             pipe.zadd(self.sessions_key(), {key: math.inf if px is None else now + px / 1000})
-            pipe.zremrangebyscore(self.sessions_key(), "-inf", f"({now}")
+            pipe.zremrangebyscore(self.sessions_key(), "-inf", f"({now - CLOCK_SLACK}")
             return list(pipe.execute(raise_on_error=False))
 
         results = self._call("session write", write)
@@ -420,7 +425,7 @@ class ClusterTier:
         at once. ClusterUnavailable on an outage."""
 
         def read(c: Any) -> list[dict[str, Any]]:
-            live = c.zrangebyscore(self.sessions_key(), time.time(), "+inf")
+            live = c.zrangebyscore(self.sessions_key(), time.time() - CLOCK_SLACK, "+inf")
             older = c.smembers(self._legacy_sessions_key())  # hosts of builds before the sorted set
             members = sorted(set(live) | set(older))
             out, gone = [], []
@@ -468,6 +473,9 @@ def _px(seconds: float) -> int | None:
     return None if math.isinf(seconds) else max(1, int(seconds * 1000))
 
 
+# Hosts' clocks disagree: a member is taken for expired only this long after its score (the record's
+# own TTL, kept by the cluster, is what expires a session; a member whose record is gone is removed).
+CLOCK_SLACK = 600.0
 SESSION_BATCH = 256  # session records read in one round trip by ``sessions``
 
 # The single-key reads ``_pipeline`` sends with ``by_node``: op -> the command for one key.

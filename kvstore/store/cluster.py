@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 FETCH_BATCH = 16  # blocks per pipelined GETEX: bounds the memory one read holds in flight
 LOOKUP_LIMIT = 4096  # blocks one lookup asks the cluster about at most
 UNSENT_LIMIT = 1 << 16  # dropped blocks remembered to send again (2 MiB of keys, ~7 MB as Python objects)
+RECORDS_BYTES = 64 << 20  # session records waiting hold at most this many bytes of keys and token ids
 
 
 class ClusterLink:
@@ -75,8 +76,10 @@ class ClusterLink:
         self.cluster = cluster
         self._unsent_lock = threading.Lock()  # guards the two below
         self._unsent: dict[bytes, None] = {}  # blocks dropped and not sent since (oldest first)
+        self._resent: set[bytes] = set()  # blocks of _unsent queued again (their drop was counted)
         self._records: dict[str, dict[str, Any]] = {}  # session records waiting (oldest first)
         self._records_limit = queue
+        self._records_bytes = 0
         self._writer = WriteThrough(maxsize=queue, tick=tick, name="kvstore-cluster")
         self._writer.start(self._write, self._idle)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-cluster-fetch")
@@ -100,6 +103,7 @@ class ClusterLink:
                 again = {k for k in chain if k in self._unsent}
                 for k in again:
                     del self._unsent[k]
+                self._resent |= again
             if again:
                 fresh = set(new)
                 keys = [k for k in chain if k in again or k in fresh]
@@ -130,6 +134,7 @@ class ClusterLink:
         with self._unsent_lock:
             for k in keys:
                 self._unsent[k] = None
+                self._resent.discard(k)
             while len(self._unsent) > UNSENT_LIMIT:  # the oldest are forgotten first
                 del self._unsent[next(iter(self._unsent))]
 
@@ -138,8 +143,8 @@ class ClusterLink:
         its blocks from block 0 and, for a token chain, its token ids, so another host can find it.
 
         One record waits per session, the newest (it names the whole chain); at most ``queue``
-        sessions wait, the oldest dropped first (counted in ``session_dropped``), as is a record the
-        cluster could not take."""
+        sessions and ``RECORDS_BYTES`` of them wait, the oldest dropped first (counted in
+        ``session_dropped``), as is a record the cluster could not take."""
         info: dict[str, Any] = {
             "ns": ns.to_dict(),
             "keys": b"".join(keys),
@@ -148,11 +153,15 @@ class ClusterLink:
         }
         with self._unsent_lock:
             idle = not self._records
-            self._records.pop(name, None)  # the newest goes last
+            old = self._records.pop(name, None)  # the newest goes last
+            self._records_bytes -= 0 if old is None else _size(old)
             self._records[name] = info
+            self._records_bytes += _size(info)
             dropped = 0
-            while len(self._records) > self._records_limit:
-                del self._records[next(iter(self._records))]
+            while len(self._records) > self._records_limit or (
+                self._records_bytes > RECORDS_BYTES and len(self._records) > 1
+            ):
+                self._records_bytes -= _size(self._records.pop(next(iter(self._records))))
                 dropped += 1
         if dropped:
             self.cluster.count(session_dropped=dropped)
@@ -167,6 +176,7 @@ class ClusterLink:
                     return
                 name = next(iter(self._records))
                 info = self._records.pop(name)
+                self._records_bytes -= _size(info)
             try:
                 if not self.cluster.put_session(name, info):  # refused for memory (counted there)
                     self.cluster.count(session_dropped=1)
@@ -178,6 +188,9 @@ class ClusterLink:
 
     def _write(self, key: bytes) -> None:
         """Write one block: its best local copy, encoded for the cluster, with its record."""
+        with self._unsent_lock:  # sent again after a drop: that drop was counted
+            counted = frozenset((key,)) if key in self._resent else frozenset()
+            self._resent.discard(key)
         for _ in range(3):  # a demotion may move the copy between finding and reading it
             with self._lock:
                 e = self._index.get(key)
@@ -198,7 +211,7 @@ class ClusterLink:
         try:
             self.cluster.store([(key, pack_value(rec, frame))])
         except ClusterUnavailable:
-            self._dropped([key])
+            self._dropped([key], counted)
 
     def _record(self, key: bytes) -> BlockRecord:
         """The block's record: from memory while it has no nvme copy, else nvme's."""
@@ -231,7 +244,7 @@ class ClusterLink:
         self._adopter.close()  # what gets read from the cluster is stored first
         if not self._writer.drain(timeout):
             with self._unsent_lock:
-                sessions, self._records = len(self._records), {}
+                sessions, self._records, self._records_bytes = len(self._records), {}, 0
             blocks, _ = self._writer.discard()
             self.cluster.count(write_dropped=blocks, session_dropped=sessions)
         self._writer.close(timeout)
@@ -404,6 +417,11 @@ class ClusterLink:
 
     def status(self) -> dict[str, Any]:
         return {**self.cluster.status(), "queue": self.depth()}
+
+
+def _size(info: dict[str, Any]) -> int:
+    """The bytes a waiting session record holds: its keys and token ids."""
+    return len(info["keys"]) + len(info["tokens"] or b"")
 
 
 def _unpack(

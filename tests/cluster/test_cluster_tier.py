@@ -217,9 +217,22 @@ def test_the_set_of_sessions_forgets_those_that_expired(
     index = rc.node(rc.master_of(c.sessions_key()))
     assert index.zcard(c.sessions_key()) == 20 and len(c.sessions()) == 20
     time.sleep(0.7)  # every record expired
-    assert c.sessions() == []
     c.put_session("conv-new", {"keys": b"k" * 32, "tokens": None})
-    assert index.zcard(c.sessions_key()) == 1  # the expired went as a session was written
+    assert [d["name"] for d in c.sessions()] == ["conv-new"]
+    assert index.zcard(c.sessions_key()) == 1  # the members whose record was gone went as they were met
+
+
+def test_a_host_whose_clock_runs_ahead_neither_hides_nor_removes_the_others_sessions(
+    rc: LocalCluster, cluster_tier: ClusterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = cluster_tier(ttl=120.0)
+    c.connect()
+    c.put_session("conv-a", {"keys": b"k" * 32, "tokens": None})  # a host with the right time
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 300)  # another, five minutes ahead
+    c.put_session("conv-b", {"keys": b"k" * 32, "tokens": None})
+    assert sorted(d["name"] for d in c.sessions()) == ["conv-a", "conv-b"]
+    assert rc.node(rc.master_of(c.sessions_key())).zcard(c.sessions_key()) == 2
 
 
 def test_a_wrong_password_is_a_clear_refusal(rc: LocalCluster, cluster_tier: ClusterFactory) -> None:

@@ -14,7 +14,9 @@ import time
 from typing import Any
 
 import msgpack
+import pytest
 
+from kvstore.store import cluster as cluster_link
 from kvstore.store.engine import Store
 from kvstore.tiers.cluster_client import open_client
 from tests.cluster.conftest import HostFactory
@@ -123,6 +125,59 @@ def test_one_record_waits_per_session_and_few_wait_in_all(rc: LocalCluster, host
     assert s2 is not None and len(s2["keys"]) == 4 * 32  # the newest: all four blocks
     node = rc.node(rc.master_of(cluster.session_key("s2")))
     assert msgpack.unpackb(node.get(cluster.session_key("s2")))["keys"] == s2["keys"]
+
+
+def test_records_waiting_are_bounded_in_bytes_too(
+    rc: LocalCluster, host: HostFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a count alone let a slow cluster hold 1,024 records of long conversations (~4 bytes a token each)
+    monkeypatch.setattr(cluster_link, "RECORDS_BYTES", 2 * (32 + 4 * T))  # two one-block records
+    gate, waiting = threading.Event(), threading.Event()
+    a = host("a", client_factory=lambda n, t: Gated(open_client(n, t), gate, waiting))
+    toks, x = tokens(1), kv(T)
+    a.put(NS, toks, x)
+    assert drained(a)
+    try:
+        a.put(NS, toks, x, session="s0")
+        assert waiting.wait(10)  # the cluster thread is writing s0's record: the others wait
+        for name in ("s1", "s2", "s3"):  # the third is over the bytes: the oldest waiting goes
+            a.put(NS, toks, x, session=name)
+        st = a.stats().cluster
+        assert st is not None and st["session_dropped"] == 1
+    finally:
+        gate.set()
+    assert drained(a)
+    cluster = a._cluster.cluster  # type: ignore[union-attr]
+    assert cluster.get_session("s1") is None
+    assert all(cluster.get_session(n) is not None for n in ("s0", "s2", "s3"))
+
+
+def test_a_block_sent_again_and_dropped_again_by_the_writer_is_counted_once(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # a node's time-out came back inside the pipeline's answers: counted as an error, the tier left
+    # up, and the block neither written nor remembered (no later put sent it again)
+    a = host("a", cluster_queue=2, timeout=0.3, retry_after=0.5)
+    toks, x = tokens(3), kv(3 * T)
+    a.put(NS, toks, x)  # blocks 0, 1 queued; block 2 finds the queue full
+    assert drained(a) and a.stats().cluster["write_dropped"] == 1  # type: ignore[index]
+    masters = list(rc.live_masters())
+    for port in masters:
+        rc.pause(port)
+    try:
+        a.put(NS, toks, x)  # block 2 goes again; its write times out in the cluster thread
+        assert drained(a)
+        st = a.stats().cluster
+        assert st is not None and (st["state"], st["write_dropped"], st["written"]) == ("down", 1, 2)
+    finally:
+        for port in masters:
+            rc.resume(port)
+    deadline = time.monotonic() + 10
+    while a.stats().cluster["state"] != "up" and time.monotonic() < deadline:  # type: ignore[index]
+        time.sleep(0.1)
+    a.put(NS, toks, x)  # remembered as not written: it goes with the next put of it
+    assert drained(a)
+    assert a.stats().cluster["written"] == 3  # type: ignore[index]
 
 
 def test_close_writes_what_it_can_in_its_time_and_drops_the_rest(host: HostFactory) -> None:
