@@ -78,12 +78,12 @@ class Reader:
                     return None
             else:
                 missed = None
-                self._count(chain.tokens_named(T), len(tiers) * T)
+                self._count(chain.blocks(T) * T, len(tiers) * T)
         if missed is not None and self._cluster is not None:  # no lock held during the round trip
             held = self._cluster.leading([missed, *islice(keys, chain.blocks(T) - len(tiers) - 1)])
             tiers += ["cluster"] * held
             with self._lock:
-                self._count(chain.tokens_named(T), len(tiers) * T)
+                self._count(chain.blocks(T) * T, len(tiers) * T)
         return LookupResult(len(tiers), len(tiers) * T, tiers)
 
     def _count(self, asked: int, matched: int) -> None:
@@ -137,7 +137,7 @@ class Reader:
                 chain.append(e)
             handle = self._pins.pin([e.key for e in chain], self._lease)
             self._counts.lookups += 1
-            self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
+            self._counts.tokens_asked += max(0, (names.blocks(T) - start) * T)
         # each block is decoded or copied straight into its place in the result: one copy, not two
         given = out is not None
         remote = missed is not None and self._cluster is not None and self._cluster.cluster.available()
@@ -221,7 +221,7 @@ class Reader:
             places = self._places(found)
             handle = self._pins.pin([e.key for e, _ in found], lease, located=True)
             self._counts.lookups += 1
-            self._counts.tokens_asked += max(0, names.tokens_named(T) - start * T)
+            self._counts.tokens_asked += max(0, (names.blocks(T) - start) * T)
         if missed is not None and self._cluster is not None and self._cluster.cluster.available():
             held = len(places) + rest
             rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])

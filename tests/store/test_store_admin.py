@@ -158,6 +158,10 @@ def test_stats_count_hits_misses_and_tokens(make_store) -> None:
     assert st.tiers["ram"].hits == 1 and st.tiers["hbm"].hits == 4
     assert st.tiers["hbm"].misses == 1 + 1  # block 0 was not in hbm; block 5 was nowhere
     assert (st.lookups, st.tokens_asked, st.tokens_served) == (1, 6 * T, 5 * T)
+    s.lookup(NS, tokens(5, tail=T - 1))  # the tail is never cached: not asked for (the hit rate read 5/5.x)
+    s.get(NS, tokens(5, tail=T - 1))
+    st = s.stats()
+    assert (st.lookups, st.tokens_asked, st.tokens_matched, st.tokens_served) == (3, 16 * T, 5 * T, 10 * T)
     assert st.blocks == 5 and st.tiers["hbm"].capacity == 4096
     assert st.to_dict()["tiers"]["ram"]["blocks"] == st.tiers["ram"].blocks
 
