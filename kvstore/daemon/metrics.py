@@ -101,17 +101,6 @@ _STORE_COUNTERS = (
     ("tokens_matched", "kvstore_tokens_matched", "Tokens a lookup found cached"),
     ("tokens_served", "kvstore_tokens_served", "Tokens a get returned"),
 )
-# per-namespace figures, when the store reports them under stats["by_namespace"][ns_id]
-_NS_GAUGES = (
-    ("blocks", "kvstore_namespace_blocks", "Blocks of the namespace held"),
-    ("used", "kvstore_namespace_used_bytes", "Bytes the namespace's blocks use, all tiers"),
-)
-_NS_COUNTERS = (
-    ("lookups", "kvstore_namespace_lookups", "Lookups and gets in the namespace"),
-    ("tokens_asked", "kvstore_namespace_tokens_asked", "Tokens asked for in the namespace"),
-    ("tokens_matched", "kvstore_namespace_tokens_matched", "Tokens a lookup found in the namespace"),
-    ("tokens_served", "kvstore_namespace_tokens_served", "Tokens a get returned in the namespace"),
-)
 _NS_LABELS = ["namespace", "model", "tenant"]
 
 
@@ -174,8 +163,6 @@ class StoreCollector(Collector):
             yield _write_failures(stats["write_failures"])
         if stats.get("cluster"):
             yield from _cluster_families(stats["cluster"])
-        if "by_namespace" in stats:
-            yield from _namespace_families(stats["by_namespace"])
         if self._usage is not None:
             try:
                 yield from _usage_families(list(self._usage()))
@@ -385,21 +372,13 @@ def _write_failures(value: int | Mapping[str, int]) -> Metric:
     return c
 
 
-def _namespace_families(by_ns: Mapping[str, Any]) -> Iterator[Metric]:
-    rows = [
-        ([ns, str(d.get("model", "")), str(d.get("tenant", ""))], d)
-        for ns, d in ((ns, _plain(v)) for ns, v in by_ns.items())
-    ]
-    for fields, family in ((_NS_GAUGES, GaugeMetricFamily), (_NS_COUNTERS, CounterMetricFamily)):
-        for field, metric, doc in fields:
-            m = family(metric, doc, labels=_NS_LABELS)
-            for labels, d in rows:
-                if field in d:
-                    m.add_metric(labels, d[field])
-            yield m
-
-
 def _usage_families(usages: list[NamespaceUsage]) -> Iterator[Metric]:
+    n = GaugeMetricFamily(
+        "kvstore_namespace_blocks", "Blocks of the namespace held, all tiers", labels=_NS_LABELS
+    )
+    for u in usages:
+        n.add_metric([u.namespace, u.model, u.tenant], u.blocks)
+    yield n
     g = GaugeMetricFamily("kvstore_namespace_sessions", "Sessions per namespace", labels=_NS_LABELS)
     for u in usages:
         g.add_metric([u.namespace, u.model, u.tenant], u.sessions)
