@@ -373,12 +373,12 @@ def _write_failures(value: int | Mapping[str, int]) -> Metric:
 
 
 def _usage_families(usages: list[NamespaceUsage]) -> Iterator[Metric]:
-    n = GaugeMetricFamily(
+    held = GaugeMetricFamily(
         "kvstore_namespace_blocks", "Blocks of the namespace held, all tiers", labels=_NS_LABELS
     )
     for u in usages:
-        n.add_metric([u.namespace, u.model, u.tenant], u.blocks)
-    yield n
+        held.add_metric([u.namespace, u.model, u.tenant], u.blocks)
+    yield held
     g = GaugeMetricFamily("kvstore_namespace_sessions", "Sessions per namespace", labels=_NS_LABELS)
     for u in usages:
         g.add_metric([u.namespace, u.model, u.tenant], u.sessions)

@@ -71,6 +71,7 @@ from kvstore.wire.protocol import (
     ServerProtocol,
     encode,
     nbytes,
+    read_header,
     reply_frames,
 )
 
@@ -344,9 +345,7 @@ class Server:
                         self._on_request(router, workers, peer, frames, tenant, (count, size))
                     except Exception as e:  # a bug in our checks must not end the daemon
                         log.exception("a request from %s broke the loop; answering internal", peer.hex())
-                        router.send_multipart(
-                            [peer, *encode(None, ErrorReply(code="internal", message=str(e)))]
-                        )
+                        self._answer_broken(router, peer, frames, e)
 
     def _on_request(
         self,
@@ -428,6 +427,22 @@ class Server:
             out = self.proto.reply(request, reply)
         self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
         router.send_multipart([peer, *out])  # a small reply: copying beats wrapping in zmq.Frames
+
+    def _answer_broken(self, router: zmq.Socket, peer: bytes, frames: list, error: Exception) -> None:
+        """Answer a request whose handling raised on the loop: with its id when its header can be
+        read (the client waits for that id; without it, until its timeout)."""
+        rid: int | None = None
+        try:
+            rid = read_header(frames[0], self.limits.max_header_bytes)[1] if frames else None
+        except RemoteProtocolError as e:
+            rid = e.request_id
+        except Exception:  # unreadable: answered without an id
+            pass
+        message = f"the daemon failed on this request ({type(error).__name__}: {error}); see its log"
+        try:
+            router.send_multipart([peer, *encode(rid, ErrorReply(code="internal", message=message))])
+        except Exception:  # the answer is lost, the daemon is not
+            log.exception("answering request %s from %s failed", rid, peer.hex())
 
     def _commit_refusal(self, peer: bytes) -> str | None:
         """Why ``peer``'s commit must wait when the budget is spent, or None: it is taken anyway. A

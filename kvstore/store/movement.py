@@ -17,13 +17,14 @@ and encodes under the lock only what was not foreseen.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import torch
 
 from kvstore.codecs.frame import Buffer
-from kvstore.errors import FrameError, KVStoreError
+from kvstore.errors import CodecError, FrameError, KVStoreError
 from kvstore.record import ENGINE_KEY, BlockRecord
 from kvstore.store.counts import TierCounters
 from kvstore.store.index import LOSSY, TIER_MASK, Entry, Pending
@@ -36,6 +37,8 @@ NO_FRAMES: Frames = MappingProxyType({})
 
 _SCAN = 64  # LRU entries examined for a leaf before settling for the oldest candidate
 
+log = logging.getLogger("kvstore.store")
+
 
 class Mover:
     """Tier movements over one index."""
@@ -47,6 +50,7 @@ class Mover:
         self.persist_session = persist_session
         self.counters = [TierCounters() for _ in parts.tiers]
         self.busy: set[bytes] = set()  # blocks in the middle of a move or write: as good as pinned
+        self.unencodable = 0  # copies a tier's codec refused (inf or NaN that got in): not moved there
 
     # -- checks -----------------------------------------------------------------------
     def pinned(self, e: Entry) -> bool:
@@ -177,7 +181,13 @@ class Mover:
             return False
         if frame is None and frames is not None and block is not None:
             # encoded first, so that room is made for its exact size (under the lock: no frame was ready)
-            frame = frames.codec.encode(block)
+            try:
+                frame = frames.codec.encode(block)
+            except CodecError as err:
+                # it never will encode: a demotion drops the block instead, or make_room would pick
+                # it again and again and fail every put after it
+                self._refused(e, t, err)
+                return False
         for _ in range(3):
             room = (
                 self.make_room(t, None, len(frame), ready=ready)
@@ -203,6 +213,18 @@ class Mover:
             self.index.set_tier(e, t)
             return True
         return False
+
+    def _refused(self, e: Entry, t: int, err: CodecError) -> None:
+        """Count a copy of ``e`` tier ``t``'s codec cannot encode; the first one is logged."""
+        self.unencodable += 1
+        if self.unencodable == 1:
+            log.warning(
+                "tier %s cannot encode block %s (%s); a demotion drops it instead. Later such blocks "
+                "are counted, not logged",
+                self.tiers.names[t],
+                e.key.hex()[:16],
+                err,
+            )
 
     # -- records (what nvme stores beside the frame) ------------------------------------
     def record(self, e: Entry) -> BlockRecord:

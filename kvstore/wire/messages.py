@@ -74,7 +74,12 @@ class Message:
         """Build from a header's fields (``v``/``op``/``id`` removed) and its payload frames."""
         unknown = set(header) - set(cls.schema)
         if unknown:
-            raise RemoteProtocolError("bad_header", f"{cls.op}: unknown field(s) {sorted(unknown)}")
+            # key=repr: a hand-written client may send bytes keys beside str ones, which do not compare
+            raise RemoteProtocolError(
+                "bad_header",
+                f"{cls.op}: unknown field(s) {sorted(unknown, key=repr)}; its fields (text keys) are: "
+                f"{', '.join(cls.schema) or 'none'}",
+            )
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name == cls.payload:
