@@ -77,6 +77,21 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str = ""
     return "\n".join([line(list(headers))] + [line(r) for r in cells])
 
 
+def printable(value: Any) -> str:
+    """``value`` as text safe for a terminal: every character that is not printable (control
+    characters such as ESC, format and separator characters) shown as a Python escape (``\\x1b``).
+    Names come from clients, and rows an earlier build wrote may hold such characters."""
+    text = str(value)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _name(d: Mapping[str, Any], key: str, default: str = "-") -> str:
+    """A name field of ``d`` (session, model, tenant, namespace), printable."""
+    return printable(d.get(key, default))
+
+
 def _g(d: Mapping[str, Any], key: str) -> Any:
     return d.get(key) if isinstance(d, Mapping) else None
 
@@ -166,7 +181,7 @@ def _cluster_line(cl: Mapping[str, Any]) -> str:
         f"refused (full) {format_count(cl.get('write_refused'))}  errors {format_count(cl.get('errors'))}"
     )
     if cl.get("last_error"):
-        line += f"\n  last error: {cl['last_error']}"
+        line += f"\n  last error: {printable(cl['last_error'])}"
     return line
 
 
@@ -194,9 +209,9 @@ def render_sessions(sessions: Sequence[Mapping[str, Any]], now: float) -> str:
     ordered = sorted(sessions, key=lambda s: s.get("last_access") or 0, reverse=True)
     rows = [
         [
-            s.get("name", "?"),
-            s.get("model", "-"),
-            s.get("tenant", "-"),
+            _name(s, "name", "?"),
+            _name(s, "model"),
+            _name(s, "tenant"),
             format_count(s.get("tokens")),
             format_count(s.get("blocks")),
             *_tier_counts(s.get("tiers")),
@@ -217,8 +232,8 @@ def render_session(detail: Mapping[str, Any], now: float) -> str:
     info = detail.get("info") or {}
     tiers = info.get("tiers") or {}
     head = [
-        f"session {info.get('name', '?')}: model {info.get('model', '-')}, tenant {info.get('tenant', '-')}, "
-        f"namespace {info.get('namespace', '-')}",
+        f"session {_name(info, 'name', '?')}: model {_name(info, 'model')}, tenant {_name(info, 'tenant')}, "
+        f"namespace {_name(info, 'namespace')}",
         f"{format_count(info.get('tokens'))} tokens, {format_count(info.get('blocks'))} blocks cached "
         f"({', '.join(f'{t} {tiers.get(t, 0)}' for t in [*TIERS, *sorted(set(tiers) - set(TIERS))])}); last used "
         f"{format_age(info.get('last_access'), now)}, created {format_age(info.get('created'), now)}",
@@ -242,7 +257,7 @@ def render_prefix(data: Mapping[str, Any]) -> str:
     """``kvstore inspect --tokens FILE``: how much of a token sequence is stored, and where."""
     blocks = data.get("blocks") or []
     head = (
-        f"namespace {data.get('namespace', '-')}: {format_count(data.get('matched_tokens'))} of "
+        f"namespace {_name(data, 'namespace')}: {format_count(data.get('matched_tokens'))} of "
         f"{format_count(data.get('tokens'))} tokens stored in {len(blocks)} blocks"
     )
     if not blocks:
@@ -255,7 +270,7 @@ def render_evict(result: Mapping[str, Any]) -> str:
     """``kvstore evict``: what went (or, with --dry-run, would go), and the bytes freed per tier."""
     dry = bool(result.get("dry_run"))
     blocks, moved = int(result.get("blocks") or 0), int(result.get("moved") or 0)
-    not_done = f"\nnot done: {result['not_done']}" if result.get("not_done") else ""
+    not_done = f"\nnot done: {printable(result['not_done'])}" if result.get("not_done") else ""
     if blocks == 0:
         return "no blocks matched" + (" (dry run)" if dry else "") + not_done
     freed = result.get("bytes_freed") or {}
@@ -299,7 +314,7 @@ def render_progress(done: int, total: int, nbytes: int, width: int = 30) -> str:
 def render_prefetch(result: Mapping[str, Any]) -> str:
     """``kvstore prefetch``: what moved; with ``seconds`` (the CLI's timing) also the bytes, time and rate."""
     text = (
-        f"session {result.get('session', '?')}: {format_count(result.get('moved'))} blocks brought up to "
+        f"session {_name(result, 'session', '?')}: {format_count(result.get('moved'))} blocks brought up to "
         f"{result.get('to', '?')}, {format_count(result.get('present'))} already there, "
         f"{format_count(result.get('failed'))} failed"
     )

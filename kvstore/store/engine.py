@@ -126,8 +126,12 @@ class Store:
         self.tiers = TierSet(hbm, ram, nvme)
         self._index = BlockIndex(len(self.tiers))
         self._pins = PinTable(clock)
-        self._sessions = SessionTable()
         self._namespaces = NamespaceTable()
+        queue = 1024 if policy is None else policy.write_queue
+        writer = None if nvme is None else WriteThrough(maxsize=queue, tick=tick)
+        self._journal = Journal(writer, nvme, sessions=self._session_rows)
+        # the table forgets dead sessions and those past their tenant's cap by itself: their rows go too
+        self._sessions = SessionTable(self._journal.forget_session, self._tenant_of)
         self._counts = StoreCounts()
         parts = StoreParts(
             self._lock,
@@ -139,9 +143,6 @@ class Store:
             self._namespaces,
             self._counts,
         )
-        queue = 1024 if policy is None else policy.write_queue
-        writer = None if nvme is None else WriteThrough(maxsize=queue, tick=tick)
-        self._journal = Journal(writer, nvme)
         self._mover = Mover(parts, self._journal.session)
         self._write_through = write_through and nvme is not None
         self._writeback: WriteBack | None = None
@@ -500,11 +501,25 @@ class Store:
             self._writeback.record_changed(e, now)
         self._index.touch(e, now)
 
+    def _tenant_of(self, ns_id: str) -> str:
+        """(Lock held.) The tenant whose session cap ``ns_id``'s sessions count against (a namespace
+        whose description was lost counts as a tenant of its own)."""
+        ns = self._namespaces.get(ns_id)
+        return ns.tenant if ns is not None else f"namespace {ns_id}"
+
+    def _session_rows(self) -> list[SessionState]:
+        """Every session as it is now (takes the lock): what the journal writes again after it had to
+        give up rows it could not write (journal.py)."""
+        with self._lock:
+            return self._sessions.all()
+
     def _restore_sessions(self, nvme: NvmeTier) -> None:
         """The sessions nvme records, each ending at its tail block. A row journalled ahead of its last
         put's blocks (a crash before they were written) names a tail that is not there: the session
         then ends at its tail before that put (the row keeps it), or else at the deepest block it
-        stored that is (what its last flush made durable)."""
+        stored that is (what its last flush made durable). A session none of whose blocks is left is
+        dead: its row is removed. Rows go in least recently used first, so that a tenant past its
+        cap (rows of an earlier build) keeps its most recent sessions."""
         rows: list[SessionState] = []
         for name, d in nvme.iter_sessions():
             try:
@@ -522,6 +537,7 @@ class Store:
                         depth = e.position()
                         if name not in deepest or depth > deepest[name][0]:
                             deepest[name] = (depth, e)
+        rows.sort(key=lambda s: s.last_access)
         for s in rows:
             if s.name in lost and s.before is not None and s.before in self._index:
                 s = replace(s, tail=s.before, tokens=s.before_tokens)  # where its last flush left it
@@ -532,4 +548,8 @@ class Store:
                 else:
                     T = self._namespaces.block_tokens(s.namespace)
                     s = replace(s, tail=found[1].key, tokens=(found[0] + 1) * T)
+            if s.tail is None:  # dead: nothing of its conversation is left to resume
+                self._journal.forget_session(s.name)
+                self._sessions.dropped_dead += 1
+                continue
             self._sessions.set(s)

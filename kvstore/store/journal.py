@@ -8,7 +8,9 @@ write and every call is a no-op.
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvstore.keys import Namespace
@@ -16,18 +18,44 @@ from kvstore.store.sessions import SessionState
 from kvstore.store.writer import WriteThrough
 from kvstore.tiers.nvme import NvmeTier
 
+log = logging.getLogger("kvstore.store")
+
+# Session rows whose write failed that are kept to write again. Sessions come and go by the
+# thousand while a disk fails; past this the oldest are given up, and once the disk is back every
+# session is written again from memory instead (namespace rows are few, bounded by the wire's
+# MAX_NAMESPACES, and always kept).
+MAX_FAILED_SESSION_ROWS = 4096
+
+_Key = tuple[str, str]
+
 
 class Journal:
     """Writes session and namespace rows through ``writer`` into ``nvme`` (both None: no nvme).
 
     A row whose write fails (a full or failing disk) is kept, the latest per name, and written
-    again by ``retry`` (the store's flush does, and answers not durable while any is left)."""
+    again by ``retry`` (the store's flush does, and answers not durable while any is left). At
+    most MAX_FAILED_SESSION_ROWS session rows are kept: past it the oldest are given up (counted
+    in ``given_up``) and ``retry`` writes every session ``sessions()`` returns instead. A run of
+    failures is logged once, when it starts, and once when a write succeeds again."""
 
-    def __init__(self, writer: WriteThrough | None, nvme: NvmeTier | None) -> None:
+    def __init__(
+        self,
+        writer: WriteThrough | None,
+        nvme: NvmeTier | None,
+        sessions: Callable[[], list[SessionState]] | None = None,
+    ) -> None:
+        """``sessions()``: every session as it is now (called by ``retry``, without the store's lock
+        held: it takes it)."""
         self._writer = writer if nvme is not None else None
         self._nvme = nvme
+        self._sessions = sessions
         self._lock = threading.Lock()
-        self._failed: dict[tuple[str, str], Callable[[], None]] = {}
+        self._failed: dict[_Key, Callable[[], None]] = {}  # namespace rows
+        self._failed_sessions: OrderedDict[_Key, Callable[[], None]] = OrderedDict()  # oldest first
+        self._rewrite_all = False  # session rows were given up: write every session again
+        self._failing = 0  # writes failed since the last one that succeeded
+        self._warned_given_up = False  # in this run of failures
+        self.given_up = 0  # session rows dropped from the retry set
 
     def session(self, s: SessionState) -> None:
         """Persist ``s`` (replacing the session's row)."""
@@ -53,33 +81,83 @@ class Journal:
 
     @property
     def pending(self) -> int:
-        """Rows whose last write failed, not yet written."""
+        """Rows whose last write failed, not yet written (1 more while every session is to be
+        written again)."""
         with self._lock:
-            return len(self._failed)
+            return len(self._failed) + len(self._failed_sessions) + self._rewrite_all
 
     def retry(self) -> None:
-        """Queue again every row whose write failed (on the writer thread, in their order)."""
+        """Queue again every row whose write failed (on the writer thread, in their order); after
+        session rows were given up, every session's row first."""
         with self._lock:
+            rewrite, self._rewrite_all = self._rewrite_all, False  # set again if the rewrite overflows
             failed = list(self._failed.items())
         for key, write in failed:
             self._run(key, write, again=True)
+        if rewrite and self._sessions is not None:
+            for s in self._sessions():
+                self.session(s)
+        with self._lock:  # what is kept now: the drops of forgotten sessions, rows failed since
+            kept = list(self._failed_sessions.items())
+        for key, write in kept:
+            self._run(key, write, again=True)
 
-    def _run(self, key: tuple[str, str], write: Callable[[], None], *, again: bool = False) -> None:
+    def _run(self, key: _Key, write: Callable[[], None], *, again: bool = False) -> None:
         writer = self._writer
         if writer is None:
             return
 
         def task() -> None:
             with self._lock:
-                if again and self._failed.get(key) is not write:
+                if again and self._kept(key) is not write:
                     return  # a later row of the same name was written (or failed) meanwhile
             try:
                 write()
-            except Exception:
-                with self._lock:
-                    self._failed[key] = write
-                raise  # the writer logs it
+            except Exception as err:  # a full or failing disk: kept, written again by retry
+                self._failed_write(key, write, err)
+                return
             with self._lock:
-                self._failed.pop(key, None)  # this row, or a later one, is on disk: none is pending
+                # this row, or a later one, is on disk: none is pending
+                self._failed.pop(key, None)
+                self._failed_sessions.pop(key, None)
+                failed, self._failing, self._warned_given_up = self._failing, 0, False
+            if failed:
+                log.info("nvme: session and namespace rows are written again (%d writes had failed)", failed)
 
         writer.run_soon(task)
+
+    def _kept(self, key: _Key) -> Callable[[], None] | None:
+        """(Journal lock held.) The write kept for ``key``, if its last write failed."""
+        return self._failed_sessions.get(key) if key[0] == "session" else self._failed.get(key)
+
+    def _failed_write(self, key: _Key, write: Callable[[], None], err: Exception) -> None:
+        given_up, warn_given_up = 0, False
+        with self._lock:
+            self._failing += 1
+            first = self._failing == 1
+            if key[0] != "session":
+                self._failed[key] = write
+            else:
+                self._failed_sessions.pop(key, None)  # to the end: the newest
+                self._failed_sessions[key] = write
+                while len(self._failed_sessions) > MAX_FAILED_SESSION_ROWS:
+                    self._failed_sessions.popitem(last=False)
+                    given_up += 1
+                if given_up:
+                    self.given_up += given_up
+                    self._rewrite_all = self._sessions is not None
+                    warn_given_up, self._warned_given_up = not self._warned_given_up, True
+        if first:  # once per run of failures, not per row: a failing disk fails them all
+            log.warning(
+                "nvme: a %s row could not be written (%s); rows are kept and written again by the next "
+                "flush (flush answers not durable until then); further failures are not logged until "
+                "a write succeeds",
+                key[0],
+                err,
+            )
+        if warn_given_up:
+            log.warning(
+                "nvme: more than %d session rows failed to write; the oldest are given up, and every "
+                "session is written again once the disk takes writes",
+                MAX_FAILED_SESSION_ROWS,
+            )

@@ -48,9 +48,11 @@ def opt_text(name: str, v: Any) -> str | None:
 
 
 def session(name: str, v: Any) -> str:
-    """A session name as a client gives it: a non-empty string of at most MAX_SESSION_BYTES (UTF-8)."""
+    """A session name as a client gives it: a non-empty string of at most MAX_SESSION_BYTES (UTF-8).
+    Control characters pass here, so that a session an earlier build stored under such a name can
+    still be named (inspected, evicted); a put refuses them in a new name (Store.put)."""
     try:
-        return check_session_name(text(name, v), MAX_SESSION_BYTES)
+        return check_session_name(text(name, v), MAX_SESSION_BYTES, allow_control=True)
     except InvalidRequest as e:
         raise RemoteProtocolError("bad_header", f"field {name!r}: {e}") from None
 

@@ -17,6 +17,9 @@ objects in memory.
 from __future__ import annotations
 
 import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +48,11 @@ from kvstore.wire.messages import (
 PROTOCOL_VERSION = 1
 MAX_NAMESPACES = 4096  # distinct namespaces one daemon registers; more is almost surely a bug
 NAMESPACES_PER_TENANT = 256  # default share of MAX_NAMESPACES one tenant may register
+# A registration no put went through, unused this long, is given up when a hello finds the table (or
+# its tenant's quota) full: without CURVE a tenant is whatever a hello says, so hellos alone could
+# fill the table, and would lock real engines out for good. A client whose registration went says
+# hello again on its next request (the reply "unknown_namespace" asks it to; KVStoreClient does).
+NAMESPACE_IDLE = 300.0
 
 
 def tensor_payload(kv: torch.Tensor) -> Buffer:
@@ -187,15 +195,26 @@ class ServerProtocol:
     """The daemon's half: validation, namespaces, and requests in flight per peer. Not thread-safe."""
 
     def __init__(
-        self, limits: Limits, server: str = "kvstore", *, namespaces_per_tenant: int = NAMESPACES_PER_TENANT
+        self,
+        limits: Limits,
+        server: str = "kvstore",
+        *,
+        namespaces_per_tenant: int = NAMESPACES_PER_TENANT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``namespaces_per_tenant``: how many of the MAX_NAMESPACES one tenant (a namespace's
-        ``tenant`` field; a CURVE client can name only its own) may register."""
+        ``tenant`` field; a CURVE client can name only its own) may register. ``clock``: seconds,
+        for how long a registration has been idle (NAMESPACE_IDLE)."""
         self.limits = limits
         self.server = server
         self.namespaces_per_tenant = namespaces_per_tenant
         self.namespaces: dict[str, Namespace] = {}
         self._per_tenant: dict[str, int] = {}  # tenant -> namespaces registered
+        # registrations no put or commit went through (they hold no block stored through them), by
+        # when last used, oldest first: those that may be given up (_expire)
+        self._idle: OrderedDict[str, float] = OrderedDict()
+        self._clock = clock
+        self.expired = 0  # registrations given up (NAMESPACE_IDLE)
         self.inflight: dict[bytes, int] = {}
 
     def receive(
@@ -299,6 +318,11 @@ class ServerProtocol:
             raise RemoteProtocolError(
                 "invalid_argument", f"{msg.op} max_blocks must be at least 1 (or absent)"
             )
+        if isinstance(msg, (Put, Commit)):
+            self._idle.pop(ns_id, None)  # it may hold blocks now: never given up
+        elif ns_id in self._idle:
+            self._idle[ns_id] = self._clock()
+            self._idle.move_to_end(ns_id)
         return namespace
 
     def hello(self, request: Request, shm: dict[str, Any] | None = None) -> list[Buffer]:
@@ -307,6 +331,11 @@ class ServerProtocol:
         ``shm``: the shared-memory offer to make, when the client asked and may have it."""
         assert isinstance(request.msg, Hello)
         ns = request.msg.namespace
+        if ns.id not in self.namespaces and (
+            self._per_tenant.get(ns.tenant, 0) >= self.namespaces_per_tenant
+            or len(self.namespaces) >= MAX_NAMESPACES
+        ):
+            self._expire()
         if ns.id not in self.namespaces:
             # the tenant's quota first: its refusal tells the tenant only its own figures
             mine = self._per_tenant.get(ns.tenant, 0)
@@ -325,15 +354,38 @@ class ServerProtocol:
                     request.peer,
                     request.id,
                     "quota_exceeded",
-                    "the daemon's namespace table is full; ask the operator to restart it "
-                    "or to lower max_namespaces_per_tenant",
+                    "the daemon's namespace table is full; a namespace that stored nothing and went "
+                    f"unused for {NAMESPACE_IDLE:.0f} s makes room, so retry later, or ask the operator "
+                    "to restart the daemon or to lower max_namespaces_per_tenant",
                     done=True,
                 )
             self._per_tenant[ns.tenant] = mine + 1
+            self._idle[ns.id] = self._clock()
+        elif ns.id in self._idle:
+            self._idle[ns.id] = self._clock()
+            self._idle.move_to_end(ns.id)
         self.namespaces[ns.id] = ns
         return self.reply(
             request, HelloOk(ns=ns.id, limits=self.limits.to_dict(), server=self.server, shm=shm)
         )
+
+    def _expire(self) -> None:
+        """Give up the registrations no put went through that were unused for NAMESPACE_IDLE seconds
+        (oldest first: O(those given up)). Their clients' next requests are answered
+        ``unknown_namespace``, and they say hello again."""
+        now = self._clock()
+        while self._idle:
+            ns_id, used = next(iter(self._idle.items()))
+            if now - used < NAMESPACE_IDLE:
+                break
+            del self._idle[ns_id]
+            ns = self.namespaces.pop(ns_id)
+            left = self._per_tenant.get(ns.tenant, 0) - 1
+            if left > 0:
+                self._per_tenant[ns.tenant] = left
+            else:
+                self._per_tenant.pop(ns.tenant, None)
+            self.expired += 1
 
     def reply(self, request: Request, msg: Message) -> list[Buffer]:
         """Frames answering ``request`` with ``msg``; the request stops counting as in flight."""

@@ -824,3 +824,30 @@ def test_metrics_endpoint_agrees_with_kvstore_stats(tmp_path: Path) -> None:
     # a same-host client puts through commit and gets through locate (shared memory)
     assert requests.get("put/ok", 0) + requests.get("commit/ok", 0) >= 2
     assert requests.get("get/ok", 0) + requests.get("locate/ok", 0) >= 3 and requests["stats/ok"] == 1
+
+
+def test_names_with_control_characters_print_escaped() -> None:
+    # a row written by an earlier build may hold any character; what reaches the terminal must not
+    # be a command to it
+    evil = {
+        "name": "conv\x1b]0;pwned\x07",
+        "model": "m\x1b[2J",
+        "tenant": "t\u202eevil",
+        "namespace": "ns\r",
+        "tokens": 64,
+        "blocks": 1,
+        "tiers": {"hbm": 1},
+        "last_access": 10.0,
+        "created": 5.0,
+    }
+    outputs = [
+        display.render_sessions([evil], now=20.0),
+        display.render_session({"info": evil, "blocks": []}, now=20.0),
+        display.render_prefix({"namespace": evil["namespace"], "tokens": 4, "matched_tokens": 0}),
+        display.render_prefetch({"session": evil["name"], "to": "ram", "moved": 0}),
+    ]
+    for out in outputs:
+        assert not any(c in out for c in "\x1b\x07\r\u202e"), out
+    assert "conv\\x1b]0;pwned\\x07" in outputs[0] and "t\\u202eevil" in outputs[0]
+    assert "m\\x1b[2J" in outputs[1] and "ns\\r" in outputs[1]
+    assert display.printable("plain — été") == "plain — été"

@@ -87,3 +87,22 @@ def test_session_names_are_bounded(daemons, tmp_path: Path) -> None:
         assert [s.name for s in c.sessions()] == [longest]
         assert c.inspect(session=longest).info.blocks == 2
     assert NS.layout.block_tokens == T
+
+
+def test_session_names_with_control_characters_are_refused(daemons, tmp_path: Path) -> None:
+    # names are printed to operators' terminals (kvstore inspect): an ESC sequence there is a
+    # terminal command, a bidi override hides what the name says
+    config = write_config(tmp_path)
+    daemons(config)
+    toks = random_tokens(np.random.default_rng(3), 1)
+    with client(endpoint_of(config)) as c:
+        for bad in ("conv\x1b[2J", "tab\there", "del\x7f", "c1\x85", "bidi\u202eevil", "zw\u200bsp"):
+            with pytest.raises(KVStoreError, match="control character U\\+"):
+                c.put(toks, prefix_kv(toks), session=bad)
+        assert c.lookup(toks).matched_tokens == 0  # a refused put stores nothing
+        assert not c.put(toks, prefix_kv(toks), session="chat #7 — été 🌞").failed
+        assert [s.name for s in c.sessions()] == ["chat #7 — été 🌞"]
+        # such a name can still be asked about (an earlier build stored them): unknown, not refused
+        with pytest.raises(KVStoreError) as unknown:
+            c.inspect(session="conv\x1b[2J")
+        assert "control character" not in str(unknown.value), unknown.value
