@@ -41,9 +41,10 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 from collections.abc import Sequence
-from dataclasses import fields
-from typing import Any
+from dataclasses import MISSING, fields
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 import zmq
@@ -67,7 +68,7 @@ from kvstore.results import (
 )
 from kvstore.shm.client_path import SharedPath
 from kvstore.socket_path import WINDOW, SocketPath
-from kvstore.wire.errors import LocalProtocolError
+from kvstore.wire.errors import LocalProtocolError, RemoteProtocolError
 from kvstore.wire.messages import (
     DataOk,
     Evict,
@@ -87,15 +88,73 @@ from kvstore.wire.messages import (
 )
 
 
-def _default_endpoint() -> str:
-    from kvstore.config import default_endpoint
+def _endpoint(endpoint: str | None) -> str:
+    """``endpoint`` (default: $KVSTORE_ENDPOINT, else the default socket); ConfigError for one a
+    daemon listens on but nobody can connect to (``tcp://*:5555``)."""
+    from kvstore.config import check_connect_endpoint, default_endpoint
 
-    return os.environ.get("KVSTORE_ENDPOINT") or default_endpoint()
+    return check_connect_endpoint(endpoint or os.environ.get("KVSTORE_ENDPOINT") or default_endpoint())
 
 
-def _build(cls: type, data: dict[str, Any]) -> Any:
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
+# ---- the data of operator replies (DataOk carries any msgpack value): checked before it is used ----
+
+
+def _malformed(op: str, what: str) -> RemoteProtocolError:
+    return RemoteProtocolError(
+        "bad_header",
+        f"the daemon's {op} reply is malformed: {what}; is the endpoint a kvstore daemon of this version?",
+    )
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (msgpack data) is of the type ``hint`` (a dataclass field's annotation)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (Union, types.UnionType):
+        return any(_is_a(value, a) for a in args)
+    if hint in (int, float):  # msgpack sends 2.0 as a float, 2 as an int; a bool is neither
+        ok = (int,) if hint is int else (int, float)
+        return isinstance(value, ok) and not isinstance(value, bool)
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _is_a(k, args[0]) and _is_a(v, args[1]) for k, v in value.items()
+        )
+    if origin is list:
+        return isinstance(value, list) and all(_is_a(v, args[0]) for v in value)
+    return isinstance(value, origin or hint)
+
+
+def _map(op: str, value: Any, what: str = "its data") -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _malformed(op, f"{what} is {type(value).__name__} {value!r:.60}, not a map")
+    return value
+
+
+def _list(op: str, value: Any, what: str = "its data") -> list[Any]:
+    if not isinstance(value, list):
+        raise _malformed(op, f"{what} is {type(value).__name__} {value!r:.60}, not a list")
+    return value
+
+
+def _build(cls: type, data: Any, op: str) -> Any:
+    """A ``cls`` from a reply's map: every field without a default present, each of its declared type.
+    Keys ``cls`` does not have (a newer daemon's) are left out. RemoteProtocolError otherwise."""
+    data = _map(op, data, f"a {cls.__name__}")
+    hints = get_type_hints(cls)
+    values = {}
+    for f in fields(cls):
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise _malformed(op, f"a {cls.__name__} has no {f.name!r}")
+            continue
+        v = data[f.name]
+        if not _is_a(v, hints[f.name]):
+            hint = hints[f.name]
+            name = str(hint) if get_origin(hint) else getattr(hint, "__name__", str(hint))
+            raise _malformed(op, f"a {cls.__name__}'s {f.name!r} is {v!r:.60}, not {name}")
+        values[f.name] = v
+    return cls(**values)
 
 
 class KVStoreClient:
@@ -117,8 +176,8 @@ class KVStoreClient:
     tenant (a hello for another raises Forbidden), and evict, inspect, stats
     and prefetch see only that tenant's sessions and blocks. A key the daemon
     does not list gets no answer at all: calls raise RequestTimeout. Raises
-    ConfigError for a bad key, a secret file others can read, or a server key
-    without a secret key.
+    ConfigError for a bad key, a secret file others can read, a server key
+    without a secret key, or an endpoint only a daemon can use (``tcp://*:5555``).
     """
 
     def __init__(
@@ -138,9 +197,12 @@ class KVStoreClient:
         curve_secret_key: str | bytes | None = None,
         curve_public_key: str | bytes | None = None,
         shared_memory: bool | None = None,
+        wait_when_busy: bool = True,
     ) -> None:
         """``shared_memory``: None (default) uses the daemon's shared memory when it offers it (an
-        ``ipc://`` daemon of this user); False always uses the socket."""
+        ``ipc://`` daemon of this user); False always uses the socket. ``wait_when_busy``: a ``busy``
+        answer (the daemon over a budget) is asked again, pausing, for up to ``timeout``; False
+        raises it at once (a caller that would rather recompute than wait)."""
         if (model is None) != (layout is None):
             raise InvalidNamespace("give both model and layout (or neither, for an operator's client)")
         self.namespace = (
@@ -148,7 +210,7 @@ class KVStoreClient:
             if model is None or layout is None
             else Namespace(model=model, layout=layout, tenant=tenant, revision=revision)
         )
-        self.endpoint = endpoint or _default_endpoint()
+        self.endpoint = _endpoint(endpoint)
         curve = ClientKeys.resolve(self.endpoint, curve_server_key, curve_secret_key, curve_public_key)
         want_shm = self.endpoint.startswith("ipc://") and curve is None and shared_memory is not False
         self._conn = Connection(
@@ -159,6 +221,7 @@ class KVStoreClient:
             context=context,
             curve=curve,
             shared_memory=want_shm,
+            wait_when_busy=wait_when_busy,
         )
         self._lock = threading.RLock()  # one call at a time: the paths below are not thread-safe
         self._socket = SocketPath(self._conn, chunk_blocks=chunk_blocks, window=window)
@@ -377,7 +440,11 @@ class KVStoreClient:
         """``{"store": StoreStats as a dict, "server": daemon counters}``."""
         reply = self._call(Stats())
         assert isinstance(reply, DataOk)
-        return dict(reply.data)
+        data = _map("stats", reply.data)
+        for part in ("store", "server"):
+            if part in data:
+                _map("stats", data[part], repr(part))
+        return dict(data)
 
     def evict(
         self,
@@ -404,6 +471,8 @@ class KVStoreClient:
         )
         reply = self._call(msg, idempotent=dry_run)
         assert isinstance(reply, EvictOk)
+        if not _is_a(reply.bytes_freed, dict[str, int]) or not _is_a(reply.keys, list[bytes]):
+            raise _malformed("evict", "bytes_freed is not a map of tier to bytes, or keys not a list of keys")
         return EvictResult(
             reply.blocks,
             dict(reply.bytes_freed),
@@ -416,7 +485,7 @@ class KVStoreClient:
     def sessions(self) -> list[SessionInfo]:
         reply = self._call(Inspect())
         assert isinstance(reply, DataOk)
-        return [_build(SessionInfo, d) for d in reply.data]
+        return [_build(SessionInfo, d, "inspect") for d in _list("inspect", reply.data)]
 
     def inspect(self, session: str | None = None, token_ids: TokenInput | None = None) -> Any:
         """Every session (a list of SessionInfo), one session (SessionDetail), or, given ``token_ids``,
@@ -429,14 +498,17 @@ class KVStoreClient:
                     raise LocalProtocolError("invalid_argument", "inspect takes token ids, not engine keys")
                 reply = self._call(Inspect(ns=self._ns().id, tokens=names.tokens))
             assert isinstance(reply, DataOk)
-            return reply.data
+            return _map("inspect", reply.data)
         if session is None:
             return self.sessions()
         reply = self._call(Inspect(session=session))
         assert isinstance(reply, DataOk)
+        data = _map("inspect", reply.data)
         return SessionDetail(
-            info=_build(SessionInfo, reply.data["info"]),
-            blocks=[_build(BlockInfo, b) for b in reply.data["blocks"]],
+            info=_build(SessionInfo, data.get("info"), "inspect"),
+            blocks=[
+                _build(BlockInfo, b, "inspect") for b in _list("inspect", data.get("blocks"), "'blocks'")
+            ],
         )
 
     def prefetch(
@@ -447,7 +519,7 @@ class KVStoreClient:
         while the result's ``remaining`` is positive)."""
         reply = self._call(Prefetch(session=session, to=to, start_block=start_block, max_blocks=max_blocks))
         assert isinstance(reply, DataOk)
-        return _build(PrefetchResult, reply.data)
+        return _build(PrefetchResult, reply.data, "prefetch")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block the daemon stored before this call is on nvme and synced to disk.

@@ -8,7 +8,9 @@ Precedence (last wins)::
 ``8GiB``, ``512MiB``, ``1.5GB``, ``64k`` or plain byte counts (K/M/G/T alone are
 binary, as in systemd); durations read ``500ms``, ``30s``, ``2h``, ``7d``,
 ``1h30m`` or plain seconds. Relative paths resolve against the current working
-directory when the config is loaded (the result is always absolute).
+directory when the config is loaded (the result is always absolute), but for a relative
+``ipc://`` socket path in a file: it resolves against the file's directory, because the daemon
+and the CLIs that read the same file run in different directories and must name one socket.
 
 Every value is checked here, once: an invalid file raises ConfigError naming
 the key, the value and what is allowed, and an unknown section or key (a typo)
@@ -45,6 +47,7 @@ __all__ = [
     "PolicyConfig",
     "RamConfig",
     "ServerConfig",
+    "check_connect_endpoint",
     "check_endpoint",
     "default_data_dir",
     "default_endpoint",
@@ -66,6 +69,8 @@ else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
 _NEVER = ("never", "off", "inf")
+PAGE_ALIGN = 256  # [policy] page_bytes is a multiple of it (see _page_size)
+_SECRET = "***"  # what a secret (a password, a CURVE secret key) shows as in logs, errors and to_dict
 _FIDELITY = ("int4", "fp8", "int8", "raw")  # nvme codecs, from the one that keeps least
 
 
@@ -117,8 +122,9 @@ class ServerConfig:
     max_pins_per_tenant: int = 1024
     max_pinned_blocks_per_tenant: int = 65536
     allow_insecure_tcp: bool = False
-    # tcp only (kvstore.daemon.auth): the daemon's Z85 secret key or the path of its key file (`kvstore keygen`)
-    curve_secret_key: str | None = None
+    # tcp only (kvstore.daemon.auth): the daemon's Z85 secret key or the path of its key file (`kvstore keygen`).
+    # Never shown (it may be the key itself): repr leaves it out, to_dict and config errors print ***.
+    curve_secret_key: str | None = field(default=None, repr=False)
     curve_allowed_keys: str | None = (
         None  # a file path, lines "<Z85 client public key> <tenant>" (* = operator)
     )
@@ -258,8 +264,11 @@ class Config:
         d = asdict(self)
         d["nvme"]["path"] = str(self.nvme.path)
         d["source"] = None if self.source is None else str(self.source)
-        c = d["cluster"]  # never a secret in a log or on a screen
-        c["password"] = None if c["password"] is None else "***"
+        s = d["server"]  # never a secret in a log or on a screen
+        s["curve_secret_key"] = None if s["curve_secret_key"] is None else _SECRET
+        s["shm_dir"] = None if s["shm_dir"] is None else str(s["shm_dir"])
+        c = d["cluster"]
+        c["password"] = None if c["password"] is None else _SECRET
         for k in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             c[k] = None if c[k] is None else str(c[k])
         c["nodes"] = [re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", n) for n in c["nodes"]]
@@ -314,6 +323,21 @@ def _size(lo: int) -> Callable[[Any], int]:
     return check
 
 
+def _page_size(v: Any) -> int:
+    # a block starts at a page boundary and the pools view it there as its dtype (up to 4 bytes an
+    # element) and copy it with CUDA (256-byte aligned): page_bytes = 4097 was accepted, and every put
+    # of a float16 block landing on an odd page failed `internal`
+    allowed = f"a size of at least {PAGE_ALIGN} bytes and a multiple of {PAGE_ALIGN}, like '4KiB' or '64KiB'"
+    try:
+        n = _size(PAGE_ALIGN)(v)
+    except _Invalid:
+        raise _Invalid(allowed) from None
+    if n % PAGE_ALIGN:
+        below = n - n % PAGE_ALIGN
+        raise _Invalid(f"{allowed}; {n} is not, {below} or {below + PAGE_ALIGN} is")
+    return n
+
+
 def _duration(*, never: bool) -> Callable[[Any], float]:
     allowed = "a positive duration like '30s', '2h' or '7d'" + (", or 'never'" if never else "")
 
@@ -345,12 +369,44 @@ def _endpoint(v: Any) -> str:
     return v.strip()
 
 
+def _absolute_endpoint(endpoint: str, base: Path) -> str:
+    """``endpoint`` with a relative ``ipc://`` path made absolute against ``base`` (``~`` expanded)."""
+    path = ipc_socket_path(endpoint)
+    if path is None:
+        return endpoint
+    return f"ipc://{(base / path.expanduser()).absolute()}"
+
+
 def check_endpoint(text: str) -> str:
     """``text`` stripped if it is a ZeroMQ endpoint kvstore can use; ConfigError saying what is allowed otherwise."""
     try:
-        return _endpoint(text)
+        return _absolute_endpoint(_endpoint(text), Path.cwd())
     except _Invalid as e:
         raise ConfigError(f"endpoint {text!r} is not allowed; expected {e}") from None
+
+
+def check_connect_endpoint(endpoint: str) -> str:
+    """``endpoint`` if a client can connect to it; ConfigError otherwise.
+
+    A tcp host ``*`` or port ``*``/``0`` says where a daemon listens (every interface, any free port),
+    never where to reach it: ZeroMQ refuses to connect there, or connects to nothing.
+    """
+    m = re.fullmatch(r"tcp://(.+):(\d+|\*)", endpoint.strip())
+    if m is None:
+        return endpoint
+    host, port = m.group(1), m.group(2)
+    if port == "*" or int(port) == 0:
+        raise ConfigError(
+            f"endpoint {endpoint!r} is where a daemon listens (any free port), not an address to connect "
+            "to; connect to tcp://HOST:PORT with the daemon's host and the port it bound"
+        )
+    if host == "*":
+        raise ConfigError(
+            f"endpoint {endpoint!r} is where a daemon listens (every interface), not an address to connect "
+            f"to; connect to tcp://HOST:{port} with the daemon's host name or address "
+            f"(tcp://127.0.0.1:{port} on its own host)"
+        )
+    return endpoint
 
 
 def _device(v: Any) -> str:
@@ -361,9 +417,17 @@ def _device(v: Any) -> str:
 
 def _optional(check: Callable[[Any], Any], *off: Any) -> Callable[[Any], Any]:
     def opt(v: Any) -> Any:
-        if v in off or (isinstance(v, str) and v.strip().lower() in ("", "none", "off")):
+        # compared with their types: False == 0 and 0.0 == 0, but `metrics_port = false` is no port number
+        if any(type(v) is type(o) and v == o for o in off):
             return None
-        return check(v)
+        if isinstance(v, str) and v.strip().lower() in ("", "none", "off"):
+            return None
+        try:
+            return check(v)
+        except _Invalid as e:
+            if not off:
+                raise
+            raise _Invalid(f"{e}, or {' or '.join(map(repr, off))} or 'off' for none") from None
 
     return opt
 
@@ -421,9 +485,10 @@ def redact_url(url: str) -> str:
 
 
 def _shown(section: str, key: str, raw: Any) -> str:
-    """``raw`` as a config error may show it: never a [cluster] password, alone or in a node URL."""
-    if section == "cluster" and key == "password":
-        return "***"
+    """``raw`` as a config error may show it: never a [cluster] password, alone or in a node URL, nor
+    a [server] curve_secret_key."""
+    if (section, key) in (("cluster", "password"), ("server", "curve_secret_key")):
+        return _SECRET
     if section == "cluster" and key == "nodes":
         items = raw.split(",") if isinstance(raw, str) else raw
         if isinstance(items, (list, tuple)):
@@ -511,7 +576,7 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "promote_on_hit": _bool,
             "pin_lease": _duration(never=False),
             "write_queue": _int(1, 2**24),
-            "page_bytes": _size(256),
+            "page_bytes": _page_size,
         },
     ),
 }
@@ -527,7 +592,10 @@ def _suggest(name: str, options: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _apply(values: dict[str, dict[str, Any]], section: str, key: str, raw: Any, where: str) -> None:
+def _apply(
+    values: dict[str, dict[str, Any]], section: str, key: str, raw: Any, where: str, base: Path | None = None
+) -> None:
+    """Check ``raw`` into ``values``; a relative ipc:// endpoint resolves against ``base`` (default: the cwd)."""
     check = _CHECKS[section][1][key]
     try:
         values[section][key] = check(raw)
@@ -535,6 +603,8 @@ def _apply(values: dict[str, dict[str, Any]], section: str, key: str, raw: Any, 
         raise ConfigError(
             f"{where}: [{section}] {key} = {_shown(section, key, raw)} is not allowed; expected {e}"
         ) from None
+    if (section, key) == ("server", "endpoint"):
+        values[section][key] = _absolute_endpoint(values[section][key], base or Path.cwd())
 
 
 def _read_file(path: Path, values: dict[str, dict[str, Any]]) -> None:
@@ -564,7 +634,7 @@ def _read_file(path: Path, values: dict[str, dict[str, Any]]) -> None:
                     f"{path}: unknown key {key!r} in [{section}]{_suggest(key, keys)}; "
                     f"allowed: {', '.join(keys)}"
                 )
-            _apply(values, section, key, raw, str(path))
+            _apply(values, section, key, raw, str(path), base=path.parent)
 
 
 def _read_env(env: Mapping[str, str], values: dict[str, dict[str, Any]]) -> None:

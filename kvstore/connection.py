@@ -16,6 +16,8 @@ answer, then DaemonStarting is raised (retries are not spent on it). A
 ``busy`` answer (the daemon is over an in-flight budget or a quota; nothing
 was done) is back-pressure: that request is sent again after a pause that
 doubles up to BUSY_WAIT_MAX, for up to ``timeout``, then its error is raised.
+A connection made with ``wait_when_busy=False`` (an engine's lookups and loads: a
+busy store is a miss, recomputed, never a stalled step) raises it at once instead.
 
 With ``curve`` (kvstore.daemon.auth.ClientKeys) every socket is a CURVE client of the
 daemon. A daemon that refuses the key sends nothing at all, so a refused key
@@ -68,14 +70,17 @@ class Connection:
         context: zmq.Context | None = None,
         curve: ClientKeys | None = None,
         shared_memory: bool = False,
+        wait_when_busy: bool = True,
     ) -> None:
-        """``shared_memory``: ask for the daemon's shared-memory offer in every hello (``shm_offer``)."""
+        """``shared_memory``: ask for the daemon's shared-memory offer in every hello (``shm_offer``).
+        ``wait_when_busy``: False raises a ``busy`` answer at once (see the module's doc)."""
         self.endpoint = endpoint
         self.shared_memory = shared_memory
         self.shm_offer: dict[str, Any] | None = None  # from the latest hello reply
         self.curve = curve
         self.timeout = timeout
         self.retries = retries
+        self.wait_when_busy = wait_when_busy
         self.namespace = namespace
         self.limits: Limits | None = None  # learnt from the hello reply
         self._own_ctx = context is None
@@ -288,7 +293,7 @@ class Connection:
                     if reply.code == "busy":  # over a budget, nothing was done: back-pressure, not failure
                         now = time.monotonic()
                         busy_since = now if busy_since is None else busy_since
-                        if now - busy_since >= self.timeout:
+                        if not self.wait_when_busy or now - busy_since >= self.timeout:
                             for other in inflight:
                                 self.proto.forget(other)
                             raise error_for_reply(reply.code, reply.message)

@@ -25,6 +25,7 @@ from kvstore.keys import Namespace
 from kvstore.kvbuffers import KVTarget, empty_kv, write_target
 from kvstore.memcopy import copy_into
 from kvstore.results import FailedBlock, GetResult, LookupResult, PutResult
+from kvstore.wire.errors import RemoteProtocolError
 from kvstore.wire.messages import Get, GetOk, Lookup, LookupOk, Message, Put, PutOk
 from kvstore.wire.protocol import payload_tensor, tensor_payload
 
@@ -44,7 +45,7 @@ class PutTally:
             self.failed.extend(reply.failed)
         else:
             assert isinstance(reply, PutOk)
-            self.failed.extend(FailedBlock(int(b), str(c), str(m)) for b, c, m in reply.failed)
+            self.failed.extend(_failed_block(f) for f in reply.failed)
             self.replies += 1
         self.stored += reply.stored
         self.present += reply.present
@@ -52,6 +53,23 @@ class PutTally:
 
     def result(self) -> PutResult:
         return PutResult(self.stored, self.present, sorted(set(self.failed)), self.deferred)
+
+
+def _failed_block(entry: object) -> FailedBlock:
+    """One ``[block index, code, message]`` of a PutOk's ``failed``; RemoteProtocolError for another shape."""
+    if (
+        not isinstance(entry, list)
+        or len(entry) != 3
+        or isinstance(entry[0], bool)
+        or not isinstance(entry[0], int)
+        or not all(isinstance(x, str) for x in entry[1:])
+    ):
+        raise RemoteProtocolError(
+            "bad_header",
+            f"the daemon's put reply is malformed: a failed block is {entry!r:.60}, not [index, code, "
+            "message]; is the endpoint a kvstore daemon of this version?",
+        )
+    return FailedBlock(entry[0], entry[1], entry[2])
 
 
 class SocketPath:

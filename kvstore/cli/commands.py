@@ -46,17 +46,20 @@ from kvstore.cli.parser import (
     parse_args,
     read_tokens,
 )
-from kvstore.config import ipc_socket_path, load_config, with_overrides
+from kvstore.config import check_connect_endpoint, ipc_socket_path, load_config, with_overrides
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.wire.errors import RemoteProtocolError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def resolve_endpoint(args: argparse.Namespace) -> str:
-    """--endpoint, else the config's endpoint (--config or $KVSTORE_CONFIG, with $KVSTORE_* overrides)."""
+    """--endpoint, else the config's endpoint (--config or $KVSTORE_CONFIG, with $KVSTORE_* overrides).
+
+    Raises ConfigError for an endpoint only a daemon can use (``tcp://*:5555``, where it listens)."""
     if args.endpoint:
-        return str(args.endpoint)
-    return load_config(args.config).server.endpoint
+        return check_connect_endpoint(str(args.endpoint))
+    return check_connect_endpoint(load_config(args.config).server.endpoint)
 
 
 def check_reachable(endpoint: str) -> None:
@@ -96,7 +99,21 @@ def plain(value: Any) -> Any:
 
 
 def _emit(args: argparse.Namespace, data: Any, render: Callable[[Any], str], out: IO[str]) -> None:
-    out.write((json.dumps(data, indent=2) if args.json else render(data)) + "\n")
+    """Print ``data`` as JSON or rendered; RemoteProtocolError when the daemon's data cannot be rendered."""
+    if args.json:
+        out.write(json.dumps(data, indent=2) + "\n")
+        return
+    try:
+        text = render(data)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+        # the renderings take missing fields but trust the types of those present: a field of another
+        # type is the daemon's fault (another version, or not a kvstore daemon), not a crash of ours
+        raise RemoteProtocolError(
+            "bad_header",
+            f"the daemon's reply has a field this kvstore cannot show ({type(e).__name__}: {e}); "
+            "--json prints the reply as it came, and the daemon should be of this kvstore's version",
+        ) from None
+    out.write(text + "\n")
 
 
 def cmd_serve(args: argparse.Namespace, out: IO[str]) -> int:

@@ -11,12 +11,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from kvstore.config import check_endpoint, parse_duration
+from kvstore.config import check_connect_endpoint, check_endpoint, parse_duration
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.tiers.base import TierName
 
 TIERS = tuple(t.value for t in TierName)
 PREFETCH_CHUNK = 16  # blocks per prefetch request: small enough for a smooth bar, big enough to stay cheap
+# --chunk's ceiling: more blocks than any session has (one request takes the whole session), and small
+# enough that start_block + chunk always travels in msgpack (a 10**20 chunk was an OverflowError)
+PREFETCH_CHUNK_MAX = 2**31 - 1
 START_HINT = "start it with `kvstore serve` (or `./dev serve` in a checkout)"
 
 
@@ -52,6 +55,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+def _chunk_arg(text: str) -> int:
+    n = _positive_int(text)
+    if n > PREFETCH_CHUNK_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{n} is over {PREFETCH_CHUNK_MAX}, the most it takes; any chunk longer than the session "
+            "brings the whole session up in one request"
+        )
     return n
 
 
@@ -221,10 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--chunk",
-        type=_positive_int,
+        type=_chunk_arg,
         default=PREFETCH_CHUNK,
         metavar="N",
-        help=f"blocks per request (default {PREFETCH_CHUNK})",
+        help=f"blocks per request, 1 to {PREFETCH_CHUNK_MAX} (default {PREFETCH_CHUNK})",
     )
     p.set_defaults(parser=p)
 
@@ -289,6 +302,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         close = difflib.get_close_matches(extra[0], known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    if args.command != "serve" and getattr(args, "endpoint", None):
+        try:  # serve listens there; every other command connects
+            check_connect_endpoint(args.endpoint)
+        except ConfigError as e:
+            parser.error(f"argument --endpoint: {e}")
     if args.command == "inspect":
         if args.tokens is not None and (args.model is None or args.layout is None):
             parser.error(

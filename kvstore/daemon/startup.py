@@ -45,8 +45,17 @@ def stored_blocks(path: Path) -> int | None:
     Opens the environment read-only and without LMDB's lock table, and closes it
     before returning: nothing is written, and no lock the store takes is touched.
     """
-    if not (path / "data.mdb").exists():
-        return 0
+    try:
+        if not (path / "data.mdb").exists():
+            return 0
+    except OSError as e:  # EACCES, ENAMETOOLONG: Path.exists says False only for a path that is not there
+        log.warning(
+            "cannot look into %s: %s; the daemon's user must be able to enter and read it "
+            "(fix its permissions or set [nvme] path)",
+            path,
+            e.strerror or e,
+        )
+        return None
     try:
         import lmdb
 
@@ -146,7 +155,25 @@ class Startup:
         )
 
     def refusal(self, e: BaseException) -> str:
-        """One line saying why the store could not be built."""
+        """One line saying why the store could not be built, naming the setting of the path at fault."""
         if isinstance(e, OSError) and not str(e).startswith("nvme"):
-            return f"{e.strerror or e}: {e.filename or self.config.nvme.path}; check [nvme] path"
+            where = Path(os.fsdecode(e.filename)) if e.filename else self.config.nvme.path
+            return f"{e.strerror or e}: {where}; check {self._setting_of(where)}"
         return str(e)
+
+    def _setting_of(self, path: Path) -> str:
+        """The setting whose directory holds ``path`` (or is made under it), else what to check."""
+        from kvstore.shm.segment import default_dir
+
+        cfg = self.config
+        shm = cfg.server.shm_dir or default_dir()
+        for directory, key in (
+            (cfg.nvme.path, "[nvme] path"),
+            (
+                shm,
+                "[server] shm_dir" if cfg.server.shm_dir else '[server] shm_dir (or shared_memory = "off")',
+            ),
+        ):
+            if path.is_relative_to(directory) or directory.is_relative_to(path):
+                return key
+        return "that the daemon's user may use it"

@@ -167,3 +167,60 @@ def test_a_stop_during_start_up_waits_for_the_store_and_exits_cleanly(start_daem
     assert wait_for(lambda: "starting (pid" in d.output(), 60), d.output()
     assert d.stop() == 0, d.output()
     assert not (tmp_path / "run" / "kv.sock").exists()
+
+
+# ---- paths the daemon cannot use: one line naming the setting, never a traceback ----
+
+LOOK_INTO = """
+import logging, os, sys
+from pathlib import Path
+from kvstore.daemon.startup import stored_blocks
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+if os.getuid() == 0:  # root enters any directory: look as nobody
+    os.setgroups([])
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)
+print(stored_blocks(Path(sys.argv[1])))
+"""
+
+
+def test_the_blocks_of_a_store_the_daemon_may_not_enter_are_unknown_not_a_crash(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    # Path.exists raises PermissionError (it is False only for a path that is not there)
+    store = tmp_path / "nvme"
+    store.mkdir()
+    (store / "data.mdb").write_bytes(b"")
+    store.chmod(0)
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", LOOK_INTO, str(store)], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        store.chmod(0o700)
+    assert p.returncode == 0 and p.stdout.strip() == "None", p.stderr
+    assert f"cannot look into {store}: Permission denied" in p.stderr and "[nvme] path" in p.stderr
+
+
+@pytest.mark.slow
+def test_an_nvme_path_that_cannot_be_looked_into_is_refused_in_one_line(start_daemon, tmp_path: Path) -> None:
+    nvme = tmp_path / ("x" * 300) / "nvme"  # a name over NAME_MAX: Path.exists raises ENAMETOOLONG
+    d = start_daemon(nvme=nvme, ready=False)
+    assert d.wait_exit(90) == 1, d.output()
+    log = d.output()
+    assert "Traceback" not in log, log
+    assert re.search(
+        r"refusing to start: nvme store .* cannot be opened: File name too long; .*\[nvme\] path", log
+    )
+
+
+@pytest.mark.slow
+def test_a_shm_dir_that_cannot_be_made_is_named_in_the_refusal(start_daemon, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    d = start_daemon(shm_dir=str(tmp_path / "a-file" / "shm"), ready=False)
+    assert d.wait_exit(90) == 1, d.output()
+    log = d.output()
+    assert "Traceback" not in log, log
+    assert f"refusing to start: Not a directory: {tmp_path}/a-file/shm; check [server] shm_dir" in log, log
+    assert "[nvme] path" not in log
