@@ -218,6 +218,7 @@ class StoreStats:
     tokens_matched: int
     tokens_served: int
     write_failures: int = 0  # write-through attempts that failed (full disk, I/O error); retried
+    unencodable: int = 0  # blocks dropped on their way down: the tier's codec refused them (inf or NaN)
     cluster: dict[str, Any] | None = None  # the cluster tier's state and counters (None: not configured)
 
     def to_dict(self) -> dict[str, Any]:

@@ -96,6 +96,11 @@ _STORE_GAUGES = (
 _STORE_COUNTERS = (
     ("written", "kvstore_written_blocks", "Blocks written through to nvme"),
     ("expired", "kvstore_expired_blocks", "Blocks dropped after the nvme TTL"),
+    (
+        "unencodable",
+        "kvstore_unencodable_blocks",
+        "Blocks dropped on their way down a tier: its codec refused them (inf or NaN K/V)",
+    ),
     ("lookups", "kvstore_lookups", "Lookups and gets served by the store"),
     ("tokens_asked", "kvstore_tokens_asked", "Tokens (full blocks) asked for by lookups and gets"),
     ("tokens_matched", "kvstore_tokens_matched", "Tokens a lookup found cached"),

@@ -344,6 +344,7 @@ class AdminOps:
                 tokens_matched=self._counts.tokens_matched,
                 tokens_served=self._counts.tokens_served,
                 write_failures=self._counts.write_failures,
+                unencodable=self._mover.unencodable,
                 cluster=cluster,
             )
 

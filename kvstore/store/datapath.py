@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from kvstore.codecs.frame import Buffer
-from kvstore.errors import FrameError, KVStoreError, LayoutError
+from kvstore.errors import CodecError, FrameError, KVStoreError, LayoutError
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.store.counts import TierCounters
@@ -110,10 +110,12 @@ class DataPath:
     def store_new(self, e: Entry, block: torch.Tensor, ready: Frames = NO_FRAMES) -> bool:
         """(Lock held.) Put a new block into the uppermost tier that can make room; index it there.
         False when every tier is full of pinned blocks (or ``e``'s parent went while room was made);
-        nothing is indexed then. Tier failures are not raised: the next tier down is tried."""
+        nothing is indexed then. Tier failures are not raised: the next tier down is tried. When no
+        tier took it and a codec refused it (inf or NaN), that CodecError is raised: the put says why."""
         p = e.parent
         if p is not None:
             self._mover.busy.add(p.key)  # its own descendants-to-be must not push it out
+        refused: CodecError | None = None
         try:
             for t, tier in enumerate(self._tiers):
                 if not self._mover.make_room(t, block, position=self._mover.position(e), ready=ready):
@@ -127,10 +129,15 @@ class DataPath:
                         e.pending = None
                     else:
                         tier.put(e.key, block)
+                except CodecError as err:
+                    refused = err
+                    continue
                 except (TierFull, TierIOError, KVStoreError):
                     continue
                 self._index.add(e, t)
                 return True
+            if refused is not None:
+                raise refused
             return False
         finally:
             if p is not None:

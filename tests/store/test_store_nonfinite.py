@@ -28,7 +28,7 @@ def test_a_put_holding_inf_or_nan_is_kept_raw_and_dropped_where_a_codec_cannot_t
         r = s.put(NS, c, kv(T, seed))
         assert (r.stored, r.failed) == (1, []), r
     assert s.lookup(NS, b).tiers == ["ram"]
-    assert s._mover.unencodable == 1
+    assert s.stats().unencodable == 1
     assert s.check_integrity() == []
 
 
@@ -38,7 +38,8 @@ def test_a_put_into_a_lossy_first_tier_refuses_the_block_it_cannot_encode(make_s
     x = kv(2 * T, 2)
     x[0, 0, T, 0, 0] = float("nan")
     r = s.put(NS, b, x)
-    assert r.stored == 1 and [f.block for f in r.failed] == [1], r
+    # the block is refused with the codec's reason, not "every tier is full"
+    assert r.stored == 1 and [(f.block, f.code) for f in r.failed] == [(1, "codec")], r
     assert s.lookup(NS, b).matched_blocks == 1
     assert s.put(NS, tokens(1, seed=3), kv(T, 3)).stored == 1
 
