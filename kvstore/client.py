@@ -246,6 +246,13 @@ class KVStoreClient:
         with self._lock:
             return self._shm.mapping() is not None
 
+    @property
+    def max_tokens(self) -> int | None:
+        """The daemon's max_tokens_per_request, as its last hello said (None before the first call):
+        a lookup, get or put naming more tokens is refused before it is sent."""
+        limits = self._conn.limits
+        return None if limits is None else limits.max_tokens
+
     def _ns(self) -> Namespace:
         if self.namespace is None:
             raise InvalidNamespace("this client has no namespace; pass model= and layout= to KVStoreClient")

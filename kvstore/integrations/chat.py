@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, LayoutError
 from kvstore.integrations.backoff import Backoff
 from kvstore.integrations.transformers import (
     CacheClient,
@@ -33,7 +33,6 @@ from kvstore.integrations.transformers import (
     save_cache,
     single_sequence,
 )
-from kvstore.wire.errors import RequestTimeout, ServerError
 
 log = logging.getLogger("kvstore.integrations.chat")
 
@@ -71,8 +70,9 @@ def run_turn(
     ``max_new_tokens`` or at an end token (``eos_token_id``, default the
     model's). With ``store`` the whole blocks of the prompt and the answer are
     saved under ``session`` for the next turn (after the answer; not timed in
-    the TTFT). Raises BatchNotSupported for a batch > 1. A daemon that does not answer (or is
-    busy) costs the fetch its time-out and counts as a miss; with a ``backoff`` kept across turns
+    the TTFT). Raises BatchNotSupported for a batch > 1, LayoutError for a model whose cache does
+    not fit the client's layout. A daemon that does not answer (or is busy, or fails) costs the
+    fetch at most its time-out and counts as a miss; with a ``backoff`` kept across turns
     (``Conversation.backoff``) it is then not asked again, for fetches nor stores, for a while: the
     next turns do not each wait for it. A store that fails is logged, and the turn's answer is
     returned with ``stored_blocks`` 0.
@@ -85,8 +85,11 @@ def run_turn(
     hit = None
     if backoff.available():
         try:
-            hit = fetch_cache(client, ids, config=model.config, device=model.device)
-        except (RequestTimeout, ServerError) as e:  # the daemon away or busy: a miss, not a failed turn
+            # in the model's own dtype: its config may name another (a model cast after loading)
+            hit = fetch_cache(client, ids, config=model.config, dtype=model.dtype, device=model.device)
+        except LayoutError:  # a model that does not fit the client's layout: the caller's to fix
+            raise
+        except KVStoreError as e:  # the daemon away, busy or failing: a miss, not a failed turn
             backoff.failed("fetch of the cached prefix (the whole prompt is computed)", e)
     if hit is None:
         from transformers import DynamicCache

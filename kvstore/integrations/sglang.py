@@ -6,7 +6,7 @@
     --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
         "module_path": "kvstore.integrations.sglang", "class_name": "KVStoreHiCache",
         "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
-        "endpoint": "ipc:///run/user/1000/kvstore/kv.sock", "tenant": "default"}'
+        "endpoint": "ipc:///run/user/1000/kvstore/kvstore.sock", "tenant": "default"}'
 
 SGLang names each page by its own chained page hash (64 hex digits); kvstore
 stores the page under that key (kvstore.chains.KeyChain), namespaced by the
@@ -21,7 +21,9 @@ through Python bytes.
 ``interface_v1`` must be set: the legacy calls (``get``, ``set``,
 ``batch_get``, ``batch_set``) raise NotImplementedError saying so; ``exists``
 and ``batch_exists`` work either way. A page that is missing, evicted or
-fails its checksum is reported False (never filled with wrong data).
+fails its checksum is reported False (never filled with wrong data). A daemon
+that fails, times out or is busy is a miss or a page not stored, logged, never
+an exception in SGLang.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvstore.chains import KeyChain
 from kvstore.client import KVStoreClient
-from kvstore.errors import KVStoreError, LayoutError
+from kvstore.config import check_endpoint
+from kvstore.errors import ConfigError, LayoutError
 from kvstore.integrations.backoff import Backoff
+from kvstore.integrations.vllm_settings import seconds
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout, dtype_name
 from kvstore.results import MISSING_PARENT
@@ -58,7 +62,8 @@ class KVStoreHiCache(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         """Reads ``endpoint``, ``tenant``, ``model`` (default: the config's model_name), ``revision``
-        and ``timeout`` from the config's ``extra_config``. Raises ValueError for an MLA model."""
+        and ``timeout`` (seconds, default 10) from the config's ``extra_config``. Raises ValueError
+        for an MLA model or a setting kvstore cannot use (naming the key)."""
         if storage_config.is_mla_model:
             raise ValueError(
                 "kvstore's SGLang backend does not support MLA models (one latent per token, replicated "
@@ -82,8 +87,13 @@ class KVStoreHiCache(HiCacheStorage):
         self.config = storage_config
         self.model = str(model)
         self.tenant = str(extra.get("tenant", "default"))
-        self.endpoint: str | None = extra.get("endpoint")
-        self.timeout = float(extra.get("timeout", 10.0))
+        try:
+            self.endpoint: str | None = (
+                None if extra.get("endpoint") is None else check_endpoint(extra["endpoint"])
+            )
+            self.timeout = seconds(extra.get("timeout", 10.0))
+        except (ConfigError, ValueError) as e:
+            raise ValueError(f"kvstore: extra_config: {e}") from None
         c = storage_config
         shard = f"tp{c.tp_rank}of{c.tp_size}/pp{c.pp_rank}of{c.pp_size}/cp{c.attn_cp_rank}of{c.attn_cp_size}"
         if c.dcp_size > 1:
@@ -119,7 +129,7 @@ class KVStoreHiCache(HiCacheStorage):
             return 0
         try:
             return self._client().lookup_keys(keys).matched_blocks
-        except KVStoreError as e:
+        except Exception as e:  # a store that fails is a miss, never SGLang's failure
             self.backoff.failed(f"batch_exists of {len(keys)} pages", e)
             return 0
 
@@ -135,7 +145,7 @@ class KVStoreHiCache(HiCacheStorage):
             try:
                 dst = self._host().paged(host_indices, len(keys))
                 got = self._client().get_into(KeyChain.of(keys), dst).matched_blocks
-            except KVStoreError as e:
+            except Exception as e:  # the pages are recomputed, never read as garbage
                 self.backoff.failed(f"batch_get_v1 of {len(keys)} pages", e)
         return [i < got for i in range(len(keys))]
 
@@ -157,7 +167,7 @@ class KVStoreHiCache(HiCacheStorage):
                 # the prefix pages are not in the store (evicted, or never written): the pages are
                 # still findable by their keys, which name their whole prefix; store them as a chain
                 r = self._client().put_from(KeyChain.of(keys), src)
-        except KVStoreError as e:
+        except Exception as e:  # the pages are simply not stored
             self.backoff.failed(f"batch_set_v1 of {len(keys)} pages", e)
             return [False] * len(keys)
         failed = {f.block for f in r.failed}

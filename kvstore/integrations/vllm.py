@@ -18,9 +18,10 @@ it. Saves are queued after the step and run on a thread (a copy out of vLLM's bl
 staging, then the daemon stores them); a finished request's blocks are kept until its saves are
 done (``request_finished`` returns True, ``get_finished`` reports it).
 
-The namespace holds everything that changes K/V: the model and its revision, the KV layout
-(layers, KV heads per rank, head size, dtype, kvstore's block size), the tensor- and
-pipeline-parallel rank and size, the LoRA adapter and vLLM's ``cache_salt`` (hashed). Requests
+The namespace holds everything that changes K/V: the model and its revision, the weights'
+quantization and ``hf_overrides``, the KV layout (layers, KV heads per rank, head size, dtype,
+kvstore's block size), the tensor- and pipeline-parallel rank and size, the LoRA adapter and
+vLLM's ``cache_salt`` (hashed). Requests
 with multimodal inputs or prompt embeddings are neither looked up nor saved: their token ids do not
 name their K/V.
 
@@ -41,6 +42,12 @@ backend's "vec" kernels; its AMX and Arm kernels pack K otherwise and are refuse
     load, save      false switches that direction off (default both on)
     save_outputs    also save generated tokens' blocks, for the next turn of a conversation (default true)
     shared_memory   false: always the socket (default: shared memory when the daemon offers it)
+    max_variants    LoRA/cache-salt variants cached besides the plain model (default 32): each takes
+                    a namespace per rank from the tenant's quota, for good; requests of variants
+                    past it (or past the quota) are computed without kvstore
+Flags take true/false (or "true"/"false"), numbers a number (or its text); anything else stops the
+engine at start with the key named. A daemon that fails, times out or is busy is a miss (recomputed)
+or a save skipped, logged, never an error in the engine.
 A request's ``kv_transfer_params`` may name a kvstore session: ``{"kvstore_session": "conv-42"}``.
 """
 
@@ -61,11 +68,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore.errors import KVStoreError, LayoutError
+from kvstore.errors import LayoutError
 from kvstore.integrations import vllm_layout
 from kvstore.integrations.vllm_layout import split_kv
-from kvstore.integrations.vllm_settings import Clients, Settings, Variant, model_layout, worker_ranks
+from kvstore.integrations.vllm_settings import (
+    Clients,
+    Settings,
+    Variant,
+    VariantRefused,
+    model_layout,
+    worker_ranks,
+)
 from kvstore.kvbuffers import PagedKV
+from kvstore.results import MISSING_PARENT
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +120,7 @@ class _Tracked:
     session: str | None
     saving: bool = False  # a save was scheduled: its blocks are freed only when the workers say
     loaded_at: int = -(1 << 30)  # the step that last loaded it from kvstore
+    tainted: bool = False  # computed over another request's failed load: never saved again
 
 
 def _token_ids(request: Any) -> list[int] | None:
@@ -124,12 +140,22 @@ def _session(request: Any) -> str | None:
 
 
 class _Saver:
-    """Saves run one after another on a thread; counts what each request still has queued."""
+    """Saves run one after another on a thread; counts what each request still has queued.
+
+    A save that failed (the daemon away, busy, short of room) leaves a gap that the scheduler does
+    not know of: the request's next save is sent from the gap, not from where it was planned,
+    or every later block of the request would be refused for its missing parent::
+
+        planned    [0 ....... 128)[128 ... 192)[192 ... 256)
+        outcome       in kvstore      failed
+        sent                                   [128 ........ 256)   <- from the last block stored
+    """
 
     def __init__(self, clients: Clients) -> None:
         self._clients = clients
         self._jobs: deque[tuple[Transfer, PagedKV]] = deque()
         self._pending: dict[str, int] = {}
+        self._stored: dict[str, int] = {}  # request -> its tokens [0, n) known to be in kvstore
         self._cv = threading.Condition()
         self._stop = False
         self.saved_blocks = 0
@@ -146,6 +172,11 @@ class _Saver:
     def pending(self, req_id: str) -> int:
         with self._cv:
             return self._pending.get(req_id, 0)
+
+    def forget(self, req_id: str) -> None:
+        """``req_id`` is done: no save of it comes again."""
+        with self._cv:
+            self._stored.pop(req_id, None)
 
     def drain(self) -> None:
         with self._cv:
@@ -165,15 +196,34 @@ class _Saver:
                 if not self._jobs:
                     return
                 t, paged = self._jobs.popleft()
+                # the first save of a request starts where kvstore's lookup said its prefix ends
+                start = min(t.start, self._stored.setdefault(t.req_id, t.start))
             try:
                 if not self._clients.available():
                     self.failed_saves += 1
                     continue
-                r = self._clients.get(t.variant, "save").put_from(t.tokens, paged, t.session, start=t.start)
+                client = self._clients.get(t.variant, "save")
+                # the daemon takes up to max_tokens_per_request token ids a call, and every block's
+                # key chains from the first token: a longer prompt is stored up to that limit
+                T = client.namespace.layout.block_tokens if client.namespace is not None else 1
+                end = min(t.end, self._clients.token_limit(client) // T * T)
+                if end <= start:
+                    continue
+                r = client.put_from(t.tokens[:end], paged, t.session, start=start)
                 self.saved_blocks += r.stored
+                stored = end
                 if r.failed:
                     self.failed_saves += 1
-                    log.debug("kvstore refused blocks of %s: %s", t.req_id, r.failed[0])
+                    first = r.failed[0]
+                    log.debug("kvstore refused blocks of %s: %s", t.req_id, first)
+                    # its parent missing: what the lookup said was there is gone, send all again
+                    stored = (
+                        0 if first.code == MISSING_PARENT and first.block * T <= start else first.block * T
+                    )
+                with self._cv:
+                    self._stored[t.req_id] = stored
+            except VariantRefused:
+                pass  # logged once by Clients
             except Exception as e:  # never the engine's problem: the blocks are simply not cached
                 self.failed_saves += 1
                 self._clients.failed(f"save of {t.req_id}", e)
@@ -203,6 +253,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         )
         T = self.layout.block_tokens
         self._T = T
+        self._bs = int(vllm_config.cache_config.block_size)  # vLLM's block size
         # scheduler side
         self._hits: dict[str, tuple[int, int]] = {}  # request -> (kvstore's tokens, vLLM's own)
         self._loads: dict[str, tuple[int, int]] = {}  # request -> (start, end) to load this step
@@ -210,6 +261,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._tracked: dict[str, _Tracked] = {}
         self._final: list[Transfer] = []  # saves of finished requests, for the next step's workers
         self._step = 0  # steps scheduled (build_connector_meta calls)
+        # vLLM block -> (step, request) of a load into it not settled yet (see _shares_unsettled)
+        self._loaded: dict[int, tuple[int, str]] = {}
         # Steps in flight at once: with async scheduling (vLLM's default) step N+1 is scheduled before
         # step N's output, its load errors included, reaches the scheduler; step N+depth only after.
         self._depth = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
@@ -251,9 +304,15 @@ class KVStoreConnector(KVConnectorBase_V1):
             tokens = _token_ids(request)
             hit = 0
             if tokens is not None and len(tokens) > self._T and self._clients.available():
-                try:  # the last prompt token is always computed: its logits start the answer
-                    hit = self._clients.get(Variant.of(request), "lookup").lookup(tokens[:-1]).matched_tokens
-                except KVStoreError as e:
+                try:
+                    client = self._clients.get(Variant.of(request), "lookup")
+                    # the last prompt token is always computed: its logits start the answer; past the
+                    # daemon's max_tokens_per_request only the first ones are asked for (still a hit)
+                    ask = tokens[: min(len(tokens) - 1, self._clients.token_limit(client))]
+                    hit = client.lookup(ask).matched_tokens
+                except VariantRefused:
+                    pass  # computed without kvstore; logged once by Clients
+                except Exception as e:  # a store that fails is a miss, never the engine's failure
                     self._lookup_failures += 1
                     self._clients.failed("lookup", e)
             held = (hit, num_computed_tokens)
@@ -277,7 +336,10 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _build_meta(self, scheduler_output: Any) -> KVStoreMetadata:
         meta = KVStoreMetadata()
         self._step += 1
+        self._loaded = {b: v for b, v in self._loaded.items() if self._step - v[0] < self._depth}
         so = scheduler_output
+        # loads first, saves after: a request's save waits for every load of this step into its blocks
+        computed: list[tuple[_Tracked, int]] = []  # requests not loading, and their tokens after this step
         for nr in so.scheduled_new_reqs:
             rid = nr.req_id
             request = self._requests.get(rid)
@@ -291,8 +353,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 session=_session(request),
             )
             self._tracked[rid] = t
-            if not self._plan_load(meta, t) and self._settled(t):
-                self._plan_save(meta.saves, t, nr.num_computed_tokens + so.num_scheduled_tokens[rid])
+            if not self._plan_load(meta, t):
+                computed.append((t, nr.num_computed_tokens + so.num_scheduled_tokens[rid]))
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, rid in enumerate(cached.req_ids):
@@ -306,10 +368,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 loading = self._plan_load(meta, known)
             elif new:
                 known.block_ids.extend(new[0])
-            if not loading and self._settled(known):
-                self._plan_save(
-                    meta.saves, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid]
-                )
+            if not loading:
+                computed.append((known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid]))
+        for t, n in computed:
+            if self._settled(t):
+                self._plan_save(meta.saves, t, n)
         meta.saves += self._final
         self._final = []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
@@ -333,16 +396,51 @@ class KVStoreConnector(KVConnectorBase_V1):
         start, end = span
         meta.loads.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), start, end))
         t.loaded_at = self._step
+        for b in t.block_ids[start // self._bs : -(-end // self._bs)]:
+            self._loaded[b] = (self._step, rid)
         return True
 
     def _settled(self, t: _Tracked) -> bool:
         """Whether the output of the step that last loaded ``t`` has reached vLLM (its load errors
-        applied: the request rolled back to the first failed block) before this step was scheduled."""
-        return self._step - t.loaded_at >= self._depth
+        applied: the request rolled back to the first failed block) before this step was scheduled,
+        and no block of ``t`` is in another request's load not settled yet."""
+        return self._step - t.loaded_at >= self._depth and not self._shares_unsettled(t)
+
+    def _shares_unsettled(self, t: _Tracked) -> bool:
+        """Whether ``t`` holds a block that another request loads in a step not settled yet: vLLM's
+        prefix cache hands the blocks of a load to the requests scheduled after it, which compute
+        over them in the same step. Had the load failed, what they computed is wrong; vLLM
+        recomputes the blocks, but not what such a request computed over them (see
+        update_connector_output), so nothing of it is saved before the load is known good."""
+        if not self._loaded:
+            return False
+        rid = t.request.request_id
+        for b in t.block_ids:
+            held = self._loaded.get(b)
+            if held is not None and held[1] != rid and self._step - held[0] < self._depth:
+                return True
+        return False
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' output of a step, on the scheduler: blocks whose load failed (vLLM recomputes
+        them). The request that loaded them is rolled back by vLLM to its first failed block: its
+        saves go on from there. Another request that computed over them (sharing them through vLLM's
+        prefix cache while the load was not settled) keeps what it computed: it is never saved."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not invalid:
+            return
+        for rid, t in self._tracked.items():
+            bad = [i for i, b in enumerate(t.block_ids) if b in invalid]
+            if not bad:
+                continue
+            if all(self._loaded.get(t.block_ids[i], (0, ""))[1] == rid for i in bad):
+                t.saved = min(t.saved, bad[0] * self._bs // self._T * self._T)
+            else:
+                t.tainted = True
 
     def _plan_save(self, saves: list[Transfer], t: _Tracked, computed: int) -> None:
         """Save what ``t`` computed up to token ``computed`` that is not saved yet (whole blocks)."""
-        if not self.settings.save or _token_ids(t.request) is None:
+        if not self.settings.save or t.tainted or _token_ids(t.request) is None:
             return
         tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
         end = min(computed, len(tokens)) // self._T * self._T
@@ -360,12 +458,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._loads.pop(rid, None)
         t = self._tracked.pop(rid, None)
         aborted = getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED"
-        if t is not None and (self._settled(t) or not aborted):
+        own_settled = self._step - t.loaded_at >= self._depth if t is not None else False
+        if t is not None and (own_settled or not aborted) and not self._shares_unsettled(t):
             # What it computed after its last load may not be saved yet (see _plan_load). Finished by
             # its own output, vLLM had that output's load errors and rolled it back to the first failed
             # block: what it counts as computed is sound. Aborted (a stop string, a client gone), that
-            # holds once its load's step is settled; else nothing more is saved. Its blocks stay until
-            # the next step's workers saved them.
+            # holds once its load's step is settled; else nothing more is saved. Sharing blocks of
+            # another request's load not settled, nothing more is saved either (_shares_unsettled).
+            # Its blocks stay until the next step's workers saved them.
             self._plan_save(self._final, t, request.num_computed_tokens)
         # saves read the request's blocks on the workers' thread: keep them until they are done
         return (t is not None and t.saving), None
@@ -412,6 +512,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 try:
                     r = self._clients.get(t.variant, "load").get_into(t.tokens, self._paged(t), start=t.start)
                     got = r.matched_tokens
+                except VariantRefused:
+                    pass  # recomputed; logged once by Clients
                 except Exception as e:  # the blocks are recomputed, never read as garbage
                     self._clients.failed(f"load of {t.req_id}", e)
             self.loaded_tokens += max(0, min(got, t.end) - t.start)
@@ -464,6 +566,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         done = {rid for rid in self._finishing if self._saver.pending(rid) == 0}
         self._finishing -= done
         self._saving -= done
+        for rid in done:
+            self._saver.forget(rid)
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -1,26 +1,35 @@
 """The vLLM connector's settings, the namespace it stores under, and its connected clients.
 
-The namespace holds everything that changes K/V: the model and revision, the layout of this
-instance's share of the model, the tensor- and pipeline-parallel ranks, the LoRA adapter and
-vLLM's ``cache_salt`` (hashed).
+The namespace holds everything that changes K/V: the model and revision, the weights'
+quantization and ``hf_overrides``, the layout of this instance's share of the model, the tensor-
+and pipeline-parallel ranks, the LoRA adapter and vLLM's ``cache_salt`` (hashed).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.client import KVStoreClient
-from kvstore.errors import ConfigError, LayoutError
+from kvstore.config import check_endpoint
+from kvstore.errors import ConfigError, KVStoreError, LayoutError
 from kvstore.integrations.backoff import Backoff
 from kvstore.layout import KVLayout, dtype_name
+from kvstore.wire.protocol import Limits
 
 log = logging.getLogger("kvstore.integrations.vllm")
 
 MAX_CLIENTS = 16  # distinct (LoRA, cache salt) namespaces kept connected per process
+QUOTA_RETRY = (
+    300.0  # seconds before a new variant is tried again after the daemon's namespace quota refused one
+)
 
 
 @dataclass(frozen=True)
@@ -34,9 +43,13 @@ class Settings:
     save: bool = True
     save_outputs: bool = True
     shared_memory: bool | None = None
+    max_variants: int = 32
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
+        """The settings in vLLM's ``kv_connector_extra_config``, each checked (ConfigError naming the
+        key and what it takes): a typo or a string where a number goes must stop the engine at
+        start, not fail every call later."""
         extra = dict(extra or {})
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(extra) - known)
@@ -44,13 +57,80 @@ class Settings:
             raise ConfigError(
                 f"kv_connector_extra_config has unknown keys {unknown}; kvstore takes {sorted(known)}"
             )
+        checks: dict[str, Callable[[Any], Any]] = {
+            "endpoint": _endpoint,
+            "tenant": _text,
+            "model": _text,
+            "block_tokens": _count,
+            "timeout": seconds,
+            "load": flag,
+            "save": flag,
+            "save_outputs": flag,
+            "shared_memory": flag,
+            "max_variants": _count,
+        }
+        values: dict[str, Any] = {}
+        for key, v in extra.items():
+            if v is None and key in ("endpoint", "model", "shared_memory"):
+                values[key] = None
+                continue
+            try:
+                values[key] = checks[key](v)
+            except ValueError as e:
+                raise ConfigError(f"kv_connector_extra_config {key!r}: {e}") from None
+        return cls(**values)
+
+
+def flag(v: Any) -> bool:
+    """A boolean setting: true/false (JSON), or the strings true/false, yes/no, on/off, 1/0. Any
+    other value raises ValueError (the string "false" is not true)."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in _TRUE + _FALSE:
+        return v.strip().lower() in _TRUE
+    raise ValueError(f"expected true or false, got {v!r}")
+
+
+def seconds(v: Any) -> float:
+    """A positive, finite number of seconds: a number or its text ("5", "2.5"); ValueError otherwise."""
+    n = _number(v)
+    if not (n > 0 and math.isfinite(n)):
+        raise ValueError(f"expected a positive number of seconds, got {v!r}")
+    return n
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, str):
         try:
-            s = cls(**extra)
-        except TypeError as e:
-            raise ConfigError(f"kv_connector_extra_config: {e}") from None
-        if not isinstance(s.block_tokens, int) or s.block_tokens < 1:
-            raise ConfigError(f"block_tokens must be a positive integer, got {s.block_tokens!r}")
-        return s
+            return float(v.strip())
+        except ValueError:
+            pass
+    elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    raise ValueError(f"expected a number, got {v!r}")
+
+
+def _count(v: Any) -> int:
+    n = _number(v)
+    if not math.isfinite(n) or n != int(n) or n < 1:
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    return int(n)
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"expected a non-empty string, got {v!r}")
+    return v
+
+
+def _endpoint(v: Any) -> str:
+    try:
+        return check_endpoint(v)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -91,17 +171,36 @@ def model_layout(vllm_config: Any, block_tokens: int) -> KVLayout:
 
 
 def namespace_revision(vllm_config: Any, ranks: tuple[int, int], variant: Variant) -> str:
+    """The namespace's revision field: the model's revision and everything else that changes its K/V
+    for the same weights' name (this shard, the weights' quantization, ``hf_overrides``, the variant)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     parts = [
         f"rev={mc.revision or ''}",
         f"tp={ranks[0]}/{pc.tensor_parallel_size}",
         f"pp={ranks[1]}/{pc.pipeline_parallel_size}",
     ]
+    quantization = getattr(mc, "quantization", None)
+    if quantization:  # quantized weights compute other K/V than the model's own
+        parts.append(f"q={quantization}")
+    overrides = _overrides_id(getattr(mc, "hf_overrides", None))
+    if overrides:  # a changed config (rope scaling, layers...) computes other K/V
+        parts.append(f"hf={overrides}")
     if variant.lora:
         parts.append(f"lora={variant.lora}")
     if variant.salt:
         parts.append(f"salt={variant.salt}")
     return ";".join(parts)
+
+
+def _overrides_id(overrides: Any) -> str:
+    """A short, stable name for vLLM's ``hf_overrides`` (a dict, or a function of the config)."""
+    if not overrides:
+        return ""
+    if callable(overrides):
+        text = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', repr(overrides))}"
+    else:
+        text = json.dumps(overrides, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def model_name(vllm_config: Any, settings: Settings) -> str:
@@ -111,23 +210,43 @@ def model_name(vllm_config: Any, settings: Settings) -> str:
     return name
 
 
+class VariantRefused(KVStoreError):
+    """A request's variant (LoRA adapter, cache salt) gets no namespace: over ``max_variants`` or the
+    tenant's namespace quota. Its requests are computed as without kvstore."""
+
+    code = "variant_refused"
+
+
 class Clients:
-    """Connected clients, one per namespace variant (and purpose), made on first use."""
+    """Connected clients, one per namespace variant (and purpose), made on first use.
+
+    Each variant registers a namespace per rank on the daemon, for good (the daemon never forgets
+    one), against the tenant's ``max_namespaces_per_tenant``. So at most ``max_variants`` variants
+    besides the plain one are used by this process, and once the daemon refuses a namespace for the
+    quota no new variant is tried for QUOTA_RETRY seconds: the variants over either are neither looked
+    up nor saved (logged once), never a failed request."""
 
     def __init__(
         self, vllm_config: Any, settings: Settings, layout: KVLayout, ranks: tuple[int, int]
     ) -> None:
         self._cfg, self._settings, self._layout, self._ranks = vllm_config, settings, layout, ranks
         self._clients: dict[tuple[Variant, str], KVStoreClient] = {}
+        self._variants: set[Variant] = {Variant()}  # variants whose namespace the daemon took
+        self._quota_until = 0.0  # the daemon refused a namespace: no new variant until then
         self._lock = threading.Lock()
         # lookups are on the scheduler's path: a daemon that did not answer is left alone a while
         self.backoff = Backoff(log)
         self.available, self.failed = self.backoff.available, self.backoff.failed
+        self.refused = 0  # calls of variants that got no namespace
 
     def get(self, variant: Variant, purpose: str) -> KVStoreClient:
+        """The client of ``variant`` for ``purpose`` ("lookup" and "load" never wait on a busy
+        daemon). Raises VariantRefused for a variant that gets no namespace (see the class), or what
+        the first call of a new client raises."""
         with self._lock:
             c = self._clients.pop((variant, purpose), None)
             if c is None:
+                self._admit(variant)
                 if len(self._clients) >= MAX_CLIENTS:
                     oldest = next(iter(self._clients))
                     self._clients.pop(oldest).close()
@@ -140,10 +259,54 @@ class Clients:
                     timeout=s.timeout,
                     revision=namespace_revision(self._cfg, self._ranks, variant),
                     shared_memory=s.shared_memory,
-                    retries=0 if purpose == "lookup" else 2,  # the scheduler does not wait twice
+                    # on the scheduler's and workers' critical path a busy daemon is a miss (recomputed),
+                    # not a wait; saves run on their own thread and may wait, within the timeout
+                    retries=2 if purpose == "save" else 0,
+                    wait_when_busy=purpose == "save",
                 )
+                try:
+                    c.ping()  # says hello: the namespace is taken or refused now, and the limits known
+                except BaseException as e:
+                    c.close()
+                    if getattr(e, "code", None) == "quota_exceeded":
+                        self._quota_until = time.monotonic() + QUOTA_RETRY
+                        self._variants.discard(variant)
+                        log.warning(
+                            "kvstore refused a namespace for a LoRA/cache-salt variant (%s); requests of "
+                            "new variants are computed without kvstore for %.0f s. Raise the daemon's "
+                            "[server] max_namespaces_per_tenant or lower max_variants",
+                            e,
+                            QUOTA_RETRY,
+                        )
+                        raise VariantRefused(str(e)) from e
+                    raise
             self._clients[(variant, purpose)] = c  # most recently used last
             return c
+
+    def _admit(self, variant: Variant) -> None:
+        """Take ``variant`` into the variants this process uses, or raise VariantRefused."""
+        if variant in self._variants:
+            return
+        over = len(self._variants) > self._settings.max_variants  # the plain variant is not counted
+        if over or time.monotonic() < self._quota_until:
+            self.refused += 1
+            if self.refused == 1:
+                log.warning(
+                    "kvstore: more LoRA/cache-salt variants than max_variants (%d) or the tenant's "
+                    "namespace quota; requests of the others are computed without kvstore",
+                    self._settings.max_variants,
+                )
+            raise VariantRefused(
+                f"no namespace for another variant ({len(self._variants) - 1} in use, max_variants "
+                f"{self._settings.max_variants}); raise max_variants in kv_connector_extra_config"
+            )
+        self._variants.add(variant)
+
+    @staticmethod
+    def token_limit(client: KVStoreClient) -> int:
+        """The daemon's max_tokens_per_request, as its hello to ``client`` said (get() says hello)."""
+        n = client.max_tokens
+        return n if n is not None else Limits().max_tokens
 
     def close(self) -> None:
         with self._lock:

@@ -23,10 +23,12 @@ from kvstore.integrations.transformers import (
     BatchNotSupported,
     cache_kwargs,
     cache_to_kv,
+    config_dtype,
     kv_to_cache,
     load_cache,
     save_cache,
 )
+from tests.hardening.conftest import daemons, write_config  # noqa: F401 - a fixture
 
 T = 4  # block tokens
 
@@ -198,3 +200,55 @@ def test_a_daemon_that_does_not_answer_costs_a_miss_not_the_turn(tiny: Any, tmp_
     with torch.inference_mode():
         want = int(tiny(ids.unsqueeze(0)).logits[0, -1].argmax())
     assert turn.output_ids[0] == want
+
+
+def test_run_turn_fetches_the_cache_in_the_models_own_dtype(serve: Callable[..., Any], tiny: Any) -> None:
+    """The blocks are kept in float32, the model computes in bfloat16 (cast after loading: its
+    config names no dtype): the reused prefix comes in the model's dtype, not the store's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tiny_model(LlamaConfig, LlamaForCausalLM).to(torch.bfloat16)
+    assert config_dtype(model.config) in (None, torch.float32)
+    d = serve(hbm="8MiB", ram="8MiB", ram_codec="raw")
+    layout = layout_of(model.config, dtype="float32", block_tokens=T)
+    prompt = torch.randint(0, 96, (10,))
+    seen: list[torch.dtype] = []  # the dtype of the cache handed to each forward, once it holds K/V
+
+    def cache_dtype(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and cache.get_seq_length() > 0:
+            seen.append(cache.layers[0].keys.dtype)
+
+    hook = model.register_forward_pre_hook(cache_dtype, with_kwargs=True)
+    with KVStoreClient(d.endpoint, model="tiny-llama-bf16", layout=layout, timeout=30.0) as c:
+        first = run_turn(model, c, prompt, max_new_tokens=4, eos_token_id=-1)
+        follow = torch.cat([prompt, torch.tensor(first.output_ids), torch.randint(0, 96, (3,))])
+        seen.clear()
+        second = run_turn(model, c, follow, max_new_tokens=4, store=False, eos_token_id=-1)
+    hook.remove()
+    assert second.reused_tokens == 12
+    assert seen and set(seen) == {torch.bfloat16}
+    with torch.inference_mode():
+        out = model.generate(
+            follow.unsqueeze(0), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0
+        )
+    assert out[0, len(follow) :].tolist() == second.output_ids
+
+
+def test_any_store_failure_of_a_fetch_is_a_miss_not_the_turn(
+    daemons: Any,  # noqa: F811 - the fixture imported above
+    tmp_path: Any,
+    tiny: Any,
+) -> None:
+    """Not only a time-out or an error reply: a prompt over the daemon's max_tokens_per_request is
+    refused by the client itself (a LocalProtocolError); the turn is answered all the same."""
+    d = daemons(write_config(tmp_path, server={"max_tokens_per_request": 8}))
+    layout = layout_of(tiny.config, dtype="float32", block_tokens=T)
+    ids = torch.randint(0, 96, (12,))
+    with KVStoreClient(d.endpoint, model="tiny-llama", layout=layout, timeout=10.0) as c:
+        c.lookup(ids[:8])  # the hello: the client knows the daemon's limits from now on
+        turns = [run_turn(tiny, c, ids, max_new_tokens=3, store=False) for _ in range(2)]
+    assert [t.reused_tokens for t in turns] == [0, 0]
+    with torch.inference_mode():
+        want = int(tiny(ids.unsqueeze(0)).logits[0, -1].argmax())
+    assert turns[0].output_ids[0] == want and turns[1].output_ids == turns[0].output_ids

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
+from kvstore.errors import ConfigError
 from kvstore.integrations import vllm as connector
 from kvstore.integrations import vllm_layout
 from kvstore.wire.errors import ServerError
@@ -130,7 +131,6 @@ class Engine:
             self.before_load()
         w.start_load_kv(None)
         errors = w.get_block_ids_with_load_errors()
-        failed = {t.req_id for t in meta.loads if set(t.block_ids) & errors}
         for t in meta.loads:
             self.worker.loads.append((t.req_id, t.start, t.end))
             bad = set(t.block_ids) & errors
@@ -145,7 +145,8 @@ class Engine:
             req = self.requests[rid]
             ids = list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
             start = req.num_computed_tokens - n  # the scheduler has counted this step's tokens already
-            self.worker.forward(ids, list(req.all_token_ids), start, start + n, rid in failed)
+            # computed over a failed load: its own, or one into blocks it shares (vLLM's prefix cache)
+            self.worker.forward(ids, list(req.all_token_ids), start, start + n, bool(set(ids) & errors))
             scheduled.append(req)
         if self.finish_first:
             sending, _ = w.get_finished(so.finished_req_ids)
@@ -199,8 +200,14 @@ def request(U: Any, tokens: list[int], rid: str, max_tokens: int = 3, salt: str 
 
 @pytest.fixture
 def setup(daemons: Any, tmp_path: Path, vllm_utils: Any, model_dir: Path) -> Any:
+    return engine_setup(daemons, tmp_path, vllm_utils, model_dir)
+
+
+def engine_setup(daemons: Any, tmp_path: Path, vllm_utils: Any, model_dir: Path, **server: Any) -> Any:
+    """A daemon (with ``server`` settings) and a vLLM config of the test model using the connector."""
     cfg = write_config(
         tmp_path,
+        server=server,
         hbm={"capacity": "128MiB"},
         ram={"capacity": "64MiB", "codec": "raw"},
         nvme={"capacity": "1GiB", "codec": "raw"},
@@ -417,15 +424,26 @@ def test_a_daemon_that_is_not_there_costs_one_timeout_and_then_nothing(
     e.worker.c.shutdown()
 
 
-def test_bad_settings_are_refused_with_the_keys_it_takes(vllm_utils: Any, model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"endpiont": "ipc:///x"}, "unknown keys \\['endpiont'\\].*endpoint"),
+        ({"timeout": "soon"}, "'timeout'.*number"),
+        ({"load": "nope"}, "'load'.*true or false"),
+        ({"endpoint": "kvstore.sock"}, "'endpoint'.*ipc://"),
+    ],
+)
+def test_bad_settings_are_refused_at_start_naming_the_key(
+    vllm_utils: Any, model_dir: Path, extra: dict[str, Any], message: str
+) -> None:
     vcfg = vllm_utils.create_vllm_config(
         model=str(model_dir),
         kv_connector="KVStoreConnector",
         kv_connector_module_path="kvstore.integrations.vllm",
         kv_role="kv_both",
-        kv_connector_extra_config={"endpiont": "ipc:///x"},
+        kv_connector_extra_config=extra,
     )
-    with pytest.raises(Exception, match="unknown keys \\['endpiont'\\].*endpoint"):
+    with pytest.raises(ConfigError, match=message):
         connector.KVStoreConnector(vcfg, connector.KVConnectorRole.SCHEDULER, None)
 
 
@@ -439,3 +457,76 @@ def test_cpu_kernels_that_pack_k_otherwise_are_refused_at_start(
         connector.split_kv(torch.zeros(4, 3, 16, 128), "CPU_ATTN", 3, 64, "neon")
     with pytest.raises(connector.LayoutError, match="cannot find K and V"):
         connector.split_kv(torch.zeros(4, 5, 16, 128), "FLASH_ATTN", 3, 64)
+
+
+def test_a_request_sharing_the_blocks_of_a_failed_load_stores_nothing_it_computed_over_them(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "again" loads 128 tokens from kvstore and the load fails; "b", scheduled in the same step,
+    takes those blocks from vLLM's prefix cache and computes its own tokens over them. kvstore never
+    keeps what b computed: vLLM recomputes the blocks, not what b computed over them."""
+    U, vcfg, ep = setup
+    a = prompt(150, 11)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = stored_then_forgotten(U, e, a)
+    refuse_loads(e, monkeypatch)
+    b = a[:128] + prompt(40, 12)
+    e.add(request(U, a, "again"))  # 128 loaded, 22 computed
+    e.add(request(U, b, "b"))  # 128 from vLLM's prefix cache (again's blocks), 40 computed
+    e.run()
+    assert e.worker.loads[-1] == ("again", 0, 128)
+    assert e.requests["b"].is_finished()
+    time.sleep(0.5)  # a save would have landed by now
+    # whatever kvstore holds of b is K/V as the model computes it, none computed over the failed load
+    n = check.lookup(b).matched_tokens
+    stored = check.get(b)
+    L = check._ns().layout
+    assert n >= 128 and stored.kv is not None
+    assert torch.equal(stored.kv, expected(b, 0, n, L.num_layers, L.num_kv_heads, L.head_dim))
+    e.worker.c.shutdown()
+
+
+def test_a_save_that_failed_is_sent_again_with_the_next_one(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunked prefill saves [0, 96), [96, 192), [192, 288): the second fails (the daemon turned it
+    away), so the third is sent from 96, not refused for its missing parent."""
+    U, vcfg, ep = setup
+    a = prompt(300, 13)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    save = e.worker.c._clients.get(connector.Variant(), "save")
+    put_from = save.put_from
+    starts: list[int] = []
+
+    def flaky(*args: Any, **kw: Any) -> Any:
+        starts.append(kw["start"])
+        if len(starts) == 2:
+            raise ServerError("busy", "injected: the daemon turns the save away")
+        return put_from(*args, **kw)
+
+    monkeypatch.setattr(save, "put_from", flaky)
+    e.add(request(U, a, "a"))
+    e.run()
+    assert starts[:3] == [0, 96, 96]
+    assert_holds(check_client(e), a, 288)
+    e.worker.c.shutdown()
+
+
+def test_a_prompt_longer_than_the_daemons_limit_is_stored_and_found_up_to_it(
+    daemons: Any, tmp_path: Path, vllm_utils: Any, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon takes 64 token ids a request: the first 64 tokens of a 150-token prompt are saved,
+    and found again (a hit on the first blocks is still a hit), not a failed call each time."""
+    U, vcfg, ep = engine_setup(daemons, tmp_path, vllm_utils, model_dir, max_tokens_per_request=64)
+    a = prompt(150, 15)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.add(request(U, a, "a"))
+    e.run()
+    check = check_client(e)
+    assert wait_until(lambda: check.lookup(a[:64]).matched_tokens == 64, 10)
+    assert e.sched.reset_prefix_cache()
+    e.add(request(U, a, "again"))
+    e.run()
+    assert e.worker.loads == [("again", 0, 64)]
+    assert e.sched.connector._lookup_failures == 0
+    e.worker.c.shutdown()

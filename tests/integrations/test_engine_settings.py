@@ -1,0 +1,214 @@
+"""What the engine connectors share, without an engine: vLLM's connector settings and namespaces
+(kvstore.integrations.vllm_settings) against a real daemon, and a busy daemon on an engine's
+critical path (kvstore.connection)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from kvstore.connection import Connection
+from kvstore.errors import ConfigError
+from kvstore.integrations.vllm_settings import (
+    Clients,
+    Settings,
+    Variant,
+    VariantRefused,
+    namespace_revision,
+)
+from kvstore.layout import KVLayout
+from kvstore.wire.errors import ServerError
+from kvstore.wire.messages import ErrorReply, Ping
+from kvstore.wire.protocol import encode, read_header
+from tests.hardening.conftest import daemons, endpoint_of, write_config  # noqa: F401 - a fixture
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
+
+
+def vllm_config(**model: Any) -> Any:
+    """The parts of a VllmConfig the settings read."""
+    mc = SimpleNamespace(
+        **{"model": "tiny-model", "revision": None, "quantization": None, "hf_overrides": None, **model}
+    )
+    return SimpleNamespace(
+        model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    )
+
+
+# ---------------------------------------------------------------------- settings
+
+
+def test_flags_and_numbers_given_as_text_mean_what_they_say() -> None:
+    s = Settings.from_extra({"load": "false", "save": "true", "timeout": "2.5", "block_tokens": "32"})
+    assert (s.load, s.save, s.timeout, s.block_tokens) == (False, True, 2.5, 32)
+    assert Settings.from_extra({"save_outputs": False, "shared_memory": "off"}).shared_memory is False
+    assert Settings.from_extra(None) == Settings()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"load": "nope"}, "'load'.*true or false"),
+        ({"save": 2}, "'save'.*true or false"),
+        ({"timeout": "five"}, "'timeout'.*number"),
+        ({"timeout": 0}, "'timeout'.*positive"),
+        ({"timeout": True}, "'timeout'.*number"),
+        ({"block_tokens": 2.5}, "'block_tokens'.*positive integer"),
+        ({"block_tokens": "inf"}, "'block_tokens'.*positive integer"),
+        ({"max_variants": 0}, "'max_variants'.*positive integer"),
+        ({"endpoint": "localhost:5555"}, "'endpoint'.*tcp://host:port"),
+        ({"tenant": 7}, "'tenant'.*string"),
+    ],
+)
+def test_a_setting_of_the_wrong_kind_is_refused_naming_the_key(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_extra(extra)
+
+
+# ---------------------------------------------------------------------- namespaces
+
+
+@pytest.fixture
+def daemon(daemons: Any, tmp_path: Path) -> Any:  # noqa: F811 - the fixture imported above
+    """A real daemon whose tenants may register 3 namespaces each."""
+    return daemons(write_config(tmp_path, server={"max_namespaces_per_tenant": 3}))
+
+
+def prefix(n: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 30000, (n,), generator=g).numpy().astype(np.uint32)
+    return tokens, torch.randn(LAYOUT.shape(n), generator=g).to(torch.float16)
+
+
+def test_quantized_weights_or_other_hf_overrides_never_share_the_models_blocks(daemon: Any) -> None:
+    plain = vllm_config()
+    others = [
+        vllm_config(quantization="fp8"),
+        vllm_config(hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    ]
+    revisions = {namespace_revision(c, (0, 0), Variant()) for c in [plain, *others]}
+    assert len(revisions) == 3
+    # the same overrides, another dict order: the same namespace
+    again = vllm_config(hf_overrides={"rope_scaling": {"factor": 2.0, "rope_type": "dynamic"}})
+    assert namespace_revision(again, (0, 0), Variant()) in revisions
+
+    settings = Settings(endpoint=daemon.endpoint, timeout=10.0)
+    tokens, kv = prefix(16, 1)
+    writer = Clients(plain, settings, LAYOUT, (0, 0))
+    try:
+        assert writer.get(Variant(), "save").put(tokens, kv).stored == 4
+        for cfg in others:
+            reader = Clients(cfg, settings, LAYOUT, (0, 0))
+            try:
+                assert reader.get(Variant(), "lookup").lookup(tokens).matched_tokens == 0
+            finally:
+                reader.close()
+        assert writer.get(Variant(), "lookup").lookup(tokens).matched_tokens == 16
+    finally:
+        writer.close()
+
+
+def test_variants_past_max_variants_or_the_namespace_quota_are_refused_not_failed(daemon: Any) -> None:
+    """Every cache salt takes a namespace from the tenant's quota for good: past max_variants the
+    connector uses none, and past the daemon's quota it stops asking (each refusal is a miss)."""
+    salts = [Variant(salt=f"{i:032x}") for i in range(4)]
+    few = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, max_variants=1), LAYOUT, (0, 0))
+    try:
+        few.get(salts[0], "lookup")
+        few.get(salts[0], "save")  # the same variant for another purpose: no new namespace
+        with pytest.raises(VariantRefused, match="max_variants"):
+            few.get(salts[1], "lookup")
+        few.get(Variant(), "lookup")  # the model's own namespace is always there
+    finally:
+        few.close()
+    # the quota is 3: the plain namespace and salts[0] took 2
+    many = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, max_variants=8), LAYOUT, (0, 0))
+    try:
+        many.get(salts[2], "lookup")
+        with pytest.raises(VariantRefused, match="quota"):
+            many.get(salts[3], "lookup")
+        t0 = time.perf_counter()
+        with pytest.raises(VariantRefused):  # not asked again
+            many.get(Variant(salt="f" * 32), "lookup")
+        assert time.perf_counter() - t0 < 0.05
+        tokens, kv = prefix(8, 2)
+        assert many.get(salts[2], "save").put(tokens, kv).stored == 2  # the variants in use go on
+    finally:
+        many.close()
+
+
+# ---------------------------------------------------------------------- busy
+
+
+class BusyDaemon:
+    """A ROUTER that answers every request ``busy`` (nothing done), counting them."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(endpoint)
+        self.sock.rcvtimeo = 100
+        self.requests = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                peer, *frames = self.sock.recv_multipart()
+            except zmq.Again:
+                continue
+            _, rid = read_header(frames[0], 1 << 20)
+            self.requests += 1
+            reply = ErrorReply(code="busy", message="injected: over the in-flight budget")
+            self.sock.send_multipart([peer, *encode(rid, reply)])
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def busy(tmp_path: Path) -> Iterator[tuple[BusyDaemon, str]]:
+    endpoint = f"ipc://{tmp_path}/busy.sock"
+    d = BusyDaemon(endpoint)
+    yield d, endpoint
+    d.close()
+
+
+def test_a_busy_daemon_is_a_miss_at_once_for_a_connection_that_does_not_wait(busy: Any) -> None:
+    daemon, endpoint = busy
+    conn = Connection(endpoint, timeout=2.0, retries=2, namespace=None, wait_when_busy=False)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(ServerError, match="over the in-flight budget"):
+            conn.call(Ping(), idempotent=True)
+        assert time.perf_counter() - t0 < 0.5 and daemon.requests == 1
+    finally:
+        conn.close()
+
+
+def test_a_busy_daemon_is_asked_again_with_backoff_within_the_timeout_by_a_save(busy: Any) -> None:
+    daemon, endpoint = busy
+    conn = Connection(endpoint, timeout=1.0, retries=2, namespace=None)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(ServerError, match="over the in-flight budget"):
+            conn.call(Ping(), idempotent=True)
+        took = time.perf_counter() - t0
+        # sent again after 0.05, 0.1, 0.2, 0.4 s ...: a handful of times, not in a tight loop
+        assert 1.0 <= took < 2.5 and 3 <= daemon.requests <= 8
+    finally:
+        conn.close()
