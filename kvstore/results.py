@@ -219,6 +219,9 @@ class StoreStats:
     tokens_served: int
     write_failures: int = 0  # write-through attempts that failed (full disk, I/O error); retried
     unencodable: int = 0  # blocks dropped on their way down: the tier's codec refused them (inf or NaN)
+    sessions_forgotten: int = (
+        0  # sessions the store let go: dead ones past their bound, or past a tenant's cap
+    )
     cluster: dict[str, Any] | None = None  # the cluster tier's state and counters (None: not configured)
 
     def to_dict(self) -> dict[str, Any]:

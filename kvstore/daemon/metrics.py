@@ -97,6 +97,12 @@ _STORE_COUNTERS = (
     ("written", "kvstore_written_blocks", "Blocks written through to nvme"),
     ("expired", "kvstore_expired_blocks", "Blocks dropped after the nvme TTL"),
     (
+        "sessions_forgotten",
+        "kvstore_sessions_forgotten",
+        "Sessions the store let go: dead ones (no block left) past their bound or at a restart, or past "
+        "a tenant's cap",
+    ),
+    (
         "unencodable",
         "kvstore_unencodable_blocks",
         "Blocks dropped on their way down a tier: its codec refused them (inf or NaN K/V)",

@@ -180,6 +180,7 @@ class Server:
             "inflight": self.outstanding,
             "clients": len(self.proto.inflight),
             "namespaces": len(self.proto.namespaces),
+            "namespaces_expired": self.proto.expired,
             "workers": self.config.server.workers,
             "limits": self.limits.to_dict(),
             "put_failed_blocks": 0 if self.handlers is None else self.handlers.failed_blocks,

@@ -345,6 +345,7 @@ class AdminOps:
                 tokens_served=self._counts.tokens_served,
                 write_failures=self._counts.write_failures,
                 unencodable=self._mover.unencodable,
+                sessions_forgotten=self._sessions.dropped_dead + self._sessions.dropped_idle,
                 cluster=cluster,
             )
 

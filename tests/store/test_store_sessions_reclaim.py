@@ -65,6 +65,7 @@ def test_a_tenant_past_its_cap_forgets_its_least_recently_used_session_not_the_p
     assert r.stored == 1 and not r.failed
     assert names(s) == {"s0", "s2", "s3", "b0", "b1", "b2"}  # tenant b keeps its own three
     assert s.lookup(A, tokens(1, seed=1)).matched_blocks == 1  # only the name went, not the blocks
+    assert s.stats().sessions_forgotten == 1
     assert s.flush(10)
     assert rows(s) == {"s0", "s2", "s3", "b0", "b1", "b2"}  # its row went too
     s.close()
@@ -90,6 +91,7 @@ def test_dead_sessions_are_listed_then_go_first_and_are_bounded(
     assert s.evict(EvictFilter(namespace=other.id)).blocks == 6
     # the two that died last stay listed, with no block: an operator sees the conversation went
     assert names(s) == {"gone1", "gone2", "live"}
+    assert s.stats().sessions_forgotten == 1
     assert s.session("gone2").info.blocks == 0
     assert s.flush(10)
     assert rows(s) == {"gone1", "gone2", "live"}
@@ -116,6 +118,7 @@ def test_dead_sessions_go_at_restart_and_held_ones_survive_a_day_idle(make_store
     clock.advance(86400)  # a day later
     again = make_store(clock=clock, hbm_blocks=2, ram_blocks=2, path=tmp_path / "nvme")
     assert names(again) == {"held"}
+    assert again.stats().sessions_forgotten == 1
     assert again.session("held").info.blocks == 3
     assert again.get(NS, held).matched_tokens == 3 * T
     assert again.flush(10)

@@ -92,6 +92,7 @@ def test_hello_spam_locks_others_out_only_until_it_is_idle() -> None:
     assert isinstance(hello(client, server, newcomer), HelloOk)
     # the spam went, and so did the reader, idle as long; blocks were put through the writer's: it stays
     assert set(server.namespaces) == {writer.id, newcomer.id}
+    assert server.expired == (MAX_NAMESPACES - 2) + 1  # counted (the daemon's stats: namespaces_expired)
     gone = lookup(client, server, reader)
     assert isinstance(gone, ErrorReply) and gone.code == "unknown_namespace"  # KVStoreClient says hello again
     assert isinstance(hello(client, server, reader), HelloOk)
