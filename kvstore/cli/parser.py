@@ -7,7 +7,7 @@ import argparse
 import difflib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -66,6 +66,20 @@ def _chunk_arg(text: str) -> int:
             "brings the whole session up in one request"
         )
     return n
+
+
+# demo: SmolLM2-135M reads 8192 positions; the document, four turns' questions and answers must fit
+DEMO_DOCUMENT_MAX, DEMO_ANSWER_MAX = 6144, 256
+
+
+def _at_most(limit: int, why: str) -> Callable[[str], int]:
+    def check(text: str) -> int:
+        n = _positive_int(text)
+        if n > limit:
+            raise argparse.ArgumentTypeError(f"{n} is over {limit}, the most it takes: {why}")
+        return n
+
+    return check
 
 
 def _endpoint_arg(text: str) -> str:
@@ -273,14 +287,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session", default="demo", help="session tag of the conversation (default: demo)")
     p.add_argument("--tenant", default="default", help="tenant of the conversation (default: default)")
     p.add_argument(
-        "--max-new-tokens", type=_positive_int, default=48, metavar="N", help="answer length cap (default 48)"
+        "--max-new-tokens",
+        type=_at_most(DEMO_ANSWER_MAX, "the conversation must fit the model's 8192 positions"),
+        default=48,
+        metavar="N",
+        help=f"answer length cap (default 48, at most {DEMO_ANSWER_MAX})",
     )
     p.add_argument(
         "--document-tokens",
-        type=_positive_int,
+        type=_at_most(DEMO_DOCUMENT_MAX, "the conversation must fit the model's 8192 positions"),
         default=1024,
         metavar="N",
-        help="tokens of the document handed over in turn 1 (default 1024)",
+        help=f"tokens of the document handed over in turn 1 (default 1024, at most {DEMO_DOCUMENT_MAX})",
     )
     p.add_argument(
         "--timeout",

@@ -19,7 +19,13 @@ import msgpack
 import pytest
 import zmq
 
-from kvstore.cli.parser import PREFETCH_CHUNK_MAX, parse_args, parse_layout
+from kvstore.cli.parser import (
+    DEMO_ANSWER_MAX,
+    DEMO_DOCUMENT_MAX,
+    PREFETCH_CHUNK_MAX,
+    parse_args,
+    parse_layout,
+)
 from kvstore.errors import ConfigError
 from kvstore.wire.errors import RemoteProtocolError
 from kvstore.wire.protocol import PROTOCOL_VERSION
@@ -315,3 +321,13 @@ def test_a_relative_ipc_endpoint_names_one_socket_from_any_directory(tmp_path: P
         assert json.loads(r.stdout)["server"]["endpoint"] == f"ipc://{home}/run/kv.sock"
     finally:
         stop(proc)
+
+
+def test_demo_lengths_are_bounded_by_the_models_context() -> None:
+    # the conversation must fit SmolLM2's 8192 positions: a longer one is a usage error, not a
+    # document built and a model run out of positions minutes later
+    for flag, most in (("--document-tokens", DEMO_DOCUMENT_MAX), ("--max-new-tokens", DEMO_ANSWER_MAX)):
+        assert getattr(parse_args(["demo", flag, str(most)]), flag[2:].replace("-", "_")) == most
+        r = run_cli("demo", flag, str(most + 1))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"argument {flag}: {most + 1} is over {most}" in r.stderr
