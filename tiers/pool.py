@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstore.config import PAGE_ALIGN
 from kvstore.errors import ConfigError
 from kvstore.memcopy import Copier
 from kvstore.tiers.base import TierFull
@@ -112,6 +113,9 @@ class PagePool:
         for name, value, low in (("capacity_bytes", capacity_bytes, 0), ("page_bytes", page_bytes, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"page pool {name} must be an integer >= {low}, got {value!r}")
+        if page_bytes % PAGE_ALIGN:
+            # a block is viewed as its dtype at its first page (and copied by CUDA at 256-byte alignment)
+            raise ConfigError(f"page pool page_bytes must be a multiple of {PAGE_ALIGN}, got {page_bytes}")
         self.device = resolve_device(device)
         self.copier = copier or Copier(1)
         self.capacity_bytes = capacity_bytes

@@ -91,6 +91,8 @@ def test_double_free_is_refused() -> None:
 def test_bad_sizes_raise_config_error() -> None:
     with pytest.raises(ConfigError, match="page_bytes"):
         PagePool(1024, page_bytes=0)
+    with pytest.raises(ConfigError, match="page_bytes must be a multiple of 256"):
+        PagePool(8194, page_bytes=4097)  # a float16 block on page 1 would start at an odd byte
     with pytest.raises(ConfigError, match="capacity_bytes"):
         PagePool(-1)
 
