@@ -219,6 +219,7 @@ class Connection:
         starting_since: float | None = None  # first "starting" answer
         busy_since: float | None = None  # first "busy" answer since the last reply that did the work
         busy_count = 0
+        forgotten = False  # the daemon said it does not know the namespace: said hello again once
 
         def again(
             reason: str, *, fresh_socket: bool, backoff: bool = False, cause: Exception | None = None
@@ -302,7 +303,18 @@ class Connection:
                         busy_count += 1
                         continue
                     if reply.code == "unknown_namespace" and greet:
-                        inflight[rid] = i  # re-sent with the others after the hello
+                        # nothing was done (a restarted daemon, or a registration it gave up): hello
+                        # again and re-send, once per call whatever the retries, and the next call
+                        # says hello in any case
+                        self._greeted = False
+                        inflight[rid] = i
+                        if not forgotten:
+                            forgotten = True
+                            for other in inflight:
+                                self.proto.forget(other)
+                            todo.extendleft(sorted(inflight.values(), reverse=True))
+                            inflight = {}
+                            continue
                         again("daemon forgot the namespace", fresh_socket=False)
                         continue
                     if reply.code in TRANSIENT:

@@ -361,6 +361,7 @@ class Server:
         ``received``: (frames, bytes) the message came in (``frames`` may keep fewer: see _loop)."""
         self.requests += 1
         arrived = time.perf_counter()
+        before = self.proto.inflight.get(peer, 0)
         try:
             confined = None if self.auth is None or tenant in (None, OPERATOR) else tenant
             request = self.proto.receive(peer, frames, tenant=confined, received=received)
@@ -372,6 +373,33 @@ class Server:
                 [peer, *self.proto.error(peer, e.request_id, e.code, e.message, done=False)]
             )
             return
+        except Exception:
+            self._uncount(peer, before)
+            raise
+        try:
+            self._answer(router, workers, peer, frames, tenant, request, arrived)
+        except Exception:
+            self._uncount(peer, before)
+            raise
+
+    def _uncount(self, peer: bytes, before: int) -> None:
+        """A request of ``peer`` broke the loop (it is answered by _answer_broken): if it was counted in
+        flight and neither answered nor handed to a worker, it is not in flight any more (else its
+        client would be refused as busy after a few of these)."""
+        if self.proto.inflight.get(peer, 0) > before:
+            self.proto.done(peer)
+
+    def _answer(
+        self,
+        router: zmq.Socket,
+        workers: ThreadPoolExecutor,
+        peer: bytes,
+        frames: list,
+        tenant: str | None,
+        request: Request,
+        arrived: float,
+    ) -> None:
+        """Answer ``request`` (received and counted in flight) here, or hand it to a worker."""
         if self.auth is not None:
             request = replace(request, tenant=None if tenant == OPERATOR else tenant)
             denied = None

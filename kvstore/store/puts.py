@@ -79,7 +79,9 @@ class Putter:
         chain = as_chain(tokens)
         start = check_index("start_block", start_block)
         if session is not None:
-            check_session_name(session)
+            with self._lock:  # a session stored under an older build's rules goes on under its name
+                known = self._sessions.get(session) is not None
+            check_session_name(session, allow_control=known)
         if isinstance(kv, torch.Tensor):
             ns.layout.check_tensor(kv)
             n = kv.shape[2] // T

@@ -43,9 +43,12 @@ MAX_STORED_SESSION_BYTES = 480
 MAX_SESSIONS_PER_TENANT = 4096
 # Dead sessions (no block left) kept listed, all tenants together; past it the longest dead go.
 MAX_DEAD_SESSIONS = 16384
-# Characters a session name must not hold: control (Cc: C0, DEL, C1) and format (Cf: bidi overrides,
-# zero-width) characters, and line/paragraph separators. Names are printed to operators' terminals.
+# Characters a new session name must not hold: control (Cc: C0, DEL, C1) and format (Cf: bidi
+# overrides, zero-width spaces) characters, and line/paragraph separators. Names are printed to
+# operators' terminals. The zero-width non-joiner and joiner are ordinary text (Persian words, emoji
+# sequences) and pass.
 _REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+_ALLOWED = frozenset("\u200c\u200d")
 
 
 def check_session_name(
@@ -65,7 +68,9 @@ def check_session_name(
     if any(c in name for c in "\x00\n\r"):
         raise InvalidRequest(f"session name {name[:40]!r} holds a NUL or line break")
     if not allow_control:
-        bad = next((c for c in name if unicodedata.category(c) in _REFUSED_CATEGORIES), None)
+        bad = next(
+            (c for c in name if unicodedata.category(c) in _REFUSED_CATEGORIES and c not in _ALLOWED), None
+        )
         if bad is not None:
             raise InvalidRequest(
                 f"session name {name[:40]!r} holds the control character U+{ord(bad):04X}; "

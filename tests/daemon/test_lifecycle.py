@@ -78,6 +78,31 @@ def test_client_reconnects_across_a_restart_without_help(start_daemon: StartDaem
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shared_memory", [False, None])
+def test_a_client_without_retries_says_hello_again_to_a_restarted_daemon(
+    start_daemon: StartDaemon, shared_memory: bool | None
+) -> None:
+    # an engine's lookups and loads run with retries=0: a daemon that does not know their namespace
+    # (restarted, or a registration it gave up) did nothing, and the client says hello again
+    tokens = list(range(700, 700 + 2 * T))
+    d = start_daemon()
+    c = KVStoreClient(
+        d.endpoint, model=MODEL, layout=LAYOUT, timeout=10.0, retries=0, shared_memory=shared_memory
+    )
+    try:
+        assert c.put(tokens, kv_for(len(tokens))).stored == 2
+        assert d.stop() == 0
+        d2 = start_daemon()
+        for _ in range(3):
+            assert c.lookup(tokens).matched_tokens == 2 * T
+            out = torch.empty(LAYOUT.shape(2 * T), dtype=torch.float16)
+            assert c.get_into(tokens, out).matched_tokens == 2 * T
+        assert c.ping()["pid"] == d2.proc.pid
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
 def test_a_killed_daemon_leaves_a_stale_socket_that_the_next_one_replaces(
     start_daemon: StartDaemon, tmp_path: Path
 ) -> None:

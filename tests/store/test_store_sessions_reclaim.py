@@ -23,7 +23,7 @@ import pytest
 
 from kvstore.codecs import get_codec
 from kvstore.keys import Namespace
-from kvstore.results import EvictFilter
+from kvstore.results import EvictFilter, InvalidRequest
 from kvstore.store import journal as journal_mod
 from kvstore.store import sessions as sessions_mod
 from kvstore.store.engine import Store
@@ -174,3 +174,32 @@ def test_failed_session_rows_kept_for_retry_are_bounded_and_logged_once(
         assert s.session("conv-3").info.blocks == 1
     finally:
         s.close()
+
+
+def test_a_session_an_earlier_build_named_with_a_control_character_goes_on(
+    make_store, tmp_path: Path
+) -> None:
+    # earlier builds refused only NUL and line breaks: such a conversation is continued, not refused
+    s = make_store()
+    first = tokens(1, seed=1)
+    assert not s.put(NS, first, kv(T, 1), session="plain").failed
+    assert s.flush(10)
+    nvme = s.tiers.nvme
+    assert nvme is not None
+    row = dict(nvme.iter_sessions())["plain"]
+    legacy = "conv\x1b[1m"
+    if "name" in row:
+        row["name"] = legacy
+    nvme.put_session(legacy, row)
+    nvme.drop_session("plain")
+    s.close()
+    again = make_store(path=tmp_path / "nvme")
+    assert names(again) == {legacy}
+    both = tokens(2, seed=1)
+    r = again.put(NS, both, kv(2 * T, 1), session=legacy)
+    assert r.stored == 1 and not r.failed, r
+    assert again.session(legacy).info.blocks == 2
+    # a new name is held to today's rule; the zero-width joiner of an emoji sequence is text
+    with pytest.raises(InvalidRequest, match="control character U\\+001B"):
+        again.put(NS, tokens(1, seed=5), kv(T, 5), session="new\x1b[1m")
+    assert not again.put(NS, tokens(1, seed=6), kv(T, 6), session="\U0001f469\u200d\U0001f4bb").failed

@@ -92,7 +92,10 @@ real = ServerProtocol.receive
 def receive(self, peer, frames, **kw):
     if b"explode" in bytes(frames[0]):
         raise RuntimeError("a bug in the checks")
-    return real(self, peer, frames, **kw)
+    request = real(self, peer, frames, **kw)
+    if request.id >= 1000:  # counted in flight first
+        raise RuntimeError("a bug after the count")
+    return request
 
 ServerProtocol.receive = receive
 raise SystemExit(main(["--config", sys.argv[1]]))
@@ -120,6 +123,12 @@ def test_a_request_that_breaks_the_loop_is_answered_with_its_id(tmp_path: Path) 
             assert "RuntimeError: a bug in the checks" in reply["message"], reply
             pong = r.ask(packed("ping", 78))
             assert (pong["op"], pong["id"]) == ("ping", 78), pong
+            # more broken requests than a client may have in flight (64): none stays counted
+            for rid in range(1000, 1100):
+                reply = r.ask(packed("ping", rid))
+                assert (reply["id"], reply["code"]) == (rid, "internal"), reply
+            pong = r.ask(packed("ping", 79))
+            assert (pong["op"], pong["id"]) == ("ping", 79), pong
         finally:
             r.close()
         assert proc.poll() is None
