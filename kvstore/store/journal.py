@@ -27,6 +27,7 @@ log = logging.getLogger("kvstore.store")
 MAX_FAILED_SESSION_ROWS = 4096
 
 _Key = tuple[str, str]
+_REWRITE: _Key = ("sessions", "*")  # the task that writes every session row again
 
 
 class Journal:
@@ -88,19 +89,32 @@ class Journal:
 
     def retry(self) -> None:
         """Queue again every row whose write failed (on the writer thread, in their order); after
-        session rows were given up, every session's row first."""
+        session rows were given up, one task that makes the session table on disk what it is in
+        memory instead (_rewrite_sessions)."""
         with self._lock:
-            rewrite, self._rewrite_all = self._rewrite_all, False  # set again if the rewrite overflows
+            rewrite, self._rewrite_all = self._rewrite_all, False
+            if rewrite and self._sessions is not None:
+                self._failed[_REWRITE] = self._rewrite_sessions  # kept until it succeeds
             failed = list(self._failed.items())
+            kept = list(self._failed_sessions.items())
         for key, write in failed:
             self._run(key, write, again=True)
-        if rewrite and self._sessions is not None:
-            for s in self._sessions():
-                self.session(s)
-        with self._lock:  # what is kept now: the drops of forgotten sessions, rows failed since
-            kept = list(self._failed_sessions.items())
         for key, write in kept:
             self._run(key, write, again=True)
+
+    def _rewrite_sessions(self) -> None:
+        """(Writer thread.) Every session row on disk as the session is in memory now, and no row of
+        a session that is not: the rows given up are covered, dropped sessions' rows included. The
+        sessions are read when this runs, so a change made meanwhile is in it, or queued after it."""
+        nvme, sessions = self._nvme, self._sessions
+        assert nvme is not None and sessions is not None
+        now = {s.name: s for s in sessions()}
+        for name in [name for name, _ in nvme.iter_sessions() if name not in now]:
+            nvme.drop_session(name)
+        for s in now.values():
+            nvme.put_session(s.name, s.to_dict())
+        with self._lock:  # the rows kept to retry are older than what was just written
+            self._failed_sessions.clear()
 
     def _run(self, key: _Key, write: Callable[[], None], *, again: bool = False) -> None:
         writer = self._writer

@@ -145,6 +145,7 @@ def test_failed_session_rows_kept_for_retry_are_bounded_and_logged_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(journal_mod, "MAX_FAILED_SESSION_ROWS", 8)
+    monkeypatch.setattr(sessions_mod, "MAX_SESSIONS_PER_TENANT", 30)
     caplog.set_level(logging.INFO, logger="kvstore")
 
     def store() -> tuple[Store, FailingRowsNvme]:
@@ -154,6 +155,9 @@ def test_failed_session_rows_kept_for_retry_are_bounded_and_logged_once(
         return Store(hbm, ram, nvme, tick=0.05), nvme
 
     s, nvme = store()
+    for i in range(5):  # on disk before it fails; forgotten (past the cap) while it fails
+        assert not s.put(NS, tokens(1, seed=100 + i), kv(T, i), session=f"old-{i}").failed
+    assert s.flush(10) and rows(s) == {f"old-{i}" for i in range(5)}
     nvme.failing = True
     for i in range(30):
         assert not s.put(NS, tokens(1, seed=i), kv(T, i), session=f"conv-{i}").failed
@@ -166,7 +170,8 @@ def test_failed_session_rows_kept_for_retry_are_bounded_and_logged_once(
     nvme.failing = False  # the disk has room again
     assert s.flush(10)
     assert s._journal.pending == 0
-    assert rows(s) == {f"conv-{i}" for i in range(30)}
+    # what is on disk is what is in memory: the rows given up written, the forgotten ones' gone
+    assert names(s) == rows(s) == {f"conv-{i}" for i in range(30)}
     s.close()
     s, _ = store()
     try:
