@@ -14,9 +14,10 @@ Worker side: loads run before the forward pass, straight into vLLM's paged cache
 with the request's block ids, from the first token vLLM does not hold itself, never writing a block
 it shares). A block that vanished between the lookup and the load is reported through
 ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy = "recompute"`` vLLM recomputes
-it. Saves are queued after the step and run on a thread (a copy out of vLLM's blocks into shared
-staging, then the daemon stores them); a finished request's blocks are kept until its saves are
-done (``request_finished`` returns True, ``get_finished`` reports it).
+it, and what every request holding it computed over it. Saves are queued after the step and run on
+a thread (a copy out of vLLM's blocks into shared staging, then the daemon stores them); a finished
+request's blocks are kept until its saves are done (``request_finished`` returns True,
+``get_finished`` reports it), and its last save may wait for a load it shares to settle.
 
 The namespace holds everything that changes K/V: the model and its revision, the weights'
 quantization and ``hf_overrides``, the KV layout (layers, KV heads per rank, head size, dtype,
@@ -107,6 +108,10 @@ class KVStoreMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # finished requests whose last save waits for a later step: the workers keep their blocks
+    held: list[str] = field(default_factory=list)
+    # held requests whose last save, if any, is in this step's saves: their blocks go back once it is done
+    released: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -120,7 +125,73 @@ class _Tracked:
     session: str | None
     saving: bool = False  # a save was scheduled: its blocks are freed only when the workers say
     loaded_at: int = -(1 << 30)  # the step that last loaded it from kvstore
-    tainted: bool = False  # computed over another request's failed load: never saved again
+
+
+@dataclass(frozen=True)
+class _Load:
+    """A load of step ``step`` by ``req_id`` into the vLLM blocks at positions ``first .. end-1`` of
+    its block table."""
+
+    step: int
+    req_id: str
+    first: int
+    end: int
+    block_ids: tuple[int, ...]
+
+
+class _Unsettled:
+    """The loads of the steps not settled yet, and which requests share their blocks.
+
+    vLLM's prefix cache shares a block only at its own position (its hash chains every token before
+    it): a request holds a loaded block, if at all, at the position the load filled. So only those
+    positions of a request are looked at, and each stretch of positions that loads cover once (a
+    set of all their blocks there), whatever the number of loads::
+
+        loader   [ a | b | L1 | L2 | L3 | c ]     loaded positions 2..4
+        sharer   [ a | b | L1 | L2 | d ]          positions 2..4 looked at: L1, L2 shared
+    """
+
+    def __init__(self) -> None:
+        self._loads: list[_Load] = []
+        self._spans: list[tuple[int, int, frozenset[int]]] | None = None  # merged, made when asked
+        self._loader: dict[int, str] = {}  # loaded block -> the request that loads it
+
+    def add(self, load: _Load) -> None:
+        self._loads.append(load)
+        self._spans = None
+
+    def settle(self, step: int) -> None:
+        """Forget the loads of steps before ``step``: their output has reached the scheduler."""
+        if self._loads and self._loads[0].step < step:
+            self._loads = [u for u in self._loads if u.step >= step]
+            self._spans = None
+
+    def shared_by(self, t: _Tracked) -> bool:
+        """Whether ``t`` holds a block of a load by another request."""
+        if not self._loads:
+            return False
+        if self._spans is None:
+            self._spans, self._loader = self._merge()
+        rid = t.request.request_id
+        for first, end, blocks in self._spans:
+            held = t.block_ids[first:end]
+            if not blocks.isdisjoint(held) and any(self._loader.get(b, rid) != rid for b in held):
+                return True
+        return False
+
+    def _merge(self) -> tuple[list[tuple[int, int, frozenset[int]]], dict[int, str]]:
+        loader: dict[int, str] = {}
+        for u in self._loads:  # a block freed and loaded again: its latest loader
+            loader.update(dict.fromkeys(u.block_ids, u.req_id))
+        spans: list[tuple[int, int, set[int]]] = []
+        for u in sorted(self._loads, key=lambda u: u.first):
+            if spans and u.first <= spans[-1][1]:
+                first, end, blocks = spans[-1]
+                spans[-1] = (first, max(end, u.end), blocks)
+                blocks.update(u.block_ids)
+            else:
+                spans.append((u.first, u.end, set(u.block_ids)))
+        return [(a, b, frozenset(c)) for a, b, c in spans], loader
 
 
 def _token_ids(request: Any) -> list[int] | None:
@@ -260,9 +331,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests: dict[str, Any] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._final: list[Transfer] = []  # saves of finished requests, for the next step's workers
+        # finished requests sharing blocks of a load not settled: (request, its tokens computed)
+        self._deferred: dict[str, tuple[_Tracked, int]] = {}
+        self._held: list[str] = []  # requests deferred since the last step (KVStoreMetadata.held)
+        self._dropped: list[str] = []  # deferred requests whose shared load failed: nothing saved
         self._step = 0  # steps scheduled (build_connector_meta calls)
-        # vLLM block -> (step, request) of a load into it not settled yet (see _shares_unsettled)
-        self._loaded: dict[int, tuple[int, str]] = {}
+        self._unsettled = _Unsettled()  # loads of the last ``depth`` steps (see _shares_unsettled)
         # Steps in flight at once: with async scheduling (vLLM's default) step N+1 is scheduled before
         # step N's output, its load errors included, reaches the scheduler; step N+depth only after.
         self._depth = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
@@ -273,6 +347,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._saving: set[str] = set()  # requests with saves queued at some point
         self._finishing: set[str] = set()  # finished requests whose saves are still running
+        self._kept: set[str] = set()  # finished requests whose last save is not planned yet
         self._saver: _Saver | None = None
         self._submitted: KVStoreMetadata | None = None  # the metadata whose saves are queued
         self.loaded_tokens = 0
@@ -336,7 +411,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _build_meta(self, scheduler_output: Any) -> KVStoreMetadata:
         meta = KVStoreMetadata()
         self._step += 1
-        self._loaded = {b: v for b, v in self._loaded.items() if self._step - v[0] < self._depth}
+        self._unsettled.settle(self._step - self._depth + 1)
         so = scheduler_output
         # loads first, saves after: a request's save waits for every load of this step into its blocks
         computed: list[tuple[_Tracked, int]] = []  # requests not loading, and their tokens after this step
@@ -375,6 +450,14 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._plan_save(meta.saves, t, n)
         meta.saves += self._final
         self._final = []
+        meta.held, self._held = self._held, []
+        for rid, (t, n) in list(self._deferred.items()):
+            if not self._shares_unsettled(t):  # the loads it shares are good (else it was dropped)
+                del self._deferred[rid]
+                self._plan_save(meta.saves, t, n)
+                meta.released.append(rid)
+        meta.released += self._dropped
+        self._dropped = []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
         self._loads.clear()
         for rid in list(self._hits):  # asked again only if it goes back to waiting
@@ -396,8 +479,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         start, end = span
         meta.loads.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), start, end))
         t.loaded_at = self._step
-        for b in t.block_ids[start // self._bs : -(-end // self._bs)]:
-            self._loaded[b] = (self._step, rid)
+        first, last = start // self._bs, -(-end // self._bs)
+        self._unsettled.add(_Load(self._step, rid, first, last, tuple(t.block_ids[first:last])))
         return True
 
     def _settled(self, t: _Tracked) -> bool:
@@ -409,43 +492,49 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _shares_unsettled(self, t: _Tracked) -> bool:
         """Whether ``t`` holds a block that another request loads in a step not settled yet: vLLM's
         prefix cache hands the blocks of a load to the requests scheduled after it, which compute
-        over them in the same step. Had the load failed, what they computed is wrong; vLLM
-        recomputes the blocks, but not what such a request computed over them (see
-        update_connector_output), so nothing of it is saved before the load is known good."""
-        if not self._loaded:
-            return False
-        rid = t.request.request_id
-        for b in t.block_ids:
-            held = self._loaded.get(b)
-            if held is not None and held[1] != rid and self._step - held[0] < self._depth:
-                return True
-        return False
+        over them in the same step. Had the load failed, what they computed is wrong until vLLM,
+        given the step's load errors, rolls them back and they compute it again (see
+        update_connector_output), so nothing of it is saved before the load is known good. Only
+        the positions loads filled are looked at (see _Unsettled): the cost is the loaded blocks',
+        not the requests' lengths (64 requests of 8192 blocks and a load of 64 blocks: 16 ms a step
+        walking every block, 0.08 ms so)."""
+        return self._unsettled.shared_by(t)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The workers' output of a step, on the scheduler: blocks whose load failed (vLLM recomputes
-        them). The request that loaded them is rolled back by vLLM to its first failed block: its
-        saves go on from there. Another request that computed over them (sharing them through vLLM's
-        prefix cache while the load was not settled) keeps what it computed: it is never saved."""
+        """The workers' output of a step, on the scheduler: blocks whose load failed. vLLM (0.32 and
+        0.33, ``_update_requests_with_invalid_blocks``) has rolled back every running request holding
+        one among the tokens it had computed before the step, the loader and those sharing the block
+        through its prefix cache alike, and dropped that step's output: they compute again over the
+        recomputed blocks. So what each has in kvstore is taken to end at its first failed block
+        (in kvstore's blocks), and its saves go on from there once it is settled. A finished
+        request waiting for such a load (see request_finished) was not rolled back: what it computed
+        over the failed blocks is never saved, and its blocks go back with the next step."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return
-        for rid, t in self._tracked.items():
-            bad = [i for i, b in enumerate(t.block_ids) if b in invalid]
-            if not bad:
-                continue
-            if all(self._loaded.get(t.block_ids[i], (0, ""))[1] == rid for i in bad):
-                t.saved = min(t.saved, bad[0] * self._bs // self._T * self._T)
-            else:
-                t.tainted = True
+        for t in self._tracked.values():
+            first = next((i for i, b in enumerate(t.block_ids) if b in invalid), None)
+            if first is not None:
+                t.saved = min(t.saved, first * self._bs // self._T * self._T)
+        for rid, (t, _) in list(self._deferred.items()):
+            if not invalid.isdisjoint(t.block_ids):
+                del self._deferred[rid]
+                self._dropped.append(rid)
+
+    def _save_end(self, t: _Tracked, computed: int) -> int:
+        """Where a save of what ``t`` computed up to token ``computed`` would end (whole blocks); not
+        past ``t.saved`` when there is nothing to save."""
+        if not self.settings.save or _token_ids(t.request) is None:
+            return t.saved
+        tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
+        return min(computed, len(tokens)) // self._T * self._T
 
     def _plan_save(self, saves: list[Transfer], t: _Tracked, computed: int) -> None:
         """Save what ``t`` computed up to token ``computed`` that is not saved yet (whole blocks)."""
-        if not self.settings.save or t.tainted or _token_ids(t.request) is None:
-            return
-        tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
-        end = min(computed, len(tokens)) // self._T * self._T
+        end = self._save_end(t, computed)
         if end <= t.saved:
             return
+        tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
         rid = t.request.request_id
         saves.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), t.saved, end, t.session))
         t.saved = end
@@ -457,18 +546,25 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._hits.pop(rid, None)
         self._loads.pop(rid, None)
         t = self._tracked.pop(rid, None)
+        if t is None:
+            return False, None
         aborted = getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED"
-        own_settled = self._step - t.loaded_at >= self._depth if t is not None else False
-        if t is not None and (own_settled or not aborted) and not self._shares_unsettled(t):
-            # What it computed after its last load may not be saved yet (see _plan_load). Finished by
-            # its own output, vLLM had that output's load errors and rolled it back to the first failed
-            # block: what it counts as computed is sound. Aborted (a stop string, a client gone), that
-            # holds once its load's step is settled; else nothing more is saved. Sharing blocks of
-            # another request's load not settled, nothing more is saved either (_shares_unsettled).
-            # Its blocks stay until the next step's workers saved them.
-            self._plan_save(self._final, t, request.num_computed_tokens)
+        own_settled = self._step - t.loaded_at >= self._depth
+        computed = request.num_computed_tokens
+        # What it computed after its last load may not be saved yet (see _plan_load). Finished by its
+        # own output, vLLM had that output's load errors and rolled it back to the first failed block:
+        # what it counts as computed is sound. Aborted (a stop string, a client gone), that holds once
+        # its load's step is settled; else nothing more is saved.
+        if (own_settled or not aborted) and self._save_end(t, computed) > t.saved:
+            if self._shares_unsettled(t):
+                # vLLM asks this before it hands the step's load errors to update_connector_output:
+                # the last save waits for the loads it shares to settle, in a later step's metadata
+                self._deferred[rid] = (t, computed)
+                self._held.append(rid)
+                return True, None
+            self._plan_save(self._final, t, computed)  # the next step's workers save it
         # saves read the request's blocks on the workers' thread: keep them until they are done
-        return (t is not None and t.saving), None
+        return t.saving, None
 
     # ------------------------------------------------------------------ worker side
 
@@ -542,15 +638,16 @@ class KVStoreConnector(KVConnectorBase_V1):
             meta = self._get_connector_metadata()
         except AssertionError:  # none bound
             return
-        if not isinstance(meta, KVStoreMetadata) or self._saver is None or not meta.saves:
-            return
-        if meta is self._submitted:
+        if not isinstance(meta, KVStoreMetadata) or self._saver is None or meta is self._submitted:
             return
         self._submitted = meta
         t0 = time.perf_counter()
+        self._kept.update(meta.held)
+        self._finishing.update(meta.held)
         for t in meta.saves:
             self._saving.add(t.req_id)
             self._saver.submit(t, self._paged(t))
+        self._kept.difference_update(meta.released)
         self.hook_seconds["save"] += time.perf_counter() - t0
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
@@ -563,7 +660,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return None, None
         self._submit_saves()
         self._finishing |= finished_req_ids & self._saving
-        done = {rid for rid in self._finishing if self._saver.pending(rid) == 0}
+        done = {rid for rid in self._finishing if rid not in self._kept and self._saver.pending(rid) == 0}
         self._finishing -= done
         self._saving -= done
         for rid in done:

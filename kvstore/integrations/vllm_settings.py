@@ -242,46 +242,67 @@ class Clients:
     def get(self, variant: Variant, purpose: str) -> KVStoreClient:
         """The client of ``variant`` for ``purpose`` ("lookup" and "load" never wait on a busy
         daemon). Raises VariantRefused for a variant that gets no namespace (see the class), or what
-        the first call of a new client raises."""
+        the first call of a new client raises.
+
+        A new client says hello outside the lock: a save client's hello may take three timeouts
+        (its retries), and meanwhile the engine's own thread must still get its cached clients at
+        once. Two threads making the same client at once both get the one made first; the other is closed."""
+        key = (variant, purpose)
         with self._lock:
-            c = self._clients.pop((variant, purpose), None)
-            if c is None:
-                self._admit(variant)
+            c = self._clients.pop(key, None)
+            if c is not None:
+                self._clients[key] = c  # most recently used last
+                return c
+            self._admit(variant)
+        c = self._connect(variant, purpose)
+        with self._lock:
+            kept = self._clients.pop(key, None)  # another thread's, made meanwhile
+            spare = c if kept is not None else None
+            if kept is None:
+                kept = c
                 if len(self._clients) >= MAX_CLIENTS:
-                    oldest = next(iter(self._clients))
-                    self._clients.pop(oldest).close()
-                s = self._settings
-                c = KVStoreClient(
-                    s.endpoint,
-                    model=model_name(self._cfg, s),
-                    layout=self._layout,
-                    tenant=s.tenant,
-                    timeout=s.timeout,
-                    revision=namespace_revision(self._cfg, self._ranks, variant),
-                    shared_memory=s.shared_memory,
-                    # on the scheduler's and workers' critical path a busy daemon is a miss (recomputed),
-                    # not a wait; saves run on their own thread and may wait, within the timeout
-                    retries=2 if purpose == "save" else 0,
-                    wait_when_busy=purpose == "save",
+                    spare = self._clients.pop(next(iter(self._clients)))  # the least recently used
+            self._clients[key] = kept
+        if spare is not None:
+            spare.close()
+        return kept
+
+    def _connect(self, variant: Variant, purpose: str) -> KVStoreClient:
+        """A new client of ``variant`` for ``purpose`` that the daemon said hello to: the namespace is
+        taken or refused now, and the daemon's limits known. A quota refusal raises VariantRefused
+        and keeps new variants out for QUOTA_RETRY seconds."""
+        s = self._settings
+        c = KVStoreClient(
+            s.endpoint,
+            model=model_name(self._cfg, s),
+            layout=self._layout,
+            tenant=s.tenant,
+            timeout=s.timeout,
+            revision=namespace_revision(self._cfg, self._ranks, variant),
+            shared_memory=s.shared_memory,
+            # on the scheduler's and workers' critical path a busy daemon is a miss (recomputed),
+            # not a wait; saves run on their own thread and may wait, within the timeout
+            retries=2 if purpose == "save" else 0,
+            wait_when_busy=purpose == "save",
+        )
+        try:
+            c.ping()
+        except BaseException as e:
+            c.close()
+            if getattr(e, "code", None) == "quota_exceeded":
+                with self._lock:
+                    self._quota_until = time.monotonic() + QUOTA_RETRY
+                    self._variants.discard(variant)
+                log.warning(
+                    "kvstore refused a namespace for a LoRA/cache-salt variant (%s); requests of "
+                    "new variants are computed without kvstore for %.0f s. Raise the daemon's "
+                    "[server] max_namespaces_per_tenant or lower max_variants",
+                    e,
+                    QUOTA_RETRY,
                 )
-                try:
-                    c.ping()  # says hello: the namespace is taken or refused now, and the limits known
-                except BaseException as e:
-                    c.close()
-                    if getattr(e, "code", None) == "quota_exceeded":
-                        self._quota_until = time.monotonic() + QUOTA_RETRY
-                        self._variants.discard(variant)
-                        log.warning(
-                            "kvstore refused a namespace for a LoRA/cache-salt variant (%s); requests of "
-                            "new variants are computed without kvstore for %.0f s. Raise the daemon's "
-                            "[server] max_namespaces_per_tenant or lower max_variants",
-                            e,
-                            QUOTA_RETRY,
-                        )
-                        raise VariantRefused(str(e)) from e
-                    raise
-            self._clients[(variant, purpose)] = c  # most recently used last
-            return c
+                raise VariantRefused(str(e)) from e
+            raise
+        return c
 
     def _admit(self, variant: Variant) -> None:
         """Take ``variant`` into the variants this process uses, or raise VariantRefused."""

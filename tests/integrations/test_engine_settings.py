@@ -146,6 +146,65 @@ def test_variants_past_max_variants_or_the_namespace_quota_are_refused_not_faile
         many.close()
 
 
+def test_a_cached_client_is_had_at_once_while_a_new_one_waits_for_a_daemon_gone_quiet(
+    daemon: Any,
+) -> None:
+    """The save thread makes its client while the daemon does not answer: its hello waits three
+    timeouts (a save's retries). The engine's thread meanwhile gets its load client, made earlier,
+    at once: a load is never held up by another purpose's hello."""
+    clients = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, timeout=1.0), LAYOUT, (0, 0))
+    try:
+        load = clients.get(Variant(), "load")
+        daemon.proc.kill()  # gone: nothing answers from now on
+        daemon.wait_exit()
+        saving: list[BaseException] = []
+        t0 = time.perf_counter()
+
+        def save() -> None:
+            try:
+                clients.get(Variant(), "save")
+            except Exception as e:
+                saving.append(e)
+
+        thread = threading.Thread(target=save)
+        thread.start()
+        time.sleep(0.2)  # the save client is saying hello by now
+        waited = []
+        for _ in range(5):
+            t1 = time.perf_counter()
+            assert clients.get(Variant(), "load") is load
+            waited.append(time.perf_counter() - t1)
+        assert thread.is_alive() and max(waited) < 0.05
+        thread.join()
+        assert saving and time.perf_counter() - t0 >= 2.5  # the save's hello did time out
+    finally:
+        clients.close()
+
+
+def test_two_threads_making_the_same_client_at_once_get_one_and_take_one_variant(daemon: Any) -> None:
+    salt = Variant(salt="e" * 32)
+    clients = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, max_variants=1), LAYOUT, (0, 0))
+    try:
+        start = threading.Barrier(4)
+        got: list[Any] = []
+
+        def make() -> None:
+            start.wait()
+            got.append(clients.get(salt, "lookup"))
+
+        threads = [threading.Thread(target=make) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(got) == 4 and all(c is got[0] for c in got)
+        assert got[0].ping()  # the one kept is open: the others' were closed, not it
+        with pytest.raises(VariantRefused, match="max_variants"):  # the salt counted once
+            clients.get(Variant(salt="f" * 32), "lookup")
+    finally:
+        clients.close()
+
+
 # ---------------------------------------------------------------------- busy
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -116,6 +117,7 @@ class Engine:
         self.requests: dict[str, Any] = {}
         self.before_load: Any = None  # a hook run between scheduling and loading
         self.before_output: Any = None  # a hook run after the workers' step, before vLLM takes its output
+        self.over_missing: list[str] = []  # requests that computed over a failed load, once per step
 
     def add(self, req: Any) -> None:
         self.requests[req.request_id] = req
@@ -146,7 +148,10 @@ class Engine:
             ids = list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
             start = req.num_computed_tokens - n  # the scheduler has counted this step's tokens already
             # computed over a failed load: its own, or one into blocks it shares (vLLM's prefix cache)
-            self.worker.forward(ids, list(req.all_token_ids), start, start + n, bool(set(ids) & errors))
+            over_missing = bool(set(ids) & errors)
+            self.worker.forward(ids, list(req.all_token_ids), start, start + n, over_missing)
+            if over_missing:
+                self.over_missing.append(rid)
             scheduled.append(req)
         if self.finish_first:
             sending, _ = w.get_finished(so.finished_req_ids)
@@ -459,31 +464,120 @@ def test_cpu_kernels_that_pack_k_otherwise_are_refused_at_start(
         connector.split_kv(torch.zeros(4, 5, 16, 128), "FLASH_ATTN", 3, 64)
 
 
-def test_a_request_sharing_the_blocks_of_a_failed_load_stores_nothing_it_computed_over_them(
-    setup: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("shared", "held"),
+    [(128, 160), (64, 96)],
+    ids=["all-of-the-load", "a-block-table-shorter-than-the-load"],
+)
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "two-steps-in-flight"])
+def test_a_request_sharing_the_blocks_of_a_failed_load_computes_again_and_is_saved_as_computed_again(
+    setup: Any, monkeypatch: pytest.MonkeyPatch, shared: int, held: int, depth: int
 ) -> None:
     """ "again" loads 128 tokens from kvstore and the load fails; "b", scheduled in the same step,
-    takes those blocks from vLLM's prefix cache and computes its own tokens over them. kvstore never
-    keeps what b computed: vLLM recomputes the blocks, not what b computed over them."""
+    takes the first ``shared`` of them from vLLM's prefix cache and computes its own 40 tokens over
+    them. vLLM rolls b back too and b computes them again over the recomputed blocks: kvstore then
+    keeps b, all of it as the model computes it, none of what the failed step computed. (With 64
+    shared, b's 104 tokens take 7 blocks of vLLM's, the load 8: b's [64, 96) is not saved from the
+    failed step.)"""
     U, vcfg, ep = setup
     a = prompt(150, 11)
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.sched.connector._depth = depth
     check = stored_then_forgotten(U, e, a)
     refuse_loads(e, monkeypatch)
-    b = a[:128] + prompt(40, 12)
+    b = a[:shared] + prompt(40, 12)
     e.add(request(U, a, "again"))  # 128 loaded, 22 computed
-    e.add(request(U, b, "b"))  # 128 from vLLM's prefix cache (again's blocks), 40 computed
+    e.add(request(U, b, "b"))  # ``shared`` from vLLM's prefix cache (again's blocks), 40 computed
     e.run()
     assert e.worker.loads[-1] == ("again", 0, 128)
-    assert e.requests["b"].is_finished()
-    time.sleep(0.5)  # a save would have landed by now
-    # whatever kvstore holds of b is K/V as the model computes it, none computed over the failed load
-    n = check.lookup(b).matched_tokens
-    stored = check.get(b)
-    L = check._ns().layout
-    assert n >= 128 and stored.kv is not None
-    assert torch.equal(stored.kv, expected(b, 0, n, L.num_layers, L.num_kv_heads, L.head_dim))
+    assert "b" in e.over_missing and e.requests["b"].is_finished()
+    # 40 + 2 fed back, computed again after the failed step, never the failed step's
+    assert_holds(check, b, held)
     e.worker.c.shutdown()
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "two-steps-in-flight"])
+@pytest.mark.parametrize("finish_first", [False, True], ids=["save-then-finished", "finished-then-save"])
+def test_a_request_that_shares_a_load_and_finishes_in_that_step_is_saved_once_the_load_is_settled(
+    setup: Any, monkeypatch: pytest.MonkeyPatch, depth: int, finish_first: bool
+) -> None:
+    """vLLM asks request_finished for b before it hands the step's load errors to the connector: b's
+    last save waits for the next steps' metadata (the workers keep its blocks meanwhile), and is
+    made once again's load is known good. With two steps in flight (async scheduling) it waits a
+    step more."""
+    U, vcfg, ep = setup
+    a = prompt(150, 11)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch, finish_first)
+    e.sched.connector._depth = depth
+    check = stored_then_forgotten(U, e, a)
+    b = a[:128] + prompt(40, 12)
+    e.add(request(U, a, "again"))  # 128 loaded from kvstore, 22 computed
+    e.add(request(U, b, "b", max_tokens=1))  # 128 from vLLM's prefix cache, 40 computed: done in one step
+    metas: list[Any] = []
+    e.before_output = metas.append
+    e.run()
+    assert e.worker.loads[-1] == ("again", 0, 128) and not e.over_missing
+    assert e.requests["b"].is_finished()
+    assert_holds(check, b, 160)
+    held = [i for i, m in enumerate(metas) if "b" in m.held]
+    released = [i for i, m in enumerate(metas) if "b" in m.released]
+    assert len(held) == 1 and released == [held[0] + depth - 1]
+    e.worker.c.shutdown()
+
+
+@pytest.mark.parametrize("load_fails", [False, True], ids=["load-good", "load-failed"])
+def test_a_request_aborted_while_sharing_a_load_not_settled_is_saved_only_if_the_load_was_good(
+    setup: Any, monkeypatch: pytest.MonkeyPatch, load_fails: bool
+) -> None:
+    """b is aborted after the step where it computed over again's load, before vLLM had that step's
+    output: vLLM never rolls b back. Its last save waits for the load to settle: made if the load
+    was good, dropped if it failed; its blocks go back either way."""
+    from vllm.v1.request import RequestStatus
+
+    U, vcfg, ep = setup
+    a = prompt(150, 13)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = stored_then_forgotten(U, e, a)
+    if load_fails:
+        refuse_loads(e, monkeypatch)
+    b = a[:128] + prompt(40, 14)
+
+    def abort(meta: Any) -> None:
+        if any(t.req_id == "again" for t in meta.loads):
+            e.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+
+    e.before_output = abort
+    e.add(request(U, a, "again"))
+    e.add(request(U, b, "b", max_tokens=5))
+    e.run()  # returns once every block is back: b's too
+    assert e.worker.loads[-1] == ("again", 0, 128) and e.requests["b"].is_finished()
+    assert ("b" in e.over_missing) == load_fails
+    if load_fails:
+        time.sleep(0.5)  # a save would have landed by now
+        assert_holds(check, b, 128)  # again's prefix, stored before; nothing b computed
+    else:
+        assert_holds(check, b, 160)
+    e.worker.c.shutdown()
+
+
+def test_a_request_shares_a_load_only_where_the_load_filled_its_own_positions() -> None:
+    """The scheduler looks at the positions loads filled, not at every block of every request:
+    vLLM's prefix cache shares a block only at its own position."""
+    loads = connector._Unsettled()
+    loads.add(connector._Load(step=1, req_id="loader", first=2, end=5, block_ids=(20, 21, 22)))
+    loads.add(connector._Load(step=2, req_id="other", first=4, end=6, block_ids=(40, 41)))
+
+    def tracked(rid: str, block_ids: list[int]) -> Any:
+        return connector._Tracked(SimpleNamespace(request_id=rid), connector.Variant(), block_ids, 0, None)
+
+    assert not loads.shared_by(tracked("loader", [1, 2, 20, 21, 22, 9]))  # its own load
+    assert loads.shared_by(tracked("b", [1, 2, 20]))  # a block table shorter than the load
+    assert loads.shared_by(tracked("c", [1, 2, 3, 4, 5, 41, 7]))  # the second load's last block
+    assert not loads.shared_by(tracked("d", [1, 2]))  # shorter still: nothing loaded held
+    assert not loads.shared_by(tracked("e", []))
+    loads.settle(2)  # step 1's output reached the scheduler: its load is good or rolled back
+    assert not loads.shared_by(tracked("b", [1, 2, 20]))
+    assert loads.shared_by(tracked("c", [1, 2, 3, 4, 5, 41, 7]))
 
 
 def test_a_save_that_failed_is_sent_again_with_the_next_one(
