@@ -426,15 +426,6 @@ class Handlers:
                 "not_found",
                 "commit: the staging lease is unknown or lapsed (nothing was stored); reserve again",
             )
-        if lease.held is not None:
-            # a locate's lease (its staging holds blocks read for the client): let go of it as held,
-            # neither ended nor its range given back, so the client's read goes on and its finish works
-            plane.done_reading(lease, keep=True)
-            raise ProtocolError(
-                "invalid_argument",
-                "commit: the handle is a locate's (a read's), not a reservation; nothing was stored "
-                "and the read is left as it was. Commit with the handle reserve returned",
-            )
         try:
             need = math.prod(msg.shape) * ns.layout.torch_dtype.itemsize
             if need > lease.nbytes:

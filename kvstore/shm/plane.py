@@ -363,14 +363,22 @@ class SharedPlane:
             return lease
 
     def hold(self, handle: int, peer: bytes | None = None) -> Lease | None:
-        """The live lease ``handle`` for a commit to read: kept from lapsing and from being given back
-        until ``done_reading``; None when unknown, lapsed, taken or another client's (``peer``)."""
+        """The live reservation ``handle`` for a commit to read: kept from lapsing and from being given
+        back until ``done_reading``; None when unknown, lapsed, taken or another client's (``peer``).
+        ProtocolError (invalid_argument) for a read's lease (a locate's), left as it was: its clock
+        runs on (a commit naming it must not keep its blocks pinned past their lease)."""
         now = self.clock()
         with self._lock:
             self._sweep(now)
             lease = self._leases.get(handle)
             if lease is None or lease.ended or (peer is not None and lease.peer != peer):
                 return None
+            if lease.held is not None:
+                raise ProtocolError(
+                    "invalid_argument",
+                    "commit: the handle is a locate's (a read's), not a reservation; nothing was stored "
+                    "and the read is left as it was. Commit with the handle reserve returned",
+                )
             lease.expires = math.inf
             lease.readers += 1
             return lease

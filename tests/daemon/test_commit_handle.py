@@ -3,6 +3,7 @@ it names goes on: its blocks stay pinned and readable, and its finish lets go of
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,34 @@ def test_a_commit_with_a_locate_handle_is_refused_and_the_read_goes_on(
         got = c.get(b)
         assert got.matched_blocks == 6
         assert_exact(b, got.kv, got.matched_tokens)
+
+
+def test_a_refused_commit_does_not_keep_the_read_pinned_past_its_lease(
+    daemons: Any,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+) -> None:
+    # a read's lease runs from its locate: commits naming it, refused, must not start its clock again
+    # (a client sending them would keep its blocks pinned for as long as it liked)
+    lease = 2.0
+    cfg = write_config(tmp_path, server=SHM, policy={"pin_lease": f"{lease}s"})
+    daemons(cfg)
+    rng = np.random.default_rng(8)
+    a, b = random_tokens(rng, 4), random_tokens(rng, 4)
+    with client(endpoint_of(cfg)) as c:
+        assert c.put(a, prefix_kv(a)).stored == 4
+        m = c._shm.mapping()
+        assert m is not None
+        t0 = time.monotonic()
+        located = c._conn.call(Locate(ns=NS.id, tokens=a, tiers=m.tiers), idempotent=True)
+        assert isinstance(located, LocateOk) and len(located.blocks) == 4
+        assert c.stats()["store"]["pinned"] > 0
+        commit = Commit(ns=NS.id, tokens=b, shape=LAYOUT.shape(4 * T), dtype="float16", handle=located.handle)
+        while time.monotonic() - t0 < lease * 0.8:  # refused again and again, up to the lease's end
+            with pytest.raises(ServerError) as err:
+                c._conn.call(commit, idempotent=False)
+            assert err.value.code == "invalid_argument"
+            time.sleep(0.2)
+        # lapsed at its own time (a sweep runs with stats), not a full lease after the last commit
+        assert wait_until(lambda: shm_leases(c) == 0, lease * 0.6), "the read's lease was extended"
+        assert c.stats()["store"]["pinned"] == 0
+        assert time.monotonic() - t0 < lease * 1.6
