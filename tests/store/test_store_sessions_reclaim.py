@@ -129,8 +129,12 @@ class FailingRowsNvme(NvmeTier):
     """An nvme tier whose session and namespace rows fail to write while ``failing`` (a full disk)."""
 
     failing = False
+    fail_after: int | None = None  # row writes that succeed before ``failing`` turns on by itself
 
     def put_session(self, name: str, info: dict) -> None:
+        if self.fail_after is not None:
+            self.fail_after -= 1
+            self.failing = self.failing or self.fail_after < 0
         if self.failing:
             raise TierIOError("no space left on device (injected)")
         super().put_session(name, info)
@@ -167,7 +171,14 @@ def test_failed_session_rows_kept_for_retry_are_bounded_and_logged_once(
     assert s._journal.given_up >= 22
     failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(failures) <= 2, [r.getMessage() for r in failures]  # once, not once per row
-    nvme.failing = False  # the disk has room again
+    # the rewrite fails too, the disk still full: kept, and so is every row it stands for
+    assert not s.flush(10)
+    assert s._journal.pending >= 1
+    # then it fails part way through (the disk fills again after a few rows): kept again, whole
+    nvme.failing, nvme.fail_after = False, 5
+    assert not s.flush(10)
+    assert s._journal.pending >= 1
+    nvme.failing, nvme.fail_after = False, None  # the disk has room again
     assert s.flush(10)
     assert s._journal.pending == 0
     # what is on disk is what is in memory: the rows given up written, the forgotten ones' gone
