@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvstore.chains import KeyChain
 from kvstore.client import KVStoreClient
-from kvstore.config import check_endpoint
+from kvstore.config import check_connect_endpoint, check_endpoint
 from kvstore.errors import ConfigError, LayoutError
 from kvstore.integrations.backoff import Backoff
 from kvstore.integrations.vllm_settings import seconds
@@ -79,26 +79,21 @@ class KVStoreHiCache(HiCacheStorage):
                     f"kvstore: unknown extra_config key {key!r} (did you mean {close[0]!r}?); "
                     f"kvstore reads {', '.join(sorted(_OPTIONS))}"
                 )
-        model = extra.get("model") or storage_config.model_name
+        model = _option(extra, "model", _name, None) or storage_config.model_name
         if not model:
             raise ValueError(
                 "kvstore: no model name; SGLang passes model_name, or set 'model' in extra_config"
             )
         self.config = storage_config
         self.model = str(model)
-        self.tenant = str(extra.get("tenant", "default"))
-        try:
-            self.endpoint: str | None = (
-                None if extra.get("endpoint") is None else check_endpoint(extra["endpoint"])
-            )
-            self.timeout = seconds(extra.get("timeout", 10.0))
-        except (ConfigError, ValueError) as e:
-            raise ValueError(f"kvstore: extra_config: {e}") from None
+        self.tenant: str = _option(extra, "tenant", _name, "default")
+        self.endpoint: str | None = _option(extra, "endpoint", _endpoint, None)
+        self.timeout: float = _option(extra, "timeout", seconds, 10.0)
         c = storage_config
         shard = f"tp{c.tp_rank}of{c.tp_size}/pp{c.pp_rank}of{c.pp_size}/cp{c.attn_cp_rank}of{c.attn_cp_size}"
         if c.dcp_size > 1:
             shard += f"/dcp{c.dcp_rank}of{c.dcp_size}"
-        rev = str(extra.get("revision", ""))
+        rev: str = _option(extra, "revision", _revision, "")
         self.revision = f"{rev}/{shard}" if rev else shard
         self.client: KVStoreClient | None = None
         self._pages: _HostPages | None = None
@@ -208,6 +203,36 @@ class KVStoreHiCache(HiCacheStorage):
         if self._pages is None:
             raise LayoutError("kvstore: register_mem_pool_host was not called; SGLang calls it on attach")
         return self._pages
+
+
+def _option(extra: dict[str, Any], key: str, check: Callable[[Any], Any], default: Any) -> Any:
+    """``extra[key]`` checked (``default`` when absent, or null for endpoint and model); ValueError
+    naming the key: a bad setting stops SGLang at start, not every call later."""
+    v = extra.get(key)
+    if key not in extra or (v is None and key in ("endpoint", "model")):
+        return default
+    try:
+        return check(v)
+    except (ConfigError, ValueError) as e:
+        raise ValueError(f"kvstore: extra_config {key!r}: {e}") from None
+
+
+def _endpoint(v: Any) -> str:
+    # tcp://*:5555 passes check_endpoint (a daemon listens there) but no client can connect to it
+    return check_connect_endpoint(check_endpoint(v))
+
+
+def _name(v: Any) -> str:
+    # length and control characters: kvstore.keys.Namespace refuses them, naming the field
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError(f"expected a non-empty string, got {v!r}")
+    return v
+
+
+def _revision(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {v!r}")
+    return v
 
 
 _V1 = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
 import pytest
@@ -199,3 +200,270 @@ def test_a_page_damaged_on_disk_is_false_and_the_pages_before_it_are_served(
     for p, b in zip([10, 11], before, strict=True):  # never filled with the damaged page
         assert torch.equal(pool.get_data_page(p * PAGE, flat=False).view(torch.int16), b.view(torch.int16))
     assert store.batch_exists(keys) == 2
+
+
+# ---------------------------------------------------------------- a store that fails is a miss
+#
+# Each hook runs on SGLang's scheduler thread: whatever goes wrong in the store (a daemon that does
+# not answer, one that answers an error, a garbled reply, a bad argument) is a miss or a page not
+# stored, logged, and never an exception there.
+
+SGLANG_LOG = "kvstore.integrations.sglang"
+HOOKS = ("exists", "batch_exists", "batch_get_v1", "batch_set_v1")
+
+
+def timed_backend(endpoint: str, pool: Any, timeout: float, **kw: Any) -> Any:
+    config = storage_config(endpoint, layout=pool.layout, **kw)
+    config.extra_config["timeout"] = timeout
+    return attach(config, pool)
+
+
+def call_hook(store: Any, hook: str, keys: list[str], pages: list[int]) -> Any:
+    """One hook as SGLang calls it, and what a miss (or a page not stored) of it is."""
+    if hook == "exists":
+        return store.exists(keys[0]), False
+    if hook == "batch_exists":
+        return store.batch_exists(keys), 0
+    if hook == "batch_get_v1":
+        return store.batch_get_v1(keys, slots(pages)), [False] * len(keys)
+    return store.batch_set_v1(keys, slots(pages)), [False] * len(keys)
+
+
+def test_a_daemon_stopped_mid_use_is_a_miss_in_every_hook_after_one_timeout(daemon: Any) -> None:
+    import signal
+    import time
+
+    pool = host_pool("page_first")
+    keys = page_hashes(3, salt=8)
+    fill(pool, [0, 1, 2], seed=8)
+    stores = {hook: timed_backend(daemon.endpoint, pool, 0.3) for hook in HOOKS}
+    for store in stores.values():  # each has said hello and moved pages: in use
+        assert all(store.batch_set_v1(keys, slots([0, 1, 2])))
+        assert store.batch_exists(keys) == 3
+    daemon.proc.send_signal(signal.SIGSTOP)  # alive, its socket there, and never answering
+    try:
+        for hook, store in stores.items():
+            t0 = time.monotonic()
+            got, miss = call_hook(store, hook, keys, [4, 5, 6])
+            assert got == miss, hook
+            assert store.backoff.timeouts == 1, hook
+            # left alone now: the next call does not wait on the daemon again
+            t1 = time.monotonic()
+            assert call_hook(store, hook, keys, [4, 5, 6])[0] == miss, hook
+            assert time.monotonic() - t1 < 0.1 and t1 - t0 < 3.0, hook
+            assert store.backoff.timeouts == 1, hook
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_killed_daemon_is_a_miss_and_a_restarted_one_is_used_again(daemons: Any, tmp_path: Any) -> None:
+    import signal
+    import time
+
+    from tests.hardening.conftest import write_config
+
+    cfg = write_config(
+        tmp_path,
+        hbm={"device": "cpu", "capacity": "4MiB"},
+        ram={"capacity": "4MiB", "codec": "raw"},
+        policy={"page_bytes": "1KiB"},
+    )
+    d = daemons(cfg)
+    pool = host_pool("page_first")
+    store = timed_backend(d.endpoint, pool, 0.3)
+    store.backoff.seconds = 0.2  # SGLang's 10 s, shortened: the test waits it out below
+    keys = page_hashes(3, salt=9)
+    want = fill(pool, [0, 1, 2], seed=9)
+    assert all(store.batch_set_v1(keys, slots([0, 1, 2])))
+    assert store.client is not None and store.client.flush(30)  # on disk: the restart serves them
+    d.proc.send_signal(signal.SIGKILL)
+    d.wait_exit()
+    assert store.batch_exists(keys) == 0
+    assert store.batch_get_v1(keys, slots([4, 5, 6])) == [False] * 3
+    assert store.batch_set_v1(keys, slots([0, 1, 2])) == [False] * 3
+    assert store.backoff.timeouts == 1
+    daemons(cfg)
+    time.sleep(0.2)
+    assert store.batch_exists(keys) == 3
+    assert store.batch_get_v1(keys, slots([4, 5, 6])) == [True] * 3
+    for p, w in zip([4, 5, 6], want, strict=True):
+        assert torch.equal(pool.get_data_page(p * PAGE, flat=False).view(torch.int16), w.view(torch.int16))
+
+
+def test_a_tenant_over_its_namespace_quota_is_a_miss_in_every_hook_logged(
+    daemons: Any, tmp_path: Any, caplog: Any
+) -> None:
+    import logging
+
+    from tests.hardening.conftest import write_config
+
+    cfg = write_config(
+        tmp_path,
+        server={"max_namespaces_per_tenant": 1},
+        hbm={"device": "cpu", "capacity": "4MiB"},
+        ram={"capacity": "4MiB", "codec": "raw"},
+        policy={"page_bytes": "1KiB"},
+    )
+    d = daemons(cfg)
+    pool = host_pool("page_first")
+    keys = page_hashes(2, salt=10)
+    fill(pool, [0, 1], seed=10)
+    first = backend(d.endpoint, pool)  # the tenant's one namespace
+    assert all(first.batch_set_v1(keys, slots([0, 1])))
+    refused = backend(d.endpoint, pool, tp_rank=1)  # a second: over the quota, each call refused
+    with caplog.at_level(logging.WARNING, logger=SGLANG_LOG):
+        for hook in HOOKS:
+            caplog.clear()
+            got, miss = call_hook(refused, hook, keys, [4, 5])
+            assert got == miss, hook
+            assert any("quota" in r.getMessage() for r in caplog.records), hook
+    assert refused.backoff.timeouts == 0  # an answer, not a silence: asked again next call
+    assert first.batch_exists(keys) == 2  # the daemon serves the namespace it holds
+
+
+def test_a_garbled_reply_is_a_miss_in_every_hook(tmp_path: Any, caplog: Any) -> None:
+    """A peer on the daemon's socket answering every request with bytes that are no reply."""
+    import logging
+    import threading
+
+    import zmq
+
+    endpoint = f"ipc://{tmp_path}/garbled.sock"
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.ROUTER)
+    peer.linger = 0
+    peer.bind(endpoint)
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            if peer.poll(50):
+                frames = peer.recv_multipart()
+                peer.send_multipart([frames[0], b"\xc1 not msgpack"])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        pool = host_pool("page_first")
+        keys = page_hashes(2, salt=11)
+        with caplog.at_level(logging.WARNING, logger=SGLANG_LOG):
+            for hook in HOOKS:
+                store = timed_backend(endpoint, pool, 0.3)
+                caplog.clear()
+                got, miss = call_hook(store, hook, keys, [0, 1])
+                assert got == miss, hook
+                assert any("msgpack" in r.getMessage() for r in caplog.records), hook
+                assert store.backoff.timeouts == 0, hook  # it answered, if garbage
+                store.close()
+    finally:
+        stop.set()
+        thread.join(5)
+        peer.close()
+        ctx.term()
+
+
+def test_bad_arguments_are_a_miss_never_an_exception(daemon: Any, caplog: Any) -> None:
+    import logging
+
+    pool = host_pool("page_first")
+    store = backend(daemon.endpoint, pool)
+    keys = page_hashes(2, salt=12)
+    fill(pool, [0, 1], seed=12)
+    with caplog.at_level(logging.WARNING, logger=SGLANG_LOG):
+        # host indices that are not whole pages (a LayoutError inside): nothing read, nothing stored
+        torn = torch.arange(1, 2 * PAGE + 1, dtype=torch.int64)
+        assert store.batch_set_v1(keys, torn) == [False, False]
+        assert store.batch_get_v1(keys, torn) == [False, False]
+        assert store.batch_set_v1(keys, slots([0])) == [False, False]  # one page for two keys
+        # keys that are no page hash
+        assert store.batch_exists(["not a hash"]) == 0
+        assert store.batch_get_v1(["not a hash"], slots([3])) == [False]
+        assert store.batch_set_v1(["not a hash"], slots([0])) == [False]
+    assert len(caplog.records) == 6
+    assert store.batch_exists(keys) == 0  # nothing was stored by any of them
+    # before SGLang attached the host pool: a miss too
+    unattached = KVStoreHiCache(storage_config(daemon.endpoint), {})
+    assert unattached.batch_exists(keys) == 0 and not unattached.exists(keys[0])
+    assert unattached.batch_get_v1(keys, slots([0, 1])) == [False, False]
+    assert unattached.batch_set_v1(keys, slots([0, 1])) == [False, False]
+
+
+# ---------------------------------------------------------------- settings, checked at construction
+
+
+def config_with(**extra: Any) -> Any:
+    config = storage_config("ipc:///tmp/kvstore-sglang-settings.sock")
+    config.extra_config.update(extra)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("timeout", "0"),
+        ("timeout", 0),
+        ("timeout", "-1"),
+        ("timeout", -1.5),
+        ("timeout", "abc"),
+        ("timeout", True),
+        ("timeout", float("inf")),
+        ("timeout", None),
+        ("endpoint", "tcp://*:1"),  # where a daemon listens, not where to reach one
+        ("endpoint", "tcp://127.0.0.1:0"),
+        ("endpoint", "tcp://127.0.0.1:70000"),
+        ("endpoint", "http://localhost:5555"),
+        ("endpoint", ""),
+        ("endpoint", 5555),
+        ("tenant", ""),
+        ("tenant", None),
+        ("tenant", 7),
+        ("model", ""),
+        ("model", ["m"]),
+        ("revision", 3),
+        ("revision", None),
+    ],
+)
+def test_a_bad_setting_is_refused_at_construction_naming_its_key(key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"extra_config '{key}': .*{re.escape(repr(value))}"):
+        KVStoreHiCache(config_with(**{key: value}), {})
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("tenat", "tenant"),
+        ("endpont", "endpoint"),
+        ("modle", "model"),
+        ("revison", "revision"),
+        ("timeot", "timeout"),
+    ],
+)
+def test_a_misspelt_key_is_refused_with_the_key_meant(typo: str, meant: str) -> None:
+    with pytest.raises(
+        ValueError, match=f"unknown extra_config key '{typo}' \\(did you mean '{meant}'\\?\\)"
+    ):
+        KVStoreHiCache(config_with(**{typo: "x"}), {})
+
+
+def test_no_model_name_anywhere_is_refused_naming_model() -> None:
+    config = config_with()
+    config.model_name = None
+    with pytest.raises(ValueError, match="'model'"):
+        KVStoreHiCache(config, {})
+    config.extra_config["model"] = "from-extra"
+    assert KVStoreHiCache(config, {}).model == "from-extra"
+
+
+def test_good_settings_are_taken_and_a_bad_one_fails_sglangs_factory(tmp_path: Any, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = KVStoreHiCache(
+        config_with(endpoint=" ipc://run/kv.sock ", tenant="acme", revision="r1", timeout="2.5", model=None),
+        {},
+    )
+    assert store.endpoint == f"ipc://{tmp_path}/run/kv.sock"  # relative to where SGLang runs
+    assert (store.tenant, store.timeout, store.model) == ("acme", 2.5, "sglang-test-model")
+    assert store.revision == "r1/tp0of2/pp0of1/cp0of1"
+    assert KVStoreHiCache(config_with(endpoint=None), {}).endpoint is None  # the default socket
+    # through SGLang's dynamic factory, as at startup: the engine stops with the key named
+    with pytest.raises(ValueError, match="extra_config 'timeout'"):
+        attach(config_with(timeout="0"), host_pool("page_first"))
