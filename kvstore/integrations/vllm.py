@@ -427,6 +427,12 @@ class KVStoreConnector(KVConnectorBase_V1):
                 saved=self._hits.get(rid, (0, 0))[0],
                 session=_session(request),
             )
+            old = self._tracked.get(rid)
+            if old is not None:
+                # resumed after a preemption (vLLM's model runner V2 sends those as new requests): its
+                # earlier saves are still the workers' to report (request_finished must keep its
+                # blocks for that report), and a load of it not settled yet still is not settled
+                t.saving, t.loaded_at = old.saving, old.loaded_at
             self._tracked[rid] = t
             if not self._plan_load(meta, t):
                 computed.append((t, nr.num_computed_tokens + so.num_scheduled_tokens[rid]))
