@@ -27,7 +27,6 @@ from typing import Any
 from kvstore.errors import KVStoreError
 from kvstore.tiers.cluster_format import ClusterNodes
 
-
 # bytes a connection reads from its socket at a time (redis-py's default: 64 KiB): a block's value is
 # ~0.4-1.5 MB, and each read is a trip through redis-py's Python and hiredis's buffer; 32 values of
 # 1.5 MB from one node on loopback: 54 ms at 64 KiB a read, 33-35 ms at 1 MiB (4 MiB: no faster).
