@@ -125,6 +125,9 @@ class _Tracked:
     session: str | None
     saving: bool = False  # a save was scheduled: its blocks are freed only when the workers say
     loaded_at: int = -(1 << 30)  # the step that last loaded it from kvstore
+    # the first token of a poisoned block it took from vLLM's prefix cache (see _Poisoned): what it
+    # computes from there on stands on wrong K/V, and is never saved
+    poisoned_at: int | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,72 @@ class _Unsettled:
             else:
                 spans.append((u.first, u.end, set(u.block_ids)))
         return [(a, b, frozenset(c)) for a, b, c in spans], loader
+
+
+class _Poisoned:
+    """vLLM blocks whose K/V is wrong while vLLM's prefix cache may still hand them out.
+
+    vLLM (0.32 and 0.33, ``_handle_invalid_blocks``) rolls back only the running requests that hold
+    a block whose load failed. When the loader was aborted or preempted before that step's output,
+    nobody recomputes it, yet the block keeps its hash, and so do the blocks computed over it: a
+    later request takes them from the prefix cache and computes over garbage. Such a request is
+    *tainted* at the first poisoned block it took (``_Tracked.poisoned_at``): nothing from there on
+    is saved, and the blocks it computes are poisoned in turn::
+
+        failed load, loader gone      [ a | X | Y ]          X failed, Y computed over it: poisoned
+        later request, prefix hit     [ a | X | Y | c | d ]  tainted at X: saves stop before it, c, d poisoned
+
+    A block stops being poisoned once a clean request writes all of it itself (computed, or loaded
+    from kvstore): vLLM handed it out afresh (its old hash dropped), or the loader, rolled back,
+    computes it again. The set holds vLLM block ids, so it never outgrows vLLM's block pool; it is
+    usually empty, and then costs nothing a step."""
+
+    def __init__(self, block_size: int) -> None:
+        self._bs = block_size
+        self.blocks: set[int] = set()
+        self.tainted: set[str] = set()  # requests with poisoned_at set
+
+    def active(self) -> bool:
+        return bool(self.blocks or self.tainted)
+
+    def failed(self, block_ids: Sequence[int], invalid: set[int]) -> int | None:
+        """The loads into ``invalid`` failed: poison them, and the blocks after the first of them in a
+        request's ``block_ids`` (computed over it). Returns that first position, or None."""
+        first = next((i for i, b in enumerate(block_ids) if b in invalid), None)
+        if first is not None:
+            self.blocks.update(block_ids[first:])
+        return first
+
+    def scheduled(self, steps: list[tuple[_Tracked, int, int, bool]]) -> None:
+        """A step's requests, each as (request, the first of its blocks it writes itself, its tokens
+        after the step, whether it was (re)scheduled from waiting: its blocks before that one are
+        vLLM's prefix-cache hits). The blocks it completes this step are clean, or poisoned when it is
+        tainted; a request taking a poisoned block from the prefix cache is tainted from it."""
+        bs = self._bs
+        for t, _, _, fresh in steps:
+            if fresh:  # its prefix is looked at again below; what it computed before is gone
+                t.poisoned_at = None
+                self.tainted.discard(t.request.request_id)
+        # completions first: a block one request computes again this step is good for another
+        # request that takes it from the prefix cache in the same step (vLLM computes both at once)
+        for t, own, after, _ in steps:
+            done = t.block_ids[own : after // bs]
+            if t.poisoned_at is None:
+                self.blocks.difference_update(done)
+            else:
+                self.blocks.update(done)
+        for t, own, after, fresh in steps:
+            if not fresh or not self.blocks:
+                continue
+            hit = next((i for i, b in enumerate(t.block_ids[:own]) if b in self.blocks), None)
+            if hit is not None:
+                t.poisoned_at = hit * bs
+                self.tainted.add(t.request.request_id)
+                self.blocks.update(t.block_ids[own : after // bs])
+
+    def finished(self, t: _Tracked) -> None:
+        if t.poisoned_at is not None:
+            self.tainted.discard(t.request.request_id)
 
 
 def _token_ids(request: Any) -> list[int] | None:
@@ -337,6 +406,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._dropped: list[str] = []  # deferred requests whose shared load failed: nothing saved
         self._step = 0  # steps scheduled (build_connector_meta calls)
         self._unsettled = _Unsettled()  # loads of the last ``depth`` steps (see _shares_unsettled)
+        self._poison = _Poisoned(self._bs)
+        # block tables of requests that finished while a load they hold was not settled, by step: a
+        # failed load poisons the blocks they computed over it (see update_connector_output)
+        self._gone: deque[tuple[int, list[int]]] = deque()
         # Steps in flight at once: with async scheduling (vLLM's default) step N+1 is scheduled before
         # step N's output, its load errors included, reaches the scheduler; step N+depth only after.
         self._depth = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
@@ -412,14 +485,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta = KVStoreMetadata()
         self._step += 1
         self._unsettled.settle(self._step - self._depth + 1)
+        while self._gone and self._gone[0][0] <= self._step - self._depth:
+            self._gone.popleft()
         so = scheduler_output
         # loads first, saves after: a request's save waits for every load of this step into its blocks
         computed: list[tuple[_Tracked, int]] = []  # requests not loading, and their tokens after this step
+        watch = self._poison.active()
+        steps: list[tuple[_Tracked, int, int, bool]] = []  # see _Poisoned.scheduled
+        bs = self._bs
         for nr in so.scheduled_new_reqs:
             rid = nr.req_id
             request = self._requests.get(rid)
             if request is None:
                 continue
+            after = nr.num_computed_tokens + so.num_scheduled_tokens[rid]
+            if watch:  # its own blocks start after vLLM's prefix-cache hit (a load writes its own)
+                local = self._loads[rid][0] if rid in self._loads else nr.num_computed_tokens
+                own = -(-local // bs)
             t = _Tracked(
                 request,
                 Variant.of(request),
@@ -434,8 +516,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 # blocks for that report), and a load of it not settled yet still is not settled
                 t.saving, t.loaded_at = old.saving, old.loaded_at
             self._tracked[rid] = t
+            if watch:
+                steps.append((t, own, after, True))
             if not self._plan_load(meta, t):
-                computed.append((t, nr.num_computed_tokens + so.num_scheduled_tokens[rid]))
+                computed.append((t, after))
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, rid in enumerate(cached.req_ids):
@@ -443,6 +527,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             if known is None:
                 continue
             new = cached.new_block_ids[i]
+            nc = cached.num_computed_tokens[i]
+            after = nc + so.num_scheduled_tokens[rid]
+            if watch:
+                if rid in resumed:
+                    local = self._loads[rid][0] if rid in self._loads else nc
+                    steps.append((known, -(-local // bs), after, True))
+                else:  # a block it began in an earlier step is its own too
+                    steps.append((known, nc // bs, after, False))
             loading = False
             if rid in resumed:  # back from preemption: these are all its blocks now
                 known.block_ids = list(new[0]) if new else []
@@ -450,7 +542,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             elif new:
                 known.block_ids.extend(new[0])
             if not loading:
-                computed.append((known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid]))
+                computed.append((known, after))
+        if watch:
+            self._poison.scheduled(steps)
         for t, n in computed:
             if self._settled(t):
                 self._plan_save(meta.saves, t, n)
@@ -514,18 +608,25 @@ class KVStoreConnector(KVConnectorBase_V1):
         recomputed blocks. So what each has in kvstore is taken to end at its first failed block
         (in kvstore's blocks), and its saves go on from there once it is settled. A finished
         request waiting for such a load (see request_finished) was not rolled back: what it computed
-        over the failed blocks is never saved, and its blocks go back with the next step."""
+        over the failed blocks is never saved, and its blocks go back with the next step.
+
+        vLLM leaves the failed blocks, and those computed over them, in its prefix cache: they are
+        poisoned until a request computes them again (see _Poisoned), which a request rolled back
+        does, and an aborted or preempted one does not."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return
+        self._poison.blocks |= invalid
         for t in self._tracked.values():
-            first = next((i for i, b in enumerate(t.block_ids) if b in invalid), None)
+            first = self._poison.failed(t.block_ids, invalid)
             if first is not None:
                 t.saved = min(t.saved, first * self._bs // self._T * self._T)
         for rid, (t, _) in list(self._deferred.items()):
-            if not invalid.isdisjoint(t.block_ids):
+            if self._poison.failed(t.block_ids, invalid) is not None:
                 del self._deferred[rid]
                 self._dropped.append(rid)
+        for _, block_ids in self._gone:
+            self._poison.failed(block_ids, invalid)
 
     def _save_end(self, t: _Tracked, computed: int) -> int:
         """Where a save of what ``t`` computed up to token ``computed`` would end (whole blocks); not
@@ -533,7 +634,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not self.settings.save or _token_ids(t.request) is None:
             return t.saved
         tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
-        return min(computed, len(tokens)) // self._T * self._T
+        end = min(computed, len(tokens))
+        if t.poisoned_at is not None:  # computed over a poisoned block from there on
+            end = min(end, t.poisoned_at)
+        return end // self._T * self._T
 
     def _plan_save(self, saves: list[Transfer], t: _Tracked, computed: int) -> None:
         """Save what ``t`` computed up to token ``computed`` that is not saved yet (whole blocks)."""
@@ -554,8 +658,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         t = self._tracked.pop(rid, None)
         if t is None:
             return False, None
+        self._poison.finished(t)
         aborted = getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED"
         own_settled = self._step - t.loaded_at >= self._depth
+        if not own_settled or self._shares_unsettled(t):
+            self._gone.append((self._step, t.block_ids))
         computed = request.num_computed_tokens
         # What it computed after its last load may not be saved yet (see _plan_load). Finished by its
         # own output, vLLM had that output's load errors and rolled it back to the first failed block:
