@@ -217,6 +217,12 @@ class VariantRefused(KVStoreError):
     code = "variant_refused"
 
 
+class ClientsClosed(KVStoreError):
+    """The connector's clients were closed (the engine is shutting down): no new one is made."""
+
+    code = "closed"
+
+
 class Clients:
     """Connected clients, one per namespace variant (and purpose), made on first use.
 
@@ -234,6 +240,7 @@ class Clients:
         self._variants: set[Variant] = {Variant()}  # variants whose namespace the daemon took
         self._quota_until = 0.0  # the daemon refused a namespace: no new variant until then
         self._lock = threading.Lock()
+        self._closed = False
         # lookups are on the scheduler's path: a daemon that did not answer is left alone a while
         self.backoff = Backoff(log)
         self.available, self.failed = self.backoff.available, self.backoff.failed
@@ -249,6 +256,8 @@ class Clients:
         once. Two threads making the same client at once both get the one made first; the other is closed."""
         key = (variant, purpose)
         with self._lock:
+            if self._closed:
+                raise ClientsClosed("kvstore's clients are closed (the connector shut down)")
             c = self._clients.pop(key, None)
             if c is not None:
                 self._clients[key] = c  # most recently used last
@@ -256,16 +265,29 @@ class Clients:
             self._admit(variant)
         c = self._connect(variant, purpose)
         with self._lock:
-            kept = self._clients.pop(key, None)  # another thread's, made meanwhile
-            spare = c if kept is not None else None
-            if kept is None:
-                kept = c
-                if len(self._clients) >= MAX_CLIENTS:
-                    spare = self._clients.pop(next(iter(self._clients)))  # the least recently used
-            self._clients[key] = kept
+            if self._closed:  # closed while this one said hello: it would be left open for good
+                spare, kept = c, None
+            else:
+                spare, kept = self._keep(key, c)
         if spare is not None:
             spare.close()
+        if kept is None:
+            raise ClientsClosed("kvstore's clients are closed (the connector shut down)")
         return kept
+
+    def _keep(self, key: tuple[Variant, str], c: KVStoreClient) -> tuple[KVStoreClient | None, KVStoreClient]:
+        """(Lock held.) Keep ``c`` as ``key``'s client unless another thread's came first; returns (the
+        client to close, if any, the one kept)."""
+        kept = self._clients.pop(key, None)  # another thread's, made meanwhile
+        spare = c if kept is not None else None
+        if kept is None:
+            kept = c
+            if len(self._clients) >= MAX_CLIENTS:
+                # the least recently used: closed after the call another thread may be running on it
+                # (a client's calls and its close take turns); a later call on it is a miss there
+                spare = self._clients.pop(next(iter(self._clients)))
+        self._clients[key] = kept
+        return spare, kept
 
     def _connect(self, variant: Variant, purpose: str) -> KVStoreClient:
         """A new client of ``variant`` for ``purpose`` that the daemon said hello to: the namespace is
@@ -330,7 +352,10 @@ class Clients:
         return n if n is not None else Limits().max_tokens
 
     def close(self) -> None:
+        """Close every client (each after the call it runs, if any); a client made after this is
+        closed at once, and ``get`` raises ClientsClosed."""
         with self._lock:
+            self._closed = True
             for c in self._clients.values():
                 c.close()
             self._clients.clear()

@@ -4,6 +4,7 @@ critical path (kvstore.connection)."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from kvstore.connection import Connection
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm_settings import (
     Clients,
+    ClientsClosed,
     Settings,
     Variant,
     VariantRefused,
@@ -203,6 +205,44 @@ def test_two_threads_making_the_same_client_at_once_get_one_and_take_one_variant
             clients.get(Variant(salt="f" * 32), "lookup")
     finally:
         clients.close()
+
+
+def test_a_client_made_while_the_clients_close_is_closed_not_kept(daemon: Any) -> None:
+    """The save thread says hello outside the lock; the engine shuts down meanwhile: the client it
+    made is closed at once, not kept open for good, and no new one is made after."""
+    clients = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, timeout=2.0), LAYOUT, (0, 0))
+    daemon.proc.send_signal(signal.SIGSTOP)  # the save client's hello waits
+    made: list[Any] = []
+    real = clients._connect
+
+    def connect(variant: Any, purpose: str) -> Any:
+        c = real(variant, purpose)
+        made.append(c)
+        return c
+
+    clients._connect = connect  # type: ignore[method-assign]
+    outcome: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            clients.get(Variant(), "save")
+        except BaseException as e:  # noqa: BLE001 - looked at below
+            outcome.append(e)
+
+    thread = threading.Thread(target=save)
+    try:
+        thread.start()
+        time.sleep(0.3)  # saying hello by now
+        clients.close()  # the engine shuts down
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], ClientsClosed), outcome
+    assert len(made) == 1 and made[0]._conn.sock is None  # closed: its socket is gone
+    assert clients._clients == {}
+    with pytest.raises(ClientsClosed):
+        clients.get(Variant(), "lookup")
 
 
 # ---------------------------------------------------------------------- busy
