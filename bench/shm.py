@@ -6,7 +6,7 @@ median of ``--repeat`` rounds after a warm-up round, every figure of a section
 measured in the same rounds as its limit (interleaved):
 
   1. memcpy of the same bytes: torch ``copy_`` and numpy ``copyto`` into a preallocated,
-     already-touched destination, and a copy out of a mapped /dev/shm file (as the pools
+     already-touched destination, and a copy out of a mapped /dev/shm file (or ``--shm-dir``; as the pools
      are mapped): the physical limit; beside it, the same bytes copied between whole blocks and
      the prefix's layout (runs of 24 KB: the copy a get or a put's store makes), read as the
      limit of that copy alone (the aims keep the plain memcpy);
@@ -80,6 +80,7 @@ LMCACHE_GBS = (2.8, 3.3)  # LMCache 0.5.6, shared-memory path, same 94 MB reques
 AIM_GBS = 6.5  # about twice LMCACHE_GBS
 AIM_GET, AIM_RAM, AIM_PUT, AIM_GPU = 0.5, 0.8, 0.4, 0.5
 GB = 1e9
+SHM_DIR: Path | None = None  # --shm-dir: where the daemon's segments (and the bench's own shm file) live
 
 
 # -- the daemon -------------------------------------------------------------------------------
@@ -100,6 +101,7 @@ def daemon(root: Path, *, device: str) -> Iterator[str]:
                 'shared_memory = "auto"',
                 'shm_staging = "256MiB"',
                 'shm_staging_per_client = "128MiB"',
+                *([f'shm_dir = "{SHM_DIR}"'] if SHM_DIR is not None else []),
                 "[hbm]",
                 f'device = "{device}"',
                 'capacity = "512MiB"',
@@ -232,9 +234,10 @@ class ShmFile:
     pool is, to copy out of."""
 
     def __init__(self, data: np.ndarray) -> None:
-        self._file = tempfile.TemporaryFile(dir="/dev/shm")
+        self._file = tempfile.TemporaryFile(dir=SHM_DIR or "/dev/shm")
         self._file.truncate(data.nbytes)
         self._map = mmap.mmap(self._file.fileno(), data.nbytes, flags=mmap.MAP_SHARED)
+        self._map.madvise(mmap.MADV_HUGEPAGE)  # as kvstore's segments are mapped (kvstore.shm.segment)
         self.tensor = torch.from_numpy(np.frombuffer(self._map, dtype=np.uint8))
         self.tensor.numpy()[:] = data
 
@@ -242,6 +245,19 @@ class ShmFile:
         self.tensor = torch.empty(0, dtype=torch.uint8)
         self._map.close()
         self._file.close()
+
+
+def shm_mount(path: Path) -> str:
+    """The filesystem ``path`` is on and its mount options (huge=... says whether pages may be 2 MiB)."""
+    best = ("?", "?", "")
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _, where, kind, options, *_ = line.split()
+            if str(path.resolve()).startswith(where) and len(where) >= len(best[0]):
+                best = (where, kind, options)
+    except OSError:
+        pass
+    return f"{path} on {best[0]} ({best[1]}, {best[2]})"
 
 
 def machine() -> str:
@@ -718,7 +734,15 @@ def main() -> int:
         "several threads per process stall each other; 0 = torch's choice). The hbm section also "
         "prints get_into and memcpy at torch's choice",
     )
+    ap.add_argument(
+        "--shm-dir",
+        type=Path,
+        help="the daemon's [server] shm_dir (default: kvstore's, /dev/shm/kvstore-<uid>); e.g. a tmpfs "
+        "mounted with huge=advise, where the segments are made of 2 MiB pages",
+    )
     args = ap.parse_args()
+    global SHM_DIR
+    SHM_DIR = args.shm_dir
     repeat = 3 if args.quick else max(1, args.repeat)
     default_threads = torch.get_num_threads()
     if args.threads:
@@ -729,6 +753,7 @@ def main() -> int:
         f"{LAYOUT.head_dim}D bf16, {LAYOUT.block_tokens}-token blocks); median of {repeat} rounds"
     )
     print(f"machine: {machine()}")
+    print(f"shared memory: {shm_mount(SHM_DIR or Path('/dev/shm'))}")
     figures = [] if args.gpu_only else cpu_sections(repeat, default_threads)
     figures += gpu_section(repeat)
     if figures:

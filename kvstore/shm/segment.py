@@ -123,6 +123,11 @@ class Segment:
         self._fd = fd
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self._map: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        # huge pages where the filesystem gives them on advice (tmpfs mounted huge=advise): 2 MiB
+        # pages spare a copy of a pool's blocks most of its TLB misses (copies out of a 94 MB
+        # segment: 15.1 GB/s against 11.8 in 4 KiB pages). Elsewhere the advice changes nothing.
+        with contextlib.suppress(OSError, AttributeError):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         if not owner:  # only the daemon keeps a descriptor: it holds the lock that says it is alive
             os.close(fd)
@@ -136,28 +141,41 @@ class Segment:
         # made under a name another daemon's sweep leaves alone, and named once locked: a sweep
         # between the open and the lock would take an unlocked segment for a dead daemon's
         path = directory / f".{name}.new"
+        no_room = NoRoom(
+            f"a {size}-byte {role} segment cannot be allocated in {directory} (no room); lower "
+            'the tier\'s capacity, enlarge /dev/shm, or set [server] shared_memory = "off"'
+        )
+        fs = os.statvfs(directory)
+        # refused before a page is made (populating would fill the filesystem first); a tmpfs of no
+        # size limit counts no blocks
+        if fs.f_blocks and size > fs.f_bavail * fs.f_frsize:
+            raise no_room
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        seg: Segment | None = None
         try:
             os.fchmod(fd, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, size)
+            os.rename(path, directory / name)
+            path = directory / name
+            # the pages are made through the mapping first, so that they are huge where the advice
+            # asks for it (made by posix_fallocate they never are); then the whole size is reserved
+            seg = cls(path, fd, size, writable=True, owner=True)
+            seg._populate()
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EFBIG):
-                    raise NoRoom(
-                        f"a {size}-byte {role} segment cannot be allocated in {directory} (no room); lower "
-                        'the tier\'s capacity, enlarge /dev/shm, or set [server] shared_memory = "off"'
-                    ) from None
+                if e.errno in (errno.ENOSPC, errno.EFBIG):  # taken meanwhile by others
+                    raise no_room from None
                 raise
-            os.rename(path, directory / name)
-            path = directory / name
-            seg = cls(path, fd, size, writable=True, owner=True)
-            seg._populate()
             return seg
         except BaseException:
-            os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(path)
+            if seg is not None:
+                seg.close(unlink=False, free=True)
+            else:
+                os.close(fd)
             raise
 
     @classmethod
@@ -188,10 +206,11 @@ class Segment:
             raise
 
     def _populate(self) -> None:
-        """Map every page now (the memory is reserved already), so that the first writes into the pool
-        do not fault page by page. Called through ctypes, which lets go of the GIL: populating a pool
-        of gigabytes takes a while, and the daemon's loop answers clients meanwhile. Kernels before
-        5.14 lack the advice: then the pages map on use."""
+        """Make and map every page now, so that the first writes into the pool do not fault page by
+        page. Called through ctypes, which lets go of the GIL: populating a pool of gigabytes takes
+        a while, and the daemon's loop answers clients meanwhile. Kernels before 5.14 lack the
+        advice: then the pages map on use. A filesystem without room for them all fails the advice
+        (an error, not a SIGBUS): posix_fallocate, after it, says so."""
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         libc.madvise(self._array.ctypes.data, self.size, _MADV_POPULATE_WRITE)

@@ -137,6 +137,42 @@ def test_a_segment_larger_than_the_filesystem_is_refused_at_creation(tmp_path: P
         assert not [p for p in where.iterdir() if p.name.startswith("kvs-")]  # nothing left behind
 
 
+def _pmd_mapped_kb(address: int) -> int:
+    """ShmemPmdMapped (kB) of the mapping of this process that holds ``address``: its huge pages."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "ShmemPmdMapped:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_segments_are_huge_pages_where_the_filesystem_gives_them_on_advice(tmp_path: Path) -> None:
+    from tests.hardening.conftest import mounted
+
+    if Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().find("[deny]") >= 0:
+        pytest.skip("transparent huge pages are denied to shared memory on this host")
+    where = tmp_path / "huge"
+    with mounted(where, "size=64m", "huge=advise", "mode=0700") as ok:
+        if not ok:
+            pytest.skip("needs root to mount a tmpfs")
+        seg = Segment.create(where, "hbm", 16 * 2**20)
+        client = Segment.open(seg.path, seg.size, writable=False)
+        try:
+            # the daemon's pages and the client's view of them: 2 MiB pages, both sides
+            assert _pmd_mapped_kb(seg.array().ctypes.data) >= 8 * 1024
+            view = client.array()
+            assert int(view[: 16 * 2**20 : 4096].sum()) == 0  # the client maps them as it reads
+            assert _pmd_mapped_kb(view.ctypes.data) >= 8 * 1024
+        finally:
+            client.close()
+            seg.close()
+        assert not [p for p in where.iterdir() if p.name.startswith("kvs-")]
+
+
 def test_staging_ranges_merge_back_and_stay_aligned() -> None:
     r = RangeAllocator(10 * ALIGN)
     a, b, c = r.alloc(1), r.alloc(ALIGN + 1), r.alloc(3 * ALIGN)
