@@ -14,10 +14,12 @@ Worker side: loads run before the forward pass, straight into vLLM's paged cache
 with the request's block ids, from the first token vLLM does not hold itself, never writing a block
 it shares). A block that vanished between the lookup and the load is reported through
 ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy = "recompute"`` vLLM recomputes
-it, and what every request holding it computed over it. Saves are queued after the step and run on
-a thread (a copy out of vLLM's blocks into shared staging, then the daemon stores them); a finished
-request's blocks are kept until its saves are done (``request_finished`` returns True,
-``get_finished`` reports it), and its last save may wait for a load it shares to settle.
+it, and what every running request holding it computed over it. A loader aborted or preempted before
+vLLM heard of it recomputes nothing, and vLLM's prefix cache keeps the block: a request that takes it
+from there saves nothing from it on, until a request computes it again. Saves are queued after the
+step and run on a thread (a copy out of vLLM's blocks into shared staging, then the daemon stores
+them); a finished request's blocks are kept until its saves are done (``request_finished`` returns
+True, ``get_finished`` reports it), and its last save may wait for a load it shares to settle.
 
 The namespace holds everything that changes K/V: the model and its revision, the weights'
 quantization and ``hf_overrides``, the KV layout (layers, KV heads per rank, head size, dtype,

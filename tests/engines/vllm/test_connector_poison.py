@@ -1,0 +1,135 @@
+"""Blocks whose load failed and that nobody recomputes, under vLLM 0.33's real Scheduler with a real
+daemon: vLLM keeps them in its prefix cache, and the connector never saves what is computed over
+them. See test_connector.py for the engine these tests step."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from kvstore.client import KVStoreClient
+from tests.engines.vllm.test_connector import (
+    BS,
+    Engine,
+    check_client,
+    operator,
+    prompt,
+    request,
+    setup,  # noqa: F401  (a fixture)
+)
+from tests.hardening.conftest import wait_until
+
+
+def half_stored_then_forgotten(U: Any, e: Engine, tokens: list[int]) -> KVStoreClient:
+    """kvstore holds tokens [0, 64) of ``tokens`` plainly and [64, 128) under session "late" (so those
+    can be evicted alone); vLLM's prefix cache holds nothing of them. Returns check_client(e)."""
+    e.add(request(U, tokens[:64], "early"))
+    e.run()
+    late = request(U, tokens[:128], "late")
+    late.kv_transfer_params = {"kvstore_session": "late"}
+    e.add(late)  # [0, 64) from vLLM's prefix cache, [64, 128) computed and saved in the session
+    e.run()
+    check = check_client(e)
+    assert wait_until(lambda: check.lookup(tokens).matched_tokens == 128, 10)
+    assert e.sched.reset_prefix_cache()
+    return check
+
+
+def lose_the_loader(e: Engine, fate: str) -> None:
+    """Once "again" has loaded, before vLLM has that step's output: abort it, or preempt it (what
+    async scheduling does when step N+1 is scheduled before step N's output)."""
+    from vllm.v1.request import RequestStatus
+
+    def lose(meta: Any) -> None:
+        if not any(t.req_id == "again" for t in meta.loads):
+            return
+        req = e.requests["again"]
+        if fate == "aborted":
+            e.sched.finish_requests("again", RequestStatus.FINISHED_ABORTED)
+        else:
+            e.sched.running.remove(req)
+            e.sched._preempt_request(req, time.monotonic())
+
+    e.before_output = lose
+
+
+@pytest.mark.parametrize("fate", ["aborted", "preempted"])
+def test_blocks_of_a_failed_load_nobody_recomputes_are_never_saved_from_vllms_prefix_cache(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    fate: str,
+) -> None:
+    """ "again" counts on kvstore for 128 tokens; [64, 128) are evicted before the load, so vLLM's
+    blocks 4..7 are not loaded. The loader is aborted or preempted before vLLM hears of it: vLLM
+    rolls back no request, and keeps those blocks (and block 8, computed over them) in its prefix
+    cache. b takes all of them from there and computes over them: kvstore keeps b up to 64, never
+    past it. Once vLLM dropped them and a request computed them again, saves resume."""
+    U, vcfg, ep = setup
+    a = prompt(150, 31)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = half_stored_then_forgotten(U, e, a)
+    with operator(ep) as op:
+        e.before_load = lambda: op.evict(session="late")  # after the scheduler counted on them
+        lose_the_loader(e, fate)
+        e.add(request(U, a, "again", max_tokens=5))
+        e.run()
+        e.before_load = e.before_output = None
+    assert e.worker.loads[0] == ("again", 0, 128)
+    assert check.lookup(a).matched_tokens == 64
+
+    # b: [0, 144) from vLLM's prefix cache (again's blocks), kvstore holds [0, 64): nothing loaded
+    b = a[:144] + prompt(40, 32)
+    e.add(request(U, b, "b"))
+    e.run()
+    time.sleep(0.5)  # a save would have landed by now
+    assert check.lookup(b).matched_tokens == 64
+    assert check.lookup(a).matched_tokens == 64  # the preempted loader, resumed, saved nothing more
+
+    # vLLM drops its prefix cache; c (b and a long tail) takes every block vLLM hands out up to the
+    # last poisoned one, and computes them itself: they are good again
+    assert e.sched.reset_prefix_cache()
+    connector = e.sched.connector
+    poisoned = set(connector._poison.blocks)
+    assert poisoned
+    free = [
+        blk.block_id for blk in e.sched.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()
+    ]
+    c = b + prompt((max(free.index(x) for x in poisoned) + 1) * BS - len(b), 33)
+    e.add(request(U, c, "c", max_tokens=20))  # a token a step: 20 outlast its prefill
+    e.run()
+    assert not connector._poison.blocks and not connector._poison.tainted
+    assert wait_until(lambda: check.lookup(c).matched_tokens == len(c) // 32 * 32, 10)
+    # d takes c's prompt from vLLM's prefix cache, the blocks poisoned before among them, and
+    # computes 24 tokens more: saved (kvstore held [0, 1440) of it)
+    d = c + prompt(24, 34)
+    e.add(request(U, d, "d"))
+    e.run()
+    assert wait_until(lambda: check.lookup(d).matched_tokens == (len(d) + 2) // 32 * 32, 10)
+    e.worker.c.shutdown()
+
+
+def test_blocks_of_a_failed_load_the_loader_computes_again_are_saved_from_vllms_prefix_cache(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same failed load, the loader running: vLLM rolls it back and it computes blocks 4..7 again.
+    They are good, and so is b, which takes them from vLLM's prefix cache afterwards: saved."""
+    U, vcfg, ep = setup
+    a = prompt(150, 35)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = half_stored_then_forgotten(U, e, a)
+    with operator(ep) as op:
+        e.before_load = lambda: op.evict(session="late")
+        e.add(request(U, a, "again", max_tokens=5))
+        e.run()
+        e.before_load = None
+    assert e.worker.loads[-1] == ("again", 0, 128) and "again" in e.over_missing
+    assert wait_until(lambda: check.lookup(a).matched_tokens == 128, 10)  # computed again, saved
+    b = a[:144] + prompt(40, 36)
+    e.add(request(U, b, "b"))  # [0, 144) from vLLM's prefix cache
+    e.run()
+    assert e.worker.loads[-1] == ("again", 0, 128)
+    assert wait_until(lambda: check.lookup(b).matched_tokens == 160, 10)
+    e.worker.c.shutdown()
