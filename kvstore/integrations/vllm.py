@@ -14,7 +14,9 @@ Worker side: loads run before the forward pass, straight into vLLM's paged cache
 with the request's block ids, from the first token vLLM does not hold itself, never writing a block
 it shares). A block that vanished between the lookup and the load is reported through
 ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy = "recompute"`` vLLM recomputes
-it, and what every running request holding it computed over it. A loader aborted or preempted before
+it, and what every running request holding it computed over it in that step (what one computed over
+it in a later step scheduled before vLLM heard of it, with async scheduling, is kept: such a request
+saves nothing from the block on). A loader aborted or preempted before
 vLLM heard of it recomputes nothing, and vLLM's prefix cache keeps the block: a request that takes it
 from there saves nothing from it on, until a request computes it again. Saves are queued after the
 step and run on a thread (a copy out of vLLM's blocks into shared staging, then the daemon stores
@@ -127,6 +129,7 @@ class _Tracked:
     session: str | None
     saving: bool = False  # a save was scheduled: its blocks are freed only when the workers say
     loaded_at: int = -(1 << 30)  # the step that last loaded it from kvstore
+    scheduled_at: int = 0  # the step that last scheduled it
     # the first token of a poisoned block it took from vLLM's prefix cache (see _Poisoned): what it
     # computes from there on stands on wrong K/V, and is never saved
     poisoned_at: int | None = None
@@ -183,6 +186,14 @@ class _Unsettled:
             if not blocks.isdisjoint(held) and any(self._loader.get(b, rid) != rid for b in held):
                 return True
         return False
+
+    def load_of(self, block: int, position: int) -> _Load | None:
+        """The oldest load not settled that filled ``position`` of its request with ``block``."""
+        for u in self._loads:  # in step order
+            i = position - u.first
+            if 0 <= i < len(u.block_ids) and u.block_ids[i] == block:
+                return u
+        return None
 
     def _merge(self) -> tuple[list[tuple[int, int, frozenset[int]]], dict[int, str]]:
         loader: dict[int, str] = {}
@@ -510,6 +521,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 list(nr.block_ids[0]),
                 saved=self._hits.get(rid, (0, 0))[0],
                 session=_session(request),
+                scheduled_at=self._step,
             )
             old = self._tracked.get(rid)
             if old is not None:
@@ -531,6 +543,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             new = cached.new_block_ids[i]
             nc = cached.num_computed_tokens[i]
             after = nc + so.num_scheduled_tokens[rid]
+            known.scheduled_at = self._step
             if watch:
                 if rid in resumed:
                     local = self._loads[rid][0] if rid in self._loads else nc
@@ -614,21 +627,50 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         vLLM leaves the failed blocks, and those computed over them, in its prefix cache: they are
         poisoned until a request computes them again (see _Poisoned), which a request rolled back
-        does, and an aborted or preempted one does not."""
+        does, and an aborted or preempted one does not.
+
+        With steps in flight (async scheduling) a request sharing a failed block is not rolled back
+        all the way (see _keeps_wrong_kv): it is tainted at that block, as if it had taken a
+        poisoned block from the prefix cache."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return
         self._poison.blocks |= invalid
         for t in self._tracked.values():
             first = self._poison.failed(t.block_ids, invalid)
-            if first is not None:
-                t.saved = min(t.saved, first * self._bs // self._T * self._T)
+            if first is None:
+                continue
+            t.saved = min(t.saved, first * self._bs // self._T * self._T)
+            if self._keeps_wrong_kv(t, first):
+                at = first * self._bs
+                t.poisoned_at = at if t.poisoned_at is None else min(t.poisoned_at, at)
+                self._poison.tainted.add(t.request.request_id)
         for rid, (t, _) in list(self._deferred.items()):
             if self._poison.failed(t.block_ids, invalid) is not None:
                 del self._deferred[rid]
                 self._dropped.append(rid)
         for _, block_ids in self._gone:
             self._poison.failed(block_ids, invalid)
+
+    def _keeps_wrong_kv(self, t: _Tracked, first: int) -> bool:
+        """Whether vLLM keeps what ``t`` computed over its failed block at position ``first``.
+
+        vLLM recomputes a failed block with the first running request holding it (the loader, rolled
+        back to it); any other holder is set back only by the tokens it was scheduled in the failed
+        step (``num_computed_tokens`` less that step's), none if it was not in it. With one step in
+        flight that is all it computed over the block. With more, whatever it was scheduled in the
+        steps after the failed one, scheduled before vLLM had its output, is kept, computed over the
+        block before it was recomputed, and never computed again::
+
+            step N      loader L loads X: fails        sharer S in N (or not)
+            step N+1    (scheduled before N's output)  S computes c over X (a chunk, or a decode)
+            N's output  L rolled back to X             S back by its N tokens only: len(c) kept, wrong
+
+        A holder other than the loader scheduled after the load's step is so taken as wrong from the
+        failed block on. When the loader is gone (aborted, preempted) one of those holders recomputes
+        the block instead and is right after all: it is tainted anyway, only saves are lost."""
+        u = self._unsettled.load_of(t.block_ids[first], first)
+        return u is not None and u.req_id != t.request.request_id and t.scheduled_at > u.step
 
     def _save_end(self, t: _Tracked, computed: int) -> int:
         """Where a save of what ``t`` computed up to token ``computed`` would end (whole blocks); not
