@@ -12,7 +12,7 @@ and writes it through to the cluster; B has never seen it.
                as stored, + zstd 3) and "raw-nozstd" (``zstd = 0``: what the store itself costs, with
                no codec work in the way but a copy and a checksum); also int8, fp8
     get        B's ``get`` of the prefix with B's own tiers empty (``evict --all`` on B before each
-               run): one pipelined round trip per 16 blocks, every frame checked and decoded, and the
+               run): one pipelined round trip per 8 blocks, every frame checked and decoded, and the
                blocks stored on B (after B has answered: not timed, but waited for before the next
                figure); and ``get_into`` an engine's buffer (allocated once, as an engine's
                paged cache is: no fresh memory to fault in). Beside them, measured in the same rounds

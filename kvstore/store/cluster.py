@@ -44,7 +44,7 @@ from kvstore.tiers.cluster_format import pack_value, unpack_value
 
 log = logging.getLogger(__name__)
 
-FETCH_BATCH = 16  # blocks per pipelined GETEX: bounds the memory one read holds in flight
+FETCH_BATCH = 8  # blocks per pipelined GETEX: bounds the memory one read holds in flight
 LOOKUP_LIMIT = 4096  # blocks one lookup asks the cluster about at most
 UNSENT_LIMIT = 1 << 16  # dropped blocks remembered to send again (2 MiB of keys, ~7 MB as Python objects)
 RECORDS_BYTES = 64 << 20  # session records waiting hold at most this many bytes of keys and token ids
