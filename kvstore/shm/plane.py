@@ -179,6 +179,8 @@ class SharedPlane:
         self._per_peer: dict[bytes, int] = {}  # live leases by client
         self._clock_heap: list[tuple[float, int]] = []  # (expires, handle) as set; stale rows skipped
         self._clients: dict[bytes, _Staging] = {}
+        self._making: dict[bytes, threading.Event] = {}  # staging segments made now, outside the lock
+        self._closed = False
         self.lapsed = 0  # leases taken back because they ran out
 
     # -- pools ------------------------------------------------------------------------
@@ -273,6 +275,8 @@ class SharedPlane:
                 f"{nbytes} bytes of staging asked for; a client may hold {self.per_client} "
                 "([server] shm_staging_per_client): reserve less at a time",
             )
+        if nbytes:
+            self._make_staging(peer)
         now = self.clock()
         with self._lock:
             self._sweep(now)
@@ -320,20 +324,66 @@ class SharedPlane:
             )
         return mine
 
+    def _make_staging(self, peer: bytes) -> None:
+        """Make ``peer``'s staging segment if it has none, outside the lock: making one makes its pages
+        (huge ones may wait for the kernel to compact memory), and every client's lease, take and
+        sweep waits on the lock. Another request of ``peer`` meanwhile waits for that segment.
+        StagingFull as ``_client``."""
+        with self._lock:
+            if peer in self._clients or self._closed:
+                return
+            making = self._making.get(peer)
+            if making is None:
+                self._check_room()
+                making = self._making[peer] = threading.Event()
+                ours = True
+            else:
+                ours = False
+        if not ours:
+            making.wait()  # set once that segment is made or failed (then _client says why)
+            return
+        seg: Segment | None = None
+        try:
+            seg = self._new_staging()
+        finally:
+            with self._lock:
+                del self._making[peer]
+                if seg is not None and self._closed:
+                    seg.close(free=True)
+                elif seg is not None:
+                    self._clients[peer] = _Staging(
+                        seg,
+                        torch.from_numpy(seg.array(0, self.per_client)),
+                        RangeAllocator(self.per_client),
+                        last_used=self.clock(),
+                    )
+            making.set()
+
+    def _check_room(self) -> None:
+        """(Lock held.) StagingFull when one more client's segment would pass ``staging_bytes``."""
+        held = len(self._clients) + len(self._making)
+        if (held + 1) * self.per_client > self.staging_bytes:
+            raise StagingFull(
+                f"{held} clients hold staging segments of {self.per_client} bytes, all "
+                f"[server] shm_staging ({self.staging_bytes}) allows; retry shortly"
+            )
+
+    def _new_staging(self) -> Segment:
+        try:
+            return Segment.create(self.directory, "staging", self.per_client)
+        except (NoRoom, OSError) as e:  # the filesystem is full now: this request uses the socket
+            raise StagingFull(f"no staging segment can be made now ({e}); retry shortly") from None
+
     def _client(self, peer: bytes, now: float) -> _Staging:
-        """``peer``'s staging segment, made now if it has none (lock held). StagingFull when all the
-        clients' segments together would pass ``staging_bytes``."""
+        """``peer``'s staging segment (lock held): made by ``_make_staging`` before the lock was taken,
+        else (it failed, or went meanwhile) made now. StagingFull when all the clients' segments
+        together would pass ``staging_bytes``."""
         staging = self._clients.get(peer)
         if staging is None:
-            if (len(self._clients) + 1) * self.per_client > self.staging_bytes:
-                raise StagingFull(
-                    f"{len(self._clients)} clients hold staging segments of {self.per_client} bytes, all "
-                    f"[server] shm_staging ({self.staging_bytes}) allows; retry shortly"
-                )
-            try:
-                seg = Segment.create(self.directory, "staging", self.per_client)
-            except (NoRoom, OSError) as e:  # the filesystem is full now: this request uses the socket
-                raise StagingFull(f"no staging segment can be made now ({e}); retry shortly") from None
+            if self._closed:
+                raise StagingFull("the daemon is stopping; no staging now")
+            self._check_room()
+            seg = self._new_staging()
             staging = _Staging(
                 seg, torch.from_numpy(seg.array(0, self.per_client)), RangeAllocator(self.per_client)
             )
@@ -496,6 +546,7 @@ class SharedPlane:
         for p in self._pools:
             p.gens_segment.array(p.gens_offset, 8 * p.num_pages).view(np.uint64)[:] += 1
         with self._lock:
+            self._closed = True  # a staging segment made meanwhile is removed as it is done
             for c in self._clients.values():
                 c.tensor = torch.empty(0, dtype=torch.uint8)
                 c.segment.close(free=True)

@@ -126,8 +126,12 @@ class Segment:
         # huge pages where the filesystem gives them on advice (tmpfs mounted huge=advise): 2 MiB
         # pages spare a copy of a pool's blocks most of its TLB misses (copies out of a 94 MB
         # segment: 15.1 GB/s against 11.8 in 4 KiB pages). Elsewhere the advice changes nothing.
-        with contextlib.suppress(OSError, AttributeError):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
+        # The owner's mapping alone asks: it makes every page (_populate), and a client's mapping
+        # maps those as they are, huge ones whole; a client's fault on a freed segment (close's
+        # ``free``) would make a 2 MiB page under the advice, not 4 KiB
+        if owner:
+            with contextlib.suppress(OSError, AttributeError):
+                self._map.madvise(mmap.MADV_HUGEPAGE)
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         if not owner:  # only the daemon keeps a descriptor: it holds the lock that says it is alive
             os.close(fd)
@@ -155,7 +159,12 @@ class Segment:
         try:
             os.fchmod(fd, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(fd, size)
+            try:
+                os.ftruncate(fd, size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG):  # past the filesystem's largest file
+                    raise no_room from None
+                raise
             os.rename(path, directory / name)
             path = directory / name
             # the pages are made through the mapping first, so that they are huge where the advice
@@ -227,9 +236,11 @@ class Segment:
         """Unmap (once nothing views the memory any more) and, for the owner, remove the file.
 
         ``free`` (a writable mapping): give the memory back now, after the file is removed, whoever
-        still maps it: every other mapping reads zeros from then on (never a fault), and holds no
-        pages until it writes. A reader that sees the file still there after its copy read what was
-        written (it is removed before it is freed)."""
+        still maps it: every other mapping reads zeros from then on. A read there makes a page of
+        the file again (4 KiB: clients' mappings ask for no huge pages), and on a filesystem that is
+        full then it faults (SIGBUS): only a client that goes on copying from staging it no longer
+        holds (paused past its lease and the segment's idle minute) reads there. A reader that sees
+        the file still there after its copy read what was written (it is removed before it is freed)."""
         if unlink if unlink is not None else self.owner:
             try:
                 os.unlink(self.path)

@@ -9,6 +9,7 @@ import platform
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -167,10 +168,21 @@ def test_segments_are_huge_pages_where_the_filesystem_gives_them_on_advice(tmp_p
             view = client.array()
             assert int(view[: 16 * 2**20 : 4096].sum()) == 0  # the client maps them as it reads
             assert _pmd_mapped_kb(view.ctypes.data) >= 8 * 1024
+            # freed (an idle staging segment) while the client still maps it: a read there makes one
+            # small page of the file again, not a huge one (the client's mapping asks for none)
+            seg.close(free=True)
+            before = _used_bytes(where)
+            assert int(view[5 * 2**20]) == 0
+            assert _used_bytes(where) - before <= 64 * 1024
         finally:
             client.close()
             seg.close()
         assert not [p for p in where.iterdir() if p.name.startswith("kvs-")]
+
+
+def _used_bytes(fs: Path) -> int:
+    st = os.statvfs(fs)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 def test_staging_ranges_merge_back_and_stay_aligned() -> None:
@@ -185,6 +197,77 @@ def test_staging_ranges_merge_back_and_stay_aligned() -> None:
     r.free(0, 3 * ALIGN)
     r.free(c, 3 * ALIGN)
     assert r.used == 0 and r.alloc(10 * ALIGN) == 0
+
+
+def test_a_staging_segment_is_made_outside_the_planes_lock(shm_dir: Path, monkeypatch: Any) -> None:
+    """Making a client's staging segment makes its pages (huge ones may wait on the kernel): other
+    clients' leases, takes and stats go on meanwhile; a second request of the same client waits
+    for that segment instead of making another."""
+    plane = SharedPlane(shm_dir, staging_bytes=4 << 20, per_client=1 << 20, lease=5.0)
+    try:
+        plane.take(plane.reserve(b"b", 4096).handle)  # b's segment exists
+        making, go = threading.Event(), threading.Event()
+        real = Segment.create
+        made: list[Segment] = []
+
+        def slow(*args: Any, **kw: Any) -> Segment:
+            making.set()
+            assert go.wait(60)
+            made.append(real(*args, **kw))
+            return made[-1]
+
+        monkeypatch.setattr(Segment, "create", slow)
+        got: list[Any] = []
+        first = threading.Thread(target=lambda: got.append(plane.reserve(b"a", 4096)))
+        first.start()
+        assert making.wait(60)
+        others = threading.Thread(
+            target=lambda: (plane.take(plane.reserve(b"b", 4096).handle), plane.stats(), plane.sweep())
+        )
+        others.start()
+        others.join(10)
+        assert not others.is_alive()  # b was served while a's segment was being made
+        second = threading.Thread(target=lambda: got.append(plane.reserve(b"a", 4096)))
+        second.start()
+        time.sleep(0.2)
+        assert got == []  # a's second request waits for the segment being made
+        go.set()
+        first.join(60)
+        second.join(60)
+        assert len(got) == 2 and len(made) == 1
+        assert got[0].staging is got[1].staging is made[0]
+        assert plane.stats()["staging_clients"] == 2
+    finally:
+        plane.close()
+
+
+def test_a_staging_segment_made_while_the_plane_closes_is_removed(shm_dir: Path, monkeypatch: Any) -> None:
+    plane = SharedPlane(shm_dir, staging_bytes=4 << 20, per_client=1 << 20, lease=5.0)
+    making, go = threading.Event(), threading.Event()
+    real = Segment.create
+
+    def slow(*args: Any, **kw: Any) -> Segment:
+        making.set()
+        assert go.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(Segment, "create", slow)
+    errors: list[BaseException] = []
+
+    def reserve() -> None:
+        try:
+            plane.reserve(b"a", 4096)
+        except StagingFull as e:
+            errors.append(e)
+
+    t = threading.Thread(target=reserve)
+    t.start()
+    assert making.wait(60)
+    plane.close()
+    go.set()
+    t.join(60)
+    assert len(errors) == 1  # no staging from a closed plane
+    assert not [p for p in shm_dir.iterdir() if "staging" in p.name]
 
 
 def test_staging_leases_are_bounded_per_client_and_lapse(shm_dir: Path) -> None:
