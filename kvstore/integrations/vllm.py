@@ -133,6 +133,9 @@ class _Tracked:
     # the first token of a poisoned block it took from vLLM's prefix cache (see _Poisoned): what it
     # computes from there on stands on wrong K/V, and is never saved
     poisoned_at: int | None = None
+    # the first position of a failed block it shares with the load's request, which vLLM left for
+    # that request to compute again (see update_connector_output); None once it has been
+    relies_at: int | None = None
 
 
 @dataclass(frozen=True)
@@ -263,9 +266,18 @@ class _Poisoned:
             else:
                 self.blocks.update(done)
         for t, own, after, fresh in steps:
-            if not fresh or not self.blocks:
+            if fresh:
+                held = 0
+            elif t.relies_at is not None and t.poisoned_at is None:
+                # a failed block it holds that vLLM left for the load's request to compute again: if
+                # that has not happened by now (the request aborted, preempted, or computing it in
+                # a later chunk), what this one computes stands on it
+                held, t.relies_at = t.relies_at, None
+            else:
                 continue
-            hit = next((i for i, b in enumerate(t.block_ids[:own]) if b in self.blocks), None)
+            if not self.blocks:
+                continue
+            hit = next((held + i for i, b in enumerate(t.block_ids[held:own]) if b in self.blocks), None)
             if hit is not None:
                 t.poisoned_at = hit * bs
                 self.tainted.add(t.request.request_id)
@@ -645,6 +657,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                 at = first * self._bs
                 t.poisoned_at = at if t.poisoned_at is None else min(t.poisoned_at, at)
                 self._poison.tainted.add(t.request.request_id)
+            elif not self._loads_itself(t, first):
+                # vLLM counts the block as computed for it, relying on the load's request to compute
+                # it again: looked at when it is next scheduled (see _Poisoned.scheduled)
+                t.relies_at = first if t.relies_at is None else min(t.relies_at, first)
         for rid, (t, _) in list(self._deferred.items()):
             if self._poison.failed(t.block_ids, invalid) is not None:
                 del self._deferred[rid]
@@ -672,6 +688,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         u = self._unsettled.load_of(t.block_ids[first], first)
         return u is not None and u.req_id != t.request.request_id and t.scheduled_at > u.step
 
+    def _loads_itself(self, t: _Tracked, first: int) -> bool:
+        """Whether ``t`` is the request whose load filled its failed block at position ``first`` (the
+        one vLLM rolls back to it, to compute it again); unknown loads count as another's."""
+        u = self._unsettled.load_of(t.block_ids[first], first)
+        return u is not None and u.req_id == t.request.request_id
+
     def _save_end(self, t: _Tracked, computed: int) -> int:
         """Where a save of what ``t`` computed up to token ``computed`` would end (whole blocks); not
         past ``t.saved`` when there is nothing to save."""
@@ -681,6 +703,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         end = min(computed, len(tokens))
         if t.poisoned_at is not None:  # computed over a poisoned block from there on
             end = min(end, t.poisoned_at)
+        if self._poison.blocks and end > t.saved:  # never a block whose K/V may be wrong, whatever
+            first = t.saved // self._bs  # the tracking above says of the request
+            hit = next(
+                (
+                    first + i
+                    for i, b in enumerate(t.block_ids[first : -(-end // self._bs)])
+                    if b in self._poison.blocks
+                ),
+                None,
+            )
+            if hit is not None:
+                end = min(end, hit * self._bs)
         return end // self._T * self._T
 
     def _plan_save(self, saves: list[Transfer], t: _Tracked, computed: int) -> None:

@@ -269,8 +269,10 @@ class Clients:
                 spare, kept = c, None
             else:
                 spare, kept = self._keep(key, c)
-        if spare is not None:
-            spare.close()
+        if spare is c:  # this thread's own, never used: closed at once
+            c.close()
+        elif spare is not None:  # the least recently used, which another thread may be running a
+            _close_aside(spare)  # call on (a save, for its retries): never waited for here
         if kept is None:
             raise ClientsClosed("kvstore's clients are closed (the connector shut down)")
         return kept
@@ -284,7 +286,8 @@ class Clients:
             kept = c
             if len(self._clients) >= MAX_CLIENTS:
                 # the least recently used: closed after the call another thread may be running on it
-                # (a client's calls and its close take turns); a later call on it is a miss there
+                # (a client's calls and its close take turns), on a thread of its own; a later call
+                # on it is a miss there
                 spare = self._clients.pop(next(iter(self._clients)))
         self._clients[key] = kept
         return spare, kept
@@ -356,9 +359,15 @@ class Clients:
         closed at once, and ``get`` raises ClientsClosed."""
         with self._lock:
             self._closed = True
-            for c in self._clients.values():
-                c.close()
+            clients = list(self._clients.values())
             self._clients.clear()
+        for c in clients:  # outside the lock: each waits for the call it runs
+            c.close()
+
+
+def _close_aside(client: KVStoreClient) -> None:
+    """Close ``client`` on a thread of its own: its close waits for the call it runs, if any."""
+    threading.Thread(target=client.close, name="kvstore-client-close", daemon=True).start()
 
 
 def worker_ranks() -> tuple[int, int]:

@@ -31,7 +31,7 @@ from kvstore.layout import KVLayout
 from kvstore.wire.errors import ServerError
 from kvstore.wire.messages import ErrorReply, Ping
 from kvstore.wire.protocol import encode, read_header
-from tests.hardening.conftest import daemons, endpoint_of, write_config  # noqa: F401 - a fixture
+from tests.hardening.conftest import daemons, endpoint_of, wait_until, write_config  # noqa: F401 - a fixture
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 
@@ -204,6 +204,42 @@ def test_two_threads_making_the_same_client_at_once_get_one_and_take_one_variant
         with pytest.raises(VariantRefused, match="max_variants"):  # the salt counted once
             clients.get(Variant(salt="f" * 32), "lookup")
     finally:
+        clients.close()
+
+
+def test_the_least_recently_used_client_is_closed_without_waiting_for_its_call(
+    daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past MAX_CLIENTS the least recently used client goes: its close waits for the call another
+    thread runs on it (a save and its retries), and the thread that made the new client does not."""
+    import kvstore.integrations.vllm_settings as vs
+
+    monkeypatch.setattr(vs, "MAX_CLIENTS", 2)
+    clients = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, max_variants=4), LAYOUT, (0, 0))
+    try:
+        save = clients.get(Variant(), "save")
+        clients.get(Variant(), "lookup")
+        in_call, go = threading.Event(), threading.Event()
+        real_ping = save.ping
+
+        def slow_ping() -> Any:
+            with save._lock:  # what a call holds while it runs
+                in_call.set()
+                assert go.wait(30)
+                return real_ping()
+
+        save.ping = slow_ping  # type: ignore[method-assign]
+        caller = threading.Thread(target=save.ping)
+        caller.start()
+        assert in_call.wait(30)
+        t0 = time.perf_counter()
+        clients.get(Variant(salt="a" * 32), "load")  # a third client: the save client goes
+        assert time.perf_counter() - t0 < 1.0
+        go.set()
+        caller.join(30)
+        assert wait_until(lambda: save._conn.sock is None, 10)  # closed once its call was over
+    finally:
+        go.set()
         clients.close()
 
 

@@ -18,6 +18,7 @@ from tests.engines.vllm.test_connector import (
     prompt,
     request,
     setup,  # noqa: F401  (a fixture)
+    stored_then_forgotten,
 )
 from tests.hardening.conftest import wait_until
 
@@ -132,4 +133,45 @@ def test_blocks_of_a_failed_load_the_loader_computes_again_are_saved_from_vllms_
     e.run()
     assert e.worker.loads[-1] == ("again", 0, 128)
     assert wait_until(lambda: check.lookup(b).matched_tokens == 160, 10)
+    e.worker.c.shutdown()
+
+
+def test_a_sharer_of_a_failed_load_whose_loader_goes_after_the_rollback_saves_nothing_over_it(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """b shares again's first 64 tokens through vLLM's prefix cache in the step of again's load, which
+    fails. vLLM rolls back again (to compute the blocks anew) and sets b back by that step's tokens
+    only: b counts the failed blocks as computed, relying on again. again is then aborted: nobody
+    computes them, and b goes on over garbage. kvstore never stores b's K/V from the failed block
+    on; what it stores of b is b's own."""
+    from vllm.v1.request import RequestStatus
+
+    U, vcfg, ep = setup
+    a = prompt(150, 37)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = stored_then_forgotten(U, e, a)
+    b = a[:64] + prompt(40, 38)
+    with operator(ep) as op:
+
+        def garbage() -> None:
+            op.evict(all=True)  # the load finds nothing: every block of it fails
+            for c in e.worker.caches.values():
+                c.fill_(99.0)  # what the failed blocks hold (nobody wrote them)
+
+        e.before_load = garbage
+        e.add(request(U, a, "again"))
+        e.add(request(U, b, "b"))
+        e.step()  # again's load fails; b computes over its first blocks in the same step
+        e.before_load = None
+    connector = e.sched.connector
+    assert connector._poison.blocks  # the load failed
+    e.sched.finish_requests("again", RequestStatus.FINISHED_ABORTED)  # after vLLM rolled it back
+    e.step()  # b goes on over the failed blocks: tainted from the first, what it computes poisoned
+    assert connector._tracked["b"].poisoned_at == 0
+    e.run()
+    time.sleep(0.5)  # a save would have landed by now
+    # b's first two kvstore blocks are again's failed ones, its third was computed over them
+    assert check.lookup(b).matched_tokens == 0
+    assert check.lookup(a).matched_tokens == 0
     e.worker.c.shutdown()
