@@ -47,7 +47,7 @@ from kvstore.cli.parser import (
     read_tokens,
 )
 from kvstore.config import check_connect_endpoint, ipc_socket_path, load_config, with_overrides
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, DaemonStarting, KVStoreError
 from kvstore.wire.errors import RemoteProtocolError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -294,6 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args, sys.stdout)
     except (UsageError, ConfigError) as e:
         err.write(f"kvstore: {e}\n")
+        return EXIT_USAGE
+    except DaemonStarting as e:  # running, not ready yet within --timeout: no hint to start one
+        err.write(f"kvstore: {e} (a command's: --timeout DURATION)\n")
         return EXIT_USAGE
     except TimeoutError as e:  # RequestTimeout: a socket file (stale, or a hung daemon) but no answer
         err.write(f"kvstore: {getattr(e, 'message', e)} If it is not, {START_HINT}\n")

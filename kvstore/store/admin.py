@@ -86,7 +86,8 @@ class AdminOps:
             )
         names = (*self._tiers.names, *(("cluster",) if self._cluster is not None else ()))
         if flt.tier is not None and flt.tier not in names:
-            raise InvalidFilter(f"unknown tier {flt.tier!r}; tiers are {', '.join(names)}")
+            off = " (the cluster tier is off: [cluster] enabled = false)" if flt.tier == "cluster" else ""
+            raise InvalidFilter(f"unknown tier {flt.tier!r}{off}; tiers are {', '.join(names)}")
         if flt.tier == "cluster":
             assert self._cluster is not None
             with self._lock:

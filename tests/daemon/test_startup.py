@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvstore.cli.commands import main as cli_main
 from kvstore.client import KVStoreClient
 from kvstore.daemon.endpoint import probe
 from kvstore.errors import DaemonStarting
@@ -123,7 +124,7 @@ def test_a_tcp_endpoint_is_locked_too(start_daemon, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_start_up_is_logged_and_clients_wait_for_it(start_daemon, tmp_path: Path) -> None:
+def test_start_up_is_logged_and_clients_wait_for_it(start_daemon, tmp_path: Path, capsys) -> None:
     d: Daemon = start_daemon(slow_config(tmp_path, pools="1GiB"), ready=False)
     sock_path = tmp_path / "run" / "kv.sock"
     assert wait_for(sock_path.exists, 60), d.output()  # bound before the store is built
@@ -132,6 +133,11 @@ def test_start_up_is_logged_and_clients_wait_for_it(start_daemon, tmp_path: Path
         with pytest.raises(DaemonStarting, match="still starting") as e:
             quick.ping()
         assert "starting" in e.value.code
+    # so is a command, in one line, with no hint to start a daemon that is running
+    assert cli_main(["stats", "--endpoint", d.endpoint, "--timeout", "300ms"]) == 2
+    err = capsys.readouterr().err
+    assert "still starting" in err and "--timeout" in err and "kvstore serve" not in err, err
+    assert err.count("\n") == 1, err
     # one with a longer timeout waits through the start and gets its answer
     with KVStoreClient(d.endpoint, model=MODEL, layout=LAYOUT, timeout=60, retries=0) as c:
         tokens = list(range(4 * T))

@@ -98,6 +98,8 @@ def test_evict_by_model_and_tenant_and_all(make_store) -> None:
         s.evict(EvictFilter())
     with pytest.raises(InvalidFilter, match="unknown tier"):
         s.evict(EvictFilter(tier="disk"))
+    with pytest.raises(InvalidFilter, match=r"the cluster tier is off: \[cluster\] enabled = false"):
+        s.evict(EvictFilter(tier="cluster"))
 
 
 def test_evict_leaves_pinned_blocks_alone(make_store) -> None:
