@@ -653,6 +653,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             if first is None:
                 continue
             t.saved = min(t.saved, first * self._bs // self._T * self._T)
+            if t.request.num_computed_tokens <= first * self._bs:
+                continue  # vLLM set it back to the block (it holds it first): it computes it again
             if self._keeps_wrong_kv(t, first):
                 at = first * self._bs
                 t.poisoned_at = at if t.poisoned_at is None else min(t.poisoned_at, at)
@@ -683,8 +685,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             N's output  L rolled back to X             S back by its N tokens only: len(c) kept, wrong
 
         A holder other than the loader scheduled after the load's step is so taken as wrong from the
-        failed block on. When the loader is gone (aborted, preempted) one of those holders recomputes
-        the block instead and is right after all: it is tainted anyway, only saves are lost."""
+        failed block on. When the loader is gone (aborted, preempted) the first of those holders
+        recomputes the block instead: vLLM set it back to the block, and it is not looked at here."""
         u = self._unsettled.load_of(t.block_ids[first], first)
         return u is not None and u.req_id != t.request.request_id and t.scheduled_at > u.step
 

@@ -185,3 +185,41 @@ def test_a_request_that_computes_over_a_failed_load_in_a_step_in_flight_stores_n
     assert_holds(check, s, 128)
     filler.worker.c.shutdown()
     e.worker.c.shutdown()
+
+
+def test_a_request_vllm_sets_back_to_a_failed_block_computes_it_again_and_is_saved(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same failed load, L aborted before vLLM has step N's output: S, scheduled in step N+1 over
+    L's blocks, is then the first running request holding them, and vLLM sets it back to block 4,
+    not by its step-N tokens. S computes blocks 4.. again itself: right, saved, and good for a later
+    request that takes them from vLLM's prefix cache.
+
+        S   [ 0 .. 3 | 4 .. 7 failed | 8 | own 9.. ]   set back to 4, computed again: all saved"""
+    from vllm.v1.request import RequestStatus
+
+    U, vcfg, ep = setup
+    a = prompt(170, 43)
+    s = a[:144] + prompt(40, 44)
+    filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = half_stored_then_forgotten(U, filler, a)
+    e = AsyncEngine(U, vcfg, monkeypatch)
+    with operator(ep) as op:
+        e.before_load = lambda: op.evict(session="late")
+        e.add(request(U, a, "L", max_tokens=3))
+        e.step()  # step N scheduled and run: L loads, and fails; vLLM has not got its output
+        assert len(e.queue) == 1 and e.worker.loads == [("L", 0, 128)]
+        e.before_load = None
+        e.sched.finish_requests("L", RequestStatus.FINISHED_ABORTED)
+        e.add(request(U, s, "S", max_tokens=3))  # step N+1 takes L's blocks from the prefix cache
+        e.run()
+    assert "S" in e.over_missing  # in step N+1, over the failed blocks
+    assert not e.sched.connector._poison.tainted
+    assert_holds(check, s, 160)  # all of S's whole blocks, computed again from block 4
+    t = s[:176] + prompt(20, 45)  # takes S's blocks from vLLM's prefix cache: good, saved on
+    e.add(request(U, t, "T"))
+    e.run()
+    assert_holds(check, t, 192)
+    filler.worker.c.shutdown()
+    e.worker.c.shutdown()
