@@ -23,13 +23,17 @@ through Python bytes.
 and ``batch_exists`` work either way. A page that is missing, evicted or
 fails its checksum is reported False (never filled with wrong data). A daemon
 that fails, times out or is busy is a miss or a page not stored, logged, never
-an exception in SGLang.
+an exception in SGLang. Lookups and loads (SGLang's prefetch) never wait on a
+busy daemon: a miss at once, recomputed; stores (its backup thread) wait out
+``busy`` within the timeout, on a client of their own, so that a long store
+never holds a lookup up.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,7 +62,8 @@ _OPTIONS = {"endpoint", "tenant", "model", "revision", "timeout"}
 
 class KVStoreHiCache(HiCacheStorage):
     """SGLang's L3 in a kvstore daemon. Built by SGLang as ``cls(storage_config, kwargs)``; the host
-    pool arrives through ``register_mem_pool_host``. Thread-safe (the client's calls take turns)."""
+    pool arrives through ``register_mem_pool_host``. Thread-safe: lookups and loads take turns on
+    ``client``, stores on a client of their own."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         """Reads ``endpoint``, ``tenant``, ``model`` (default: the config's model_name), ``revision``
@@ -95,7 +100,9 @@ class KVStoreHiCache(HiCacheStorage):
             shard += f"/dcp{c.dcp_rank}of{c.dcp_size}"
         rev: str = _option(extra, "revision", _revision, "")
         self.revision = f"{rev}/{shard}" if rev else shard
-        self.client: KVStoreClient | None = None
+        self.client: KVStoreClient | None = None  # lookups and loads: a busy daemon is a miss
+        self._saver: KVStoreClient | None = None  # stores: made on the first, waits out busy
+        self._saver_lock = threading.Lock()
         self._pages: _HostPages | None = None
         self.backoff = Backoff(log)  # a daemon that does not answer is left alone a while
 
@@ -104,18 +111,26 @@ class KVStoreHiCache(HiCacheStorage):
         """Map the host pool's pages and connect (lazily: the first call says hello)."""
         super().register_mem_pool_host(mem_pool_host)
         self._pages = _HostPages(mem_pool_host)
-        self.client = KVStoreClient(
+        self.client = self._new_client(wait_when_busy=False)
+
+    def _new_client(self, *, wait_when_busy: bool) -> KVStoreClient:
+        assert self._pages is not None
+        return KVStoreClient(
             self.endpoint,
             model=self.model,
             layout=self._pages.layout,
             tenant=self.tenant,
             revision=self.revision,
             timeout=self.timeout,
+            wait_when_busy=wait_when_busy,
         )
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+        with self._saver_lock:
+            if self._saver is not None:
+                self._saver.close()
 
     # -- the v1 (zero-copy) interface ---------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -157,11 +172,12 @@ class KVStoreHiCache(HiCacheStorage):
         prefix = (extra_info.prefix_keys if extra_info is not None else None) or ()
         try:
             src = self._host().paged(host_indices, len(keys))
-            r = self._client().put_from(KeyChain.of(keys, prefix), src)
+            saver = self._saving_client()
+            r = saver.put_from(KeyChain.of(keys, prefix), src)
             if prefix and r.failed and r.failed[0].block == 0 and r.failed[0].code == MISSING_PARENT:
                 # the prefix pages are not in the store (evicted, or never written): the pages are
                 # still findable by their keys, which name their whole prefix; store them as a chain
-                r = self._client().put_from(KeyChain.of(keys), src)
+                r = saver.put_from(KeyChain.of(keys), src)
         except Exception as e:  # the pages are simply not stored
             self.backoff.failed(f"batch_set_v1 of {len(keys)} pages", e)
             return [False] * len(keys)
@@ -198,6 +214,13 @@ class KVStoreHiCache(HiCacheStorage):
         if self.client is None:
             raise LayoutError("kvstore: register_mem_pool_host was not called; SGLang calls it on attach")
         return self.client
+
+    def _saving_client(self) -> KVStoreClient:
+        self._client()  # attached, or LayoutError
+        with self._saver_lock:
+            if self._saver is None:
+                self._saver = self._new_client(wait_when_busy=True)
+            return self._saver
 
     def _host(self) -> _HostPages:
         if self._pages is None:

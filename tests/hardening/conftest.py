@@ -28,7 +28,8 @@ from kvstore.client import KVStoreClient
 from kvstore.config import Config, load_config
 from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
-from kvstore.wire.protocol import PROTOCOL_VERSION
+from kvstore.wire.messages import ErrorReply
+from kvstore.wire.protocol import PROTOCOL_VERSION, encode, read_header
 from tests.daemon.conftest import Daemon
 
 # 1 KiB blocks: many of them fit small capacities, and tests stay fast.
@@ -250,3 +251,34 @@ def fill(fs: Path, leave: int = 0) -> Path:
     finally:
         os.close(fd)
     return path
+
+
+class BusyDaemon:
+    """A ROUTER that answers every request ``busy`` (nothing done), counting them."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(endpoint)
+        self.sock.rcvtimeo = 100
+        self.requests = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                peer, *frames = self.sock.recv_multipart()
+            except zmq.Again:
+                continue
+            _, rid = read_header(frames[0], 1 << 20)
+            self.requests += 1
+            reply = ErrorReply(code="busy", message="injected: over the in-flight budget")
+            self.sock.send_multipart([peer, *encode(rid, reply)])
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self.sock.close(linger=0)
+        self.ctx.term()

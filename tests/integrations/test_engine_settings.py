@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from kvstore.connection import Connection
 from kvstore.errors import ConfigError
@@ -29,9 +28,8 @@ from kvstore.integrations.vllm_settings import (
 )
 from kvstore.layout import KVLayout
 from kvstore.wire.errors import ServerError
-from kvstore.wire.messages import ErrorReply, Ping
-from kvstore.wire.protocol import encode, read_header
-from tests.hardening.conftest import daemons, endpoint_of, wait_until, write_config  # noqa: F401 - a fixture
+from kvstore.wire.messages import Ping
+from tests.hardening.conftest import BusyDaemon, daemons, endpoint_of, wait_until, write_config  # noqa: F401 - a fixture
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 
@@ -282,37 +280,6 @@ def test_a_client_made_while_the_clients_close_is_closed_not_kept(daemon: Any) -
 
 
 # ---------------------------------------------------------------------- busy
-
-
-class BusyDaemon:
-    """A ROUTER that answers every request ``busy`` (nothing done), counting them."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.bind(endpoint)
-        self.sock.rcvtimeo = 100
-        self.requests = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop:
-            try:
-                peer, *frames = self.sock.recv_multipart()
-            except zmq.Again:
-                continue
-            _, rid = read_header(frames[0], 1 << 20)
-            self.requests += 1
-            reply = ErrorReply(code="busy", message="injected: over the in-flight budget")
-            self.sock.send_multipart([peer, *encode(rid, reply)])
-
-    def close(self) -> None:
-        self._stop = True
-        self._thread.join()
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 @pytest.fixture

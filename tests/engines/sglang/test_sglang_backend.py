@@ -467,3 +467,33 @@ def test_good_settings_are_taken_and_a_bad_one_fails_sglangs_factory(tmp_path: A
     # through SGLang's dynamic factory, as at startup: the engine stops with the key named
     with pytest.raises(ValueError, match="extra_config 'timeout'"):
         attach(config_with(timeout="0"), host_pool("page_first"))
+
+
+def test_a_busy_daemon_is_a_miss_at_once_for_lookups_and_loads_and_waited_out_by_stores(
+    tmp_path: Any,
+) -> None:
+    """SGLang's prefetch never waits on a daemon over its budgets: a miss at once, recomputed. Its
+    backup thread's stores ask again within the timeout, on a client of their own."""
+    import time
+
+    from tests.hardening.conftest import BusyDaemon
+
+    endpoint = f"ipc://{tmp_path}/busy.sock"
+    busy = BusyDaemon(endpoint)
+    try:
+        pool = host_pool("page_first")
+        keys = page_hashes(2, salt=13)
+        fill(pool, [0, 1], seed=13)
+        store = timed_backend(endpoint, pool, 1.0)
+        for hook in ("exists", "batch_exists", "batch_get_v1"):
+            t0 = time.monotonic()
+            got, miss = call_hook(store, hook, keys, [4, 5])
+            assert got == miss and time.monotonic() - t0 < 0.5, hook
+        assert store.backoff.timeouts == 0  # an answer: asked again next call
+        asked = busy.requests
+        t0 = time.monotonic()
+        assert store.batch_set_v1(keys, slots([0, 1])) == [False, False]
+        assert time.monotonic() - t0 >= 1.0 and busy.requests - asked >= 3  # waited, asking again
+        store.close()
+    finally:
+        busy.close()
