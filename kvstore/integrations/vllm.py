@@ -84,6 +84,7 @@ from kvstore.integrations.vllm_settings import (
     model_layout,
     worker_ranks,
 )
+from kvstore.integrations.vllm_tracking import Load, Poisoned, Tracked, Unsettled
 from kvstore.kvbuffers import PagedKV
 from kvstore.results import MISSING_PARENT
 
@@ -116,176 +117,6 @@ class KVStoreMetadata(KVConnectorMetadata):
     held: list[str] = field(default_factory=list)
     # held requests whose last save, if any, is in this step's saves: their blocks go back once it is done
     released: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Tracked:
-    """A scheduled request, on the scheduler side."""
-
-    request: Any
-    variant: Variant
-    block_ids: list[int]
-    saved: int  # tokens [0, saved) are in kvstore, or on their way
-    session: str | None
-    saving: bool = False  # a save was scheduled: its blocks are freed only when the workers say
-    loaded_at: int = -(1 << 30)  # the step that last loaded it from kvstore
-    scheduled_at: int = 0  # the step that last scheduled it
-    # the first token of a poisoned block it took from vLLM's prefix cache (see _Poisoned): what it
-    # computes from there on stands on wrong K/V, and is never saved
-    poisoned_at: int | None = None
-    # the first position of a failed block it shares with the load's request, which vLLM left for
-    # that request to compute again (see update_connector_output); None once it has been
-    relies_at: int | None = None
-
-
-@dataclass(frozen=True)
-class _Load:
-    """A load of step ``step`` by ``req_id`` into the vLLM blocks at positions ``first .. end-1`` of
-    its block table."""
-
-    step: int
-    req_id: str
-    first: int
-    end: int
-    block_ids: tuple[int, ...]
-
-
-class _Unsettled:
-    """The loads of the steps not settled yet, and which requests share their blocks.
-
-    vLLM's prefix cache shares a block only at its own position (its hash chains every token before
-    it): a request holds a loaded block, if at all, at the position the load filled. So only those
-    positions of a request are looked at, and each stretch of positions that loads cover once (a
-    set of all their blocks there), whatever the number of loads::
-
-        loader   [ a | b | L1 | L2 | L3 | c ]     loaded positions 2..4
-        sharer   [ a | b | L1 | L2 | d ]          positions 2..4 looked at: L1, L2 shared
-    """
-
-    def __init__(self) -> None:
-        self._loads: list[_Load] = []
-        self._spans: list[tuple[int, int, frozenset[int]]] | None = None  # merged, made when asked
-        self._loader: dict[int, str] = {}  # loaded block -> the request that loads it
-
-    def add(self, load: _Load) -> None:
-        self._loads.append(load)
-        self._spans = None
-
-    def settle(self, step: int) -> None:
-        """Forget the loads of steps before ``step``: their output has reached the scheduler."""
-        if self._loads and self._loads[0].step < step:
-            self._loads = [u for u in self._loads if u.step >= step]
-            self._spans = None
-
-    def shared_by(self, t: _Tracked) -> bool:
-        """Whether ``t`` holds a block of a load by another request."""
-        if not self._loads:
-            return False
-        if self._spans is None:
-            self._spans, self._loader = self._merge()
-        rid = t.request.request_id
-        for first, end, blocks in self._spans:
-            held = t.block_ids[first:end]
-            if not blocks.isdisjoint(held) and any(self._loader.get(b, rid) != rid for b in held):
-                return True
-        return False
-
-    def load_of(self, block: int, position: int) -> _Load | None:
-        """The oldest load not settled that filled ``position`` of its request with ``block``."""
-        for u in self._loads:  # in step order
-            i = position - u.first
-            if 0 <= i < len(u.block_ids) and u.block_ids[i] == block:
-                return u
-        return None
-
-    def _merge(self) -> tuple[list[tuple[int, int, frozenset[int]]], dict[int, str]]:
-        loader: dict[int, str] = {}
-        for u in self._loads:  # a block freed and loaded again: its latest loader
-            loader.update(dict.fromkeys(u.block_ids, u.req_id))
-        spans: list[tuple[int, int, set[int]]] = []
-        for u in sorted(self._loads, key=lambda u: u.first):
-            if spans and u.first <= spans[-1][1]:
-                first, end, blocks = spans[-1]
-                spans[-1] = (first, max(end, u.end), blocks)
-                blocks.update(u.block_ids)
-            else:
-                spans.append((u.first, u.end, set(u.block_ids)))
-        return [(a, b, frozenset(c)) for a, b, c in spans], loader
-
-
-class _Poisoned:
-    """vLLM blocks whose K/V is wrong while vLLM's prefix cache may still hand them out.
-
-    vLLM (0.32 and 0.33, ``_handle_invalid_blocks``) rolls back only the running requests that hold
-    a block whose load failed. When the loader was aborted or preempted before that step's output,
-    nobody recomputes it, yet the block keeps its hash, and so do the blocks computed over it: a
-    later request takes them from the prefix cache and computes over garbage. Such a request is
-    *tainted* at the first poisoned block it took (``_Tracked.poisoned_at``): nothing from there on
-    is saved, and the blocks it computes are poisoned in turn::
-
-        failed load, loader gone      [ a | X | Y ]          X failed, Y computed over it: poisoned
-        later request, prefix hit     [ a | X | Y | c | d ]  tainted at X: saves stop before it, c, d poisoned
-
-    A block stops being poisoned once a clean request writes all of it itself (computed, or loaded
-    from kvstore): vLLM handed it out afresh (its old hash dropped), or the loader, rolled back,
-    computes it again. The set holds vLLM block ids, so it never outgrows vLLM's block pool; it is
-    usually empty, and then costs nothing a step."""
-
-    def __init__(self, block_size: int) -> None:
-        self._bs = block_size
-        self.blocks: set[int] = set()
-        self.tainted: set[str] = set()  # requests with poisoned_at set
-
-    def active(self) -> bool:
-        return bool(self.blocks or self.tainted)
-
-    def failed(self, block_ids: Sequence[int], invalid: set[int]) -> int | None:
-        """The loads into ``invalid`` failed: poison them, and the blocks after the first of them in a
-        request's ``block_ids`` (computed over it). Returns that first position, or None."""
-        first = next((i for i, b in enumerate(block_ids) if b in invalid), None)
-        if first is not None:
-            self.blocks.update(block_ids[first:])
-        return first
-
-    def scheduled(self, steps: list[tuple[_Tracked, int, int, bool]]) -> None:
-        """A step's requests, each as (request, the first of its blocks it writes itself, its tokens
-        after the step, whether it was (re)scheduled from waiting: its blocks before that one are
-        vLLM's prefix-cache hits). The blocks it completes this step are clean, or poisoned when it is
-        tainted; a request taking a poisoned block from the prefix cache is tainted from it."""
-        bs = self._bs
-        for t, _, _, fresh in steps:
-            if fresh:  # its prefix is looked at again below; what it computed before is gone
-                t.poisoned_at = None
-                self.tainted.discard(t.request.request_id)
-        # completions first: a block one request computes again this step is good for another
-        # request that takes it from the prefix cache in the same step (vLLM computes both at once)
-        for t, own, after, _ in steps:
-            done = t.block_ids[own : after // bs]
-            if t.poisoned_at is None:
-                self.blocks.difference_update(done)
-            else:
-                self.blocks.update(done)
-        for t, own, after, fresh in steps:
-            if fresh:
-                held = 0
-            elif t.relies_at is not None and t.poisoned_at is None:
-                # a failed block it holds that vLLM left for the load's request to compute again: if
-                # that has not happened by now (the request aborted, preempted, or computing it in
-                # a later chunk), what this one computes stands on it
-                held, t.relies_at = t.relies_at, None
-            else:
-                continue
-            if not self.blocks:
-                continue
-            hit = next((held + i for i, b in enumerate(t.block_ids[held:own]) if b in self.blocks), None)
-            if hit is not None:
-                t.poisoned_at = hit * bs
-                self.tainted.add(t.request.request_id)
-                self.blocks.update(t.block_ids[own : after // bs])
-
-    def finished(self, t: _Tracked) -> None:
-        if t.poisoned_at is not None:
-            self.tainted.discard(t.request.request_id)
 
 
 def _token_ids(request: Any) -> list[int] | None:
@@ -423,15 +254,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._hits: dict[str, tuple[int, int]] = {}  # request -> (kvstore's tokens, vLLM's own)
         self._loads: dict[str, tuple[int, int]] = {}  # request -> (start, end) to load this step
         self._requests: dict[str, Any] = {}
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         self._final: list[Transfer] = []  # saves of finished requests, for the next step's workers
         # finished requests sharing blocks of a load not settled: (request, its tokens computed)
-        self._deferred: dict[str, tuple[_Tracked, int]] = {}
+        self._deferred: dict[str, tuple[Tracked, int]] = {}
         self._held: list[str] = []  # requests deferred since the last step (KVStoreMetadata.held)
         self._dropped: list[str] = []  # deferred requests whose shared load failed: nothing saved
         self._step = 0  # steps scheduled (build_connector_meta calls)
-        self._unsettled = _Unsettled()  # loads of the last ``depth`` steps (see _shares_unsettled)
-        self._poison = _Poisoned(self._bs)
+        self._unsettled = Unsettled()  # loads of the last ``depth`` steps (see _shares_unsettled)
+        self._poison = Poisoned(self._bs)
         # block tables of requests that finished while a load they hold was not settled, by step: a
         # failed load poisons the blocks they computed over it (see update_connector_output)
         self._gone: deque[tuple[int, list[int]]] = deque()
@@ -514,9 +345,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._gone.popleft()
         so = scheduler_output
         # loads first, saves after: a request's save waits for every load of this step into its blocks
-        computed: list[tuple[_Tracked, int]] = []  # requests not loading, and their tokens after this step
+        computed: list[tuple[Tracked, int]] = []  # requests not loading, and their tokens after this step
         watch = self._poison.active()
-        steps: list[tuple[_Tracked, int, int, bool]] = []  # see _Poisoned.scheduled
+        steps: list[tuple[Tracked, int, int, bool]] = []  # see Poisoned.scheduled
         bs = self._bs
         for nr in so.scheduled_new_reqs:
             rid = nr.req_id
@@ -527,7 +358,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             if watch:  # its own blocks start after vLLM's prefix-cache hit (a load writes its own)
                 local = self._loads[rid][0] if rid in self._loads else nr.num_computed_tokens
                 own = -(-local // bs)
-            t = _Tracked(
+            t = Tracked(
                 request,
                 Variant.of(request),
                 list(nr.block_ids[0]),
@@ -592,7 +423,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 del self._hits[rid]
         return meta
 
-    def _plan_load(self, meta: KVStoreMetadata, t: _Tracked) -> bool:
+    def _plan_load(self, meta: KVStoreMetadata, t: Tracked) -> bool:
         """Load what vLLM counted on from kvstore; True when a load is planned. The request's save
         then waits for a later step: the tokens this step computes after the load are computed over
         its blocks, and only once the workers' load errors reached vLLM (which recomputes what
@@ -607,22 +438,22 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta.loads.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), start, end))
         t.loaded_at = self._step
         first, last = start // self._bs, -(-end // self._bs)
-        self._unsettled.add(_Load(self._step, rid, first, last, tuple(t.block_ids[first:last])))
+        self._unsettled.add(Load(self._step, rid, first, last, tuple(t.block_ids[first:last])))
         return True
 
-    def _settled(self, t: _Tracked) -> bool:
+    def _settled(self, t: Tracked) -> bool:
         """Whether the output of the step that last loaded ``t`` has reached vLLM (its load errors
         applied: the request rolled back to the first failed block) before this step was scheduled,
         and no block of ``t`` is in another request's load not settled yet."""
         return self._step - t.loaded_at >= self._depth and not self._shares_unsettled(t)
 
-    def _shares_unsettled(self, t: _Tracked) -> bool:
+    def _shares_unsettled(self, t: Tracked) -> bool:
         """Whether ``t`` holds a block that another request loads in a step not settled yet: vLLM's
         prefix cache hands the blocks of a load to the requests scheduled after it, which compute
         over them in the same step. Had the load failed, what they computed is wrong until vLLM,
         given the step's load errors, rolls them back and they compute it again (see
         update_connector_output), so nothing of it is saved before the load is known good. Only
-        the positions loads filled are looked at (see _Unsettled): the cost is the loaded blocks',
+        the positions loads filled are looked at (see Unsettled): the cost is the loaded blocks',
         not the requests' lengths (64 requests of 8192 blocks and a load of 64 blocks: 16 ms a step
         walking every block, 0.08 ms so)."""
         return self._unsettled.shared_by(t)
@@ -638,7 +469,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         over the failed blocks is never saved, and its blocks go back with the next step.
 
         vLLM leaves the failed blocks, and those computed over them, in its prefix cache: they are
-        poisoned until a request computes them again (see _Poisoned), which a request rolled back
+        poisoned until a request computes them again (see Poisoned), which a request rolled back
         does, and an aborted or preempted one does not.
 
         With steps in flight (async scheduling) a request sharing a failed block is not rolled back
@@ -661,7 +492,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._poison.tainted.add(t.request.request_id)
             elif not self._loads_itself(t, first):
                 # vLLM counts the block as computed for it, relying on the load's request to compute
-                # it again: looked at when it is next scheduled (see _Poisoned.scheduled)
+                # it again: looked at when it is next scheduled (see Poisoned.scheduled)
                 t.relies_at = first if t.relies_at is None else min(t.relies_at, first)
         for rid, (t, _) in list(self._deferred.items()):
             if self._poison.failed(t.block_ids, invalid) is not None:
@@ -670,7 +501,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         for _, block_ids in self._gone:
             self._poison.failed(block_ids, invalid)
 
-    def _keeps_wrong_kv(self, t: _Tracked, first: int) -> bool:
+    def _keeps_wrong_kv(self, t: Tracked, first: int) -> bool:
         """Whether vLLM keeps what ``t`` computed over its failed block at position ``first``.
 
         vLLM recomputes a failed block with the first running request holding it (the loader, rolled
@@ -690,13 +521,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         u = self._unsettled.load_of(t.block_ids[first], first)
         return u is not None and u.req_id != t.request.request_id and t.scheduled_at > u.step
 
-    def _loads_itself(self, t: _Tracked, first: int) -> bool:
+    def _loads_itself(self, t: Tracked, first: int) -> bool:
         """Whether ``t`` is the request whose load filled its failed block at position ``first`` (the
         one vLLM rolls back to it, to compute it again); unknown loads count as another's."""
         u = self._unsettled.load_of(t.block_ids[first], first)
         return u is not None and u.req_id == t.request.request_id
 
-    def _save_end(self, t: _Tracked, computed: int) -> int:
+    def _save_end(self, t: Tracked, computed: int) -> int:
         """Where a save of what ``t`` computed up to token ``computed`` would end (whole blocks); not
         past ``t.saved`` when there is nothing to save."""
         if not self.settings.save or _token_ids(t.request) is None:
@@ -719,7 +550,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 end = min(end, hit * self._bs)
         return end // self._T * self._T
 
-    def _plan_save(self, saves: list[Transfer], t: _Tracked, computed: int) -> None:
+    def _plan_save(self, saves: list[Transfer], t: Tracked, computed: int) -> None:
         """Save what ``t`` computed up to token ``computed`` that is not saved yet (whole blocks)."""
         end = self._save_end(t, computed)
         if end <= t.saved:

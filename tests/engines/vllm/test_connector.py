@@ -16,7 +16,7 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError
 from kvstore.integrations import vllm as connector
-from kvstore.integrations import vllm_layout
+from kvstore.integrations import vllm_layout, vllm_tracking
 from kvstore.wire.errors import ServerError
 from tests.hardening.conftest import endpoint_of, wait_until, write_config
 
@@ -563,12 +563,12 @@ def test_a_request_aborted_while_sharing_a_load_not_settled_is_saved_only_if_the
 def test_a_request_shares_a_load_only_where_the_load_filled_its_own_positions() -> None:
     """The scheduler looks at the positions loads filled, not at every block of every request:
     vLLM's prefix cache shares a block only at its own position."""
-    loads = connector._Unsettled()
-    loads.add(connector._Load(step=1, req_id="loader", first=2, end=5, block_ids=(20, 21, 22)))
-    loads.add(connector._Load(step=2, req_id="other", first=4, end=6, block_ids=(40, 41)))
+    loads = vllm_tracking.Unsettled()
+    loads.add(vllm_tracking.Load(step=1, req_id="loader", first=2, end=5, block_ids=(20, 21, 22)))
+    loads.add(vllm_tracking.Load(step=2, req_id="other", first=4, end=6, block_ids=(40, 41)))
 
     def tracked(rid: str, block_ids: list[int]) -> Any:
-        return connector._Tracked(SimpleNamespace(request_id=rid), connector.Variant(), block_ids, 0, None)
+        return vllm_tracking.Tracked(SimpleNamespace(request_id=rid), connector.Variant(), block_ids, 0, None)
 
     assert not loads.shared_by(tracked("loader", [1, 2, 20, 21, 22, 9]))  # its own load
     assert loads.shared_by(tracked("b", [1, 2, 20]))  # a block table shorter than the load
