@@ -38,6 +38,7 @@ the socket in socket_path.py, K/V through shared memory in shm/client_path.py.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -52,7 +53,7 @@ import zmq
 from kvstore.chains import Chain, KeyChain, TokenChain, as_chain
 from kvstore.connection import Connection
 from kvstore.daemon.auth import ClientKeys
-from kvstore.errors import InvalidNamespace, LayoutError
+from kvstore.errors import ConfigError, InvalidNamespace, LayoutError
 from kvstore.keys import Namespace, TokenInput
 from kvstore.kvbuffers import KVTarget, PagedKV, check_target, empty_kv, target_tokens
 from kvstore.layout import KVLayout
@@ -60,6 +61,7 @@ from kvstore.results import (
     BlockInfo,
     EvictResult,
     GetResult,
+    InvalidRequest,
     LookupResult,
     PrefetchResult,
     PutResult,
@@ -90,10 +92,21 @@ from kvstore.wire.messages import (
 
 def _endpoint(endpoint: str | None) -> str:
     """``endpoint`` (default: $KVSTORE_ENDPOINT, else the default socket); ConfigError for one a
-    daemon listens on but nobody can connect to (``tcp://*:5555``)."""
+    daemon listens on but nobody can connect to (``tcp://*:5555``), or no text at all."""
     from kvstore.config import check_connect_endpoint, default_endpoint
 
+    if endpoint is not None and not isinstance(endpoint, str):
+        raise ConfigError(f"endpoint must be a string like 'ipc:///path/kv.sock', got {endpoint!r}")
     return check_connect_endpoint(endpoint or os.environ.get("KVSTORE_ENDPOINT") or default_endpoint())
+
+
+def _seconds(name: str, v: Any, *, zero: bool = False) -> float:
+    """``v`` seconds, a finite number above 0 (or 0 when ``zero``); InvalidRequest naming ``name``."""
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    if not ok or v < 0 or (v == 0 and not zero):
+        least = "0 or more" if zero else "more than 0"
+        raise InvalidRequest(f"{name} must be a finite number of seconds, {least}; got {v!r}")
+    return float(v)
 
 
 # ---- the data of operator replies (DataOk carries any msgpack value): checked before it is used ----
@@ -205,6 +218,7 @@ class KVStoreClient:
         raises it at once (a caller that would rather recompute than wait)."""
         if (model is None) != (layout is None):
             raise InvalidNamespace("give both model and layout (or neither, for an operator's client)")
+        timeout = _seconds("timeout", timeout)
         self.namespace = (
             None
             if model is None or layout is None
@@ -540,7 +554,7 @@ class KVStoreClient:
         asks the daemon to answer within half the client's timeout, so a long
         flush never looks like a dead daemon.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + _seconds("timeout", timeout, zero=True)
         while True:
             step = self._conn.timeout / 2
             if deadline is not None:

@@ -310,14 +310,22 @@ def _int(lo: int, hi: int) -> Callable[[Any], int]:
     return check
 
 
+MAX_SIZE = 1 << 50  # 1024 TiB: any size past it is a typo (and past 2**63 the daemon's own numbers overflow)
+
+
 def _size(lo: int) -> Callable[[Any], int]:
     def check(v: Any) -> int:
         try:
             n = parse_size(v)
         except ConfigError as e:
-            raise _Invalid(f"a size of at least {lo} bytes, like '512MiB' or '8GiB'") from e
+            raise _Invalid(
+                f"a size of at least {lo} bytes, like '512MiB' or '8GiB' (units B, KiB, MiB, GiB, TiB; "
+                "KB, MB, GB, TB decimal)"
+            ) from e
         if n < lo:
             raise _Invalid(f"a size of at least {lo} bytes, like '512MiB' or '8GiB'")
+        if n > MAX_SIZE:
+            raise _Invalid(f"a size of at most {MAX_SIZE >> 40}TiB")
         return n
 
     return check

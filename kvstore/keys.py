@@ -46,7 +46,11 @@ def _check_field(name: str, value: Any, *, allow_empty: bool) -> str:
         raise InvalidNamespace(f"namespace {name} must be a string, got {type(value).__name__}")
     if not value and not allow_empty:
         raise InvalidNamespace(f"namespace {name} must not be empty")
-    if len(value.encode()) > _MAX_FIELD:
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError:
+        raise InvalidNamespace(f"namespace {name} {value!r} is not valid UTF-8 text") from None
+    if size > _MAX_FIELD:
         raise InvalidNamespace(f"namespace {name} is longer than {_MAX_FIELD} bytes")
     if any(ord(c) < 32 for c in value):
         raise InvalidNamespace(f"namespace {name} {value!r} contains control characters")

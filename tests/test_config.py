@@ -262,6 +262,12 @@ def test_env_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None
         ("hbm", "device", '"tpu"', "cuda:N"),
         ("hbm", "capacity", '"8 GiBs"', "size"),
         ("hbm", "capacity", "0", "at least 1"),
+        # sizes past any machine: the pools' numbers overflowed (a traceback at start, or stats failing)
+        ("hbm", "capacity", "1e+20", "at most 1024TiB"),
+        ("ram", "capacity", '"1000000000TiB"', "at most 1024TiB"),
+        ("nvme", "capacity", '"9999999999999999999"', "at most 1024TiB"),
+        ("server", "max_message_bytes", "1e+30", "at most 1024TiB"),
+        ("hbm", "capacity", '"99PiB"', "units B, KiB"),
         ("ram", "capacity", "-5", "size"),
         ("ram", "codec", '"int4"', "fp8, int8, raw"),
         ("ram", "pin_memory", "2", "'auto'"),

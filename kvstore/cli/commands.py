@@ -67,12 +67,16 @@ def check_reachable(endpoint: str) -> None:
     path = ipc_socket_path(endpoint)
     if path is None:
         return
-    if path.parent.is_dir() and not os.access(path.parent, os.X_OK):
-        raise Unreachable(
-            f"cannot reach the daemon at {endpoint}: {path.parent} belongs to another user; "
-            "run this command as the daemon's user"
-        )
-    if not path.exists():
+    try:
+        if path.parent.is_dir() and not os.access(path.parent, os.X_OK):
+            raise Unreachable(
+                f"cannot reach the daemon at {endpoint}: {path.parent} belongs to another user; "
+                "run this command as the daemon's user"
+            )
+        there = path.exists()
+    except OSError as e:  # a name too long for the filesystem, say
+        raise Unreachable(f"cannot reach the daemon at {endpoint}: {e.strerror}") from None
+    if not there:
         raise Unreachable(f"no kvstore daemon is running at {endpoint}; {START_HINT}")
 
 

@@ -311,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and cross-check; usage errors exit 2 with a message naming the flag."""
     args, extra = build_parser().parse_known_args(argv)
@@ -320,6 +328,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         close = difflib.get_close_matches(extra[0], known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    for name, value in vars(args).items():  # an argument of bytes that are no UTF-8 (a shell's $'\xff')
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str) and not _utf8(text):
+                parser.error(f"argument --{name.replace('_', '-')}: {text!r} is not valid UTF-8 text")
     if args.command != "serve" and getattr(args, "endpoint", None):
         try:  # serve listens there; every other command connects
             check_connect_endpoint(args.endpoint)

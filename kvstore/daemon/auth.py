@@ -62,7 +62,7 @@ ENV_SERVER_KEY, ENV_SECRET_KEY, ENV_PUBLIC_KEY = (
 
 def parse_key(text: str | bytes, what: str) -> bytes:
     """``text`` as a Z85 key (bytes); ConfigError naming ``what`` unless it is 40 Z85 characters of 32 bytes."""
-    raw = text.encode() if isinstance(text, str) else bytes(text)
+    raw = text.encode(errors="replace") if isinstance(text, str) else bytes(text)  # not UTF-8: no key
     raw = raw.strip()
     try:
         ok = len(raw) == KEY_CHARS and len(z85.decode(raw)) == 32

@@ -422,9 +422,17 @@ class ClientProtocol:
         if isinstance(msg, Put):
             _check_put_payload(msg, LocalProtocolError)
         rid = self._next_id
+        try:
+            frames = encode(rid, msg)
+        except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as e:
+            # a field msgpack cannot carry (an integer past 64 bits, a string that is no UTF-8): the
+            # caller's argument, named as such; nothing was sent
+            raise LocalProtocolError(
+                "invalid_argument", f"{type(msg).__name__}: an argument cannot be sent ({e})"
+            ) from None
         self._next_id += 1
         self.pending[rid] = msg.op
-        return rid, encode(rid, msg)
+        return rid, frames
 
     def receive(self, frames: list[Buffer]) -> tuple[int, Message] | None:
         """The (request id, reply) in ``frames``: a typed reply or an ErrorReply.

@@ -331,3 +331,25 @@ def test_demo_lengths_are_bounded_by_the_models_context() -> None:
         r = run_cli("demo", flag, str(most + 1))
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert f"argument {flag}: {most + 1} is over {most}" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["inspect", "--session", "\udcff"],  # a shell's $'\xff': bytes that are no UTF-8
+        ["evict", "--model", "x\udcff"],
+        ["evict", "--tenant", "\udcff", "--dry-run"],
+        ["serve", "--endpoint", "ipc:///tmp/\udcff.sock"],
+    ],
+)
+def test_an_argument_that_is_no_utf8_is_a_usage_error_naming_it(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = usage_error(argv, capsys)
+    assert "is not valid UTF-8 text" in err and f"argument {argv[1]}" in err
+
+
+def test_an_endpoint_path_too_long_for_the_filesystem_is_one_line(tmp_path: Path) -> None:
+    r = run_cli("stats", "--endpoint", f"ipc://{tmp_path}/{'a' * 300}")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert one_line(r).startswith("kvstore: cannot reach the daemon at ipc://") and "too long" in r.stderr
