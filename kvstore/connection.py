@@ -230,9 +230,15 @@ class Connection:
                     self.proto.forget(rid)
                 if cause is not None:
                     raise cause
-                hint = (
-                    " (and does its curve_allowed_keys list this client's public key?)" if self.curve else ""
-                )
+                if self.curve:
+                    hint = " (and does its curve_allowed_keys list this client's public key?)"
+                elif self.endpoint.startswith("tcp://"):  # a CURVE daemon drops a plain client unanswered
+                    hint = (
+                        " (a daemon on tcp:// with CURVE answers only clients with keys: set "
+                        "KVSTORE_CURVE_SERVER_KEY and KVSTORE_CURVE_SECRET_KEY)"
+                    )
+                else:
+                    hint = ""
                 raise RequestTimeout(
                     f"no reply from {self.endpoint} within {self.timeout}s ({reason}) after "
                     f"{attempts + 1} attempt(s); is the daemon running{hint}?"

@@ -284,7 +284,7 @@ def test_a_client_without_curve_or_with_a_wrong_server_key_gets_nothing(
         monkeypatch.delenv(name, raising=False)
     requests, _ = _counters(curve)
     with KVStoreClient(curve.endpoint, timeout=0.5, retries=0) as plain:
-        with pytest.raises(RequestTimeout):
+        with pytest.raises(RequestTimeout, match="set KVSTORE_CURVE_SERVER_KEY and KVSTORE_CURVE_SECRET_KEY"):
             plain.ping()
     # a listed client key but the wrong daemon key: the client cannot prove the daemon, nor the daemon it
     with KVStoreClient(
