@@ -311,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# arguments that reach the daemon (or ZeroMQ) as text
+_SENT_AS_TEXT = ("endpoint", "session", "model", "tenant", "namespace", "revision")
+
+
 def _utf8(text: str) -> bool:
     try:
         text.encode()
@@ -328,10 +332,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         close = difflib.get_close_matches(extra[0], known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
-    for name, value in vars(args).items():  # an argument of bytes that are no UTF-8 (a shell's $'\xff')
-        for text in value if isinstance(value, list) else [value]:
-            if isinstance(text, str) and not _utf8(text):
-                parser.error(f"argument --{name.replace('_', '-')}: {text!r} is not valid UTF-8 text")
+    for name in _SENT_AS_TEXT:  # bytes that are no UTF-8 (a shell's $'\xff'); file paths may be any
+        text = getattr(args, name, None)
+        if isinstance(text, str) and not _utf8(text):
+            parser.error(f"argument --{name.replace('_', '-')}: {text!r} is not valid UTF-8 text")
     if args.command != "serve" and getattr(args, "endpoint", None):
         try:  # serve listens there; every other command connects
             check_connect_endpoint(args.endpoint)

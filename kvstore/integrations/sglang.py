@@ -49,7 +49,7 @@ from kvstore.client import KVStoreClient
 from kvstore.config import check_connect_endpoint, check_endpoint
 from kvstore.errors import ConfigError, LayoutError
 from kvstore.integrations.backoff import Backoff
-from kvstore.integrations.vllm_settings import seconds
+from kvstore.integrations.vllm_settings import ClientsClosed, seconds
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout, dtype_name
 from kvstore.results import MISSING_PARENT
@@ -103,6 +103,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.client: KVStoreClient | None = None  # lookups and loads: a busy daemon is a miss
         self._saver: KVStoreClient | None = None  # stores: made on the first, waits out busy
         self._saver_lock = threading.Lock()
+        self._closed = False  # no saver is made after close
         self._pages: _HostPages | None = None
         self.backoff = Backoff(log)  # a daemon that does not answer is left alone a while
 
@@ -129,8 +130,10 @@ class KVStoreHiCache(HiCacheStorage):
         if self.client is not None:
             self.client.close()
         with self._saver_lock:
-            if self._saver is not None:
-                self._saver.close()
+            self._closed = True
+            saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.close()
 
     # -- the v1 (zero-copy) interface ---------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -218,6 +221,8 @@ class KVStoreHiCache(HiCacheStorage):
     def _saving_client(self) -> KVStoreClient:
         self._client()  # attached, or LayoutError
         with self._saver_lock:
+            if self._closed:
+                raise ClientsClosed("kvstore's backend is closed (SGLang shut it down)")
             if self._saver is None:
                 self._saver = self._new_client(wait_when_busy=True)
             return self._saver

@@ -330,6 +330,7 @@ class SharedPlane:
         sweep waits on the lock. Another request of ``peer`` meanwhile waits for that segment.
         StagingFull as ``_client``."""
         with self._lock:
+            self._sweep(self.clock())  # idle segments go first: they count against the budget
             if peer in self._clients or self._closed:
                 return
             making = self._making.get(peer)

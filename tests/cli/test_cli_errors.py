@@ -353,3 +353,8 @@ def test_an_endpoint_path_too_long_for_the_filesystem_is_one_line(tmp_path: Path
     r = run_cli("stats", "--endpoint", f"ipc://{tmp_path}/{'a' * 300}")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert one_line(r).startswith("kvstore: cannot reach the daemon at ipc://") and "too long" in r.stderr
+
+
+def test_a_file_path_that_is_no_utf8_is_taken_as_a_path() -> None:
+    """A file may be named with any bytes: only what reaches the daemon as text must be UTF-8."""
+    assert parse_args(["stats", "--config", "/tmp/\udcff.toml"]).config == "/tmp/\udcff.toml"

@@ -241,6 +241,21 @@ def test_a_staging_segment_is_made_outside_the_planes_lock(shm_dir: Path, monkey
         plane.close()
 
 
+def test_idle_staging_segments_make_room_for_a_new_clients_first_reserve(shm_dir: Path) -> None:
+    """The budget holds two segments, both of clients gone quiet: a third client's first reserve
+    (a client that only stores asks nothing else) finds them swept, not the budget full."""
+    clock = Clock()
+    plane = SharedPlane(shm_dir, staging_bytes=2 << 20, per_client=1 << 20, lease=5.0, clock=clock)
+    try:
+        for peer in (b"a", b"b"):
+            plane.take(plane.reserve(peer, 4096).handle)
+        clock.now += 1000  # both idle for long
+        assert plane.reserve(b"c", 4096).nbytes == 4096
+        assert plane.stats()["staging_clients"] == 1
+    finally:
+        plane.close()
+
+
 def test_a_staging_segment_made_while_the_plane_closes_is_removed(shm_dir: Path, monkeypatch: Any) -> None:
     plane = SharedPlane(shm_dir, staging_bytes=4 << 20, per_client=1 << 20, lease=5.0)
     making, go = threading.Event(), threading.Event()

@@ -497,3 +497,14 @@ def test_a_busy_daemon_is_a_miss_at_once_for_lookups_and_loads_and_waited_out_by
         store.close()
     finally:
         busy.close()
+
+
+def test_a_store_after_close_is_not_stored_and_makes_no_client(daemon: Any) -> None:
+    """SGLang's backup thread may still store while the backend shuts down: nothing is left open."""
+    pool = host_pool("page_first")
+    store = backend(daemon.endpoint, pool)
+    keys = page_hashes(1, salt=15)
+    fill(pool, [0], seed=15)
+    store.close()
+    assert store.batch_set_v1(keys, slots([0])) == [False]
+    assert store._saver is None
