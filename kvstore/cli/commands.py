@@ -189,6 +189,9 @@ def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
                 return EXIT_FAILED
         result = plain(client.evict(**flt, dry_run=args.dry_run))
         _emit(args, result, display.render_evict, out)
+        if args.session is not None and not result["blocks"] and not args.json:
+            if all(s.name != args.session for s in client.sessions()):  # a typo, most likely
+                sys.stderr.write(f"no session {args.session!r} here (kvstore inspect lists them)\n")
     return EXIT_FAILED if result.get("not_done") else EXIT_OK  # a part left to do: scripts see it
 
 

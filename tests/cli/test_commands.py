@@ -548,6 +548,9 @@ def test_operator_commands_against_a_real_daemon(daemon: Path, tmp_path: Path) -
     assert missing.stderr.strip().splitlines() == [
         "kvstore: no session 'nope'; list them with inspect [not_found]"
     ]
+    typo = run_cli("evict", "--session", "nope", "--config", str(daemon))  # nothing to evict, and says why
+    assert typo.returncode == 0 and "no blocks matched" in typo.stdout
+    assert typo.stderr.strip().splitlines() == ["no session 'nope' here (kvstore inspect lists them)"]
 
 
 def run_on_terminal(argv: list[str], answer: str) -> tuple[int, str, str]:
