@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -80,6 +81,20 @@ def _at_most(limit: int, why: str) -> Callable[[str], int]:
         return n
 
     return check
+
+
+def _namespace_arg(text: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{16}", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a namespace id: 16 hex digits, as `kvstore inspect` shows them"
+        )
+    return text
+
+
+def _nonempty_arg(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _endpoint_arg(text: str) -> str:
@@ -201,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="layout of --tokens, e.g. L=30,H=3,D=64,dtype=bfloat16,T=64",
     )
-    p.add_argument("--tenant", default="default", help="tenant of --tokens (default: default)")
-    p.add_argument("--revision", default="", help="model revision of --tokens")
+    p.add_argument("--tenant", help="tenant of --tokens (default: default)")
+    p.add_argument("--revision", help="model revision of --tokens")
     p.set_defaults(parser=p)
 
     p = sub.add_parser(
@@ -222,9 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(*TIERS, "cluster"),
         help="blocks held in this tier move down one tier (cluster: the cluster's copies are deleted)",
     )
-    p.add_argument("--model", help="blocks of this model id")
-    p.add_argument("--tenant", help="blocks of this tenant")
-    p.add_argument("--namespace", metavar="ID", help="blocks of this namespace id (see inspect)")
+    p.add_argument("--model", type=_nonempty_arg, help="blocks of this model id")
+    p.add_argument("--tenant", type=_nonempty_arg, help="blocks of this tenant")
+    p.add_argument(
+        "--namespace", type=_namespace_arg, metavar="ID", help="blocks of this namespace id (see inspect)"
+    )
     p.add_argument("--all", action="store_true", help="every block (asks first; --yes to skip)")
     p.add_argument("--dry-run", action="store_true", help="only report what would be evicted")
     p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
@@ -346,8 +363,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(
                 "inspect --tokens needs --model and --layout (the namespace the tokens were stored under)"
             )
-        if args.tokens is None and (args.model or args.layout):
-            parser.error("inspect: --model and --layout only go with --tokens")
+        given = [f"--{f}" for f in ("model", "layout", "tenant", "revision") if getattr(args, f) is not None]
+        if args.tokens is None and given:
+            parser.error(f"inspect: {' and '.join(given)} only go with --tokens")
+        args.tenant = "default" if args.tenant is None else args.tenant
+        args.revision = "" if args.revision is None else args.revision
         if args.tokens is not None and args.session is not None:
             parser.error("inspect: give --session or --tokens, not both")
     if args.command == "evict":

@@ -90,6 +90,20 @@ def test_mistyped_flag_gets_a_suggestion(capsys: pytest.CaptureFixture[str]) -> 
 def test_inspect_tokens_needs_the_namespace(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs --model and --layout" in usage_error(["inspect", "--tokens", "f"], capsys)
     assert "only go with --tokens" in usage_error(["inspect", "--model", "m"], capsys)
+    # --tenant and --revision name the tokens' namespace too: alone they were ignored, every tenant listed
+    assert "inspect: --tenant only go with --tokens" in usage_error(["inspect", "--tenant", "t"], capsys)
+    assert "--revision only go" in usage_error(["inspect", "--revision", "r"], capsys)
+    args = parse_args(["inspect", "--tokens", "f", "--model", "m", "--layout", "L=2,H=1,D=8"])
+    assert (args.tenant, args.revision) == ("default", "")
+
+
+def test_evict_filters_are_checked_before_anything_is_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    # a namespace id that is none, or an empty model or tenant, matched nothing and said only that
+    err = usage_error(["evict", "--namespace", "zz"], capsys)
+    assert "'zz' is not a namespace id: 16 hex digits" in err
+    assert "must not be empty" in usage_error(["evict", "--model", ""], capsys)
+    assert "must not be empty" in usage_error(["evict", "--tenant", " "], capsys)
+    assert parse_args(["evict", "--namespace", "0123456789abcdef"]).namespace == "0123456789abcdef"
     assert "not both" in usage_error(
         ["inspect", "--session", "s", "--tokens", "f", "--model", "m", "--layout", "L=2,H=1,D=8"], capsys
     )
