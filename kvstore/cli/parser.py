@@ -133,6 +133,9 @@ def _int_field(name: str, value: str) -> int:
         raise argparse.ArgumentTypeError(f"layout {name} must be an integer, got {value!r}") from None
 
 
+MAX_TOKEN_ID = 2**32 - 1  # kvstore.keys.MAX_TOKEN_ID, not imported: kvstore.keys pulls in torch
+
+
 def read_tokens(path: str, stdin: IO[str] | None = None) -> list[int]:
     """Token ids from a file (``-`` = stdin): a JSON list, or integers separated by spaces, commas or newlines."""
     try:
@@ -153,6 +156,9 @@ def read_tokens(path: str, stdin: IO[str] | None = None) -> list[int]:
         ) from None
     if not isinstance(data, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in data):
         raise UsageError(f"{path} must hold a flat list of integer token ids")
+    bad = next((t for t in data if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise UsageError(f"{path}: token id {bad} is out of range (0 to {MAX_TOKEN_ID})")
     return data
 
 
@@ -209,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokens", metavar="FILE", help="token ids (JSON list or whitespace separated; - = stdin)"
     )
-    p.add_argument("--model", help="model id of --tokens")
+    p.add_argument("--model", type=_nonempty_arg, help="model id of --tokens")
     p.add_argument(
         "--layout",
         type=parse_layout,

@@ -95,6 +95,8 @@ def test_inspect_tokens_needs_the_namespace(capsys: pytest.CaptureFixture[str]) 
     assert "--revision only go" in usage_error(["inspect", "--revision", "r"], capsys)
     args = parse_args(["inspect", "--tokens", "f", "--model", "m", "--layout", "L=2,H=1,D=8"])
     assert (args.tenant, args.revision) == ("default", "")
+    err = usage_error(["inspect", "--tokens", "f", "--model", "", "--layout", "L=2,H=1,D=8"], capsys)
+    assert "argument --model: must not be empty" in err
 
 
 def test_evict_filters_are_checked_before_anything_is_asked(capsys: pytest.CaptureFixture[str]) -> None:
@@ -156,6 +158,14 @@ def test_read_tokens(tmp_path: Path) -> None:
             read_tokens(str(f))
     with pytest.raises(UsageError, match="cannot read"):
         read_tokens(str(tmp_path / "missing"))
+    for bad in ("[1, -2]", f"[{2**32}]"):  # refused here (a usage error), not by the client (exit 1)
+        f.write_text(bad)
+        with pytest.raises(UsageError, match="out of range"):
+            read_tokens(str(f))
+    from kvstore.cli.parser import MAX_TOKEN_ID
+    from kvstore.keys import MAX_TOKEN_ID as KEYS_MAX
+
+    assert MAX_TOKEN_ID == KEYS_MAX
     f.write_bytes(bytes(range(128, 256)))  # binary: not text at all
     with pytest.raises(UsageError, match="is not text"):
         read_tokens(str(f))
