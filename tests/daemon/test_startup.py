@@ -124,7 +124,7 @@ def test_a_tcp_endpoint_is_locked_too(start_daemon, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_start_up_is_logged_and_clients_wait_for_it(start_daemon, tmp_path: Path, capsys) -> None:
+def test_start_up_is_logged_and_clients_wait_for_it(start_daemon, tmp_path: Path) -> None:
     d: Daemon = start_daemon(slow_config(tmp_path, pools="1GiB"), ready=False)
     sock_path = tmp_path / "run" / "kv.sock"
     assert wait_for(sock_path.exists, 60), d.output()  # bound before the store is built
@@ -133,11 +133,6 @@ def test_start_up_is_logged_and_clients_wait_for_it(start_daemon, tmp_path: Path
         with pytest.raises(DaemonStarting, match="still starting") as e:
             quick.ping()
         assert "starting" in e.value.code
-    # so is a command, in one line, with no hint to start a daemon that is running
-    assert cli_main(["stats", "--endpoint", d.endpoint, "--timeout", "300ms"]) == 2
-    err = capsys.readouterr().err
-    assert "still starting" in err and "--timeout" in err and "kvstore serve" not in err, err
-    assert err.count("\n") == 1, err
     # one with a longer timeout waits through the start and gets its answer
     with KVStoreClient(d.endpoint, model=MODEL, layout=LAYOUT, timeout=60, retries=0) as c:
         tokens = list(range(4 * T))
@@ -230,3 +225,21 @@ def test_a_shm_dir_that_cannot_be_made_is_named_in_the_refusal(start_daemon, tmp
     assert "Traceback" not in log, log
     assert f"refusing to start: Not a directory: {tmp_path}/a-file/shm; check [server] shm_dir" in log, log
     assert "[nvme] path" not in log
+
+
+def test_a_command_run_while_the_daemon_starts_says_so_in_one_line(tmp_path: Path, capsys) -> None:
+    """A daemon answering "starting" past the command's --timeout: one line naming --timeout, and no
+    hint to start a daemon that is running."""
+    from tests.hardening.conftest import RefusingDaemon
+
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    starting = RefusingDaemon(
+        endpoint, "starting", "the daemon is starting (allocating the pools, 3 s so far); retry shortly"
+    )
+    try:
+        assert cli_main(["stats", "--endpoint", endpoint, "--timeout", "300ms"]) == 2
+    finally:
+        starting.close()
+    err = capsys.readouterr().err
+    assert "still starting" in err and "--timeout" in err and "kvstore serve" not in err, err
+    assert err.count("\n") == 1, err

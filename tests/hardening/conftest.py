@@ -253,10 +253,14 @@ def fill(fs: Path, leave: int = 0) -> Path:
     return path
 
 
-class BusyDaemon:
-    """A ROUTER that answers every request ``busy`` (nothing done), counting them."""
+class RefusingDaemon:
+    """A ROUTER that answers every request with the error ``code`` (nothing done), counting them:
+    ``busy`` (over a budget), ``starting`` (the store still being built)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(
+        self, endpoint: str, code: str = "busy", message: str = "injected: over the in-flight budget"
+    ) -> None:
+        self.code, self.message = code, message
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.bind(endpoint)
@@ -274,7 +278,7 @@ class BusyDaemon:
                 continue
             _, rid = read_header(frames[0], 1 << 20)
             self.requests += 1
-            reply = ErrorReply(code="busy", message="injected: over the in-flight budget")
+            reply = ErrorReply(code=self.code, message=self.message)
             self.sock.send_multipart([peer, *encode(rid, reply)])
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ from kvstore.integrations.vllm_settings import (
 from kvstore.layout import KVLayout
 from kvstore.wire.errors import ServerError
 from kvstore.wire.messages import Ping
-from tests.hardening.conftest import BusyDaemon, daemons, endpoint_of, wait_until, write_config  # noqa: F401 - a fixture
+from tests.hardening.conftest import RefusingDaemon, daemons, endpoint_of, wait_until, write_config  # noqa: F401 - a fixture
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=4)
 
@@ -283,9 +283,9 @@ def test_a_client_made_while_the_clients_close_is_closed_not_kept(daemon: Any) -
 
 
 @pytest.fixture
-def busy(tmp_path: Path) -> Iterator[tuple[BusyDaemon, str]]:
+def busy(tmp_path: Path) -> Iterator[tuple[RefusingDaemon, str]]:
     endpoint = f"ipc://{tmp_path}/busy.sock"
-    d = BusyDaemon(endpoint)
+    d = RefusingDaemon(endpoint)
     yield d, endpoint
     d.close()
 

@@ -476,10 +476,10 @@ def test_a_busy_daemon_is_a_miss_at_once_for_lookups_and_loads_and_waited_out_by
     backup thread's stores ask again within the timeout, on a client of their own."""
     import time
 
-    from tests.hardening.conftest import BusyDaemon
+    from tests.hardening.conftest import RefusingDaemon
 
     endpoint = f"ipc://{tmp_path}/busy.sock"
-    busy = BusyDaemon(endpoint)
+    busy = RefusingDaemon(endpoint)
     try:
         pool = host_pool("page_first")
         keys = page_hashes(2, salt=13)
