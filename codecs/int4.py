@@ -142,6 +142,8 @@ class Int4Codec(Codec):
         g, dtype = self.grouping, block.dtype
         x = block.to(torch.float32)
         if g.rotate and _rotation_fits(x, dtype):
+            # in float32, whatever the dtype: rounded to bfloat16 before quantizing, the rotated
+            # values moved SmolLM2's KL by 6% (bench/codec_quality.py); rotating back in it did not
             x = _rotate(x)
         elif g.rotate:  # rotated, values could pass the dtype's range: this frame goes unrotated
             g = Int4Params(g.k_axis, g.k_group, g.v_group, rotate=False)
@@ -177,9 +179,10 @@ class Int4Codec(Codec):
         expect_bytes(payload, sizes.total, "int4")
         dtype = layout.torch_dtype
         dims = [layout.num_layers, layout.block_tokens, layout.num_kv_heads, layout.head_dim]
-        # Rotated or clamped frames go through a float32 block; the others are written
-        # straight into the output dtype, group by group (one pass per K and per V).
-        via_float = g.rotate or clamp
+        # Clamped frames, and rotated ones of other dtypes than bfloat16, go through a float32
+        # block; the others are written straight into the output dtype, group by group (one pass
+        # per K and per V), and a bfloat16 block is rotated back in bfloat16 (see _rotate).
+        via_float = clamp or (g.rotate and dtype != torch.bfloat16)
         out = torch.empty(layout.shape(), dtype=torch.float32 if via_float else dtype, device=payload.device)
         packed = payload[sizes.total - sizes.packed :]
         pos = 0
@@ -190,18 +193,17 @@ class Int4Codec(Codec):
             s = payload[pos + n_stats : pos + 2 * n_stats].view(dtype).float().view(sshape)
             pos += 2 * n_stats
             nibbles = (packed & 15) if i == 0 else (packed >> 4)
-            q = nibbles[: math.prod(gshape)].view(gshape).float()
-            if clamp:  # z - 7.5 s may overflow next to the dtype's limit: centre the codes instead
-                q.sub_(_HALF)
-            else:
-                z = z - _HALF * s  # the value of code 0
+            # z + (q - 7.5) s, in place in q: the centred code times a 16-bit scale is exact in float32
+            # and cannot overflow (|q - 7.5| s <= 7.5 s, which the encoder kept finite), so the sum
+            # rounds once. On a CPU, three passes in place take 0.6-0.8 of addcmul's time into a
+            # 16-bit out (V's stats broadcast along the innermost dim, which addcmul does slowly).
+            q = nibbles[: math.prod(gshape)].view(gshape).float().sub_(_HALF)
+            q.mul_(s).add_(z)
             target = out[:, i]
-            if gshape[dim] * size == dims[dim]:  # groups tile the block: write in place
-                torch.addcmul(z, q, s, out=target.view(gshape))
+            if gshape[dim] * size == dims[dim]:  # groups tile the block
+                target.view(gshape).copy_(q)
             else:
-                target.copy_(
-                    torch.addcmul(z, q, s).view([*dims[:dim], -1, *dims[dim + 1 :]]).narrow(dim, 0, dims[dim])
-                )
+                target.copy_(q.view([*dims[:dim], -1, *dims[dim + 1 :]]).narrow(dim, 0, dims[dim]))
         if g.rotate:
             out = _rotate(out)
         if clamp:
@@ -248,12 +250,16 @@ def _hadamard(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
-    """Multiply the last dim by a block-diagonal orthonormal Hadamard matrix (applied twice: identity)."""
+    """Multiply the last dim by a block-diagonal orthonormal Hadamard matrix (applied twice: identity),
+    in ``x``'s dtype: float32, or bfloat16 on decode (the entries +-1/sqrt(n), n a power of two, are
+    exact in it, and the products are summed in float32; the one rounding it adds, of the decoded
+    value before rotating back, is 2^-9 of it, against int4's steps of 1/15 of a group's range, and
+    bfloat16 matrix units run it several times as fast: bench/codec_speed.py)."""
     d = x.shape[-1]
     n = d & -d  # largest power of two dividing d
     if n == 1:
         return x
-    return (x.reshape(*x.shape[:-1], d // n, n) @ _hadamard(n, x.device)).reshape(x.shape)
+    return (x.reshape(*x.shape[:-1], d // n, n) @ _hadamard(n, x.device).to(x.dtype)).reshape(x.shape)
 
 
 def _padded(n: int, g: int) -> int:
