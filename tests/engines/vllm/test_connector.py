@@ -56,6 +56,18 @@ class Worker:
         self.c.register_kv_caches(self.caches)
         self.loads: list[tuple[str, int, int]] = []
 
+    def start_step(self, meta: Any, before_load: Any = None) -> set[int]:
+        """The worker's side of a step up to its forward pass, as vLLM's model runner orders it: the
+        step's metadata bound, preemptions handled, ``before_load()`` (a test's hook, when the step
+        loads), the loads started; returns the blocks whose load failed. The loads are recorded."""
+        self.c.bind_connector_metadata(meta)
+        self.c.handle_preemptions(meta)
+        if before_load is not None and meta.loads:
+            before_load()
+        self.c.start_load_kv(None)
+        self.loads.extend((t.req_id, t.start, t.end) for t in meta.loads)
+        return set(self.c.get_block_ids_with_load_errors())
+
     def kv_at(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Tokens start..end-1 as the attention kernels would read them: [L, 2, n, H, D]."""
         L = self.layout
@@ -127,14 +139,8 @@ class Engine:
         so = self.sched.schedule()
         w = self.worker.c
         meta = so.kv_connector_metadata
-        w.bind_connector_metadata(meta)
-        w.handle_preemptions(meta)
-        if self.before_load is not None and meta.loads:
-            self.before_load()
-        w.start_load_kv(None)
-        errors = w.get_block_ids_with_load_errors()
+        errors = self.worker.start_step(meta, self.before_load)
         for t in meta.loads:
-            self.worker.loads.append((t.req_id, t.start, t.end))
             bad = set(t.block_ids) & errors
             if not bad:  # every loaded token where the kernels read it
                 got = self.worker.kv_at(t.block_ids, t.start, t.end)

@@ -79,14 +79,8 @@ class AsyncEngine:
         requests' num_computed_tokens already count its tokens)."""
         w = self.worker.c
         meta = so.kv_connector_metadata
-        w.bind_connector_metadata(meta)
-        w.handle_preemptions(meta)
-        if self.before_load is not None and meta.loads:
-            self.before_load()
-        w.start_load_kv(None)
-        errors = w.get_block_ids_with_load_errors()
+        errors = self.worker.start_step(meta, self.before_load)
         for t in meta.loads:
-            self.worker.loads.append((t.req_id, t.start, t.end))
             loaded = set(t.block_ids[t.start // BS : -(-t.end // BS)])
             self.wrong = (self.wrong - loaded) | (loaded & errors)
         batch = []
