@@ -160,7 +160,7 @@ class Int4Codec(Codec):
             s = round_up(divide(torch.maximum(hi - zf, zf - lo), _HALF), dtype)
             sf = s.float()
             # A constant group keeps s = 0 and decodes to z exactly, whatever its codes.
-            q = torch.div(t - zf, sf.masked_fill(sf == 0, 1.0)).add_(_HALF).round_().clamp_(0, 15)
+            q = torch.sub(t, zf).div_(sf.masked_fill(sf == 0, 1.0)).add_(_HALF).round_().clamp_(0, 15)
             edge = edge or float(torch.maximum(hi, -lo).max()) > 0.99 * torch.finfo(dtype).max
             pieces += [z.reshape(-1), s.reshape(-1)]
             codes.append(q.to(torch.uint8).reshape(-1))
@@ -236,7 +236,10 @@ def _rotation_fits(x: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether every rotated value stays well inside ``dtype`` (|y| <= sqrt(n) x absmax, n <= D)."""
     d = x.shape[-1]
     limit = torch.finfo(dtype).max / 4  # centres and scales, rounded up, must stay finite too
-    return bool(x.numel() == 0 or float(x.abs().amax()) * math.sqrt(d & -d) <= limit)
+    if x.numel() == 0:
+        return True
+    lo, hi = x.aminmax()
+    return max(-float(lo), float(hi)) * math.sqrt(d & -d) <= limit
 
 
 @lru_cache(maxsize=16)
