@@ -179,10 +179,10 @@ class Int4Codec(Codec):
         expect_bytes(payload, sizes.total, "int4")
         dtype = layout.torch_dtype
         dims = [layout.num_layers, layout.block_tokens, layout.num_kv_heads, layout.head_dim]
-        # Clamped frames, and rotated ones of other dtypes than bfloat16, go through a float32
-        # block; the others are written straight into the output dtype, group by group (one pass
-        # per K and per V), and a bfloat16 block is rotated back in bfloat16 (see _rotate).
-        via_float = clamp or (g.rotate and dtype != torch.bfloat16)
+        # Clamped frames, and rotated ones unless bfloat16 products are fast here (then a bfloat16
+        # block is rotated back in bfloat16: see _rotate), go through a float32 block; the others
+        # are written straight into the output dtype, group by group (one pass per K and per V).
+        via_float = clamp or (g.rotate and not (dtype == torch.bfloat16 and bf16_matmul_fast(payload.device)))
         out = torch.empty(layout.shape(), dtype=torch.float32 if via_float else dtype, device=payload.device)
         packed = payload[sizes.total - sizes.packed :]
         pos = 0
@@ -240,6 +240,25 @@ def _rotation_fits(x: torch.Tensor, dtype: torch.dtype) -> bool:
         return True
     lo, hi = x.aminmax()
     return max(-float(lo), float(hi)) * math.sqrt(d & -d) <= limit
+
+
+def bf16_matmul_fast(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products run on vector or matrix units on ``device``: a GPU, or a CPU
+    whose oneDNN takes bfloat16 (AVX-512, AMX, Arm's BF16). Elsewhere (an AVX2-only CPU, or oneDNN
+    turned off) torch multiplies them in a scalar loop, ~40x slower than in float32."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
+        return False
+    return _onednn_bf16()
+
+
+@lru_cache(maxsize=1)
+def _onednn_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the check: assume not
+        return False
 
 
 @lru_cache(maxsize=16)

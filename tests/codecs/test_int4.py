@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.codecs import decode_frame, get_codec
+from kvstore.codecs import decode_frame, get_codec, int4
 from kvstore.codecs import frame as framing
 from kvstore.codecs.frame import read_header
 from kvstore.codecs.int4 import Int4Codec, _hadamard, _rotate
@@ -141,6 +141,39 @@ def test_hadamard_rotation_is_orthonormal_and_its_own_inverse() -> None:
     x = torch.randn(5, 96)  # 96 = 3 x 32: rotated in blocks of 32
     assert torch.allclose(_rotate(_rotate(x)), x, atol=1e-5)
     assert torch.allclose(_rotate(x).norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "wide"])
+def test_a_rotated_bfloat16_block_decodes_alike_in_either_precision(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rotated back in bfloat16 where its products are fast, else in float32 (an AVX2-only CPU):
+    # within one unit of bfloat16 at the slice's scale of each other, the same promise either way
+    codec = Int4Codec(rotate=True)
+    block = structured_block(kind, SHAPE, torch.bfloat16, seed=11)
+    frame = codec.encode(block)
+    assert read_header(frame).params["rotate"] is True
+    monkeypatch.setattr(int4, "bf16_matmul_fast", lambda _device: True)
+    fast = decode_frame(frame).double()
+    monkeypatch.setattr(int4, "bf16_matmul_fast", lambda _device: False)
+    wide = decode_frame(frame).double()
+    absmax = block.double().abs().amax(dim=(2, 4), keepdim=True)
+    unit = absmax * float(torch.finfo(torch.bfloat16).eps)
+    assert bool(((fast - wide).abs() <= unit).all())
+    assert rel_l2(fast, block.double()) <= 1.01 * rel_l2(wide, block.double())  # the same quality
+    promise = codec.error_bound(KVLayout.of_block(block))
+    assert promise is not None
+    assert float((fast - block.double()).abs().max()) <= promise * float(absmax.max())
+
+
+def test_bfloat16_products_count_as_fast_on_a_gpu_never_without_onednn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert int4.bf16_matmul_fast(torch.device("cuda"))
+    assert not int4.bf16_matmul_fast(torch.device("meta"))
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert not torch.backends.mkldnn.enabled
+    assert not int4.bf16_matmul_fast(torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
