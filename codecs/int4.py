@@ -179,19 +179,25 @@ class Int4Codec(Codec):
         expect_bytes(payload, sizes.total, "int4")
         dtype = layout.torch_dtype
         dims = [layout.num_layers, layout.block_tokens, layout.num_kv_heads, layout.head_dim]
-        # Clamped frames, and rotated ones unless bfloat16 products are fast here (then a bfloat16
-        # block is rotated back in bfloat16: see _rotate), go through a float32 block; the others
-        # are written straight into the output dtype, group by group (one pass per K and per V).
-        via_float = clamp or (g.rotate and not (dtype == torch.bfloat16 and bf16_matmul_fast(payload.device)))
-        out = torch.empty(layout.shape(), dtype=torch.float32 if via_float else dtype, device=payload.device)
-        packed = payload[sizes.total - sizes.packed :]
+        stats: list[_Stats] = []
         pos = 0
-        for i, (dim, size) in enumerate(g.specs()):
+        for dim, size in g.specs():
             gshape, sshape = _group_shapes(dims, dim, size)
             n_stats = math.prod(sshape) * layout.itemsize
             z = payload[pos : pos + n_stats].view(dtype).float().view(sshape)
             s = payload[pos + n_stats : pos + 2 * n_stats].view(dtype).float().view(sshape)
             pos += 2 * n_stats
+            stats.append((dim, size, gshape, z, s))
+        # Clamped frames, and rotated ones unless a bfloat16 block may be rotated back in bfloat16
+        # (see _rotate), go through a float32 block; the others are written straight into the
+        # output dtype, group by group (one pass per K and per V).
+        via_float = clamp or (
+            g.rotate
+            and not (dtype == torch.bfloat16 and bf16_matmul_fast(payload.device) and _none_tiny(stats))
+        )
+        out = torch.empty(layout.shape(), dtype=torch.float32 if via_float else dtype, device=payload.device)
+        packed = payload[sizes.total - sizes.packed :]
+        for i, (dim, size, gshape, z, s) in enumerate(stats):
             nibbles = (packed & 15) if i == 0 else (packed >> 4)
             # z + (q - 7.5) s, in place in q: the centred code times a 16-bit scale is exact in float32
             # and cannot overflow (|q - 7.5| s <= 7.5 s, which the encoder kept finite), so the sum
@@ -243,14 +249,42 @@ def _rotation_fits(x: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def bf16_matmul_fast(device: torch.device) -> bool:
-    """Whether bfloat16 matrix products run on vector or matrix units on ``device``: a GPU, or a CPU
-    whose oneDNN takes bfloat16 (AVX-512, AMX, Arm's BF16). Elsewhere (an AVX2-only CPU, or oneDNN
-    turned off) torch multiplies them in a scalar loop, ~40x slower than in float32."""
+    """Whether bfloat16 matrix products run on matrix or vector units on ``device``: a GPU, or a CPU
+    with bfloat16 instructions (AVX512-BF16, AMX) and oneDNN on. Elsewhere torch multiplies them in a
+    scalar loop, ~40x slower than in float32 (oneDNN turned off: measured), or oneDNN emulates them
+    (AVX-512 without BF16, Arm: not measured; float32 there, as before)."""
     if device.type == "cuda":
         return True
     if device.type != "cpu" or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
         return False
-    return _onednn_bf16()
+    return _bf16_instructions()
+
+
+@lru_cache(maxsize=1)
+def _bf16_instructions() -> bool:
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):  # a torch without the checks: assume not
+        return False
+
+
+_TINY = 2.0**-100  # a group's centre or scale under it may decode to values a product unit flushes
+
+
+_Stats = tuple[int, int, list[int], torch.Tensor, torch.Tensor]  # dim, group size, grouped shape, z, s
+
+
+def _none_tiny(stats: list[_Stats]) -> bool:
+    """Whether no group's centre or scale (the last two of each entry: float32) is nonzero and under
+    _TINY. oneDNN's bfloat16 products on a CPU flush values under 2^-126 (subnormal) to zero: in a
+    slice whose values are all that small, that would be the whole slice, past the promise. Where
+    none is, what a flush drops is under 2^-26 of the slice's largest value."""
+    for *_, z, s in stats:
+        for t in (z, s):
+            a = t.abs()
+            if bool(((a > 0) & (a < _TINY)).any()):
+                return False
+    return True
 
 
 @lru_cache(maxsize=1)
@@ -275,8 +309,9 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
     """Multiply the last dim by a block-diagonal orthonormal Hadamard matrix (applied twice: identity),
     in ``x``'s dtype: float32, or bfloat16 on decode (the entries +-1/sqrt(n), n a power of two, are
     exact in it, and the products are summed in float32; the one rounding it adds, of the decoded
-    value before rotating back, is 2^-9 of it, against int4's steps of 1/15 of a group's range, and
-    bfloat16 matrix units run it several times as fast: bench/codec_speed.py)."""
+    value before rotating back, is at most 2^-8 of it, against int4's steps of 1/15 of a group's
+    range; rotated back, those roundings move a value by about a unit of bfloat16, sqrt(n)/2 at
+    worst; and AMX runs the product 4x as fast as float32: bench/codec_speed.py)."""
     d = x.shape[-1]
     n = d & -d  # largest power of two dividing d
     if n == 1:

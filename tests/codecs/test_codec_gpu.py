@@ -38,10 +38,11 @@ def test_gpu_encode_and_decode_match_the_cpu(
     on_gpu = decode_frame(cpu_frame, device="cuda")
     assert on_gpu.device.type == "cuda" and on_gpu.dtype == dtype
     # except int4's rotation, a matrix product: BLAS and cuBLAS sum in float32 in other orders, which
-    # moves float32 results by a few units and bfloat16 ones (rotated in bfloat16) by one where the
-    # sum lies next to a rounding boundary (float16 is rotated in float32 and rounds that away)
+    # moves float32 results by a few units (float16 is rotated in float32 and rounds that away);
+    # bfloat16 is rotated back in bfloat16 on the GPU, and on the CPU too where oneDNN takes it (else
+    # in float32): its rounding before the product moves a result by up to sqrt(64)/2 units, plus one
     matmul = bool(variant[1].get("rotate")) and dtype in (torch.float32, torch.bfloat16)
-    units = {torch.float32: 16, torch.bfloat16: 2}.get(dtype, 1) if matmul else 1
+    units = {torch.float32: 16, torch.bfloat16: 5}.get(dtype, 1) if matmul else 1
     ulp = slice_absmax(block) * float(torch.finfo(dtype).eps) * units
     assert bool(((on_gpu.cpu().double() - want).abs() <= ulp).all())
     # a frame encoded on the GPU: same size (unless zstd packed codes that moved), and it decodes

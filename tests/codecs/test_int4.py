@@ -148,7 +148,8 @@ def test_a_rotated_bfloat16_block_decodes_alike_in_either_precision(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # rotated back in bfloat16 where its products are fast, else in float32 (an AVX2-only CPU):
-    # within one unit of bfloat16 at the slice's scale of each other, the same promise either way
+    # the value rounded to bfloat16 before rotating back moves a result by about a unit of
+    # bfloat16 at the slice's scale (sqrt(n)/2 at worst, n = 64 here), the same promise either way
     codec = Int4Codec(rotate=True)
     block = structured_block(kind, SHAPE, torch.bfloat16, seed=11)
     frame = codec.encode(block)
@@ -159,11 +160,31 @@ def test_a_rotated_bfloat16_block_decodes_alike_in_either_precision(
     wide = decode_frame(frame).double()
     absmax = block.double().abs().amax(dim=(2, 4), keepdim=True)
     unit = absmax * float(torch.finfo(torch.bfloat16).eps)
-    assert bool(((fast - wide).abs() <= unit).all())
+    assert bool(((fast - wide).abs() <= 4 * unit).all())
+    assert float(((fast - wide).abs() / unit).mean()) < 0.5
     assert rel_l2(fast, block.double()) <= 1.01 * rel_l2(wide, block.double())  # the same quality
     promise = codec.error_bound(KVLayout.of_block(block))
     assert promise is not None
     assert float((fast - block.double()).abs().max()) <= promise * float(absmax.max())
+
+
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_a_rotated_block_of_subnormal_values_keeps_the_promise(head_dim: int) -> None:
+    # oneDNN's bfloat16 products flush values under 2^-126 to zero: rotated back that way, such a
+    # block decoded to all zeros (an error of its whole absmax, past the promise of 8/14 at D = 8)
+    g = torch.Generator().manual_seed(3)
+    block = (torch.randn(1, 2, 256, 2, head_dim, generator=g, dtype=torch.float64) * 2.0**-128).to(
+        torch.bfloat16
+    )
+    codec = Int4Codec(rotate=True)
+    frame = codec.encode(block)
+    assert read_header(frame).params["rotate"] is True
+    got = decode_frame(frame).double()
+    absmax = block.double().abs().amax(dim=(2, 4), keepdim=True)
+    promise = codec.error_bound(KVLayout.of_block(block))
+    assert promise is not None
+    assert bool(((got - block.double()).abs() <= promise * absmax).all())
+    assert rel_l2(got, block) < 0.2  # not zeros
 
 
 def test_bfloat16_products_count_as_fast_on_a_gpu_never_without_onednn(
