@@ -179,25 +179,26 @@ class Int4Codec(Codec):
         expect_bytes(payload, sizes.total, "int4")
         dtype = layout.torch_dtype
         dims = [layout.num_layers, layout.block_tokens, layout.num_kv_heads, layout.head_dim]
-        stats: list[_Stats] = []
-        pos = 0
-        for dim, size in g.specs():
-            gshape, sshape = _group_shapes(dims, dim, size)
-            n_stats = math.prod(sshape) * layout.itemsize
-            z = payload[pos : pos + n_stats].view(dtype).float().view(sshape)
-            s = payload[pos + n_stats : pos + 2 * n_stats].view(dtype).float().view(sshape)
-            pos += 2 * n_stats
-            stats.append((dim, size, gshape, z, s))
         # Clamped frames, and rotated ones unless a bfloat16 block may be rotated back in bfloat16
         # (see _rotate), go through a float32 block; the others are written straight into the
         # output dtype, group by group (one pass per K and per V).
         via_float = clamp or (
             g.rotate
-            and not (dtype == torch.bfloat16 and bf16_matmul_fast(payload.device) and _none_tiny(stats))
+            and not (
+                dtype == torch.bfloat16
+                and bf16_matmul_fast(payload.device)
+                and _none_tiny(payload[: sizes.stats])
+            )
         )
         out = torch.empty(layout.shape(), dtype=torch.float32 if via_float else dtype, device=payload.device)
         packed = payload[sizes.total - sizes.packed :]
-        for i, (dim, size, gshape, z, s) in enumerate(stats):
+        pos = 0
+        for i, (dim, size) in enumerate(g.specs()):
+            gshape, sshape = _group_shapes(dims, dim, size)
+            n_stats = math.prod(sshape) * layout.itemsize
+            z = payload[pos : pos + n_stats].view(dtype).float().view(sshape)
+            s = payload[pos + n_stats : pos + 2 * n_stats].view(dtype).float().view(sshape)
+            pos += 2 * n_stats
             nibbles = (packed & 15) if i == 0 else (packed >> 4)
             # z + (q - 7.5) s, in place in q: the centred code times a 16-bit scale is exact in float32
             # and cannot overflow (|q - 7.5| s <= 7.5 s, which the encoder kept finite), so the sum
@@ -268,31 +269,16 @@ def _bf16_instructions() -> bool:
         return False
 
 
-_TINY = 2.0**-100  # a group's centre or scale under it may decode to values a product unit flushes
+_TINY_BITS = (127 - 100) << 7  # bfloat16's bits of 2^-100, sign off: a magnitude under it is smaller
 
 
-_Stats = tuple[int, int, list[int], torch.Tensor, torch.Tensor]  # dim, group size, grouped shape, z, s
-
-
-def _none_tiny(stats: list[_Stats]) -> bool:
-    """Whether no group's centre or scale (the last two of each entry: float32) is nonzero and under
-    _TINY. oneDNN's bfloat16 products on a CPU flush values under 2^-126 (subnormal) to zero: in a
-    slice whose values are all that small, that would be the whole slice, past the promise. Where
-    none is, what a flush drops is under 2^-26 of the slice's largest value."""
-    for *_, z, s in stats:
-        for t in (z, s):
-            a = t.abs()
-            if bool(((a > 0) & (a < _TINY)).any()):
-                return False
-    return True
-
-
-@lru_cache(maxsize=1)
-def _onednn_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch without the check: assume not
-        return False
+def _none_tiny(stats: torch.Tensor) -> bool:
+    """Whether no group centre or scale in ``stats`` (a bfloat16 frame's stats, as bytes) is nonzero and
+    under 2^-100. oneDNN's bfloat16 products on a CPU flush values under 2^-126 (subnormal) to zero:
+    in a slice whose values are all that small, that would be the whole slice, past the promise.
+    Where none is, what a flush drops is under 2^-26 of its group's largest value."""
+    bits = stats.view(torch.int16) & 0x7FFF
+    return not bool(((bits > 0) & (bits < _TINY_BITS)).any())
 
 
 @lru_cache(maxsize=16)
