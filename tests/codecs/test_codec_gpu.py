@@ -75,3 +75,15 @@ def test_a_batch_of_frames_decodes_on_the_gpu_as_each_frame_on_the_cpu(dtype: to
     assert good == 3 and got.device.type == "cuda"
     for i, f in enumerate(frames):
         assert torch.equal(got[i].cpu(), decode_frame(f)), i
+
+
+def test_a_rotated_block_of_subnormal_values_keeps_the_promise_on_the_gpu() -> None:
+    # rotated back in float32 there too (a product unit may flush them): see tests/codecs/test_int4.py
+    g = torch.Generator().manual_seed(3)
+    block = (torch.randn(1, 2, 256, 2, 8, generator=g, dtype=torch.float64) * 2.0**-128).to(torch.bfloat16)
+    codec = make_codec(("int4", {"rotate": True}))
+    got = decode_frame(codec.encode(block), device="cuda").cpu().double()
+    promise = codec.error_bound(KVLayout.of_block(block))
+    assert promise is not None
+    absmax = block.double().abs().amax(dim=(2, 4), keepdim=True)
+    assert bool(((got - block.double()).abs() <= promise * absmax).all())

@@ -187,6 +187,15 @@ def test_a_rotated_block_of_subnormal_values_keeps_the_promise(head_dim: int) ->
     assert rel_l2(got, block) < 0.2  # not zeros
 
 
+@pytest.mark.parametrize(
+    "values,none_tiny",
+    [([0.0, -0.0], True), ([1.0, -3.5, 2.0**-99], True), ([1.0, 2.0**-101], False), ([-(2.0**-110)], False)],
+)
+def test_groups_under_2_to_the_minus_100_are_found_in_the_stats(values: list[float], none_tiny: bool) -> None:
+    stats = torch.tensor(values).to(torch.bfloat16).view(torch.uint8)
+    assert int4._none_tiny(stats) is none_tiny
+
+
 def test_bfloat16_products_count_as_fast_on_a_gpu_never_without_onednn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
