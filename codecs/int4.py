@@ -297,11 +297,12 @@ def _hadamard(n: int, device: torch.device) -> torch.Tensor:
 
 def _rotate(x: torch.Tensor) -> torch.Tensor:
     """Multiply the last dim by a block-diagonal orthonormal Hadamard matrix (applied twice: identity),
-    in ``x``'s dtype: float32, or bfloat16 on decode (the entries +-1/sqrt(n), n a power of two, are
-    exact in it, and the products are summed in float32; the one rounding it adds, of the decoded
+    in ``x``'s dtype: float32, or bfloat16 on decode (the entries +-1/sqrt(n) are exact in it where n is
+    a power of four, as 64, and rounded elsewhere, as 128: every value 1e-4 smaller, a fraction of a
+    step; the products are summed in float32). The one rounding it adds, of the decoded
     value before rotating back, is at most 2^-8 of it, against int4's steps of 1/15 of a group's
     range; rotated back, those roundings move a value by about a unit of bfloat16, sqrt(n)/2 at
-    worst; and AMX runs the product 4x as fast as float32: bench/codec_speed.py)."""
+    worst. AMX runs the product 4x as fast as float32 (bench/codec_speed.py)."""
     d = x.shape[-1]
     n = d & -d  # largest power of two dividing d
     if n == 1:
