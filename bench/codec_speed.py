@@ -35,7 +35,7 @@ import torch
 
 from kvstore.codecs import CODECS, decode_frame, get_codec
 from kvstore.codecs.base import Codec
-from kvstore.codecs.int4 import bf16_matmul_fast
+from kvstore.codecs.rotation import bf16_matmul_fast
 from kvstore.daemon.heap import keep_scratch
 from kvstore.layout import KVLayout
 
@@ -124,7 +124,7 @@ def main() -> None:
         f"working set {args.blocks} blocks  device {args.device}  cpus {os.cpu_count()}  torch {torch.__version__}"
     )
     precision = "bfloat16" if bf16_matmul_fast(torch.device(args.device)) else "float32"
-    print(f"int4 rotates bfloat16 blocks back in {precision} here (codecs/int4.py: bf16_matmul_fast)")
+    print(f"int4 rotates bfloat16 blocks back in {precision} here (codecs/rotation.py: bf16_matmul_fast)")
     print(f"\n{'codec':<18}{'bits/val':>9}{'relL2 rand':>11}{'relL2 heavy':>12}")
     for label, codec in codecs:
         bits, r_rand, r_heavy = quality(codec)

@@ -8,7 +8,8 @@ import torch
 from kvstore.codecs import decode_frame, get_codec, int4
 from kvstore.codecs import frame as framing
 from kvstore.codecs.frame import read_header
-from kvstore.codecs.int4 import Int4Codec, _hadamard, _rotate
+from kvstore.codecs.int4 import Int4Codec
+from kvstore.codecs.rotation import bf16_matmul_fast, hadamard, none_tiny, rotate
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 from tests.codecs.codec_blocks import DTYPES, rel_l2, structured_block, subnormal_unit
@@ -136,11 +137,11 @@ def test_non_finite_blocks_are_refused() -> None:
 
 
 def test_hadamard_rotation_is_orthonormal_and_its_own_inverse() -> None:
-    h = _hadamard(64, torch.device("cpu"))
+    h = hadamard(64, torch.device("cpu"))
     assert torch.allclose(h @ h.T, torch.eye(64), atol=1e-6)
     x = torch.randn(5, 96)  # 96 = 3 x 32: rotated in blocks of 32
-    assert torch.allclose(_rotate(_rotate(x)), x, atol=1e-5)
-    assert torch.allclose(_rotate(x).norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+    assert torch.allclose(rotate(rotate(x)), x, atol=1e-5)
+    assert torch.allclose(rotate(x).norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["normal", "heavy", "wide"])
@@ -188,22 +189,22 @@ def test_a_rotated_block_of_subnormal_values_keeps_the_promise(head_dim: int) ->
 
 
 @pytest.mark.parametrize(
-    "values,none_tiny",
+    "values,expected",
     [([0.0, -0.0], True), ([1.0, -3.5, 2.0**-99], True), ([1.0, 2.0**-101], False), ([-(2.0**-110)], False)],
 )
-def test_groups_under_2_to_the_minus_100_are_found_in_the_stats(values: list[float], none_tiny: bool) -> None:
+def test_groups_under_2_to_the_minus_100_are_found_in_the_stats(values: list[float], expected: bool) -> None:
     stats = torch.tensor(values).to(torch.bfloat16).view(torch.uint8)
-    assert int4._none_tiny(stats) is none_tiny
+    assert none_tiny(stats) is expected
 
 
 def test_bfloat16_products_count_as_fast_on_a_gpu_never_without_onednn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert int4.bf16_matmul_fast(torch.device("cuda"))
-    assert not int4.bf16_matmul_fast(torch.device("meta"))
+    assert bf16_matmul_fast(torch.device("cuda"))
+    assert not bf16_matmul_fast(torch.device("meta"))
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     assert not torch.backends.mkldnn.enabled
-    assert not int4.bf16_matmul_fast(torch.device("cpu"))
+    assert not bf16_matmul_fast(torch.device("cpu"))
 
 
 @pytest.mark.parametrize(
