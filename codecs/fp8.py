@@ -146,7 +146,9 @@ class Fp8Codec(WideningCodec):
         at = 2 * G + sum(KFix.nbytes(L, T, H, r))
         out = fp8_decode_groups(payload[at:].view(G, D), scales).view(layout.shape())
         if r:
-            KFix.from_payload(payload[2 * G : at], L, T, H, D, r).apply(out[:, 0])
+            KFix.from_payload(payload[2 * G : at], L, T, H, D, r).apply(
+                out[:, 0], _near_limit(layout, scales)
+            )
         return out
 
     def _decode_batch_f32(
@@ -198,7 +200,9 @@ class Fp8Codec(WideningCodec):
             )
         good = min(good, checked)
         if fix is not None:  # a scatter: only rows whose indices were checked
-            KFix(fix.scales[:good], fix.index[:good], fix.codes[:good]).apply(out[:good, :, 0])
+            KFix(fix.scales[:good], fix.index[:good], fix.codes[:good]).apply(
+                out[:good, :, 0], _largest(layout)
+            )
         return out, good
 
 
@@ -216,6 +220,17 @@ def _k_fix(params: dict[str, Any], layout: KVLayout) -> int:
             f"k_fix 0..{layout.head_dim} expected)"
         )
     return r
+
+
+def _largest(layout: KVLayout) -> float:
+    return float(torch.finfo(layout.torch_dtype).max)
+
+
+def _near_limit(layout: KVLayout, scales: torch.Tensor) -> float | None:
+    """The dtype's largest value when a group of the block may hold a value past half of it (its scale
+    x 448: the K corrections must be kept within it), else None (no correction can reach it)."""
+    largest = _largest(layout)
+    return largest if float(scales.amax()) * FP8_MAX * 2 >= largest else None
 
 
 def _groups(layout: KVLayout) -> int:

@@ -89,10 +89,17 @@ class KFix:
             data[:, a + b :].view(torch.int8).view(n, L, T, H, r),
         )
 
-    def apply(self, k: torch.Tensor) -> None:
-        """Add the residuals into ``k`` [..., L, T, H, D] (float32, changed in place)."""
+    def apply(self, k: torch.Tensor, limit: float | None = None) -> None:
+        """Add the residuals into ``k`` [..., L, T, H, D] (float32, changed in place). ``limit`` (the
+        block dtype's largest value, for a block that comes near it): each corrected value is kept
+        within +-limit, which a residual rounded up next to it would otherwise pass (to inf)."""
         at = _expand(self.index, k.shape[-3])
-        k.scatter_add_(-1, at, self.codes.to(torch.float32).mul_(self.scales.float()))
+        residual = self.codes.to(torch.float32).mul_(self.scales.float())
+        if limit is None:
+            k.scatter_add_(-1, at, residual)
+            return
+        fixed = k.gather(-1, at).add_(residual).clamp_(-limit, limit)
+        k.scatter_(-1, at, fixed)  # the r channels of a row are distinct: the same sums as scatter_add_
 
 
 def _expand(index: torch.Tensor, tokens: int) -> torch.Tensor:

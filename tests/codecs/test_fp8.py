@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.codecs import decode_frame, get_codec
+from kvstore.codecs import decode_frame, decode_frames, get_codec
 from kvstore.codecs.fp8 import Fp8Codec, fp8_decode_groups
 from kvstore.codecs.frame import read_header
 from kvstore.errors import CodecError, FrameError
@@ -106,6 +106,34 @@ def test_k_fix_corrects_the_largest_k_channels(dtype: torch.dtype) -> None:
     )
     assert torch.equal(fixed[:, 1], plain[:, 1])
     assert rel_l2(fixed[:, 0], K) < 0.7 * rel_l2(plain[:, 0], K)
+
+
+def test_a_corrected_k_channel_at_the_dtypes_largest_value_stays_finite() -> None:
+    # the plain code of float32's largest value decodes just under it; its correction, rounded up,
+    # took it past, to inf (a block the round-trip contract test found). Both decoders.
+    block = torch.tensor(
+        [
+            [
+                [
+                    [[3.4028e38, -5.4918e37], [-1.5608e38, 1.4706e38]],
+                    [[-1.3007e38, -1.8768e38], [-9.1698e37, -1.2748e38]],
+                ],
+                [
+                    [[-1.9063e38, 2.2418e38], [4.7622e37, 2.9688e38]],
+                    [[1.6711e38, -1.8052e38], [1.0504e37, 4.9734e37]],
+                ],
+            ]
+        ]
+    )
+    block[0, 0, 0, 0, 0] = torch.finfo(torch.float32).max
+    frame = get_codec("fp8", k_fix=8).encode(block)
+    layout = KVLayout.of_block(block)
+    for out in (
+        decode_frame(frame),
+        decode_frames([frame, frame], layout=layout, batch=True, device="cpu")[0][1],
+    ):
+        assert bool(torch.isfinite(out).all())
+        assert bool(((out.double() - block.double()).abs() <= group_absmax(block) / 16).all())
 
 
 def test_forged_frames_are_refused() -> None:
