@@ -19,7 +19,7 @@ it in a later step scheduled before vLLM heard of it, with async scheduling, is 
 saves nothing from the block on). A loader aborted or preempted before
 vLLM heard of it recomputes nothing, and vLLM's prefix cache keeps the block: a request that takes it
 from there saves nothing from it on, until a request computes it again. Saves are queued after the
-step and run on a thread (a copy out of vLLM's blocks into shared staging, then the daemon stores
+step and run on a thread (vllm_saver.py: a copy out of vLLM's blocks into shared staging, then the daemon stores
 them); a finished request's blocks are kept until its saves are done (``request_finished`` returns
 True, ``get_finished`` reports it), and its last save may wait for a load it shares to settle.
 
@@ -59,7 +59,6 @@ A request's ``kv_transfer_params`` may name a kvstore session: ``{"kvstore_sessi
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -76,6 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.errors import LayoutError
 from kvstore.integrations import vllm_layout
 from kvstore.integrations.vllm_layout import split_kv
+from kvstore.integrations.vllm_saver import Saver, Transfer
 from kvstore.integrations.vllm_settings import (
     Clients,
     Settings,
@@ -86,26 +86,11 @@ from kvstore.integrations.vllm_settings import (
 )
 from kvstore.integrations.vllm_tracking import Load, Poisoned, Tracked, Unsettled
 from kvstore.kvbuffers import PagedKV
-from kvstore.results import MISSING_PARENT
 
 log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- metadata
-
-
-@dataclass
-class Transfer:
-    """One request's load or save: tokens ``start .. end-1`` of ``tokens`` (its first ``end``), in
-    vLLM's blocks ``block_ids`` (those of the request, from its first token)."""
-
-    req_id: str
-    variant: Variant
-    tokens: list[int]
-    block_ids: list[int]
-    start: int
-    end: int
-    session: str | None = None
 
 
 @dataclass
@@ -130,107 +115,6 @@ def _session(request: Any) -> str | None:
     params = getattr(request, "kv_transfer_params", None) or {}
     s = params.get("kvstore_session") if isinstance(params, dict) else None
     return s if isinstance(s, str) and s else None
-
-
-# ---------------------------------------------------------------------- worker-side saving
-
-
-class _Saver:
-    """Saves run one after another on a thread; counts what each request still has queued.
-
-    A save that failed (the daemon away, busy, short of room) leaves a gap that the scheduler does
-    not know of: the request's next save is sent from the gap, not from where it was planned,
-    or every later block of the request would be refused for its missing parent::
-
-        planned    [0 ....... 128)[128 ... 192)[192 ... 256)
-        outcome       in kvstore      failed
-        sent                                   [128 ........ 256)   <- from the last block stored
-    """
-
-    def __init__(self, clients: Clients) -> None:
-        self._clients = clients
-        self._jobs: deque[tuple[Transfer, PagedKV]] = deque()
-        self._pending: dict[str, int] = {}
-        self._stored: dict[str, int] = {}  # request -> its tokens [0, n) known to be in kvstore
-        self._cv = threading.Condition()
-        self._stop = False
-        self.saved_blocks = 0
-        self.failed_saves = 0
-        self._thread = threading.Thread(target=self._run, name="kvstore-save", daemon=True)
-        self._thread.start()
-
-    def submit(self, t: Transfer, paged: PagedKV) -> None:
-        with self._cv:
-            self._jobs.append((t, paged))
-            self._pending[t.req_id] = self._pending.get(t.req_id, 0) + 1
-            self._cv.notify_all()
-
-    def pending(self, req_id: str) -> int:
-        with self._cv:
-            return self._pending.get(req_id, 0)
-
-    def forget(self, req_id: str) -> None:
-        """``req_id`` is done: no save of it comes again."""
-        with self._cv:
-            self._stored.pop(req_id, None)
-
-    def drain(self) -> None:
-        with self._cv:
-            self._cv.wait_for(lambda: not self._pending)
-
-    def close(self) -> None:
-        self.drain()
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._jobs or self._stop)
-                if not self._jobs:
-                    return
-                t, paged = self._jobs.popleft()
-                # the first save of a request starts where kvstore's lookup said its prefix ends
-                start = min(t.start, self._stored.setdefault(t.req_id, t.start))
-            try:
-                if not self._clients.available():
-                    self.failed_saves += 1
-                    continue
-                client = self._clients.get(t.variant, "save")
-                # the daemon takes up to max_tokens_per_request token ids a call, and every block's
-                # key chains from the first token: a longer prompt is stored up to that limit
-                T = client.namespace.layout.block_tokens if client.namespace is not None else 1
-                end = min(t.end, self._clients.token_limit(client) // T * T)
-                if end <= start:
-                    continue
-                r = client.put_from(t.tokens[:end], paged, t.session, start=start)
-                self.saved_blocks += r.stored
-                stored = end
-                if r.failed:
-                    self.failed_saves += 1
-                    first = r.failed[0]
-                    log.debug("kvstore refused blocks of %s: %s", t.req_id, first)
-                    # its parent missing: what the lookup said was there is gone, send all again
-                    stored = (
-                        0 if first.code == MISSING_PARENT and first.block * T <= start else first.block * T
-                    )
-                with self._cv:
-                    self._stored[t.req_id] = stored
-            except VariantRefused:
-                pass  # logged once by Clients
-            except Exception as e:  # never the engine's problem: the blocks are simply not cached
-                self.failed_saves += 1
-                self._clients.failed(f"save of {t.req_id}", e)
-            finally:
-                with self._cv:
-                    n = self._pending[t.req_id] - 1
-                    if n:
-                        self._pending[t.req_id] = n
-                    else:
-                        del self._pending[t.req_id]
-                    self._cv.notify_all()
 
 
 # ---------------------------------------------------------------------- the connector
@@ -277,7 +161,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._saving: set[str] = set()  # requests with saves queued at some point
         self._finishing: set[str] = set()  # finished requests whose saves are still running
         self._kept: set[str] = set()  # finished requests whose last save is not planned yet
-        self._saver: _Saver | None = None
+        self._saver: Saver | None = None
         self._submitted: KVStoreMetadata | None = None  # the metadata whose saves are queued
         self.loaded_tokens = 0
         # seconds spent in this connector's hooks, on the engine's own thread (what it adds to a step)
@@ -610,7 +494,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 f"{L.num_layers} of {L.dtype}"
             )
         self._k, self._v = k, v
-        self._saver = _Saver(self._clients)
+        self._saver = Saver(self._clients)
         log.info(
             "kvstore connector: %d layers, blocks of %d tokens, %s",
             len(k),
