@@ -18,14 +18,13 @@ is an error, never silently ignored. ``load_config`` reads files and the
 environment only; it creates no directory (the server creates the runtime
 directory 0700 and the data directory).
 
-Longer than most modules: every configuration key's default, check and message are here, one
-table per section, so that a key is defined once.
+Every configuration key's default and check are here, one table per section, so that a key is
+defined once; how one value is checked (a size, a duration, an endpoint ...) is config_values.py.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 import sys
@@ -33,8 +32,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
+from kvstore import config_values as value
+from kvstore.config_values import (
+    PAGE_ALIGN,
+    check_connect_endpoint,
+    check_endpoint,
+    ipc_socket_path,
+    redact_url,
+)
 from kvstore.errors import ConfigError
 from kvstore.store.writer import Admission
 from kvstore.tiers.lmdb_env import Durability
@@ -47,6 +53,7 @@ __all__ = [
     "PolicyConfig",
     "RamConfig",
     "ServerConfig",
+    "PAGE_ALIGN",
     "check_connect_endpoint",
     "check_endpoint",
     "default_data_dir",
@@ -55,6 +62,7 @@ __all__ = [
     "load_config",
     "parse_duration",
     "parse_size",
+    "redact_url",
     "runtime_dir",
     "settings",
     "with_overrides",
@@ -68,8 +76,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
-_NEVER = ("never", "off", "inf")
-PAGE_ALIGN = 256  # [policy] page_bytes is a multiple of it (see _page_size)
 _SECRET = "***"  # what a secret (a password, a CURVE secret key) shows as in logs, errors and to_dict
 _FIDELITY = ("int4", "fp8", "int8", "raw")  # nvme codecs, from the one that keeps least
 
@@ -95,11 +101,6 @@ def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     base = env.get("XDG_DATA_HOME") or str(Path(env.get("HOME") or Path.home()) / ".local" / "share")
     return Path(base) / "kvstore" / "nvme"
-
-
-def ipc_socket_path(endpoint: str) -> Path | None:
-    """The filesystem path of an ``ipc://`` endpoint, or None for tcp/inproc."""
-    return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
 
 
 @dataclass(frozen=True)
@@ -224,12 +225,12 @@ class ClusterConfig:
         """The password: ``password``, else the variable ``password_env`` names (ConfigError when unset)."""
         if self.password is not None or self.password_env is None:
             return self.password
-        value = (os.environ if env is None else env).get(self.password_env)
-        if value is None:
+        secret = (os.environ if env is None else env).get(self.password_env)
+        if secret is None:
             raise ConfigError(
                 f"[cluster] password_env = {self.password_env!r}, but that environment variable is not set"
             )
-        return value
+        return secret
 
     def codecs(self, nvme: NvmeConfig) -> tuple[Codec, Codec | None]:
         """The codec and head codec of cluster frames: nvme's, or ``codec`` with nvme's head; zstd at
@@ -275,223 +276,6 @@ class Config:
         return d
 
 
-# ---- value checkers: each returns the typed value or raises _Invalid(what is allowed) ----
-
-
-class _Invalid(Exception):
-    pass
-
-
-def _choice(*allowed: str) -> Callable[[Any], str]:
-    def check(v: Any) -> str:
-        if not isinstance(v, str) or v.lower() not in allowed:
-            raise _Invalid(f"one of {', '.join(allowed)}")
-        return v.lower()
-
-    return check
-
-
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, str) and v.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return v.strip().lower() in ("true", "1", "yes", "on")
-    raise _Invalid("true or false")
-
-
-def _int(lo: int, hi: int) -> Callable[[Any], int]:
-    def check(v: Any) -> int:
-        if isinstance(v, str) and re.fullmatch(r"\s*-?\d+\s*", v):
-            v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise _Invalid(f"an integer from {lo} to {hi}")
-        return v
-
-    return check
-
-
-MAX_SIZE = 1 << 50  # 1024 TiB: any size past it is a typo (and past 2**63 the daemon's own numbers overflow)
-
-
-def _size(lo: int) -> Callable[[Any], int]:
-    def check(v: Any) -> int:
-        try:
-            n = parse_size(v)
-        except ConfigError as e:
-            raise _Invalid(
-                f"a size of at least {lo} bytes, like '512MiB' or '8GiB' (units B, KiB, MiB, GiB, TiB; "
-                "KB, MB, GB, TB decimal)"
-            ) from e
-        if n < lo:
-            raise _Invalid(f"a size of at least {lo} bytes, like '512MiB' or '8GiB'")
-        if n > MAX_SIZE:
-            raise _Invalid(f"a size of at most {MAX_SIZE >> 40}TiB")
-        return n
-
-    return check
-
-
-def _page_size(v: Any) -> int:
-    # a block starts at a page boundary and the pools view it there as its dtype (up to 4 bytes an
-    # element) and copy it with CUDA (256-byte aligned): page_bytes = 4097 was accepted, and every put
-    # of a float16 block landing on an odd page failed `internal`
-    allowed = f"a size of at least {PAGE_ALIGN} bytes and a multiple of {PAGE_ALIGN}, like '4KiB' or '64KiB'"
-    try:
-        n = _size(PAGE_ALIGN)(v)
-    except _Invalid:
-        raise _Invalid(allowed) from None
-    if n % PAGE_ALIGN:
-        below = n - n % PAGE_ALIGN
-        raise _Invalid(f"{allowed}; {n} is not, {below} or {below + PAGE_ALIGN} is")
-    return n
-
-
-def _duration(*, never: bool) -> Callable[[Any], float]:
-    allowed = "a positive duration like '30s', '2h' or '7d'" + (", or 'never'" if never else "")
-
-    def check(v: Any) -> float:
-        if never and isinstance(v, str) and v.strip().lower() in _NEVER:
-            return math.inf
-        try:
-            s = parse_duration(v)
-        except ConfigError as e:
-            raise _Invalid(allowed) from e
-        if s <= 0 or (math.isinf(s) and not never):
-            raise _Invalid(allowed)
-        return s
-
-    return check
-
-
-def _endpoint(v: Any) -> str:
-    m = (
-        re.fullmatch(r"(ipc://[^@].*|tcp://.+:(\d+|\*)|inproc://.+)", v.strip())
-        if isinstance(v, str)
-        else None
-    )
-    if m is None or (m.group(2) or "*") != "*" and not 0 <= int(m.group(2)) <= 65535:
-        raise _Invalid(
-            "'ipc:///path/to/socket' (a file path), 'tcp://host:port' (port up to 65535; 0 or *: any "
-            "free one) or 'inproc://name'"
-        )
-    return v.strip()
-
-
-def _absolute_endpoint(endpoint: str, base: Path) -> str:
-    """``endpoint`` with a relative ``ipc://`` path made absolute against ``base`` (``~`` expanded)."""
-    path = ipc_socket_path(endpoint)
-    if path is None:
-        return endpoint
-    return f"ipc://{(base / path.expanduser()).absolute()}"
-
-
-def check_endpoint(text: str) -> str:
-    """``text`` stripped if it is a ZeroMQ endpoint kvstore can use; ConfigError saying what is allowed otherwise."""
-    try:
-        return _absolute_endpoint(_endpoint(text), Path.cwd())
-    except _Invalid as e:
-        raise ConfigError(f"endpoint {text!r} is not allowed; expected {e}") from None
-
-
-def check_connect_endpoint(endpoint: str) -> str:
-    """``endpoint`` if a client can connect to it; ConfigError otherwise.
-
-    A tcp host ``*`` or port ``*``/``0`` says where a daemon listens (every interface, any free port),
-    never where to reach it: ZeroMQ refuses to connect there, or connects to nothing.
-    """
-    m = re.fullmatch(r"tcp://(.+):(\d+|\*)", endpoint.strip())
-    if m is None:
-        return endpoint
-    host, port = m.group(1), m.group(2)
-    if port == "*" or int(port) == 0:
-        raise ConfigError(
-            f"endpoint {endpoint!r} is where a daemon listens (any free port), not an address to connect "
-            "to; connect to tcp://HOST:PORT with the daemon's host and the port it bound"
-        )
-    if host == "*":
-        raise ConfigError(
-            f"endpoint {endpoint!r} is where a daemon listens (every interface), not an address to connect "
-            f"to; connect to tcp://HOST:{port} with the daemon's host name or address "
-            f"(tcp://127.0.0.1:{port} on its own host)"
-        )
-    return endpoint
-
-
-def _device(v: Any) -> str:
-    if not isinstance(v, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v.strip().lower()):
-        raise _Invalid("'auto', 'cpu', 'cuda' or 'cuda:N'")
-    return v.strip().lower()
-
-
-def _optional(check: Callable[[Any], Any], *off: Any) -> Callable[[Any], Any]:
-    def opt(v: Any) -> Any:
-        # compared with their types: False == 0 and 0.0 == 0, but `metrics_port = false` is no port number
-        if any(type(v) is type(o) and v == o for o in off):
-            return None
-        if isinstance(v, str) and v.strip().lower() in ("", "none", "off"):
-            return None
-        try:
-            return check(v)
-        except _Invalid as e:
-            if not off:
-                raise
-            raise _Invalid(f"{e}, or {' or '.join(map(repr, off))} or 'off' for none") from None
-
-    return opt
-
-
-def _text(v: Any) -> str:
-    if not isinstance(v, str) or not v.strip():
-        raise _Invalid("a non-empty string")
-    return v.strip()
-
-
-def _pin(v: Any) -> bool | None:
-    if isinstance(v, str) and v.strip().lower() == "auto":
-        return None
-    try:
-        return _bool(v)
-    except _Invalid as e:
-        raise _Invalid("true, false or 'auto'") from e
-
-
-def _nodes(v: Any) -> tuple[str, ...]:
-    allowed = "cluster node URLs like 'redis://cache-1:7000', a list or comma-separated"
-    items = v.split(",") if isinstance(v, str) else v
-    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
-        raise _Invalid(allowed)
-    urls = tuple(i.strip() for i in items if i.strip())
-    if not urls:
-        raise _Invalid(allowed)
-    for u in urls:
-        if not re.fullmatch(r"(redis|rediss|valkey|valkeys)://\S+", u):
-            raise _Invalid(f"{allowed}; {redact_url(u)!r} is not one")
-        try:
-            urlsplit(u).port  # noqa: B018 - read for its check (ValueError: not a port number)
-        except ValueError:
-            raise _Invalid(f"{allowed}; {redact_url(u)!r} has a port that is not a number 1-65535") from None
-        if urlsplit(u).port == 0:
-            raise _Invalid(f"{allowed}; {redact_url(u)!r} has a port that is not a number 1-65535 (0)")
-    return urls
-
-
-_URL_PART = re.compile(r"([^\s,;]+)")  # one URL of several, however separated
-
-
-def redact_url(url: str) -> str:
-    """``url`` (or several, however separated) with every password (``user:secret@host``, with or
-    without a scheme) shown as ``***``."""
-
-    def one(m: re.Match[str]) -> str:
-        scheme, sep, rest = m.group(1).rpartition("://")
-        userinfo, at, host = rest.rpartition("@")
-        if not at or ":" not in userinfo:
-            return m.group(1)
-        return f"{scheme}{sep}{userinfo.partition(':')[0]}:***@{host}"
-
-    return _URL_PART.sub(one, url)
-
-
 def _shown(section: str, key: str, raw: Any) -> str:
     """``raw`` as a config error may show it: never a [cluster] password, alone or in a node URL, nor
     a [server] curve_secret_key."""
@@ -504,87 +288,82 @@ def _shown(section: str, key: str, raw: Any) -> str:
     return repr(raw)
 
 
-def _path(v: Any) -> Path:
-    if isinstance(v, Path):
-        v = str(v)
-    if not isinstance(v, str) or not v.strip():
-        raise _Invalid("a directory path (relative paths resolve against the working directory)")
-    return Path(v.strip()).expanduser().absolute()
-
-
 _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
     "server": (
         ServerConfig,
         {
-            "endpoint": _endpoint,
-            "workers": _int(1, 256),
-            "max_message_bytes": _size(4096),
-            "max_tokens_per_request": _int(1, 2**31),
-            "max_inflight_per_client": _int(1, 65536),
-            "max_inflight_bytes": _size(4096),
-            "max_inflight_bytes_per_tenant": _size(4096),
-            "max_queued_requests": _int(1, 2**20),
-            "max_namespaces_per_tenant": _int(1, 4096),
-            "max_pins_per_tenant": _int(1, 4096),
-            "max_pinned_blocks_per_tenant": _int(1, 1 << 18),
-            "allow_insecure_tcp": _bool,
-            "curve_secret_key": _optional(_text),
-            "curve_allowed_keys": _optional(_text),
-            "metrics_port": _optional(_int(1, 65535), 0),
-            "log_level": _choice("debug", "info", "warning", "error", "critical"),
-            "shared_memory": _choice("auto", "off"),
-            "shm_dir": _optional(_path),
-            "shm_staging": _size(1 << 16),
-            "shm_staging_per_client": _size(1 << 16),
+            "endpoint": value.endpoint,
+            "workers": value.integer(1, 256),
+            "max_message_bytes": value.size(4096),
+            "max_tokens_per_request": value.integer(1, 2**31),
+            "max_inflight_per_client": value.integer(1, 65536),
+            "max_inflight_bytes": value.size(4096),
+            "max_inflight_bytes_per_tenant": value.size(4096),
+            "max_queued_requests": value.integer(1, 2**20),
+            "max_namespaces_per_tenant": value.integer(1, 4096),
+            "max_pins_per_tenant": value.integer(1, 4096),
+            "max_pinned_blocks_per_tenant": value.integer(1, 1 << 18),
+            "allow_insecure_tcp": value.boolean,
+            "curve_secret_key": value.optional(value.text),
+            "curve_allowed_keys": value.optional(value.text),
+            "metrics_port": value.optional(value.integer(1, 65535), 0),
+            "log_level": value.choice("debug", "info", "warning", "error", "critical"),
+            "shared_memory": value.choice("auto", "off"),
+            "shm_dir": value.optional(value.path),
+            "shm_staging": value.size(1 << 16),
+            "shm_staging_per_client": value.size(1 << 16),
         },
     ),
-    "hbm": (HbmConfig, {"device": _device, "capacity": _size(1)}),
-    "ram": (RamConfig, {"capacity": _size(1), "codec": _choice("fp8", "int8", "raw"), "pin_memory": _pin}),
+    "hbm": (HbmConfig, {"device": value.device, "capacity": value.size(1)}),
+    "ram": (
+        RamConfig,
+        {"capacity": value.size(1), "codec": value.choice("fp8", "int8", "raw"), "pin_memory": value.pin},
+    ),
     "nvme": (
         NvmeConfig,
         {
-            "path": _path,
-            "capacity": _size(1 << 20),
-            "codec": _choice("int4", "int8", "fp8", "raw"),
-            "zstd": _int(0, 22),
-            "rotate": _bool,
-            "head_codec": _optional(_choice("int8", "fp8", "raw", "int4", "none")),
-            "head_blocks": _int(0, 65536),
-            "write_through": _bool,
-            "admit": _choice(*Admission),
-            "ttl": _duration(never=True),
-            "durability": _choice(*Durability),
-            "enabled": _bool,
+            "path": value.path,
+            "capacity": value.size(1 << 20),
+            "codec": value.choice("int4", "int8", "fp8", "raw"),
+            "zstd": value.integer(0, 22),
+            "rotate": value.boolean,
+            "head_codec": value.optional(value.choice("int8", "fp8", "raw", "int4", "none")),
+            "head_blocks": value.integer(0, 65536),
+            "write_through": value.boolean,
+            "admit": value.choice(*Admission),
+            "ttl": value.duration(never=True),
+            "durability": value.choice(*Durability),
+            "enabled": value.boolean,
         },
     ),
     "cluster": (
         ClusterConfig,
         {
-            "enabled": _bool,
-            "nodes": _nodes,
-            "username": _optional(_text),
-            "password": _optional(_text),
-            "password_env": _optional(_text),
-            "codec": _optional(_choice("int4", "int8", "fp8", "raw")),
-            "zstd": _optional(_int(0, 22)),
-            "ttl": _optional(_duration(never=True)),
-            "timeout": _duration(never=False),
-            "retry_after": _duration(never=False),
-            "write_queue": _int(1, 2**24),
-            "prefix": _text,
-            "required": _bool,
-            "tls_ca_file": _optional(_path),
-            "tls_cert_file": _optional(_path),
-            "tls_key_file": _optional(_path),
+            "enabled": value.boolean,
+            "nodes": value.nodes,
+            "username": value.optional(value.text),
+            "password": value.optional(value.text),
+            "password_env": value.optional(value.text),
+            "codec": value.optional(value.choice("int4", "int8", "fp8", "raw")),
+            "zstd": value.optional(value.integer(0, 22)),
+            "ttl": value.optional(value.duration(never=True)),
+            "timeout": value.duration(never=False),
+            "retry_after": value.duration(never=False),
+            "write_queue": value.integer(1, 2**24),
+            "prefix": value.text,
+            "required": value.boolean,
+            "tls_ca_file": value.optional(value.path),
+            "tls_cert_file": value.optional(value.path),
+            "tls_key_file": value.optional(value.path),
         },
     ),
     "policy": (
         PolicyConfig,
         {
-            "promote_on_hit": _bool,
-            "pin_lease": _duration(never=False),
-            "write_queue": _int(1, 2**24),
-            "page_bytes": _page_size,
+            "promote_on_hit": value.boolean,
+            "pin_lease": value.duration(never=False),
+            "write_queue": value.integer(1, 2**24),
+            "page_bytes": value.page_size,
         },
     ),
 }
@@ -607,12 +386,12 @@ def _apply(
     check = _CHECKS[section][1][key]
     try:
         values[section][key] = check(raw)
-    except _Invalid as e:
+    except value.Invalid as e:
         raise ConfigError(
             f"{where}: [{section}] {key} = {_shown(section, key, raw)} is not allowed; expected {e}"
         ) from None
     if (section, key) == ("server", "endpoint"):
-        values[section][key] = _absolute_endpoint(values[section][key], base or Path.cwd())
+        values[section][key] = value.absolute_endpoint(values[section][key], base or Path.cwd())
 
 
 def _read_file(path: Path, values: dict[str, dict[str, Any]]) -> None:
