@@ -42,10 +42,8 @@ import math
 import os
 import threading
 import time
-import types
 from collections.abc import Sequence
-from dataclasses import MISSING, fields
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any
 
 import torch
 import zmq
@@ -70,7 +68,7 @@ from kvstore.results import (
 )
 from kvstore.shm.client_path import SharedPath
 from kvstore.socket_path import WINDOW, SocketPath
-from kvstore.wire.errors import LocalProtocolError, RemoteProtocolError
+from kvstore.wire.errors import LocalProtocolError
 from kvstore.wire.messages import (
     DataOk,
     Evict,
@@ -88,6 +86,7 @@ from kvstore.wire.messages import (
     ReleaseOk,
     Stats,
 )
+from kvstore.wire.reply_data import as_list, as_map, build, is_a, malformed
 
 
 def _endpoint(endpoint: str | None) -> str:
@@ -107,67 +106,6 @@ def _seconds(name: str, v: Any, *, zero: bool = False) -> float:
         least = "0 or more" if zero else "more than 0"
         raise InvalidRequest(f"{name} must be a finite number of seconds, {least}; got {v!r}")
     return float(v)
-
-
-# ---- the data of operator replies (DataOk carries any msgpack value): checked before it is used ----
-
-
-def _malformed(op: str, what: str) -> RemoteProtocolError:
-    return RemoteProtocolError(
-        "bad_header",
-        f"the daemon's {op} reply is malformed: {what}; is the endpoint a kvstore daemon of this version?",
-    )
-
-
-def _is_a(value: Any, hint: Any) -> bool:
-    """Whether ``value`` (msgpack data) is of the type ``hint`` (a dataclass field's annotation)."""
-    origin, args = get_origin(hint), get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (Union, types.UnionType):
-        return any(_is_a(value, a) for a in args)
-    if hint in (int, float):  # msgpack sends 2.0 as a float, 2 as an int; a bool is neither
-        ok = (int,) if hint is int else (int, float)
-        return isinstance(value, ok) and not isinstance(value, bool)
-    if origin is dict:
-        return isinstance(value, dict) and all(
-            _is_a(k, args[0]) and _is_a(v, args[1]) for k, v in value.items()
-        )
-    if origin is list:
-        return isinstance(value, list) and all(_is_a(v, args[0]) for v in value)
-    return isinstance(value, origin or hint)
-
-
-def _map(op: str, value: Any, what: str = "its data") -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _malformed(op, f"{what} is {type(value).__name__} {value!r:.60}, not a map")
-    return value
-
-
-def _list(op: str, value: Any, what: str = "its data") -> list[Any]:
-    if not isinstance(value, list):
-        raise _malformed(op, f"{what} is {type(value).__name__} {value!r:.60}, not a list")
-    return value
-
-
-def _build(cls: type, data: Any, op: str) -> Any:
-    """A ``cls`` from a reply's map: every field without a default present, each of its declared type.
-    Keys ``cls`` does not have (a newer daemon's) are left out. RemoteProtocolError otherwise."""
-    data = _map(op, data, f"a {cls.__name__}")
-    hints = get_type_hints(cls)
-    values = {}
-    for f in fields(cls):
-        if f.name not in data:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise _malformed(op, f"a {cls.__name__} has no {f.name!r}")
-            continue
-        v = data[f.name]
-        if not _is_a(v, hints[f.name]):
-            hint = hints[f.name]
-            name = str(hint) if get_origin(hint) else getattr(hint, "__name__", str(hint))
-            raise _malformed(op, f"a {cls.__name__}'s {f.name!r} is {v!r:.60}, not {name}")
-        values[f.name] = v
-    return cls(**values)
 
 
 class KVStoreClient:
@@ -461,10 +399,10 @@ class KVStoreClient:
         """``{"store": StoreStats as a dict, "server": daemon counters}``."""
         reply = self._call(Stats())
         assert isinstance(reply, DataOk)
-        data = _map("stats", reply.data)
+        data = as_map("stats", reply.data)
         for part in ("store", "server"):
             if part in data:
-                _map("stats", data[part], repr(part))
+                as_map("stats", data[part], repr(part))
         return dict(data)
 
     def evict(
@@ -492,8 +430,8 @@ class KVStoreClient:
         )
         reply = self._call(msg, idempotent=dry_run)
         assert isinstance(reply, EvictOk)
-        if not _is_a(reply.bytes_freed, dict[str, int]) or not _is_a(reply.keys, list[bytes]):
-            raise _malformed("evict", "bytes_freed is not a map of tier to bytes, or keys not a list of keys")
+        if not is_a(reply.bytes_freed, dict[str, int]) or not is_a(reply.keys, list[bytes]):
+            raise malformed("evict", "bytes_freed is not a map of tier to bytes, or keys not a list of keys")
         return EvictResult(
             reply.blocks,
             dict(reply.bytes_freed),
@@ -506,7 +444,7 @@ class KVStoreClient:
     def sessions(self) -> list[SessionInfo]:
         reply = self._call(Inspect())
         assert isinstance(reply, DataOk)
-        return [_build(SessionInfo, d, "inspect") for d in _list("inspect", reply.data)]
+        return [build(SessionInfo, d, "inspect") for d in as_list("inspect", reply.data)]
 
     def inspect(self, session: str | None = None, token_ids: TokenInput | None = None) -> Any:
         """Every session (a list of SessionInfo), one session (SessionDetail), or, given ``token_ids``,
@@ -519,16 +457,16 @@ class KVStoreClient:
                     raise LocalProtocolError("invalid_argument", "inspect takes token ids, not engine keys")
                 reply = self._call(Inspect(ns=self._ns().id, tokens=names.tokens))
             assert isinstance(reply, DataOk)
-            return _map("inspect", reply.data)
+            return as_map("inspect", reply.data)
         if session is None:
             return self.sessions()
         reply = self._call(Inspect(session=session))
         assert isinstance(reply, DataOk)
-        data = _map("inspect", reply.data)
+        data = as_map("inspect", reply.data)
         return SessionDetail(
-            info=_build(SessionInfo, data.get("info"), "inspect"),
+            info=build(SessionInfo, data.get("info"), "inspect"),
             blocks=[
-                _build(BlockInfo, b, "inspect") for b in _list("inspect", data.get("blocks"), "'blocks'")
+                build(BlockInfo, b, "inspect") for b in as_list("inspect", data.get("blocks"), "'blocks'")
             ],
         )
 
@@ -540,7 +478,7 @@ class KVStoreClient:
         while the result's ``remaining`` is positive)."""
         reply = self._call(Prefetch(session=session, to=to, start_block=start_block, max_blocks=max_blocks))
         assert isinstance(reply, DataOk)
-        return _build(PrefetchResult, reply.data, "prefetch")
+        return build(PrefetchResult, reply.data, "prefetch")
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every block the daemon stored before this call is on nvme and synced to disk.
