@@ -508,3 +508,55 @@ def test_a_store_after_close_is_not_stored_and_makes_no_client(daemon: Any) -> N
     store.close()
     assert store.batch_set_v1(keys, slots([0])) == [False]
     assert store._saver is None
+
+
+def test_a_store_full_of_pinned_blocks_sets_pages_false_and_takes_them_once_the_pins_go(
+    daemons: Any, tmp_path: Any
+) -> None:
+    """Every tier full of blocks another client pinned: a batch is refused page by page (False, never
+    an error), nothing of it is served; released, the same batch is stored and read back whole."""
+    from kvstore.client import KVStoreClient
+    from kvstore.layout import KVLayout
+    from kvstore.results import NO_ROOM
+    from tests.engines.sglang.conftest import HDIM, HEADS, LAYERS
+    from tests.hardening.conftest import write_config
+
+    cfg = write_config(
+        tmp_path,
+        hbm={"device": "cpu", "capacity": "8KiB"},
+        ram={"capacity": "8KiB", "codec": "raw"},
+        nvme={"enabled": False},
+        policy={"page_bytes": "1KiB"},
+    )
+    d = daemons(cfg)
+    layout = KVLayout(LAYERS, HEADS, HDIM, "bfloat16", block_tokens=PAGE)  # one 1 KiB page a block
+    filler = list(range(16 * PAGE))
+    with KVStoreClient(d.endpoint, model="filler", layout=layout) as c:
+        kv = torch.randn(layout.shape(len(filler))).to(torch.bfloat16)
+        assert c.put(filler, kv).stored == 16  # hbm and ram: 8 pages each
+        handle, pinned = c.pin(filler)
+        assert pinned == 16
+        more = c.put(list(range(10_000, 10_000 + PAGE)), kv[:, :, :PAGE])
+        assert [f.code for f in more.failed] == [NO_ROOM]  # the store is full: nothing can be evicted
+
+        pool = host_pool("page_first")
+        store = backend(d.endpoint, pool)
+        keys = page_hashes(3, salt=16)
+        want = fill(pool, [0, 1, 2], seed=16)
+        assert store.batch_set_v1(keys, slots([0, 1, 2])) == [False] * 3
+        assert store.batch_exists(keys) == 0
+        before = pool.get_data_page(8 * PAGE, flat=False).clone()
+        assert store.batch_get_v1(keys, slots([8, 9, 10])) == [False] * 3
+        assert torch.equal(
+            pool.get_data_page(8 * PAGE, flat=False).view(torch.int16), before.view(torch.int16)
+        )
+        assert store.backoff.timeouts == 0  # refusals are answers: the backend keeps asking
+
+        assert c.release(handle)
+        assert store.batch_set_v1(keys, slots([0, 1, 2])) == [True] * 3  # the filler is evicted for them
+        assert store.batch_get_v1(keys, slots([8, 9, 10])) == [True] * 3
+        for p, w in zip([8, 9, 10], want, strict=True):
+            assert torch.equal(
+                pool.get_data_page(p * PAGE, flat=False).view(torch.int16), w.view(torch.int16)
+            )
+        assert c.lookup(filler).matched_blocks < 16
