@@ -49,6 +49,7 @@ class ClusterAdmin:
     ) -> None:
         self._lock, self._clock, self._index, self._tiers = parts.lock, parts.clock, parts.index, parts.tiers
         self._sessions, self._namespaces = parts.sessions, parts.namespaces
+        self._on_disk = parts.on_disk
         self.cluster = link.cluster
         self.status = link.status  # the tier's state and counters, and the write queue
         self._journal = journal
@@ -168,7 +169,9 @@ class ClusterAdmin:
             if whole:  # its tail is here, and with it the whole chain
                 if self._namespaces.add(ns):
                     self._journal.namespace(ns)
-                s = self._sessions.record_put(session, ns.id, keys[end - 1], end * T, self._clock())
+                s = self._sessions.record_put(
+                    session, ns.id, keys[end - 1], end * T, self._clock(), self._on_disk
+                )
                 self._journal.session(s)
         present = r.matched_blocks - len(came)
         want = len(keys) - start_block if max_blocks is None else min(max_blocks, len(keys) - start_block)

@@ -513,6 +513,19 @@ class Store:
         with self._lock:
             return self._sessions.all()
 
+    def _resumed(self, s: SessionState, found: tuple[int, Entry] | None) -> SessionState:
+        """(At restore.) Session ``s``, whose tail is not on disk, ending where it can resume: at its
+        tail before its last put (``before``, on disk), or deeper at ``found`` (its deepest block
+        that is, by its tag) when that continues ``before`` (a block of the put that did reach the
+        disk; one on another branch is an older turn's); with neither, nowhere (tail None)."""
+        start = self._index.get(s.before) if s.before is not None else None
+        if found is not None and (start is None or _descends(found[1], start)):
+            T = self._namespaces.block_tokens(s.namespace)
+            return replace(s, tail=found[1].key, tokens=(found[0] + 1) * T)
+        if start is not None:
+            return replace(s, tail=s.before, tokens=s.before_tokens)  # where its last flush left it
+        return replace(s, tail=None, tokens=0)
+
     def _restore_sessions(self, nvme: NvmeTier) -> None:
         """The sessions nvme records, each ending at its tail block. A row journalled ahead of its last
         put's blocks (a crash before they were written) names a tail that is not there: the session
@@ -539,17 +552,19 @@ class Store:
                             deepest[name] = (depth, e)
         rows.sort(key=lambda s: s.last_access)
         for s in rows:
-            if s.name in lost and s.before is not None and s.before in self._index:
-                s = replace(s, tail=s.before, tokens=s.before_tokens)  # where its last flush left it
-            elif s.name in lost:
-                found = deepest.get(s.name)
-                if found is None:
-                    s = replace(s, tail=None, tokens=0)
-                else:
-                    T = self._namespaces.block_tokens(s.namespace)
-                    s = replace(s, tail=found[1].key, tokens=(found[0] + 1) * T)
+            if s.name in lost:
+                s = self._resumed(s, deepest.get(s.name))
             if s.tail is None:  # dead: nothing of its conversation is left to resume
                 self._journal.forget_session(s.name)
                 self._sessions.dropped_dead += 1
                 continue
             self._sessions.set(s)
+
+
+def _descends(e: Entry | None, ancestor: Entry) -> bool:
+    """Whether block ``e`` is ``ancestor`` or below it."""
+    while e is not None:
+        if e is ancestor:
+            return True
+        e = e.parent
+    return False

@@ -38,3 +38,9 @@ class StoreParts:
     sessions: SessionTable
     namespaces: NamespaceTable
     counts: StoreCounts
+
+    def on_disk(self, key: bytes) -> bool:
+        """(Lock held.) Whether block ``key`` has an nvme copy."""
+        t = self.tiers.nvme_t
+        e = self.index.get(key)
+        return t is not None and e is not None and bool(e.tiers & (1 << t))

@@ -58,7 +58,7 @@ class Putter:
     ) -> None:
         self._lock, self._clock, self._tiers = parts.lock, parts.clock, parts.tiers
         self._index, self._pins, self._sessions = parts.index, parts.pins, parts.sessions
-        self._namespaces = parts.namespaces
+        self._namespaces, self._on_disk = parts.namespaces, parts.on_disk
         self._data, self._mover, self._journal = data, mover, journal
         self._through, self._cluster = through, cluster
         self._lease = lease
@@ -182,7 +182,7 @@ class Putter:
         if job.session is not None and job.tail is not None and job.last >= job.start:
             if job.failed or c1 == job.end:
                 s = self._sessions.record_put(
-                    job.session, job.ns.id, job.tail, (job.base + job.last + 1) * T, now
+                    job.session, job.ns.id, job.tail, (job.base + job.last + 1) * T, now, self._on_disk
                 )
                 self._journal.session(s)
         return new

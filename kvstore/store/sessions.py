@@ -24,12 +24,14 @@ Not thread-safe: the store holds its lock around every call.
 
 from __future__ import annotations
 
+import math
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvstore.keys import KEY_BYTES
 from kvstore.results import InvalidRequest
 
 # A session name as a client gives it, in UTF-8 bytes (the wire refuses longer ones).
@@ -108,17 +110,44 @@ class SessionState:
 
     @classmethod
     def from_dict(cls, name: str, d: dict[str, Any]) -> SessionState:
-        tail, before = d.get("tail"), d.get("before")
+        """The state a row holds; ValueError naming the field for any field missing or of another
+        type (a damaged row is skipped, never taken as far as it goes: ``bytes(n)`` of a number n is
+        n zero bytes)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"the row is {type(d).__name__}, not a map")
         return cls(
             name=name,
-            namespace=str(d["ns"]),
-            tail=None if tail is None else bytes(tail),
-            tokens=int(d["tokens"]),
-            created=float(d["created"]),
-            last_access=float(d["last_access"]),
-            before=None if before is None else bytes(before),
-            before_tokens=int(d.get("before_tokens", 0)),
+            namespace=_field(d, "ns", str),
+            tail=_key(d, "tail"),
+            tokens=_field(d, "tokens", int),
+            created=float(_field(d, "created", (int, float))),
+            last_access=float(_field(d, "last_access", (int, float))),
+            before=_key(d, "before"),
+            before_tokens=_field(d, "before_tokens", int, 0),
         )
+
+
+_MISSING = object()
+
+
+def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = _MISSING) -> Any:
+    v = d.get(name, default)
+    if v is _MISSING:
+        raise ValueError(f"no {name!r}")
+    if isinstance(v, bool) or not isinstance(v, kind) or (isinstance(v, float) and not math.isfinite(v)):
+        raise ValueError(f"{name!r} is {v!r:.40}")
+    if isinstance(v, int) and v < 0:
+        raise ValueError(f"{name!r} is {v}")
+    return v
+
+
+def _key(d: dict[str, Any], name: str) -> bytes | None:
+    v = d.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, (bytes, bytearray)) or len(v) != KEY_BYTES:
+        raise ValueError(f"{name!r} is {v!r:.40}, not a block key")
+    return bytes(v)
 
 
 class SessionTable:
@@ -200,13 +229,27 @@ class SessionTable:
         self._trim(tenant, state.name)
         return state
 
-    def record_put(self, name: str, namespace: str, tail: bytes, tokens: int, now: float) -> SessionState:
-        """A put under ``name`` ended at block ``tail`` covering ``tokens``: that is the session's prefix now."""
+    def record_put(
+        self,
+        name: str,
+        namespace: str,
+        tail: bytes,
+        tokens: int,
+        now: float,
+        on_disk: Callable[[bytes], bool] | None = None,
+    ) -> SessionState:
+        """A put under ``name`` ended at block ``tail`` covering ``tokens``: that is the session's prefix now.
+
+        The tail it had becomes ``before`` (where a crash before this put's blocks reach the disk
+        leaves it) when ``on_disk`` says that block has a disk copy, or no ``before`` is kept yet;
+        else ``before`` stays: a tail not on disk is no better after a crash than the new one, and
+        two puts in a row before the disk caught up would lose the one that was."""
         old = self._by_name.get(name)
         created = now if old is None else old.created
         before, before_tokens = (None, 0) if old is None else (old.before, old.before_tokens)
         if old is not None and old.tail is not None and old.tail != tail:
-            before, before_tokens = old.tail, old.tokens
+            if before is None or on_disk is None or on_disk(old.tail):
+                before, before_tokens = old.tail, old.tokens
         return self.set(SessionState(name, namespace, tail, tokens, created, now, before, before_tokens))
 
     def touch(self, name: str, now: float) -> SessionState | None:

@@ -73,6 +73,8 @@ def test_a_damaged_session_or_namespace_row_is_skipped_and_the_rest_comes_back(
     tier._write(lambda txn: txn.put(b"cut", cut[:-3], db=tier._sessions))  # torn: does not unpack
     odd = {**rows["odd"], "tokens": "many"}  # unpacks, but not as a session
     tier.put_session("odd", odd)
+    # a number where a key goes: skipped, not taken as 2**50 zero bytes
+    tier.put_session("num", {**rows["fine"], "tail": 1 << 50})
     tier.put_namespace("bogus", {"model": 7})  # a namespace row this build cannot read
     tier.close()
     s2 = make_store(path=path)  # opens: the damaged rows are logged and skipped
@@ -122,14 +124,25 @@ def test_restart_after_flush_without_close_keeps_the_blocks(tmp_path: Path) -> N
         s.close()
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["own-blocks", "blocks-another-session-stored"])
+@pytest.mark.parametrize(
+    ("shared", "turns", "landed"),
+    [(False, 1, 4), (True, 1, 4), (True, 2, 4), (True, 2, 6)],
+    ids=[
+        "own-blocks",
+        "blocks-another-session-stored",
+        "two-puts-before-the-disk-caught-up",
+        "the-first-of-two-puts-reached-the-disk",
+    ],
+)
 def test_a_crash_before_a_session_s_new_blocks_are_written_keeps_what_flush_made_durable(
-    tmp_path: Path, shared: bool
+    tmp_path: Path, shared: bool, turns: int, landed: int
 ) -> None:
     """The session's row (its tail: the put's last block) is journalled ahead of the put's blocks.
     A crash between the two leaves a row naming a block that is not on disk: the session then ends
     where its last flush left it (the row keeps its tail before the put). ``shared``: turn 1's
-    blocks were stored by another session first (so they carry no tag of this one)."""
+    blocks were stored by another session first (so they carry no tag of this one). ``turns``: puts
+    after the flush; ``landed``: the blocks that reached the disk before the crash (the session
+    resumes at the last of them: the row keeps the tail that did, or the blocks' tags show it)."""
     path = tmp_path / "lmdb"
     first = 's.put(NS, toks[: 4 * T], kv(4 * T, 3), session="other")' if shared else "pass"
     script = textwrap.dedent(f"""
@@ -150,18 +163,22 @@ def test_a_crash_before_a_session_s_new_blocks_are_written_keeps_what_flush_made
         assert s.flush(30)
         nvme = s.tiers[2]
         put = nvme.put
-        def slow(key, *a, **k):  # a slow disk: turn 2's blocks wait
-            if threading.current_thread().name == "kvstore-writer":
-                time.sleep(60)
+        late = set(block_keys(NS, toks)[{landed}:])
+        def slow(key, *a, **k):  # a disk that cannot keep up: the blocks from `landed` on never land
+            if threading.current_thread().name == "kvstore-writer" and key in late:
+                raise OSError("the disk is behind")
             return put(key, *a, **k)
         nvme.put = slow
-        s.put(NS, toks, kv(8 * T, 3), session="conv")  # turn 2: blocks 4..7
+        if {turns} == 2:
+            s.put(NS, toks[: 6 * T], kv(6 * T, 3), session="conv")  # blocks 4..5
+        s.put(NS, toks, kv(8 * T, 3), session="conv")  # turn 2 (or 3): blocks .. 7
         tail = block_keys(NS, toks)[7]
         deadline = time.monotonic() + 30
-        while dict(nvme.iter_sessions()).get("conv", {{}}).get("tail") != tail:
+        landed = block_keys(NS, toks)[{landed} - 1]
+        while dict(nvme.iter_sessions()).get("conv", {{}}).get("tail") != tail or landed not in nvme:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        os._exit(0)  # the row names block 7; blocks 4..7 never reached the disk
+        os._exit(0)  # the row names block 7, which never reached the disk
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     from kvstore.codecs import get_codec
@@ -177,9 +194,9 @@ def test_a_crash_before_a_session_s_new_blocks_are_written_keeps_what_flush_made
     )
     try:
         toks = tokens(8, seed=3)
-        assert s.lookup(NS, toks).matched_blocks == 4
-        assert s.session("conv").info.tokens == 4 * T
-        assert s.prefetch("conv", "ram").blocks == 4
+        assert s.lookup(NS, toks).matched_blocks == landed
+        assert s.session("conv").info.tokens == landed * T
+        assert s.prefetch("conv", "ram").blocks == landed
     finally:
         s.close()
 
