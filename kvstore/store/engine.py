@@ -76,7 +76,7 @@ from kvstore.store.reads import Located, Reader
 from kvstore.store.restore import restore
 from kvstore.store.sessions import SessionState, SessionTable
 from kvstore.store.tierset import TierSet
-from kvstore.store.writeback import WriteBack
+from kvstore.store.writeback import WriteBack, access_slot
 from kvstore.store.writer import Admission, WriteThrough
 from kvstore.tiers.base import Tier
 from kvstore.tiers.cluster import ClusterTier
@@ -147,7 +147,9 @@ class Store:
         self._write_through = write_through and nvme is not None
         self._writeback: WriteBack | None = None
         if nvme is not None and writer is not None:
-            report = restore(self._index, nvme, self.tiers.last, self._namespaces)
+            report = restore(
+                self._index, nvme, self.tiers.last, self._namespaces, slot=access_slot(ttl), now=clock()
+            )
             self._mover.counters[self.tiers.last].corrupt += report.damaged
             self._restore_sessions(nvme)
             sweep = not (self._write_through and self._admit is Admission.ALWAYS)

@@ -38,8 +38,19 @@ class RestoreReport:
     damaged: int = 0  # blocks whose record failed its checks (dropped, like their descendants)
 
 
-def restore(index: BlockIndex, nvme: NvmeTier, tier: int, namespaces: NamespaceTable) -> RestoreReport:
+def restore(
+    index: BlockIndex,
+    nvme: NvmeTier,
+    tier: int,
+    namespaces: NamespaceTable,
+    *,
+    slot: float | None = None,
+    now: float | None = None,
+) -> RestoreReport:
     """Fill an empty ``index`` from ``nvme`` (held in ``tier``), and ``namespaces`` with their roots.
+
+    ``slot``: how far the records' access times may lag (writeback.access_slot); each is taken as
+    the end of its slot, but not past ``now``.
 
     numpy does per column what a loop would do per record: parents found by
     a sorted search over the keys, orphans' subtrees marked by pointer
@@ -62,7 +73,7 @@ def restore(index: BlockIndex, nvme: NvmeTier, tier: int, namespaces: NamespaceT
             log.warning("nvme record of block %s is damaged (%s): the block is dropped", key.hex()[:16], err)
             damaged.append(key)
 
-        report = _restore(index, nvme, tier, namespaces, on_damaged)
+        report = _restore(index, nvme, tier, namespaces, on_damaged, slot, now)
         if damaged:  # its descendants went as orphans; the block itself goes too, frame and entry
             nvme.drop_many(damaged)
         return replace(report, damaged=len(damaged))
@@ -77,6 +88,8 @@ def _restore(
     tier: int,
     namespaces: NamespaceTable,
     on_damaged: Callable[[bytes, FrameError], None],
+    slot: float | None,
+    now: float | None,
 ) -> RestoreReport:
     keys: list[bytes] = []
     nss: list[str] = []
@@ -92,6 +105,9 @@ def _restore(
         return RestoreReport(blocks=0, orphans=0, namespaces=len(namespaces))
     parents, position, created, accessed = (np.concatenate([a[i] for a in arrays]) for i in range(4))
     del arrays
+    if slot is not None:  # the last access was at most the end of the slot the record names
+        ends = (np.floor(accessed / slot) + 1) * slot
+        accessed = np.maximum(accessed, ends if now is None else np.minimum(ends, now))
     # row of each block's parent; -1 for block 0 (its parent is the namespace root) and for orphans
     prow = _rows_of(keys, parents)
     first = position == 0

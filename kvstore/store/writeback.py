@@ -42,6 +42,14 @@ _RECORD_BATCH = 4096
 _READY = 4096  # frames offered ahead of their write, at most
 
 
+def access_slot(ttl: float) -> float:
+    """How far a block's access time on disk may lag its last access: it is written when it moves
+    to another slot of this many seconds (10 minutes, or a tenth of the TTL when that is shorter),
+    not on every read. ``restore`` takes each as the end of its slot: a block used within its TTL
+    does not expire after a restart (it may outlive its TTL by up to one slot)."""
+    return min(600.0, ttl / 10) if math.isfinite(ttl) else 600.0
+
+
 class WriteBack:
     """The write-through to nvme, TTL expiry and record upkeep over one store's index.
 
@@ -69,9 +77,7 @@ class WriteBack:
         self._mover = mover
         self._writer = writer
         self._ttl = ttl
-        # access times reach disk when they move to another slot: 10 minutes, or a tenth of the TTL
-        # when that is shorter (a block used within its TTL must not expire after a restart)
-        self._slot = min(600.0, ttl / 10) if math.isfinite(ttl) else 600.0
+        self._slot = access_slot(ttl)
         self._backpressure = backpressure
         self._sweep = sweep
         self._closed = False

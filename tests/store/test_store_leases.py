@@ -106,6 +106,33 @@ def test_an_access_within_a_short_ttl_survives_a_restart(make_store, tmp_path) -
     assert s2.lookup(NS, toks).matched_blocks == 2
 
 
+def test_an_access_in_the_slot_its_record_was_written_survives_a_restart(make_store, tmp_path) -> None:
+    # a record's access time is written when it moves to another slot (30 s: a tenth of a 300 s
+    # TTL): a read 20 s after the put leaves it at the put's time. After a restart 290 s after that
+    # read, the block is 290 s old (the record is taken as the end of its slot), not 310; a block
+    # idle since a slot before is past its TTL and goes
+    clock = Clock(1_000_140.0)  # the start of a slot
+    path = tmp_path / "lmdb"
+    s = make_store(path=path, clock=clock, ttl=300.0, tick=0.02)
+    used, idle = tokens(2, seed=1), tokens(2, seed=2)
+    s.put(NS, idle, kv(2 * T, 2))  # t = -60
+    clock.advance(60)
+    s.put(NS, used, kv(2 * T, 1))  # t = 0, the start of another slot
+    assert s.flush(10)
+    clock.advance(20)
+    assert s.get(NS, used).matched_blocks == 2  # t = 20, the same slot: its record keeps t = 0
+    assert s.flush(10)
+    s.close()
+    clock.advance(290)  # t = 310
+    s2 = make_store(path=path, clock=clock, ttl=300.0, tick=0.02)
+    deadline = time.monotonic() + 10
+    while s2.lookup(NS, idle).matched_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s2.lookup(NS, idle).matched_blocks == 0  # last used at t = -60: 370 s ago
+    assert s2.lookup(NS, used).matched_blocks == 2  # last used at t = 20: 290 s ago
+    s2.close()
+
+
 def test_a_prefix_continued_later_lives_as_long_as_its_new_blocks(make_store) -> None:
     # an engine saves as it computes: a put from block 2 never touches blocks 0-1; past their TTL
     # they went, and the blocks stored after them went too (a lookup starts at block 0); kept for
