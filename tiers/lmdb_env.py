@@ -36,6 +36,7 @@ modes all guard one LMDB environment and share its state.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -419,7 +420,7 @@ def _open_dbs(env: lmdb.Environment, path: Path) -> tuple[dict[str, Any], float]
                 )
             if found != str(FORMAT_VERSION).encode():  # an older store: readable, and marked as ours
                 txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=meta)
-            created = float(txn.get(b"created", default=b"0", db=meta))
+            created = _created(txn.get(b"created", default=b"0", db=meta), path)
     except lmdb.IncompatibleError as e:
         raise StoreFormatError(f"{path} holds an LMDB database that is not a kvstore nvme store: {e}") from e
     except lmdb.Error as e:  # e.g. no space left to write the first transaction
@@ -462,3 +463,16 @@ def _check_clean(path: Path, map_size: int) -> str | None:
     for name in ("data.mdb", "lock.mdb"):
         (path / name).unlink(missing_ok=True)
     return reason
+
+
+def _created(raw: bytes, path: Path) -> float:
+    """The store's creation time as ``meta`` holds it; 0 (unknown) for a damaged value, which only
+    ``stats`` shows: it must not keep the store from opening."""
+    try:
+        t = float(raw)
+    except ValueError:
+        t = math.nan
+    if not math.isfinite(t) or t < 0:
+        log.warning("nvme store %s: its creation time %r is damaged; shown as unknown", path, raw[:40])
+        return 0.0
+    return t

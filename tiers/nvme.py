@@ -351,6 +351,11 @@ class NvmeTier(Tier):
 
         return self._read(measure)
 
+    def over_capacity(self) -> bool:
+        """Whether the tier holds more than its capacity lets a write leave (it was written under a
+        larger ``capacity`` than it is opened with now)."""
+        return self._read(lambda txn: self._env.used_bytes(txn)) > self.capacity_bytes - self._reserve()
+
     # -- records ----------------------------------------------------------------------
     def record(self, key: bytes) -> BlockRecord:
         """The stored record of ``key``. KeyError when absent (or stored without one), FrameError if damaged."""
@@ -513,9 +518,10 @@ class NvmeTier(Tier):
         return self._value_cost(len(old)) if old is not None else 0
 
     def _iter_map(self, db: Any, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Every row of ``db`` that decodes as a map; a damaged one is logged and skipped (a later
-        write of the same name replaces it): one bad row must not keep the store from opening."""
+        """Every row of ``db`` that decodes as a map; a damaged one is logged, skipped and deleted
+        once the rows are read: one bad row must not keep the store from opening."""
         items = self._read(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db).iternext()])
+        damaged = []
         for key, value in items:
             name = key.decode(errors="replace")
             try:
@@ -523,9 +529,12 @@ class NvmeTier(Tier):
             except (ValueError, msgpack.UnpackException) as e:
                 info = e
             if not isinstance(info, dict):
-                log.warning("nvme: the %s row %r is damaged (%s); it is skipped", what, name, info)
+                log.warning("nvme: the %s row %r is damaged (%s); it is dropped", what, name, info)
+                damaged.append(key)
                 continue
             yield name, info
+        if damaged:
+            self._write(lambda txn: [txn.delete(k, db=db) for k in damaged])
 
     def put_session(self, name: str, info: dict[str, Any]) -> None:
         """Store (or replace) a session's info (msgpack-able map). TierFull when out of room."""

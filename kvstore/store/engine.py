@@ -152,6 +152,7 @@ class Store:
             )
             self._mover.counters[self.tiers.last].corrupt += report.damaged
             self._restore_sessions(nvme)
+            self._trim_disk(nvme)
             sweep = not (self._write_through and self._admit is Admission.ALWAYS)
             self._writeback = WriteBack(
                 parts, self._mover, nvme, writer, ttl=ttl, backpressure=backpressure, sweep=sweep
@@ -515,6 +516,28 @@ class Store:
         with self._lock:
             return self._sessions.all()
 
+    def _trim_disk(self, nvme: NvmeTier) -> None:
+        """(At restore.) A disk reopened with a smaller ``capacity`` than it was written under gives up
+        its least recently used blocks until it fits, as a write would make room."""
+        if not nvme.over_capacity():
+            return
+        before, t, tried = len(self._index), self.tiers.last, set[bytes]()
+        with self._lock:
+            while nvme.over_capacity():
+                e = self._mover.victim(t, tried)
+                if e is None:
+                    break
+                tried.add(e.key)
+                self._mover.evict_from(t, e)
+        u = nvme.usage()
+        log.warning(
+            "nvme: %d blocks given up at start, least recently used first: the store holds %d bytes, "
+            "its capacity is %d",
+            before - len(self._index),
+            u.used_bytes,
+            u.capacity_bytes,
+        )
+
     def _resumed(self, s: SessionState, found: tuple[int, Entry] | None) -> SessionState:
         """(At restore.) Session ``s``, whose tail is not on disk, ending where it can resume: at its
         tail before its last put (``before``, on disk), or deeper at ``found`` (its deepest block
@@ -541,8 +564,10 @@ class Store:
                 rows.append(SessionState.from_dict(name, d))
             except (KeyError, TypeError, ValueError) as err:
                 log.warning(
-                    "nvme: the session row %r lacks or mangles a field (%s); it is skipped", name, err
+                    "nvme: the session row %r lacks or mangles a field (%s); it is dropped", name, err
                 )
+                self._journal.forget_session(name)
+                self._sessions.dropped_dead += 1
         lost = {s.name: s.namespace for s in rows if s.tail is not None and s.tail not in self._index}
         deepest: dict[str, tuple[int, Entry]] = {}
         if lost:

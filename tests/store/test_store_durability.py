@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.keys import block_keys
 from kvstore.results import EvictFilter
-from tests.store.storekit import NS, T, close_to, kv, tokens
+from tests.store.storekit import NS, Clock, T, close_to, kv, tokens
 
 
 def nvme_keys(s) -> set[bytes]:
@@ -77,8 +77,9 @@ def test_a_damaged_session_or_namespace_row_is_skipped_and_the_rest_comes_back(
     tier.put_session("num", {**rows["fine"], "tail": 1 << 50})
     tier.put_namespace("bogus", {"model": 7})  # a namespace row this build cannot read
     tier.close()
-    s2 = make_store(path=path)  # opens: the damaged rows are logged and skipped
+    s2 = make_store(path=path)  # opens: the damaged rows are logged and dropped
     assert [i.name for i in s2.sessions()] == ["fine"]
+    assert s2.stats().sessions_forgotten >= 2  # "odd" and "num" (a torn row never unpacks)
     for toks in (a, b, c):
         assert s2.lookup(NS, toks).matched_blocks == len(toks) // T
     assert s2.check_integrity() == []
@@ -315,3 +316,29 @@ def test_a_session_row_whose_write_failed_is_written_again_and_flush_waits_for_i
     s.close()
     s2 = make_store(path=path)
     assert s2.session("conv").info.tokens == 3 * T
+
+
+def test_a_disk_reopened_with_a_smaller_capacity_gives_up_its_least_recently_used_blocks(
+    make_store, tmp_path: Path
+) -> None:
+    path = tmp_path / "lmdb"
+    clock = Clock()
+    s = make_store(path=path, nvme_capacity=8 << 20, clock=clock)
+    prompts = [tokens(8, seed=seed) for seed in range(60)]
+    for seed, toks in enumerate(prompts):
+        s.put(NS, toks, kv(8 * T, seed))
+        clock.advance(1)
+    clock.advance(3600)  # access times reach the disk in 10-minute slots
+    s.get(NS, prompts[0])  # the oldest prompt, used last
+    assert s.flush(30)
+    full = s.tiers[-1].usage().used_bytes
+    s.close()
+    s2 = make_store(path=path, nvme_capacity=full // 2, clock=clock)
+    u = s2.tiers[-1].usage()
+    assert u.used_bytes <= u.capacity_bytes and s2.check_integrity() == []
+    held = [s2.lookup(NS, toks).matched_blocks for toks in prompts]
+    assert held[0] == 8  # used last: kept
+    assert held[1] < 8  # put first after it, never used since: given up first
+    assert 0 < sum(held) < 8 * len(prompts)
+    assert s2.put(NS, tokens(8, seed=99), kv(8 * T, 99)).stored == 8  # and it takes new blocks
+    assert s2.flush(30)

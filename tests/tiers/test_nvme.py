@@ -167,6 +167,34 @@ def test_reopen_finds_frames_records_sessions_and_namespaces(tmp_path: Path) -> 
     again.close()
 
 
+def test_damaged_rows_and_a_damaged_creation_time_are_dropped_and_the_store_opens(tmp_path: Path) -> None:
+    import lmdb
+
+    tier = open_tier(tmp_path / "nvme")
+    tier.put(key(1), block(1), record(1))
+    tier.put_session("good", {"blocks": 1})
+    tier.put_namespace("ab12", {"model": "m"})
+    tier.close()
+    env = lmdb.open(str(tmp_path / "nvme"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"torn", b"\x85\xa2ns", db=env.open_db(b"sessions", txn=txn))  # a map cut short
+        txn.put(b"cd34", b"\xc1", db=env.open_db(b"namespaces", txn=txn))  # no msgpack at all
+        txn.put(b"created", b"1.7e9\x00", db=env.open_db(b"meta", txn=txn))
+    env.close()
+
+    again = open_tier(tmp_path / "nvme")
+    assert again.created == 0.0  # unknown, not a reason to refuse the store
+    assert list(again.iter_sessions()) == [("good", {"blocks": 1})]
+    assert list(again.iter_namespaces()) == [("ab12", {"model": "m"})]
+    assert torch.equal(again.get(key(1)), block(1))
+    again.close()
+    env = lmdb.open(str(tmp_path / "nvme"), max_dbs=8)
+    with env.begin() as txn:  # dropped from disk, not skipped at every start
+        assert txn.get(b"torn", db=env.open_db(b"sessions", txn=txn)) is None
+        assert txn.get(b"cd34", db=env.open_db(b"namespaces", txn=txn)) is None
+    env.close()
+
+
 def test_update_records_skips_blocks_that_are_gone(tier: NvmeTier) -> None:
     tier.put(key(1), block(1), record(1))
     assert tier.update_records([record(1).touched(5000.0), record(2)]) == 1
