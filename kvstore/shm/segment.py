@@ -210,6 +210,9 @@ class Segment:
                     f"(uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}, {st.st_size} bytes)"
                 )
             return cls(p, fd, size, writable=writable, owner=False)
+        except OSError as e:  # the mapping itself (no address space left, vm.max_map_count)
+            os.close(fd)
+            raise ShmUnavailable(f"cannot map {p}: {e.strerror or e}") from None
         except BaseException:
             os.close(fd)
             raise

@@ -420,6 +420,45 @@ def test_segments_that_cannot_be_mapped_mean_the_socket(daemons: Any, tmp_path: 
         assert not c.shared_memory
 
 
+def test_a_mapping_the_client_s_address_space_cannot_hold_means_the_socket(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mmap itself failing in the client (an address-space limit, vm.max_map_count: ENOMEM), for the
+    pools on the first get and for staging on a put: the call is served over the socket."""
+    import errno
+    import mmap
+
+    from kvstore.shm import segment
+
+    cfg = write_config(tmp_path, server=SHM)
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(15)
+    a, b = random_tokens(rng, 3), random_tokens(rng, 3)
+    with socket_client(ep) as s:
+        assert s.put(a, prefix_kv(a)).stored == 3
+    real = mmap.mmap
+
+    def no_room(fd: int, size: int, **kw: Any) -> Any:
+        if not kw.get("prot", mmap.PROT_WRITE) & mmap.PROT_WRITE or "staging" in os.readlink(
+            f"/proc/self/fd/{fd}"
+        ):
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(fd, size, **kw)
+
+    monkeypatch.setattr(segment.mmap, "mmap", no_room)
+    with client(ep) as c:  # the pools: mapped read-only
+        got = c.get(a)
+        assert got.matched_blocks == 3 and not c.shared_memory
+        assert_exact(a, got.kv, got.matched_tokens)
+    monkeypatch.setattr(segment.mmap, "mmap", real)
+    with attached(ep) as c:  # the pools are mapped; the staging segment, on the first put, is not
+        monkeypatch.setattr(segment.mmap, "mmap", no_room)
+        assert c.put(b, prefix_kv(b)).stored == 3
+        assert not c.shared_memory
+        assert_served(c, b)
+
+
 def test_a_hello_for_shared_memory_over_the_raw_socket_is_answered_with_the_offer(
     daemons: Any, tmp_path: Path
 ) -> None:
