@@ -80,8 +80,9 @@ class Limits:
 
     @property
     def max_header_bytes(self) -> int:
-        # room for the fields plus every token id as a msgpack int (at most 5 bytes as uint32)
-        return 65536 + 5 * self.max_tokens
+        # room for the fields plus what names max_tokens tokens: a token id takes at most 5 bytes (a
+        # msgpack uint32), an engine key 32 bytes and may name a block of one token
+        return 65536 + 32 * self.max_tokens
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -115,11 +116,29 @@ def encode(rid: int | None, msg: Message, op: str | None = None) -> list[Buffer]
     return [msgpack.packb(header, use_bin_type=True), *msg.payload_frames()]
 
 
+def _peek_id(frame: Buffer) -> int | None:
+    """The request id of a header too large to decode, read from its first fields (a client writes
+    ``v``, ``op`` and ``id`` first), so that the refusal reaches the caller; None when not there."""
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(bytes(memoryview(getattr(frame, "buffer", frame)).cast("B")[:4096]))
+    try:
+        for _ in range(min(unpacker.read_map_header(), 8)):
+            key, value = unpacker.unpack(), unpacker.unpack()
+            if key == "id":
+                ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+                return value if ok else None
+    except Exception:  # noqa: BLE001 - garbage, or the first fields are long: no id to give
+        return None
+    return None
+
+
 def read_header(frame: Buffer, limit: int) -> tuple[dict[str, Any], int | None]:
     """Decode frame 0 into (fields, request id). Raises RemoteProtocolError (with the id when known)."""
     size = nbytes(frame)
     if size > limit:
-        raise RemoteProtocolError("too_large", f"header is {size} bytes, over the limit of {limit}")
+        raise RemoteProtocolError(
+            "too_large", f"header is {size} bytes, over the limit of {limit}", request_id=_peek_id(frame)
+        )
     try:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises many types on garbage

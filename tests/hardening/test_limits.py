@@ -2,7 +2,7 @@
 
 Caps (``[server]`` keys, told to clients in the hello reply):
 
-    header bytes        65536 + 5 * max_tokens_per_request   -> too_large
+    header bytes        65536 + 32 * max_tokens_per_request  -> too_large (an engine key: 32 bytes)
     token ids           max_tokens_per_request               -> too_many_tokens
     message bytes       max_message_bytes                    -> too_large
                         (over 2x that: the connection is cut by ZeroMQ, nothing is read)
@@ -75,7 +75,26 @@ def test_a_header_over_its_cap_is_too_large(daemon: Daemon, raw: Raw) -> None:
     big = "x" * (LIMITS.max_header_bytes + 1)
     r = raw.ask(header("ping", 7, pad=big))
     assert (r["op"], r["code"]) == ("error", "too_large") and "header" in r["message"]
+    assert r["id"] == 7  # read from the header's first fields: the caller gets the refusal, not a time-out
     still_serving(daemon)
+
+
+def test_engine_keys_naming_the_most_tokens_a_request_may_fit_its_header(tmp_path: Path) -> None:
+    # 20,000 keys of one-token blocks: 640 kB of keys, past 5 bytes a token of room
+    from kvstore.client import KVStoreClient
+    from kvstore.layout import KVLayout
+
+    cfg = write_config(tmp_path, server={"max_tokens_per_request": 20000, "workers": 1})
+    d = Daemon(cfg, endpoint_of(cfg)).wait_ready()
+    try:
+        layout = KVLayout(
+            LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.dtype, block_tokens=1
+        )
+        with KVStoreClient(d.endpoint, model="one-token-pages", layout=layout, timeout=10, retries=0) as c:
+            keys = [i.to_bytes(32, "little") for i in range(1, 20001)]
+            assert c.lookup_keys(keys).matched_blocks == 0
+    finally:
+        assert d.stop() == 0, d.output()
 
 
 def test_more_token_ids_than_the_cap_is_too_many_tokens(daemon: Daemon, raw: Raw) -> None:
