@@ -120,7 +120,8 @@ def _peek_id(frame: Buffer) -> int | None:
     """The request id of a header too large to decode, read from its first fields (a client writes
     ``v``, ``op`` and ``id`` first), so that the refusal reaches the caller; None when not there."""
     unpacker = msgpack.Unpacker(raw=False)
-    unpacker.feed(bytes(memoryview(getattr(frame, "buffer", frame)).cast("B")[:4096]))
+    raw: Any = getattr(frame, "buffer", frame)
+    unpacker.feed(bytes(memoryview(raw).cast("B")[:4096]))
     try:
         for _ in range(min(unpacker.read_map_header(), 8)):
             key, value = unpacker.unpack(), unpacker.unpack()
