@@ -386,12 +386,12 @@ def _apply(
     check = _CHECKS[section][1][key]
     try:
         values[section][key] = check(raw)
+        if (section, key) == ("server", "endpoint"):
+            values[section][key] = value.absolute_endpoint(values[section][key], base or Path.cwd())
     except value.Invalid as e:
         raise ConfigError(
             f"{where}: [{section}] {key} = {_shown(section, key, raw)} is not allowed; expected {e}"
         ) from None
-    if (section, key) == ("server", "endpoint"):
-        values[section][key] = value.absolute_endpoint(values[section][key], base or Path.cwd())
 
 
 def _read_file(path: Path, values: dict[str, dict[str, Any]]) -> None:
@@ -458,7 +458,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     values: dict[str, dict[str, Any]] = {s: {} for s in _CHECKS}
     source = None
     if path is not None:
-        source = Path(path).expanduser().absolute()
+        source = value.expand_home(path).absolute()
         _read_file(source, values)
     _read_env(env, values)
     values["server"].setdefault("endpoint", default_endpoint(env))

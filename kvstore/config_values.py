@@ -110,16 +110,22 @@ def duration(*, never: bool) -> Callable[[Any], float]:
     return check
 
 
+# a tcp host: a name or IPv4 address, an [IPv6] address, or * (every interface)
+_TCP = r"tcp://(\*|\[[0-9A-Fa-f:.%\w]+\]|[\w]([\w.-]*[\w])?):(\d+|\*)"
+
+
 def endpoint(v: Any) -> str:
-    m = (
-        re.fullmatch(r"(ipc://[^@].*|tcp://.+:(\d+|\*)|inproc://.+)", v.strip())
-        if isinstance(v, str)
-        else None
-    )
-    if m is None or (m.group(2) or "*") != "*" and not 0 <= int(m.group(2)) <= 65535:
+    m = re.fullmatch(rf"(ipc://[^@].*|{_TCP}|inproc://.+)", v.strip()) if isinstance(v, str) else None
+    if m is not None:
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes from the environment or a shell's $'\xff'
+            raise Invalid("an endpoint in valid UTF-8 text") from None
+    port = (m.group(4) if m is not None else None) or "*"
+    if m is None or port != "*" and not 0 <= int(port) <= 65535:
         raise Invalid(
-            "'ipc:///path/to/socket' (a file path), 'tcp://host:port' (port up to 65535; 0 or *: any "
-            "free one) or 'inproc://name'"
+            "'ipc:///path/to/socket' (a file path), 'tcp://host:port' (a host name or address, [IPv6] "
+            "or *; port up to 65535; 0 or *: any free one) or 'inproc://name'"
         )
     return v.strip()
 
@@ -129,7 +135,10 @@ def absolute_endpoint(endpoint: str, base: Path) -> str:
     path = ipc_socket_path(endpoint)
     if path is None:
         return endpoint
-    return f"ipc://{(base / path.expanduser()).absolute()}"
+    try:
+        return f"ipc://{(base / expand_home(path)).absolute()}"
+    except ConfigError as e:
+        raise Invalid(f"a socket path; {e}") from None
 
 
 def check_endpoint(text: str) -> str:
@@ -244,4 +253,17 @@ def path(v: Any) -> Path:
         v = str(v)
     if not isinstance(v, str) or not v.strip():
         raise Invalid("a directory path (relative paths resolve against the working directory)")
-    return Path(v.strip()).expanduser().absolute()
+    try:
+        return expand_home(v.strip()).absolute()
+    except ConfigError as e:
+        raise Invalid(f"a directory path; {e}") from None
+
+
+def expand_home(p: str | Path) -> Path:
+    """``p`` with a leading ``~`` or ``~user`` made that home directory; ConfigError when there is
+    none to make it (a user this host does not know, or no $HOME)."""
+    try:
+        return Path(p).expanduser()
+    except RuntimeError:
+        head = str(p).split("/", 1)[0]
+        raise ConfigError(f"the home directory of {head!r} in {str(p)!r} is not known on this host") from None

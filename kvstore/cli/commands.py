@@ -38,6 +38,8 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import zmq
+
 from kvstore.cli import display
 from kvstore.cli.parser import (
     START_HINT,
@@ -317,6 +319,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `kvstore inspect | head`: the reader left; not an error
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keep the interpreter's final flush quiet
         return EXIT_OK
+    except OSError as e:  # the output cannot be written (a full disk), a file cannot be made
+        err.write(f"kvstore: {e.strerror or e}{f': {e.filename}' if e.filename else ''}\n")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter's final flush would fail again
+        return EXIT_FAILED
+    except zmq.ZMQError as e:  # an endpoint ZeroMQ refuses, past the config's checks
+        err.write(f"kvstore: ZeroMQ cannot use the endpoint: {e}\n")
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -44,8 +45,8 @@ def _duration_arg(text: str) -> float:
         seconds = parse_duration(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"duration {text!r} must be positive")
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"duration {text!r} must be positive and finite")
     return seconds
 
 
@@ -94,6 +95,22 @@ def _namespace_arg(text: str) -> str:
 def _nonempty_arg(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+MAX_SESSION_BYTES = 200  # kvstore.store.sessions.MAX_SESSION_BYTES, not imported: it pulls in torch
+
+
+def _session_arg(text: str) -> str:
+    n = len(text.encode("utf-8", errors="surrogatepass"))
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    if n > MAX_SESSION_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"a session name is at most {MAX_SESSION_BYTES} bytes (UTF-8); this one is {n}"
+        )
+    if any(c in text for c in "\x00\n\r"):
+        raise argparse.ArgumentTypeError("a session name holds no NUL or line break")
     return text
 
 
@@ -150,7 +167,7 @@ def read_tokens(path: str, stdin: IO[str] | None = None) -> list[int]:
             if text.lstrip().startswith("[")
             else [int(t) for t in text.replace(",", " ").split()]
         )
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: lists nested thousands deep
         raise UsageError(
             f"{path} must hold token ids: a JSON list or integers separated by spaces ({e})"
         ) from None
@@ -211,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Without options: every session. --session: where that session's blocks live. "
         "--tokens: how much of a token sequence is stored (needs --model and --layout).",
     )
-    p.add_argument("--session", help="show this session's blocks")
+    p.add_argument("--session", type=_session_arg, help="show this session's blocks")
     p.add_argument(
         "--tokens", metavar="FILE", help="token ids (JSON list or whitespace separated; - = stdin)"
     )
@@ -222,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="layout of --tokens, e.g. L=30,H=3,D=64,dtype=bfloat16,T=64",
     )
-    p.add_argument("--tenant", help="tenant of --tokens (default: default)")
+    p.add_argument("--tenant", type=_nonempty_arg, help="tenant of --tokens (default: default)")
     p.add_argument("--revision", help="model revision of --tokens")
     p.set_defaults(parser=p)
 
@@ -234,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evict the blocks every given filter selects (filters combine with AND). "
         "With --tier the blocks in that tier move down one tier instead of going away.",
     )
-    p.add_argument("--session", help="blocks of this session (and no other)")
+    p.add_argument("--session", type=_session_arg, help="blocks of this session (and no other)")
     p.add_argument(
         "--older-than", type=_duration_arg, metavar="DURATION", help="blocks unused this long, e.g. 2d"
     )
@@ -262,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         "back: its blocks are copied up into --to, a chunk at a time, with a progress "
         "bar on a terminal; then the time taken, what moved and the rate.",
     )
-    p.add_argument("--session", required=True, help="the session to warm up")
+    p.add_argument("--session", type=_session_arg, required=True, help="the session to warm up")
     p.add_argument(
         "--to",
         choices=(TierName.RAM.value, TierName.HBM.value),
@@ -307,8 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
         "printing per turn the tokens reused, the time to first token with and without "
         "kvstore, and the tier each reused block came from.",
     )
-    p.add_argument("--session", default="demo", help="session tag of the conversation (default: demo)")
-    p.add_argument("--tenant", default="default", help="tenant of the conversation (default: default)")
+    p.add_argument(
+        "--session", type=_session_arg, default="demo", help="session tag of the conversation (default: demo)"
+    )
+    p.add_argument(
+        "--tenant",
+        type=_nonempty_arg,
+        default="default",
+        help="tenant of the conversation (default: default)",
+    )
     p.add_argument(
         "--max-new-tokens",
         type=_at_most(DEMO_ANSWER_MAX, "the conversation must fit the model's 8192 positions"),

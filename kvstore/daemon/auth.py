@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.utils import z85
 
+from kvstore.config_values import expand_home
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def write_keypair(directory: Path, name: str, *, force: bool = False) -> KeyFile
     """
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(f"key name {name!r} must be a plain file name like 'server' or 'client'")
-    directory = directory.expanduser()
+    directory = expand_home(directory)
     if not directory.exists():
         directory.mkdir(mode=0o700, parents=True)
         os.chmod(directory, 0o700)  # mkdir's mode goes through the umask
@@ -242,7 +243,7 @@ class ServerAuth:
                 "connect. Point it at a file of '<Z85 public key> <tenant>' lines"
             )
         secret = load_key(secret_key, "[server] curve_secret_key", secret=True)
-        allowed = read_allow_list(Path(allowed_keys).expanduser())
+        allowed = read_allow_list(expand_home(allowed_keys))
         if not allowed:
             log.warning("curve_allowed_keys %s lists no key: every client will be refused", allowed_keys)
         return cls(secret, zmq.curve_public(secret), allowed)

@@ -124,11 +124,18 @@ class TenantOps:
         if isinstance(msg, Evict):
             msg = confine_evict(msg, tenant)
         elif isinstance(msg, (Put, Prefetch)) and msg.session is not None:
-            msg = replace(msg, session=qualify(tenant, msg.session))
-        reply = run(msg, ns)
-        if isinstance(msg, Prefetch) and isinstance(reply, DataOk) and isinstance(reply.data, dict):
-            reply = DataOk(data={**reply.data, "session": unqualify(tenant, str(reply.data.get("session")))})
-        return reply
+            own, msg = msg.session, replace(msg, session=qualify(tenant, msg.session))
+            if isinstance(msg, Prefetch):
+                try:
+                    reply = run(msg, ns)
+                except ProtocolError as e:  # its message names the session as stored: the tenant's own name
+                    if e.code != "not_found":
+                        raise
+                    raise ProtocolError("not_found", f"no session {own!r} to prefetch") from None
+                if isinstance(reply, DataOk) and isinstance(reply.data, dict):
+                    reply = DataOk(data={**reply.data, "session": own})
+                return reply
+        return run(msg, ns)
 
     def sessions(self, tenant: str) -> list[SessionInfo]:
         """``tenant``'s sessions under its own names."""

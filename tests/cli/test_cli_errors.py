@@ -346,7 +346,7 @@ def test_an_argument_that_is_no_utf8_is_a_usage_error_naming_it(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     err = usage_error(argv, capsys)
-    assert "is not valid UTF-8 text" in err and f"argument {argv[1]}" in err
+    assert "valid UTF-8 text" in err and f"argument {argv[1]}" in err
 
 
 def test_an_endpoint_path_too_long_for_the_filesystem_is_one_line(tmp_path: Path) -> None:
@@ -358,3 +358,90 @@ def test_an_endpoint_path_too_long_for_the_filesystem_is_one_line(tmp_path: Path
 def test_a_file_path_that_is_no_utf8_is_taken_as_a_path() -> None:
     """A file may be named with any bytes: only what reaches the daemon as text must be UTF-8."""
     assert parse_args(["stats", "--config", "/tmp/\udcff.toml"]).config == "/tmp/\udcff.toml"
+
+
+# ---------------------------------------------------------------- input a shell passes as given
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["evict", "--older-than", "9" * 400 + "d", "--dry-run"], "must be positive and finite"),
+        (["stats", "--timeout", "9" * 400 + "s"], "must be positive and finite"),
+        (["evict", "--session", "", "--yes"], "argument --session: must not be empty"),
+        (["prefetch", "--session", "s" * 201], "a session name is at most 200 bytes"),
+        (["inspect", "--session", "a\nb"], "no NUL or line break"),
+        (
+            ["inspect", "--tokens", "t.json", "--model", "m", "--layout", LAYOUT_SPEC, "--tenant", ""],
+            "--tenant",
+        ),
+        (["stats", "--endpoint", "tcp://host/x:5555"], "argument --endpoint"),
+        (["stats", "--endpoint", "tcp://a b:5"], "argument --endpoint"),
+        (
+            ["stats", "--endpoint", "ipc://~nosuchuser/kv.sock"],
+            "'~nosuchuser' in '~nosuchuser/kv.sock' is not known",
+        ),
+    ],
+)
+def test_input_the_parser_refuses_is_a_usage_error(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert said in usage_error(argv, capsys)
+
+
+def test_the_cli_s_session_name_limit_is_the_store_s() -> None:
+    from kvstore.cli import parser
+    from kvstore.store import sessions
+
+    assert parser.MAX_SESSION_BYTES == sessions.MAX_SESSION_BYTES
+
+
+@pytest.mark.parametrize(
+    "argv, env, said",
+    [
+        (["keygen", "--out", "~nosuchuser/keys"], {}, "the home directory of '~nosuchuser'"),
+        (["stats", "--config", "~nosuchuser/c.toml"], {}, "the home directory of '~nosuchuser'"),
+        (
+            ["stats"],
+            {"KVSTORE_NVME_PATH": "~nosuchuser/x"},
+            "KVSTORE_NVME_PATH: [nvme] path = '~nosuchuser/x'",
+        ),
+        (["stats"], {"KVSTORE_ENDPOINT": "tcp://http://h:5555"}, "KVSTORE_ENDPOINT: [server] endpoint"),
+        (["stats"], {"KVSTORE_ENDPOINT": "tcp://h\udcff:5555"}, "KVSTORE_ENDPOINT: [server] endpoint"),
+        (
+            ["stats"],
+            {"KVSTORE_ENDPOINT": "ipc:///tmp/\udcff.sock"},
+            "expected an endpoint in valid UTF-8 text",
+        ),
+    ],
+)
+def test_paths_and_endpoints_from_files_and_the_environment_are_one_line_and_exit_2(
+    argv: list[str], env: dict[str, str], said: str
+) -> None:
+    r = subprocess.run(
+        [*kvstore_cmd(), *argv], capture_output=True, text=True, env={**clean_env(), **env}, timeout=60
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert said in one_line(r)
+
+
+def test_a_token_file_nested_too_deep_is_one_line(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    r = run_cli("inspect", "--tokens", str(deep), "--model", "m", "--layout", LAYOUT_SPEC)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "must hold token ids" in one_line(r)
+
+
+def test_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [*kvstore_cmd(), "keygen", "--out", str(tmp_path / "keys")],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+            timeout=60,
+        )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == ["kvstore: No space left on device"]

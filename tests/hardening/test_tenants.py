@@ -124,6 +124,8 @@ def test_session_names_are_per_tenant(curve: CurveDaemon) -> None:
         with pytest.raises(ServerError) as e:
             bob.prefetch("alice-only")
         assert e.value.code == "not_found"
+        assert e.value.message == "no session 'alice-only' to prefetch"  # the name bob gave, not 'bob/...'
+        assert bob.prefetch("chat").session == "chat"
     # the operator key sees both, qualified by tenant
     with curve.client("operator", namespace=False) as op:
         names = {(s.name, s.tenant) for s in op.sessions()}
