@@ -251,8 +251,8 @@ def redact_url(url: str) -> str:
 def path(v: Any) -> Path:
     if isinstance(v, Path):
         v = str(v)
-    if not isinstance(v, str) or not v.strip():
-        raise Invalid("a directory path (relative paths resolve against the working directory)")
+    if not isinstance(v, str) or not v.strip() or "\x00" in v:
+        raise Invalid("a directory path (relative paths resolve against the working directory; no NUL)")
     try:
         return expand_home(v.strip()).absolute()
     except ConfigError as e:

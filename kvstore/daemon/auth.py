@@ -128,7 +128,7 @@ def write_keypair(directory: Path, name: str, *, force: bool = False) -> KeyFile
     Creates ``directory`` (0700) if missing. Raises ConfigError when either
     file exists and ``force`` is not given, or for a name that is not a plain file name.
     """
-    if not name or "/" in name or name.startswith("."):
+    if not name or "/" in name or name.startswith(".") or name != name.strip() or "\x00" in name:
         raise ConfigError(f"key name {name!r} must be a plain file name like 'server' or 'client'")
     directory = expand_home(directory)
     if not directory.exists():

@@ -445,3 +445,17 @@ def test_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path: Path) ->
         )
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == ["kvstore: No space left on device"]
+
+
+def test_a_nul_in_a_path_and_a_blank_key_name_are_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[nvme]\npath = "a\\u0000b"\n')
+    r = run_cli("serve", "--config", str(cfg))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "[nvme] path = 'a\\x00b' is not allowed" in one_line(r)
+    r = run_cli("keygen", "--name", " ", "--out", str(tmp_path / "keys"))
+    assert (
+        r.returncode == 2
+        and one_line(r) == "kvstore: key name ' ' must be a plain file name like 'server' or 'client'"
+    )
+    assert not (tmp_path / "keys").exists()
