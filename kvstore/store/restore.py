@@ -107,7 +107,9 @@ def _restore(
     del arrays
     if slot is not None:  # the last access was at most the end of the slot the record names
         ends = (np.floor(accessed / slot) + 1) * slot
-        accessed = np.maximum(accessed, ends if now is None else np.minimum(ends, now))
+        if now is not None:
+            ends = np.minimum(ends, np.full_like(ends, now))
+        accessed = np.maximum(accessed, ends)
     # row of each block's parent; -1 for block 0 (its parent is the namespace root) and for orphans
     prow = _rows_of(keys, parents)
     first = position == 0
