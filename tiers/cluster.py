@@ -439,7 +439,10 @@ class ClusterTier:
                     if d is None:
                         gone.append(m)
                     elif visit is not None:
-                        visit(d)
+                        try:
+                            visit(d)
+                        except Exception:  # the caller's failure on one record is no cluster outage
+                            log.exception("a session record from the cluster could not be used; skipped")
                     else:
                         out.append(d)
             if gone:

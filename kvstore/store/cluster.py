@@ -127,10 +127,18 @@ class ClusterLink:
                 p = p.parent
         return out[::-1]
 
-    def _dropped(self, keys: Sequence[bytes], counted: set[bytes] | frozenset[bytes] = frozenset()) -> None:
-        """``keys`` were not written: counted (but those of ``counted``, dropped before and counted
-        then), and remembered so that the next put of them sends them."""
-        self.cluster.count(write_dropped=sum(1 for k in keys if k not in counted))
+    def _dropped(
+        self,
+        keys: Sequence[bytes],
+        counted: set[bytes] | frozenset[bytes] = frozenset(),
+        *,
+        count: bool = True,
+    ) -> None:
+        """``keys`` were not written: counted in ``write_dropped`` (but those of ``counted``, dropped
+        before and counted then; none with ``count`` False: the cluster refused them, counted in
+        ``write_refused``), and remembered so that the next put of them sends them."""
+        if count:
+            self.cluster.count(write_dropped=sum(1 for k in keys if k not in counted))
         with self._unsent_lock:
             for k in keys:
                 self._unsent[k] = None
@@ -209,9 +217,12 @@ class ClusterLink:
             return
         frame = self.cluster.codec_for(rec.position).encode(block)
         try:
-            self.cluster.store([(key, pack_value(rec, frame))])
+            stored = self.cluster.store([(key, pack_value(rec, frame))])
         except ClusterUnavailable:
             self._dropped([key], counted)
+            return
+        if not stored:  # refused for memory (counted in write_refused): sent again with the next put
+            self._dropped([key], counted, count=False)  # that reaches it, or the blocks after it are lost
 
     def _record(self, key: bytes) -> BlockRecord:
         """The block's record: from memory while it has no nvme copy, else nvme's."""

@@ -12,12 +12,13 @@ tier built from ``[cluster]``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.results import (
     BlockInfo,
@@ -193,14 +194,24 @@ class ClusterAdmin:
 def _session(d: dict[str, Any]) -> dict[str, Any] | None:
     """A session record as ``find_session`` gives it; None (logged) when damaged."""
     try:
-        raw = bytes(d["keys"])
+        raw, tokens, updated = d["keys"], d.get("tokens"), d.get("updated") or 0.0
+        # checked by type first: bytes(n) of a number n is n zero bytes (a record another build, or
+        # anyone with the cluster's password, wrote)
+        if (
+            not isinstance(raw, bytes)
+            or not isinstance(tokens, (bytes, type(None)))
+            or len(tokens or b"") % 4
+        ):
+            raise TypeError("its keys or tokens are not bytes of whole keys and token ids")
+        if isinstance(updated, bool) or not isinstance(updated, (int, float)) or not math.isfinite(updated):
+            raise TypeError(f"its time is {updated!r:.40}")
         return {
             "ns": Namespace.from_dict(d["ns"]),
             "keys": [raw[i : i + KEY_BYTES] for i in range(0, len(raw) - len(raw) % KEY_BYTES, KEY_BYTES)],
-            "tokens": None if d.get("tokens") is None else np.frombuffer(bytes(d["tokens"]), dtype="<u4"),
-            "updated": float(d.get("updated") or 0.0),
+            "tokens": None if tokens is None else np.frombuffer(tokens, dtype="<u4"),
+            "updated": float(updated),
         }
-    except (KVStoreError, KeyError, TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - any damage: the record is ignored, never the caller's error
         log.warning("cluster record of session %r is damaged (%s); ignored", d.get("name"), e)
         return None
 

@@ -219,3 +219,48 @@ def test_a_block_dropped_again_is_counted_once(rc: LocalCluster, host: HostFacto
     finally:
         for port in masters:
             rc.resume(port)
+
+
+def test_a_block_the_full_cluster_refused_goes_again_with_the_next_put_that_reaches_it(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(4 * T)
+    masters = list(rc.live_masters())
+    try:
+        for p in masters:
+            rc.node(p).config_set("maxmemory", "1")
+        a.put(NS, toks[: 2 * T], x[:, :, : 2 * T])  # blocks 0-1: refused for memory
+        assert drained(a)
+    finally:
+        for p in masters:
+            rc.node(p).config_set("maxmemory", "0")
+    st = a.stats().cluster
+    assert st is not None and (st["write_refused"], st["write_dropped"]) == (2, 0)
+    a.put(NS, toks, x)  # blocks 2-3 are new; 0-1, refused before, go with them
+    assert drained(a)
+    assert b.lookup(NS, toks).tiers == ["cluster"] * 4  # not [], stopped at block 0
+
+
+def test_a_damaged_session_record_is_ignored_and_the_tier_stays_up(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    from kvstore.results import EvictFilter
+
+    a, b = host("a"), host("b")
+    toks = tokens(2)
+    a.put(NS, toks, kv(2 * T), session="good")
+    assert drained(a)
+    tier = a._cluster.cluster  # type: ignore[union-attr]
+    client = open_client(tier.nodes, 5.0)
+    good = msgpack.unpackb(client.get(tier.session_key("good")), raw=False)
+    bad = {**good, "name": "bad", "keys": 2**63}  # valid msgpack, a number where bytes go
+    client.set(tier.session_key("bad"), msgpack.packb(bad, use_bin_type=True))
+    client.zadd(tier.sessions_key(), {tier.session_key("bad"): time.time() + 3600})
+    with pytest.raises(KeyError):
+        b.session("bad")  # not found, not OverflowError
+    r = b.evict(EvictFilter(session="good"))  # reads every record: the bad one is skipped
+    assert not r.not_done, r
+    assert tier.available() and b._cluster.cluster.available()  # type: ignore[union-attr]
+    assert b.stats().cluster["state"] == "up"  # type: ignore[index]
+    client.close()
