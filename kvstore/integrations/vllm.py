@@ -62,7 +62,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -125,6 +125,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.settings = Settings.from_extra(extra)
+        policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if self.settings.load and policy != "recompute":
+            # a daemon away, busy or a block evicted since the lookup would fail the requests that
+            # hold the block; kvstore's misses must cost a recompute, never a request
+            log.warning(
+                "kvstore loads nothing: kv_load_failure_policy is %r, under which a block that cannot be "
+                'loaded fails its requests; set "kv_load_failure_policy": "recompute" to load (saves go on)',
+                policy,
+            )
+            self.settings = replace(self.settings, load=False)
         self.layout = model_layout(vllm_config, self.settings.block_tokens)
         self._worker = role == KVConnectorRole.WORKER
         # the scheduler looks up what rank 0 of the first stage holds; each worker loads and saves its own
@@ -552,9 +562,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         self._kept.update(meta.held)
         self._finishing.update(meta.held)
+        ready = None
+        if meta.saves and self._k and self._k[0].is_cuda:  # the forward runs on vLLM's own stream
+            ready = torch.cuda.Event()
+            ready.record()
         for t in meta.saves:
             self._saving.add(t.req_id)
-            self._saver.submit(t, self._paged(t))
+            self._saver.submit(t, self._paged(t), ready)
         self._kept.difference_update(meta.released)
         self.hook_seconds["save"] += time.perf_counter() - t0
 

@@ -8,6 +8,7 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.integrations.vllm_settings import Clients, Variant, VariantRefused
 from kvstore.kvbuffers import PagedKV
@@ -44,7 +45,7 @@ class Saver:
 
     def __init__(self, clients: Clients) -> None:
         self._clients = clients
-        self._jobs: deque[tuple[Transfer, PagedKV]] = deque()
+        self._jobs: deque[tuple[Transfer, PagedKV, Any]] = deque()
         self._pending: dict[str, int] = {}
         self._stored: dict[str, int] = {}  # request -> its tokens [0, n) known to be in kvstore
         self._cv = threading.Condition()
@@ -54,9 +55,12 @@ class Saver:
         self._thread = threading.Thread(target=self._run, name="kvstore-save", daemon=True)
         self._thread.start()
 
-    def submit(self, t: Transfer, paged: PagedKV) -> None:
+    def submit(self, t: Transfer, paged: PagedKV, ready: Any = None) -> None:
+        """Queue ``t``'s save out of ``paged``; ``ready``: a CUDA event recorded on the engine's stream
+        after its forward pass was queued, waited for before the blocks are read (that stream runs
+        apart from this thread's: without it the copy may read blocks the forward has not written)."""
         with self._cv:
-            self._jobs.append((t, paged))
+            self._jobs.append((t, paged, ready))
             self._pending[t.req_id] = self._pending.get(t.req_id, 0) + 1
             self._cv.notify_all()
 
@@ -86,10 +90,12 @@ class Saver:
                 self._cv.wait_for(lambda: self._jobs or self._stop)
                 if not self._jobs:
                     return
-                t, paged = self._jobs.popleft()
+                t, paged, ready = self._jobs.popleft()
                 # the first save of a request starts where kvstore's lookup said its prefix ends
                 start = min(t.start, self._stored.setdefault(t.req_id, t.start))
             try:
+                if ready is not None:
+                    ready.synchronize()
                 if not self._clients.available():
                     self.failed_saves += 1
                     continue

@@ -7,6 +7,7 @@ and pipeline-parallel ranks, the LoRA adapter and vLLM's ``cache_salt`` (hashed)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvstore.client import KVStoreClient
@@ -145,9 +147,32 @@ class Variant:
         lora = getattr(request, "lora_request", None)
         salt = getattr(request, "cache_salt", None)
         return cls(
-            lora="" if lora is None else f"{lora.lora_name}#{lora.lora_int_id}",
+            lora=""
+            if lora is None
+            else f"{lora.lora_name}@{adapter_id(str(getattr(lora, 'lora_path', '')))}",
             salt="" if not salt else hashlib.sha256(str(salt).encode()).hexdigest()[:32],
         )
+
+
+@functools.lru_cache(maxsize=256)
+def adapter_id(path: str) -> str:
+    """A LoRA adapter's weights, named: its path and, for a local one, the size and time of each file
+    in it. vLLM's adapter id is its load order, and a name may come back after a restart with
+    retrained weights: neither may name K/V on its own. (Read once per path in this process, as
+    vLLM loads an adapter once.)"""
+    h = hashlib.sha256(path.encode())
+    p = Path(path).expanduser()
+    try:
+        files = sorted(p.rglob("*")) if p.is_dir() else [p] if p.is_file() else []
+        for f in files:
+            if f.is_file():
+                st = f.stat()
+                h.update(
+                    f"\0{f.relative_to(p) if p.is_dir() else f.name}:{st.st_size}:{st.st_mtime_ns}".encode()
+                )
+    except (OSError, RuntimeError, ValueError):  # unreadable: the path alone names it
+        pass
+    return h.hexdigest()[:16]
 
 
 def model_layout(vllm_config: Any, block_tokens: int) -> KVLayout:

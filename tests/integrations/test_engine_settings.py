@@ -314,3 +314,25 @@ def test_a_busy_daemon_is_asked_again_with_backoff_within_the_timeout_by_a_save(
         assert 1.0 <= took < 2.5 and 3 <= daemon.requests <= 8
     finally:
         conn.close()
+
+
+def test_a_lora_adapter_is_named_by_its_weights_not_its_load_order(tmp_path: Path) -> None:
+    import os
+
+    from kvstore.integrations.vllm_settings import adapter_id
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights v1")
+
+    def variant(int_id: int) -> str:
+        lora = SimpleNamespace(lora_name="sql", lora_int_id=int_id, lora_path=str(adapter))
+        return Variant.of(SimpleNamespace(lora_request=lora, cache_salt=None)).lora
+
+    first = variant(1)
+    assert variant(7) == first  # loaded in another order after a restart: the same K/V
+    adapter_id.cache_clear()  # a new process
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights v2, retrained")
+    os.utime(adapter / "adapter_model.safetensors", ns=(1, 1))
+    assert variant(1) != first  # the same name with other weights: other K/V
+    assert variant(1).startswith("sql@")

@@ -411,6 +411,34 @@ def test_a_request_aborted_before_vllm_had_its_load_step_saves_nothing_computed_
     e.worker.c.shutdown()
 
 
+def test_under_vllm_s_default_failure_policy_nothing_is_loaded_and_it_says_so(
+    vllm_utils: Any, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kv_load_failure_policy "fail" (vLLM's default) fails the requests holding a block that could not
+    be loaded: a daemon away or a block evicted since the lookup would cost requests, not a recompute."""
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvstore.integrations.vllm import KVStoreConnector
+
+    vcfg = vllm_utils.create_vllm_config(
+        model=str(model_dir),
+        block_size=BS,
+        dtype="bfloat16",
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"endpoint": f"ipc://{tmp_path}/nobody.sock"},
+    )
+    assert vcfg.kv_transfer_config.kv_load_failure_policy == "fail"
+    with caplog.at_level(logging.WARNING, logger="kvstore.integrations.vllm"):
+        c = KVStoreConnector(vcfg, KVConnectorRole.SCHEDULER)
+    assert not c.settings.load and c.settings.save
+    assert any('"kv_load_failure_policy": "recompute"' in r.getMessage() for r in caplog.records)
+    assert c.get_num_new_matched_tokens(request(vllm_utils, prompt(100, 3), "r"), 0) == (0, False)
+
+
 def test_a_daemon_that_is_not_there_costs_one_timeout_and_then_nothing(
     vllm_utils: Any, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -422,6 +450,7 @@ def test_a_daemon_that_is_not_there_costs_one_timeout_and_then_nothing(
         kv_connector="KVStoreConnector",
         kv_connector_module_path="kvstore.integrations.vllm",
         kv_role="kv_both",
+        kv_load_failure_policy="recompute",
         kv_connector_extra_config={"endpoint": f"ipc://{tmp_path}/nobody.sock", "timeout": 0.5},
     )
     e = Engine(vllm_utils, vcfg, "CPU_ATTN", monkeypatch)
