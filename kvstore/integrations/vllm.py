@@ -31,7 +31,9 @@ with multimodal inputs or prompt embeddings are neither looked up nor saved: the
 name their K/V.
 
 vLLM's block size and kvstore's ``block_tokens`` are independent: loads start at any token (the
-block holding it is fetched and written from that token on), saves cover whole kvstore blocks.
+block holding it is fetched and written from that token on), saves cover whole kvstore blocks. A
+backend's kernel blocks smaller than the scheduler's (FlashInfer's 64 tokens under --block-size 128)
+are addressed as vLLM's own kernels address them: block b's j-th kernel block is b * ratio + j.
 K and V are read out of each layer's cache by attention backend: vLLM's per-layer
 ``[num_blocks, H, block_size, 2*head_size]`` holds K and V side by side in the last dimension
 (FlashAttention, FlashInfer, Triton, FlexAttention), or per head K transposed then V (the CPU
@@ -167,6 +169,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # worker side
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
+        self._ratio = 1  # kernel blocks of the caches per block of the scheduler (register_kv_caches)
         self._load_errors: set[int] = set()
         self._saving: set[str] = set()  # requests with saves queued at some point
         self._finishing: set[str] = set()  # finished requests whose saves are still running
@@ -503,6 +506,13 @@ class KVStoreConnector(KVConnectorBase_V1):
                 f"vLLM registered {len(k)} KV caches of {k[0].dtype if k else None}; kvstore expects "
                 f"{L.num_layers} of {L.dtype}"
             )
+        # an attention backend may take smaller blocks than the scheduler's (FlashInfer's 64 under
+        # --block-size 128): the caches are then views of kernel blocks, block b's j-th being
+        # b * ratio + j, and the scheduler's block ids are expanded to them (_paged)
+        kernel = int(k[0].shape[1])
+        if self._bs % kernel:
+            raise LayoutError(f"vLLM's {self._bs}-token blocks are not whole {kernel}-token kernel blocks")
+        self._ratio = self._bs // kernel
         self._k, self._v = k, v
         self._saver = Saver(self._clients)
         log.info(
@@ -513,7 +523,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         )
 
     def _paged(self, t: Transfer) -> PagedKV:
-        return PagedKV.blocks(self._k, self._v, t.block_ids, t.end)
+        r = self._ratio
+        ids = t.block_ids if r == 1 else [b * r + j for b in t.block_ids for j in range(r)]
+        return PagedKV.blocks(self._k, self._v, ids, t.end)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -531,10 +543,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 except Exception as e:  # the blocks are recomputed, never read as garbage
                     self._clients.failed(f"load of {t.req_id}", e)
             self.loaded_tokens += max(0, min(got, t.end) - t.start)
-            if got < t.end:
-                bs = self._k[0].shape[1]
-                first = max(got, t.start) // bs
-                self._load_errors.update(t.block_ids[first : -(-t.end // bs)])
+            if got < t.end:  # in the scheduler's blocks
+                first = max(got, t.start) // self._bs
+                self._load_errors.update(t.block_ids[first : -(-t.end // self._bs)])
         self.hook_seconds["load"] += time.perf_counter() - t0
 
     def wait_for_layer_load(self, layer_name: str) -> None:

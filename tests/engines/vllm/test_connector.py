@@ -659,3 +659,38 @@ def test_a_prompt_longer_than_the_daemons_limit_is_stored_and_found_up_to_it(
     assert e.worker.loads == [("again", 0, 64)]
     assert e.sched.connector._lookup_failures == 0
     e.worker.c.shutdown()
+
+
+def test_caches_in_kernel_blocks_smaller_than_the_scheduler_s_are_addressed_by_kernel_block(
+    vllm_utils: Any, model_dir: Path, tmp_path: Path
+) -> None:
+    """FlashInfer under --block-size 128 takes 64-token kernel blocks: the caches registered are views
+    of kernel blocks (block b's j-th is b * 2 + j) while the scheduler names 128-token blocks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvstore.integrations.vllm import KVStoreConnector
+    from kvstore.integrations.vllm_saver import Transfer
+    from kvstore.integrations.vllm_settings import Variant
+
+    vcfg = vllm_utils.create_vllm_config(
+        model=str(model_dir),
+        block_size=2 * BS,
+        dtype="bfloat16",
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"endpoint": f"ipc://{tmp_path}/nobody.sock", "block_tokens": T},
+    )
+    c = KVStoreConnector(vcfg, KVConnectorRole.WORKER)
+    L, H, D = c.layout.num_layers, c.layout.num_kv_heads, c.layout.head_dim
+    c._k = [torch.zeros(20, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]  # 10 blocks of 2*BS
+    c._v = [torch.zeros(20, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+    c._ratio = 2
+    t = Transfer("r", Variant(), list(range(3 * BS)), [4, 1], 0, 3 * BS)  # tokens in blocks 4 and 1
+    src = torch.arange(1, 3 * BS + 1, dtype=torch.bfloat16).view(1, 1, -1, 1, 1).expand(L, 2, -1, H, D)
+    c._paged(t).write(0, src.contiguous())
+    k = c._k[0][:, :, 0, 0]
+    assert torch.equal(k[8], src[0, 0, :BS, 0, 0]) and torch.equal(k[9], src[0, 0, BS : 2 * BS, 0, 0])
+    assert torch.equal(k[2], src[0, 0, 2 * BS :, 0, 0])  # the third kernel block: block 1's first
+    assert not k[[0, 1, 3, 4, 5, 6, 7]].any()
