@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 _EXPIRE_BATCH = 10000  # blocks dropped per tick at most, so the lock is never held for long
 _RECORD_BATCH = 4096
 _READY = 4096  # frames offered ahead of their write, at most
+_READY_BYTES = 256 << 20  # and at most this many bytes of them
 
 
 def access_slot(ttl: float) -> float:
@@ -86,6 +87,7 @@ class WriteBack:
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
         self._ready: dict[bytes, Buffer] = {}  # frames in nvme's codec already (from the cluster tier)
+        self._ready_bytes = 0
         writer.start(self.write, self.idle)
 
     # -- callers' side ----------------------------------------------------------------
@@ -106,11 +108,17 @@ class WriteBack:
     def offer(self, frames: dict[bytes, Buffer]) -> None:
         """Frames of blocks about to be stored (read from the cluster tier): a block whose frame is in
         the codec nvme would use is written as it is, neither decoded nor encoded again (and never
-        quantized twice). At most ``_READY`` are kept; the oldest go first (then they are encoded)."""
+        quantized twice). At most ``_READY`` are kept, and ``_READY_BYTES``; the oldest go first (then
+        they are encoded). None without write-through of every block (``sweep``): nothing would take
+        them soon, and a frame of a block the put did not store new would be kept for nothing."""
+        if self._sweep:  # blocks are not queued as they are stored: a frame would wait for nothing
+            return
         with self._lock:
-            self._ready.update(frames)
-            while len(self._ready) > _READY:
-                del self._ready[next(iter(self._ready))]
+            for key, frame in frames.items():
+                self._ready_bytes += _size(frame) - _size(self._ready.pop(key, b""))
+                self._ready[key] = frame
+            while len(self._ready) > _READY or self._ready_bytes > _READY_BYTES:
+                self._ready_bytes -= _size(self._ready.pop(next(iter(self._ready))))
 
     def record_changed(self, e: Entry, now: float) -> None:
         """(Lock held.) ``e`` is being touched at ``now``: its nvme record follows at the next idle
@@ -188,6 +196,8 @@ class WriteBack:
         t_n, nvme = self._t, self._nvme
         with self._lock:
             frame = self._ready.pop(key, None)
+            if frame is not None:
+                self._ready_bytes -= _size(frame)
         if frame is not None and self._write_frame(key, frame):
             return
         block = None
@@ -361,3 +371,7 @@ class WriteBack:
                 records.append(replace(rec, sessions=sessions, last_access=accessed))
             if records:
                 nvme.update_records(records)
+
+
+def _size(frame: Buffer) -> int:
+    return memoryview(frame).nbytes

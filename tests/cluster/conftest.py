@@ -71,11 +71,18 @@ HostFactory = Callable[..., Store]
 @pytest.fixture
 def host(tmp_path: Path, cluster_tier: ClusterFactory) -> Iterator[HostFactory]:
     """``host(name)``: a store with its own tiers and LMDB under tmp_path/name, on the cluster
-    (``cluster_queue``: its [cluster] write_queue; other keywords go to the ClusterTier)."""
+    (``cluster_queue``: its [cluster] write_queue; ``write_through``: its [nvme] one; other keywords
+    go to the ClusterTier)."""
     opened: list[Store] = []
 
     def make(
-        name: str, *, codec: str = "raw", connect: bool = True, cluster_queue: int = 1024, **kw: Any
+        name: str,
+        *,
+        codec: str = "raw",
+        connect: bool = True,
+        cluster_queue: int = 1024,
+        write_through: bool = True,
+        **kw: Any,
     ) -> Store:
         hbm = HbmTier(8 * HBM_PAGE, page_bytes=HBM_PAGE)
         ram = RamTier(8 * RAM_PAGE, get_codec("raw"), page_bytes=RAM_PAGE, pin_memory=False)
@@ -83,7 +90,9 @@ def host(tmp_path: Path, cluster_tier: ClusterFactory) -> Iterator[HostFactory]:
         tier = cluster_tier(codec, **kw)
         if connect:
             tier.connect()
-        s = Store(hbm, ram, nvme, cluster=tier, tick=0.05, cluster_queue=cluster_queue)
+        s = Store(
+            hbm, ram, nvme, cluster=tier, tick=0.05, cluster_queue=cluster_queue, write_through=write_through
+        )
         opened.append(s)
         return s
 

@@ -91,6 +91,26 @@ def test_int4_in_the_cluster_is_served_within_its_error(host: HostFactory) -> No
     assert r.tiers == ["cluster"] * 3 and close_to(got(r), x)
 
 
+@pytest.mark.parametrize("write_through", [True, False])
+def test_frames_read_from_the_cluster_wait_for_nvme_only_while_a_write_will_take_them(
+    host: HostFactory, write_through: bool
+) -> None:
+    a, b = host("a"), host("b", codec="int4", write_through=write_through)
+    toks, x = tokens(4), kv(4 * T)
+    a.put(NS, toks, x)
+    written(a, 4)
+    assert b.get(NS, toks).tiers == ["cluster"] * 4
+    wb = b._writeback
+    assert wb is not None
+    deadline = time.monotonic() + 10  # the blocks are stored here after the get answered
+    while b.lookup(NS, toks).tiers != ["hbm"] * 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert wb.drain(10)  # what write-through took is written (no flush: it would write the rest)
+    assert wb._ready == {}  # offered frames went with their writes, or were never kept
+    assert b.flush(10)
+    assert b.lookup(NS, toks).tiers == ["hbm"] * 4
+
+
 def test_a_value_damaged_in_redis_is_deleted_and_a_miss(rc: LocalCluster, host: HostFactory) -> None:
     a, b = host("a"), host("b")
     toks, x = tokens(4), kv(16, seed=7)
