@@ -584,9 +584,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.hook_seconds["save"] += time.perf_counter() - t0
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        # a preempted request's blocks are free again: no queued save may read them after this
-        if self._saver is not None and getattr(kv_connector_metadata, "preempted", None):
-            self._saver.drain()
+        # a preempted request's blocks are free again: none of its saves may read them after this
+        # (those queued are dropped, the one running waited for); other requests' saves run on
+        preempted = getattr(kv_connector_metadata, "preempted", None)
+        if self._saver is not None and preempted:
+            self._saver.cancel(set(preempted))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._saver is None:
@@ -608,10 +610,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._saver is not None:
             self._saver.close()
             log.info(
-                "kvstore connector: loaded %d tokens, saved %d blocks, %d saves failed",
+                "kvstore connector: loaded %d tokens, saved %d blocks, %d saves failed, %d dropped "
+                "for preemptions",
                 self.loaded_tokens,
                 self._saver.saved_blocks,
                 self._saver.failed_saves,
+                self._saver.cancelled_saves,
             )
         self._clients.close()
 

@@ -48,10 +48,12 @@ class Saver:
         self._jobs: deque[tuple[Transfer, PagedKV, Any]] = deque()
         self._pending: dict[str, int] = {}
         self._stored: dict[str, int] = {}  # request -> its tokens [0, n) known to be in kvstore
+        self._running: str | None = None  # the request whose save the thread runs
         self._cv = threading.Condition()
         self._stop = False
         self.saved_blocks = 0
         self.failed_saves = 0
+        self.cancelled_saves = 0
         self._thread = threading.Thread(target=self._run, name="kvstore-save", daemon=True)
         self._thread.start()
 
@@ -77,6 +79,20 @@ class Saver:
         with self._cv:
             self._cv.wait_for(lambda: not self._pending)
 
+    def cancel(self, req_ids: set[str]) -> None:
+        """Drop the queued saves of ``req_ids`` (preempted: vLLM gives their blocks to others) and
+        wait for the one the thread runs, if it is theirs; the saves of other requests run on. The
+        request's next save, once resumed, is sent from the last block stored (see the class)."""
+        with self._cv:
+            kept = deque(job for job in self._jobs if job[0].req_id not in req_ids)
+            self.cancelled_saves += len(self._jobs) - len(kept)
+            self._jobs = kept
+            for rid in req_ids:
+                self._pending.pop(rid, None)
+            if self._running in req_ids:
+                self._pending[self._running] = 1
+            self._cv.wait_for(lambda: self._running not in req_ids)
+
     def close(self) -> None:
         self.drain()
         with self._cv:
@@ -91,6 +107,7 @@ class Saver:
                 if not self._jobs:
                     return
                 t, paged, ready = self._jobs.popleft()
+                self._running = t.req_id
                 # the first save of a request starts where kvstore's lookup said its prefix ends
                 start = min(t.start, self._stored.setdefault(t.req_id, t.start))
             try:
@@ -126,9 +143,10 @@ class Saver:
                 self._clients.failed(f"save of {t.req_id}", e)
             finally:
                 with self._cv:
-                    n = self._pending[t.req_id] - 1
-                    if n:
+                    self._running = None
+                    n = self._pending.get(t.req_id, 0) - 1
+                    if n > 0:
                         self._pending[t.req_id] = n
                     else:
-                        del self._pending[t.req_id]
+                        self._pending.pop(t.req_id, None)
                     self._cv.notify_all()

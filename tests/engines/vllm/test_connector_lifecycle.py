@@ -4,10 +4,15 @@ test_connector.py for the engine these tests step."""
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from kvstore.integrations.vllm_saver import Transfer
+from kvstore.integrations.vllm_settings import Variant
 from tests.engines.vllm.test_connector import (
     Engine,
     assert_holds,
@@ -41,3 +46,50 @@ def test_a_request_resumed_among_the_new_ones_keeps_its_blocks_until_the_workers
     assert e.worker.loads == [("a", 0, 96)] and e.requests["a"].is_finished()
     assert_holds(check, a, 96)
     e.worker.c.shutdown()
+
+
+def test_a_preemption_drops_the_preempted_request_s_queued_saves_and_waits_for_no_other_request(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM hands a preempted request's blocks to others once handle_preemptions returns: its queued
+    save is dropped, and the one running is waited for. Saves of other requests are not: one still
+    waiting for its forward pass (a CUDA event here stands for it) does not hold up the step."""
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    w, saver = e.worker, e.worker.c._saver
+    assert saver is not None
+    a, b, c = prompt(64, 41), prompt(64, 42), prompt(64, 43)
+    jobs = {}
+    for i, (rid, tokens) in enumerate([("a", a), ("b", b), ("c", c)]):
+        blocks = list(range(4 * i, 4 * i + 4))
+        w.forward(blocks, tokens, 0, 64)
+        jobs[rid] = Transfer(rid, Variant(), tokens, blocks, 0, 64)
+    forwards = {rid: threading.Event() for rid in "bc"}
+
+    def after(rid: str) -> Any:  # an event recorded after the forward of ``rid``, not done yet
+        return SimpleNamespace(synchronize=lambda: forwards[rid].wait(30))
+
+    saver.submit(jobs["b"], w.c._paged(jobs["b"]), after("b"))
+    saver.submit(jobs["a"], w.c._paged(jobs["a"]))
+    t0 = time.monotonic()
+    w.c.handle_preemptions(SimpleNamespace(preempted=["a"]))
+    assert time.monotonic() - t0 < 1.0
+    assert saver.pending("a") == 0 and saver.pending("b") == 1 and saver.cancelled_saves == 1
+    forwards["b"].set()
+    check = check_client(e)
+    assert_holds(check, b, 64)
+    assert check.lookup(a).matched_tokens == 0
+
+    # preempted while its own save runs: that save still reads its blocks, and is waited for
+    saver.submit(jobs["c"], w.c._paged(jobs["c"]), after("c"))
+    assert wait_until(lambda: saver._running == "c", 10)
+    handled = threading.Thread(target=w.c.handle_preemptions, args=(SimpleNamespace(preempted=["c"]),))
+    handled.start()
+    handled.join(0.5)
+    assert handled.is_alive()
+    forwards["c"].set()
+    handled.join(10)
+    assert not handled.is_alive() and saver.pending("c") == 0
+    assert_holds(check, c, 64)
+    w.c.shutdown()
