@@ -389,13 +389,13 @@ class ClusterTier:
             pipe.set(key, value, px=px)
             pipe.zadd(self.sessions_key(), {key: math.inf if px is None else now + px / 1000})
             pipe.zremrangebyscore(self.sessions_key(), "-inf", f"({now - CLOCK_SLACK}")
-            return list(pipe.execute(raise_on_error=False))
+            results = list(pipe.execute(raise_on_error=False))
+            errors = [r for r in results if isinstance(r, Exception) and not out_of_memory(r)]
+            if errors:  # a node down or moving: as any failed call (_call marks the tier down)
+                raise errors[0]
+            return results
 
         results = self._call("session write", write)
-        errors = [r for r in results if isinstance(r, Exception) and not out_of_memory(r)]
-        if errors:  # a node down or moving: as any failed call
-            self._failed(errors[0], "session write")
-            raise ClusterUnavailable(self.last_error)
         if any(out_of_memory(r) for r in results):  # the cluster is full: refused, not an outage
             with self._lock:
                 self.counters.write_refused += 1

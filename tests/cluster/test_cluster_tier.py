@@ -361,13 +361,25 @@ def test_tls_nodes_with_the_operators_ca(tmp_path: Path, cluster_tier: ClusterFa
         ClusterNodes.parse(["redis://cache-1:7000"], None, None, TlsFiles(ca="/etc/ca.crt"))
 
 
-def test_a_late_failure_on_a_replaced_client_leaves_the_new_one_alone() -> None:
+@pytest.mark.parametrize("call", ["read", "session write"])
+def test_a_late_failure_on_a_replaced_client_leaves_the_new_one_alone(call: str) -> None:
     # a call that took the client before an outage and failed after the reconnect threw the new
-    # client away: a second outage, a second reconnect
+    # client away: a second outage, a second reconnect. A session write fails in its pipeline's
+    # answers, not by raising
     from kvstore.codecs import get_codec
     from kvstore.tiers.cluster import ClusterTier
 
     made: list[Any] = []
+    started, release = threading.Event(), threading.Event()
+
+    class Pipeline:
+        def __getattr__(self, _command: str) -> Any:
+            return lambda *a, **kw: None
+
+        def execute(self, raise_on_error: bool = True) -> list[Any]:
+            started.set()
+            release.wait(10)
+            return [ConnectionError("the old client failed late"), 1, 0]
 
     class Client:
         def __init__(self) -> None:
@@ -376,6 +388,9 @@ def test_a_late_failure_on_a_replaced_client_leaves_the_new_one_alone() -> None:
 
         def ping(self) -> bool:
             return True
+
+        def pipeline(self, transaction: bool = True) -> Pipeline:
+            return Pipeline()
 
         def close(self) -> None:
             self.closed = True
@@ -387,14 +402,17 @@ def test_a_late_failure_on_a_replaced_client_leaves_the_new_one_alone() -> None:
         client_factory=lambda n, t: Client(),
     )
     tier.connect()
-    started, release = threading.Event(), threading.Event()
 
     def late(c: Any) -> None:
         started.set()
         release.wait(10)
         raise ConnectionError("the old client failed late")
 
-    slow = threading.Thread(target=lambda: pytest.raises(ClusterUnavailable, tier._call, "read", late))
+    slow_call = {
+        "read": lambda: tier._call("read", late),
+        "session write": lambda: tier.put_session("s", {"tokens": [1]}),
+    }[call]
+    slow = threading.Thread(target=lambda: pytest.raises(ClusterUnavailable, slow_call))
     slow.start()
     assert started.wait(10)
     with pytest.raises(ClusterUnavailable):
