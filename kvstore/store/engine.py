@@ -38,7 +38,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,7 +72,8 @@ from kvstore.store.parts import StoreParts
 from kvstore.store.pins import PinHandle, PinTable
 from kvstore.store.puts import Putter
 from kvstore.store.reads import Located, Reader
-from kvstore.store.restore import restore
+from kvstore.store.restore import restore, trim_disk
+from kvstore.store.resume import restore_sessions
 from kvstore.store.sessions import SessionState, SessionTable
 from kvstore.store.tierset import TierSet
 from kvstore.store.writeback import WriteBack, access_slot
@@ -151,8 +151,8 @@ class Store:
                 self._index, nvme, self.tiers.last, self._namespaces, slot=access_slot(ttl), now=clock()
             )
             self._mover.counters[self.tiers.last].corrupt += report.damaged
-            self._restore_sessions(nvme)
-            self._trim_disk(nvme)
+            restore_sessions(parts, nvme.iter_sessions(), self._journal.forget_session)
+            trim_disk(parts, self._mover, nvme)
             sweep = not (self._write_through and self._admit is Admission.ALWAYS)
             self._writeback = WriteBack(
                 parts, self._mover, nvme, writer, ttl=ttl, backpressure=backpressure, sweep=sweep
@@ -515,83 +515,3 @@ class Store:
         give up rows it could not write (journal.py)."""
         with self._lock:
             return self._sessions.all()
-
-    def _trim_disk(self, nvme: NvmeTier) -> None:
-        """(At restore.) A disk reopened with a smaller ``capacity`` than it was written under gives up
-        its least recently used blocks until it fits, as a write would make room."""
-        if not nvme.over_capacity():
-            return
-        before, t, tried = len(self._index), self.tiers.last, set[bytes]()
-        with self._lock:
-            while nvme.over_capacity():
-                e = self._mover.victim(t, tried)
-                if e is None:
-                    break
-                tried.add(e.key)
-                self._mover.evict_from(t, e)
-        u = nvme.usage()
-        log.warning(
-            "nvme: %d blocks given up at start, least recently used first: the store holds %d bytes, "
-            "its capacity is %d",
-            before - len(self._index),
-            u.used_bytes,
-            u.capacity_bytes,
-        )
-
-    def _resumed(self, s: SessionState, found: tuple[int, Entry] | None) -> SessionState:
-        """(At restore.) Session ``s``, whose tail is not on disk, ending where it can resume: at its
-        tail before its last put (``before``, on disk), or deeper at ``found`` (its deepest block
-        that is, by its tag) when that continues ``before`` (a block of the put that did reach the
-        disk; one on another branch is an older turn's); with neither, nowhere (tail None)."""
-        start = self._index.get(s.before) if s.before is not None else None
-        if found is not None and (start is None or _descends(found[1], start)):
-            T = self._namespaces.block_tokens(s.namespace)
-            return replace(s, tail=found[1].key, tokens=(found[0] + 1) * T)
-        if start is not None:
-            return replace(s, tail=s.before, tokens=s.before_tokens)  # where its last flush left it
-        return replace(s, tail=None, tokens=0)
-
-    def _restore_sessions(self, nvme: NvmeTier) -> None:
-        """The sessions nvme records, each ending at its tail block. A row journalled ahead of its last
-        put's blocks (a crash before they were written) names a tail that is not there: the session
-        then ends at its tail before that put (the row keeps it), or else at the deepest block it
-        stored that is (what its last flush made durable). A session none of whose blocks is left is
-        dead: its row is removed. Rows go in least recently used first, so that a tenant past its
-        cap (rows of an earlier build) keeps its most recent sessions."""
-        rows: list[SessionState] = []
-        for name, d in nvme.iter_sessions():
-            try:
-                rows.append(SessionState.from_dict(name, d))
-            except (KeyError, TypeError, ValueError) as err:
-                log.warning(
-                    "nvme: the session row %r lacks or mangles a field (%s); it is dropped", name, err
-                )
-                self._journal.forget_session(name)
-                self._sessions.dropped_dead += 1
-        lost = {s.name: s.namespace for s in rows if s.tail is not None and s.tail not in self._index}
-        deepest: dict[str, tuple[int, Entry]] = {}
-        if lost:
-            for e in self._index.entries():
-                for name in e.sessions:
-                    if lost.get(name) == e.ns:
-                        depth = e.position()
-                        if name not in deepest or depth > deepest[name][0]:
-                            deepest[name] = (depth, e)
-        rows.sort(key=lambda s: s.last_access)
-        for s in rows:
-            if s.name in lost:
-                s = self._resumed(s, deepest.get(s.name))
-            if s.tail is None:  # dead: nothing of its conversation is left to resume
-                self._journal.forget_session(s.name)
-                self._sessions.dropped_dead += 1
-                continue
-            self._sessions.set(s)
-
-
-def _descends(e: Entry | None, ancestor: Entry) -> bool:
-    """Whether block ``e`` is ``ancestor`` or below it."""
-    while e is not None:
-        if e is ancestor:
-            return True
-        e = e.parent
-    return False

@@ -8,7 +8,9 @@
     it and its descendants are dropped from nvme (they could never match again)
     insert the rest in last-access order (the LRU and TTL order)
 
-Token ids stay on disk; only what the index needs is kept (see index.py).
+Token ids stay on disk; only what the index needs is kept (see index.py). A disk reopened with
+a smaller capacity than it was written under is then trimmed to it (``trim_disk``); the sessions it
+records are resumed by resume.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +29,10 @@ from kvstore.keys import Namespace
 from kvstore.store.index import BlockIndex, Entry
 from kvstore.store.namespaces import NamespaceTable
 from kvstore.tiers.nvme import NvmeTier
+
+if TYPE_CHECKING:
+    from kvstore.store.movement import Mover
+    from kvstore.store.parts import StoreParts
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,30 @@ def restore(
     finally:
         if was_enabled:
             gc.enable()
+
+
+def trim_disk(parts: StoreParts, mover: Mover, nvme: NvmeTier) -> None:
+    """(At start, after ``restore``.) A disk reopened with a smaller ``capacity`` than it was written
+    under gives up its least recently used blocks until it fits, as a write would make room."""
+    if not nvme.over_capacity():
+        return
+    index = parts.index
+    before, t, tried = len(index), parts.tiers.last, set[bytes]()
+    with parts.lock:
+        while nvme.over_capacity():
+            e = mover.victim(t, tried)
+            if e is None:
+                break
+            tried.add(e.key)
+            mover.evict_from(t, e)
+    u = nvme.usage()
+    log.warning(
+        "nvme: %d blocks given up at start, least recently used first: the store holds %d bytes, "
+        "its capacity is %d",
+        before - len(index),
+        u.used_bytes,
+        u.capacity_bytes,
+    )
 
 
 def _restore(
