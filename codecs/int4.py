@@ -55,7 +55,7 @@ import torch
 
 from kvstore.codecs.base import Codec, expect_bytes
 from kvstore.codecs.rotation import bf16_matmul_fast, none_tiny, rotate, rotation_fits
-from kvstore.codecs.scales import divide, require_finite, round_up
+from kvstore.codecs.scales import check_frame_stats, divide, require_finite, round_up
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
@@ -178,6 +178,7 @@ class Int4Codec(Codec):
         sizes = _sizes(g, layout)
         expect_bytes(payload, sizes.total, "int4")
         dtype = layout.torch_dtype
+        check_frame_stats(payload[: sizes.stats].view(dtype), "int4")
         dims = [layout.num_layers, layout.block_tokens, layout.num_kv_heads, layout.head_dim]
         # Clamped frames, and rotated ones unless a bfloat16 block may be rotated back in bfloat16
         # (see rotation.py), go through a float32 block; the others are written straight into the

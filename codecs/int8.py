@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from kvstore.codecs.base import WideningCodec, expect_bytes
-from kvstore.codecs.scales import divide, require_finite
+from kvstore.codecs.scales import check_frame_stats, divide, require_finite
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
@@ -158,6 +158,8 @@ class Int8Codec(WideningCodec):
         for dtype, shape, n in pieces:
             views.append(payload[at : at + n].view(dtype).view(shape))
             at += n
+        for stat in views[:-1]:
+            check_frame_stats(stat, "int8")
         # float32 arithmetic and one final cast: on CPU, bfloat16 arithmetic measured ~2x
         # slower, and mixed-dtype kernels (int8 * bf16, addcmul with a broadcast) slower still.
         out = views[-1].to(torch.float32)

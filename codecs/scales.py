@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.errors import CodecError
+from kvstore.errors import CodecError, FrameError
 
 
 def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -44,6 +44,13 @@ def round_down(value: float, dtype: torch.dtype) -> float:
         ints = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
         b = (b.view(ints) - 1).view(dtype)
     return float(b)
+
+
+def check_frame_stats(stats: torch.Tensor, codec: str) -> None:
+    """FrameError unless every statistic a frame holds (scales, minimums, centres) is finite: no
+    encoder writes others, and decoded they would be NaN or inf in the block served."""
+    if not bool(torch.isfinite(stats).all()):
+        raise FrameError(f"{codec} frame holds a scale or offset that is not a finite number")
 
 
 def require_finite(stat: torch.Tensor, codec: str) -> None:

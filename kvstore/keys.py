@@ -150,7 +150,8 @@ def as_tokens(tokens: Any) -> np.ndarray:
         if tokens.dtype.kind not in "iu":
             raise InvalidTokens(f"token ids must be integers, got an array of {tokens.dtype}")
         arr = tokens
-    elif isinstance(tokens, (bytes, str)) or not isinstance(tokens, Sequence):
+    elif isinstance(tokens, (bytes, bytearray, memoryview, str)) or not isinstance(tokens, Sequence):
+        # bytes-like are Sequences of small ints (a memoryview of uint32 ids one id a byte): refused
         raise InvalidTokens(f"token ids must be a sequence of ints, got {type(tokens).__name__}")
     else:
         arr = _sequence_tokens(tokens)
@@ -177,21 +178,23 @@ def _sequence_tokens(tokens: Sequence[Any]) -> np.ndarray:
     """
     try:
         arr = np.frombuffer(array("q", tokens), dtype=np.int64)
-    except TypeError:
+    except (TypeError, ValueError):
         bad = next((t for t in tokens if not isinstance(t, (int, np.integer)) or isinstance(t, bool)), None)
         raise InvalidTokens(f"token ids must be ints, found {bad!r}") from None
     except OverflowError:
         big = next((t for t in tokens if isinstance(t, int) and not 0 <= t <= MAX_TOKEN_ID), "?")
         raise InvalidTokens(f"token id {big} out of range [0, {MAX_TOKEN_ID}]") from None
-    for i in np.flatnonzero(arr <= 1).tolist():  # rare: ids 0 and 1, or bools
-        if isinstance(tokens[i], bool):
-            raise InvalidTokens(f"token ids must be ints, found {tokens[i]!r}")
+    for i in np.flatnonzero(arr <= 1).tolist():  # rare: ids 0 and 1, or bools (a bool tensor too)
+        t = tokens[i]
+        if isinstance(t, bool) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool):
+            raise InvalidTokens(f"token ids must be ints, found {t!r}")
     return arr
 
 
 def chain(parent: bytes, block: np.ndarray) -> bytes:
-    """The key of a block whose predecessor's key (or the root) is ``parent``."""
-    return hashlib.sha256(parent + np.ascontiguousarray(block, dtype="<u4").tobytes()).digest()
+    """The key of a block whose predecessor's key (or the root) is ``parent``; ``block``: its token
+    ids (see ``as_tokens``: InvalidTokens for ids out of range, never wrapped onto others)."""
+    return hashlib.sha256(parent + as_tokens(block).tobytes()).digest()
 
 
 def block_keys(namespace: Namespace, tokens: Any) -> list[bytes]:

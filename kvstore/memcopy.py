@@ -219,7 +219,10 @@ def scatter_rows(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Te
         rows = _rows(dst, dim + 1)
         from_rows = _rows(src.detach(), dim + index.dim())
         if rows is not None and from_rows is not None and rows.dtype == from_rows.dtype:
-            rows[(slice(None),) * dim + (index.cpu().numpy(),)] = from_rows
+            idx = index.cpu().numpy()
+            if idx.size and idx.min() < 0:  # numpy would count it from the end, index_copy_ refuses it
+                raise IndexError(f"scatter_rows: row {idx.min()} is out of bounds")
+            rows[(slice(None),) * dim + (idx,)] = from_rows
             return dst
     flat = src.reshape(*dst.shape[:dim], index.numel(), *dst.shape[dim + 1 :]).to(dst.device)
     into = dst

@@ -89,19 +89,32 @@ class BlockRecord:
             d = msgpack.unpackb(data, raw=False)
             if not isinstance(d, dict) or d.get("v") != RECORD_VERSION:
                 raise ValueError(f"unknown record version {d.get('v') if isinstance(d, dict) else d!r}")
+            sessions = _typed(d, "s", (list, tuple))
+            if not all(isinstance(s, str) for s in sessions):
+                raise ValueError("session tags are not all strings")
             rec = cls(
-                key=bytes(d["k"]),
-                parent=bytes(d["p"]),
-                namespace=str(d["ns"]),
-                position=int(d["i"]),
-                tokens=bytes(d["t"]),
-                sessions=tuple(str(s) for s in d["s"]),
-                created=float(d["c"]),
-                last_access=float(d["a"]),
-                extra=dict(d.get("x") or {}),
+                key=_typed(d, "k", bytes),
+                parent=_typed(d, "p", bytes),
+                namespace=_typed(d, "ns", str),
+                position=_typed(d, "i", int),
+                tokens=_typed(d, "t", bytes),
+                sessions=tuple(sessions),
+                created=float(_typed(d, "c", (int, float))),
+                last_access=float(_typed(d, "a", (int, float))),
+                extra=dict(_typed(d, "x", dict) if d.get("x") is not None else {}),
             )
         except Exception as e:  # msgpack raises many types on damaged input
             raise FrameError(f"block record does not decode: {e}") from e
         if len(rec.key) != KEY_BYTES or len(rec.parent) != KEY_BYTES or len(rec.tokens) % 4:
             raise FrameError("block record has malformed key, parent or tokens")
         return rec
+
+
+def _typed(d: dict[str, Any], name: str, types: type | tuple[type, ...]) -> Any:
+    """Field ``name`` of a record's dict, refused (ValueError) unless of ``types``: a field of the
+    wrong type is damage, never converted into something that passes the checks (an int as
+    ``bytes(n)`` zero bytes, a string as one session tag per character)."""
+    v = d[name]
+    if not isinstance(v, types) or isinstance(v, bool):
+        raise ValueError(f"field {name!r} is a {type(v).__name__}")
+    return v

@@ -232,6 +232,10 @@ def test_a_list_prompt_costs_about_what_numpy_takes_to_read_it() -> None:
         (torch.tensor(5), "1-D"),
         ("1234", "sequence of ints"),
         (b"\x01\x02", "sequence of ints"),
+        (bytearray(np.arange(4, dtype=np.int64).tobytes()), "sequence of ints"),
+        (memoryview(np.arange(8, dtype="<u4").tobytes()), "sequence of ints"),  # a byte an id
+        (np.arange(8, dtype="<u4").data, "sequence of ints"),  # a memoryview of uint32 ids
+        ([5, torch.tensor(True)], "must be ints"),
         (5, "sequence of ints"),
         (None, "sequence of ints"),
         (iter([1, 2]), "sequence of ints"),
@@ -240,6 +244,12 @@ def test_a_list_prompt_costs_about_what_numpy_takes_to_read_it() -> None:
 def test_bad_tokens_raise_invalid_tokens(tokens: object, match: str) -> None:
     with pytest.raises(InvalidTokens, match=match):
         block_keys(NS, tokens)
+
+
+@pytest.mark.parametrize("token", [-1, MAX_TOKEN_ID + 1])
+def test_a_block_key_refuses_ids_out_of_range_rather_than_wrap_them_onto_others(token: int) -> None:
+    with pytest.raises(InvalidTokens, match="out of range"):
+        chain(b"\0" * KEY_BYTES, np.array([1, 2, 3, token]))
 
 
 @pytest.mark.parametrize(

@@ -218,8 +218,9 @@ def test_a_scatter_of_rows_is_index_copy_s_bytes_for_any_index_shape(dtype: torc
     scatter_rows(k, 0, ids, src[0])
     assert torch.equal(k.contiguous().view(torch.uint8), want[0].view(torch.uint8))
     assert not cache[..., 8:].view(torch.uint8).any()  # V's half untouched
-    with pytest.raises(IndexError):
-        scatter_rows(dst, 1, torch.tensor([25]), src[:, :1])
+    for row in (25, -1):  # past the end, or counted from it: refused as index_copy_ refuses them
+        with pytest.raises(IndexError):
+            scatter_rows(dst, 1, torch.tensor([row]), src[:, :1])
     with pytest.raises(ValueError, match="source"):  # one K/V row for two: refused, not broadcast
         scatter_rows(dst, 1, ids[:1], src[:1, :1])
 

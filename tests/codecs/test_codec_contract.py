@@ -138,6 +138,24 @@ def test_non_finite_input_is_refused_or_kept(name: str) -> None:
                 codec.encode(block)
 
 
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("stat", [float("nan"), float("inf")])
+def test_a_frame_whose_scales_are_not_finite_is_refused_though_its_checksum_holds(
+    name: str, stat: float
+) -> None:
+    # no encoder writes such a frame: a faulty writer on another host (the cluster tier) would, with
+    # a checksum computed over it; decoded, the block would hold NaN or inf
+    block = structured_block("normal", (2, 2, 4, 2, 8), torch.bfloat16, seed=3)
+    codec = CODECS[name]()
+    frame = codec.encode(block)
+    h = read_header(frame)
+    payload = torch.frombuffer(bytearray(frame), dtype=torch.uint8)[h.payload_offset :].clone()
+    first = torch.tensor([stat], dtype=torch.float32 if name == "int8" else torch.bfloat16)
+    payload[: first.element_size()] = first.view(torch.uint8)  # the frame's first scale or centre
+    with pytest.raises(FrameError, match="not a (positive )?finite"):
+        codec._decode(payload, KVLayout.of_block(block), h.params)
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_decode_into_a_slice_of_a_longer_sequence(variant: tuple[str, dict]) -> None:
     # out= writes the block into a caller's (strided) view, same values as a plain decode;
