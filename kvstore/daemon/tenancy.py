@@ -10,7 +10,8 @@ T is confined to T, whatever its messages say::
     hello                     the namespace's tenant must be T, else error "forbidden"
     lookup get put pin,       only namespaces of T resolve: another tenant's ns id is answered
     inspect of tokens         "unknown_namespace", exactly as a namespace never registered
-    session names             live in T's own space: stored as "T/name", shown to T as "name"
+    session names             live in T's own space: stored as "T/name", shown to T as "name"; a
+                              session a trusted client stored there for another tenant is not T's
     evict                     always AND tenant = T (--all: every block of T); a tenant filter
                               naming another tenant: "forbidden"
     inspect                   T's sessions only
@@ -127,6 +128,10 @@ class TenantOps:
             own, msg = msg.session, replace(msg, session=qualify(tenant, msg.session))
             if isinstance(msg, Prefetch):
                 try:
+                    # a name in T's space that a trusted client (ipc, an operator key) gave a session
+                    # of another tenant: not T's, so not there, word for word as a session of none
+                    if self.store.session_tenant(msg.session) not in (tenant, None):
+                        raise ProtocolError("not_found", "")
                     reply = run(msg, ns)
                 except ProtocolError as e:  # its message names the session as stored: the tenant's own name
                     if e.code != "not_found":

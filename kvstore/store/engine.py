@@ -415,6 +415,18 @@ class Store:
                 raise
         return remote.prefetch(session, found, to, start_block, max_blocks)
 
+    def session_tenant(self, name: str) -> str | None:
+        """The tenant whose conversation session ``name`` is (its namespace's), here or, when this
+        host does not know it, as the cluster recorded it; None when neither knows it."""
+        self.settle()
+        with self._lock:
+            s = self._sessions.get(name)
+            ns = None if s is None else self._namespaces.get(s.namespace)
+        if s is not None:
+            return None if ns is None else ns.tenant
+        found = None if self._cluster_admin is None else self._cluster_admin.find_session(name)
+        return None if found is None else found["ns"].tenant
+
     def sessions(self, tenant: str | None = None) -> list[SessionInfo]:
         """See AdminOps.sessions."""
         self.settle()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvstore.chains import Chain, KeyChain, as_chain
-from kvstore.errors import KVStoreError, LayoutError
+from kvstore.errors import Forbidden, KVStoreError, LayoutError
 from kvstore.keys import Namespace
 from kvstore.results import MISSING_PARENT, NO_ROOM, FailedBlock, PutResult, check_index
 from kvstore.store.cluster import ClusterLink
@@ -80,8 +80,14 @@ class Putter:
         start = check_index("start_block", start_block)
         if session is not None:
             with self._lock:  # a session stored under an older build's rules goes on under its name
-                known = self._sessions.get(session) is not None
-            check_session_name(session, allow_control=known)
+                known = self._sessions.get(session)
+                owner = None if known is None else self._namespaces.get(known.namespace)
+            check_session_name(session, allow_control=known is not None)
+            if owner is not None and owner.tenant != ns.tenant:  # (not named: a confined client's
+                raise Forbidden(  # name is stored qualified, tenancy.py)
+                    "the session named is a conversation of another tenant; a put cannot continue it: "
+                    "store this one under another session name"
+                )
         if isinstance(kv, torch.Tensor):
             ns.layout.check_tensor(kv)
             n = kv.shape[2] // T

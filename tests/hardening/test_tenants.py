@@ -132,6 +132,28 @@ def test_session_names_are_per_tenant(curve: CurveDaemon) -> None:
     assert {("alice/chat", "alice"), ("bob/chat", "bob")} <= names
 
 
+def test_a_session_a_trusted_client_named_in_bob_s_space_is_not_bob_s(curve: CurveDaemon) -> None:
+    """An engine of tenant alice over an operator key (or ipc) names its session "bob/conv-42", the
+    name bob's own "conv-42" is stored under: bob can neither prefetch, size nor take it over."""
+    a_tokens, b_tokens = tokens_of(35, 3), tokens_of(36, 2)
+    with curve.client("operator", "alice") as engine, curve.client("bob") as bob:
+        put(engine, a_tokens, session="bob/conv-42")
+        engine.evict(session="bob/conv-42", tier="hbm")  # alice's blocks below hbm
+        with pytest.raises(ServerError) as e:
+            bob.prefetch("conv-42", to="hbm")
+        assert (e.value.code, e.value.message) == ("not_found", "no session 'conv-42' to prefetch")
+        assert "hbm" not in engine.lookup(a_tokens).tiers  # not moved for bob
+        with pytest.raises(Forbidden, match="another tenant"):
+            put(bob, b_tokens, session="conv-42")
+        assert bob.lookup(b_tokens).matched_tokens == 0  # nothing stored by the refused put
+        detail = engine.inspect(session="bob/conv-42")
+        assert (detail.info.tenant, detail.info.tokens) == ("alice", 3 * T)
+        # and the other way round: a session of bob's is not continued by a trusted put for alice
+        put(bob, b_tokens, session="mine-1")
+        with pytest.raises(Forbidden, match="another tenant"):
+            put(engine, a_tokens, session="bob/mine-1")
+
+
 def test_bob_cannot_evict_alice_blocks(curve: CurveDaemon) -> None:
     a_tokens, b_tokens = tokens_of(40, 3), tokens_of(41, 2)
     with curve.client("alice") as alice, curve.client("bob") as bob:
