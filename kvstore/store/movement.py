@@ -330,9 +330,10 @@ class Mover:
         """Bring ``block`` (read from tier ``source`` below) up into tier ``to``.
 
         From nvme it is a copy (the durable one stays); between the memory
-        tiers it is a move, so a block never takes room twice there: the
-        source copy goes first (making room for what ``to`` pushes down) and
-        comes back if ``to`` has no room.
+        tiers it is a move, so a block does not take room twice there: the
+        source copy goes once ``to`` holds the block. Not before: what ``to``
+        pushes down to make room may fill the room it left, and a block that
+        then fits neither tier would be lost, pinned or not.
         """
         if self.index.get(e.key) is not e or e.tiers & (1 << to):
             return False
@@ -341,14 +342,10 @@ class Mover:
             return False  # a client reads its pages in place, by lease (a located read): they stay
         self.busy.add(e.key)
         try:
-            if move:
+            placed = self.place(e, block, to, ready)
+            if placed and move and e.tiers & (1 << source):
                 self.tiers[source].drop(e.key)
                 self.index.clear_tier(e, source)
-            placed = self.place(e, block, to, ready)
-            if not placed and move and self.index.get(e.key) is e:
-                self.place(e, block, source)
-                if not e.tiers & TIER_MASK:  # neither tier could take it back: it goes, descendants too
-                    self.drop_block(e)
         finally:
             self.busy.discard(e.key)
         if placed:
