@@ -186,7 +186,7 @@ class Mover:
             except CodecError as err:
                 # it never will encode: a demotion drops the block instead, or make_room would pick
                 # it again and again and fail every put after it
-                self._refused(e, t, err)
+                self.refused(e, t, err)
                 return False
         for _ in range(3):
             room = (
@@ -214,12 +214,12 @@ class Mover:
             return True
         return False
 
-    def _refused(self, e: Entry, t: int, err: CodecError) -> None:
+    def refused(self, e: Entry, t: int, err: CodecError) -> None:
         """Count a copy of ``e`` tier ``t``'s codec cannot encode; the first one is logged."""
         self.unencodable += 1
         if self.unencodable == 1:
             log.warning(
-                "tier %s cannot encode block %s (%s); a demotion drops it instead. Later such blocks "
+                "tier %s cannot encode block %s (%s); it is dropped rather than kept unwritten. Later such blocks "
                 "are counted, not logged",
                 self.tiers.names[t],
                 e.key.hex()[:16],

@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 
 from kvstore.codecs.frame import Buffer, read_header
-from kvstore.errors import FrameError, KVStoreError
+from kvstore.errors import CodecError, FrameError, KVStoreError
 from kvstore.record import BlockRecord
 from kvstore.store.index import TIER_MASK, Entry
 from kvstore.store.movement import Mover
@@ -233,6 +233,10 @@ class WriteBack:
                     if not self._mover.make_room(t_n, block, position=rec.position):
                         self._failed(key)
                         return
+            except CodecError as err:  # inf or NaN in the block: it never reaches the disk
+                with self._lock:
+                    self._unwritable(key, err)
+                return
             except (TierIOError, KVStoreError):  # a disk error, a record that cannot be stored, ...
                 with self._lock:
                     self._failed(key)
@@ -299,6 +303,21 @@ class WriteBack:
         self._counts.write_failures += 1
         if key in self._index:
             self.deferred[key] = None
+
+    def _unwritable(self, key: bytes, err: CodecError) -> None:
+        """(Lock held.) nvme's codec refuses block ``key`` (inf or NaN in it). Write-through promises
+        that every block stored reaches the disk, and flush says so: the block (and what follows
+        it, computed over it) is dropped, as a demotion would drop it, once nothing pins it; pinned,
+        it stays deferred (flush not durable) until then."""
+        e = self._index.get(key)
+        if e is None:
+            return
+        self._mover.refused(e, self._t, err)
+        if self._mover.subtree_pinned(e):
+            self.deferred[key] = None
+            return
+        self.deferred.pop(key, None)
+        self._mover.drop_block(e)
 
     def idle(self) -> None:
         """Periodic upkeep on the writer thread."""

@@ -3,6 +3,8 @@ take is dropped, never wedging room-making."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -70,4 +72,26 @@ def test_a_block_the_ram_codec_cannot_encode_is_dropped_not_demoted_forever(
     # counted, and logged once
     assert s._mover.unencodable == 1
     assert sum("cannot encode block" in r.getMessage() for r in caplog.records) == 1
+    assert s.check_integrity() == []
+
+
+def test_a_block_nvme_cannot_encode_is_dropped_from_the_write_through_and_flush_stays_honest(
+    make_store,
+) -> None:
+    """Write-through promises every block reaches the disk, and int4 refuses NaN: the block is
+    dropped (and what follows it), so flush answers durable again, not False for good while the
+    write is retried every tick (a failure counted each time)."""
+    s = make_store(hbm_blocks=4, nvme=True)
+    good = tokens(2, seed=1)
+    assert s.put(NS, good, kv(2 * T, 1)).stored == 2
+    assert s.flush(10)
+    b = tokens(2, seed=2)
+    x = kv(2 * T, 2)
+    x[0, 0, 1, 0, 0] = float("nan")  # block 0: block 1 was computed over it
+    assert s.put(NS, b, x).stored == 2
+    assert s.flush(10)
+    assert s.lookup(NS, b).matched_blocks == 0 and s.lookup(NS, good).matched_blocks == 2
+    failures = s.stats().write_failures
+    time.sleep(0.3)  # ticks of 0.05 s: nothing is retried
+    assert s.stats().write_failures == failures and s.stats().unencodable == 1
     assert s.check_integrity() == []
