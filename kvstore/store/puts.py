@@ -124,8 +124,10 @@ class Putter:
                         self._pins.release(hold)
                     more = not job.failed and c1 < job.end and job.tail is not None
                     hold = self._pins.pin([job.tail], self._lease) if more and job.tail is not None else None
-                if self._through is not None:
-                    job.deferred += self._through.submit(new)
+                    if self._through is not None and new:
+                        self._through.expect()  # found by others now: a flush waits until they are queued
+                if self._through is not None and new:
+                    job.deferred += self._through.submit(new, expected=True)
                 if self._cluster is not None and not adopted:
                     self._cluster.submit(new, job.keys[c0:c1])  # and those dropped before (an outage)
                 if job.failed:

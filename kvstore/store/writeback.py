@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import replace
 
@@ -88,17 +89,31 @@ class WriteBack:
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
         self._ready: dict[bytes, Buffer] = {}  # frames in nvme's codec already (from the cluster tier)
         self._ready_bytes = 0
+        # puts that indexed new blocks and have not queued them yet (``expect``): flush waits for them
+        self._expected = 0
+        self._queued = threading.Condition(parts.lock)
         writer.start(self.write, self.idle)
 
     # -- callers' side ----------------------------------------------------------------
-    def submit(self, keys: list[bytes], wait: float | None = None) -> int:
-        """Queue keys for write-through (no lock held); those refused are deferred. Returns how many."""
-        if not keys:
-            return 0
-        refused = self._writer.submit(keys, self._backpressure if wait is None else wait)
-        if refused:
+    def expect(self) -> None:
+        """(Lock held.) The caller indexed new blocks under this hold of the lock and queues them
+        after it (``submit(..., expected=True)``): a flush meanwhile waits for them, or it would
+        call durable blocks that other clients already find and that no queue holds yet."""
+        self._expected += 1
+
+    def submit(self, keys: list[bytes], wait: float | None = None, *, expected: bool = False) -> int:
+        """Queue keys for write-through (no lock held); those refused are deferred. Returns how many.
+        ``expected``: the keys ``expect()`` announced."""
+        refused: list[bytes] = []
+        try:
+            if keys:
+                refused = self._writer.submit(keys, self._backpressure if wait is None else wait)
+        finally:
             with self._lock:
                 self.deferred.update(dict.fromkeys(refused))
+                if expected:
+                    self._expected -= 1
+                    self._queued.notify_all()
         return len(refused)
 
     def defer(self, keys: list[bytes]) -> None:
@@ -142,6 +157,8 @@ class WriteBack:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
         with self._lock:
+            if not self._queued.wait_for(lambda: not self._expected, left()):
+                return False
             snapshot = list(self._index.entries()) if self._sweep else []  # a C-level copy: brief
         wait = left()
         self._requeue(None, wait=math.inf if wait is None else wait)

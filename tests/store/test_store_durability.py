@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -342,3 +344,36 @@ def test_a_disk_reopened_with_a_smaller_capacity_gives_up_its_least_recently_use
     assert 0 < sum(held) < 8 * len(prompts)
     assert s2.put(NS, tokens(8, seed=99), kv(8 * T, 99)).stored == 8  # and it takes new blocks
     assert s2.flush(30)
+
+
+@pytest.mark.parametrize("stop", ["flush", "close"])
+def test_a_flush_between_a_put_indexing_its_blocks_and_queueing_them_waits_for_them(
+    make_store, tmp_path: Path, stop: str
+) -> None:
+    """A put indexes a chunk under the lock and queues it for nvme after: a flush (or close, whose
+    flush is the clean stop) in that gap saw an empty queue, and called durable blocks that other
+    clients already found (close: never written at all)."""
+    s = make_store(path=tmp_path / "nvme")
+    wb = s._writeback
+    assert wb is not None
+    real_submit, entered = wb.submit, threading.Event()
+
+    def slow_submit(keys: list[bytes], wait: float | None = None, **kw: Any) -> int:
+        entered.set()
+        time.sleep(0.3)  # indexed, not queued yet
+        return real_submit(keys, wait, **kw)
+
+    wb.submit = slow_submit
+    a = tokens(2, seed=1)
+    put = threading.Thread(target=s.put, args=(NS, a, kv(2 * T, 1)))
+    put.start()
+    assert entered.wait(10)
+    if stop == "flush":
+        assert s.flush(10)
+        assert set(block_keys(NS, a)) <= nvme_keys(s)
+    else:
+        s.close()
+    put.join(10)
+    if stop == "close":
+        reopened = make_store(path=tmp_path / "nvme")
+        assert reopened.lookup(NS, a).matched_blocks == 2
