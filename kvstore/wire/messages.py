@@ -75,9 +75,11 @@ class Message:
         unknown = set(header) - set(cls.schema)
         if unknown:
             # key=repr: a hand-written client may send bytes keys beside str ones, which do not compare
+            names = sorted(unknown, key=repr)
             raise RemoteProtocolError(
                 "bad_header",
-                f"{cls.op}: unknown field(s) {sorted(unknown, key=repr)}; its fields (text keys) are: "
+                f"{cls.op}: unknown field(s) {', '.join(repr(n)[:40] for n in names[:8])}"
+                f"{f' and {len(names) - 8} more' if len(names) > 8 else ''}; its fields (text keys) are: "
                 f"{', '.join(cls.schema) or 'none'}",
             )
         values: dict[str, Any] = {}

@@ -133,15 +133,37 @@ def _peek_id(frame: Buffer) -> int | None:
     return None
 
 
-def read_header(frame: Buffer, limit: int) -> tuple[dict[str, Any], int | None]:
-    """Decode frame 0 into (fields, request id). Raises RemoteProtocolError (with the id when known)."""
+# a request's header: at most this many fields a map (its namespace's too), bytes a string
+_REQUEST_BOUNDS = {"max_map_len": 64, "max_str_len": 65536}
+
+
+def read_header(frame: Buffer, limit: int, max_list: int | None = None) -> tuple[dict[str, Any], int | None]:
+    """Decode frame 0 into (fields, request id). Raises RemoteProtocolError (with the id when known).
+
+    ``max_list``: a request's header (the daemon's side), whose longest list is its token ids; its
+    maps, lists and strings are bounded as they are decoded, so that a header of millions of items
+    (unknown fields, token ids past the limit) is refused before any of them is built or checked
+    (the loop that reads it serves every client)."""
     size = nbytes(frame)
     if size > limit:
         raise RemoteProtocolError(
             "too_large", f"header is {size} bytes, over the limit of {limit}", request_id=_peek_id(frame)
         )
+    bounds = {} if max_list is None else _REQUEST_BOUNDS | {"max_array_len": max(max_list, 16)}
     try:
-        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True, **bounds)
+    except ValueError as e:
+        if max_list is None or "exceeds max" not in str(e):
+            raise RemoteProtocolError("bad_message", f"frame 0 is not valid msgpack: {e}") from None
+        if "max_array_len" in str(e):  # a request's only long list is its token ids
+            raise RemoteProtocolError(
+                "too_many_tokens",
+                f"a list of more items than max_tokens_per_request {max_list} ({e})",
+                request_id=_peek_id(frame),
+            ) from None
+        raise RemoteProtocolError(
+            "too_large", f"header holds more than a request takes ({e})", request_id=_peek_id(frame)
+        ) from None
     except Exception as e:  # msgpack raises many types on garbage
         raise RemoteProtocolError("bad_message", f"frame 0 is not valid msgpack: {e}") from None
     if not isinstance(header, dict):
@@ -252,7 +274,7 @@ class ServerProtocol:
         """
         if not frames:
             raise RemoteProtocolError("bad_message", "empty message")
-        header, rid = read_header(frames[0], self.limits.max_header_bytes)
+        header, rid = read_header(frames[0], self.limits.max_header_bytes, self.limits.max_tokens)
         if rid is None:
             raise RemoteProtocolError("bad_header", "header has no request id")
         try:
@@ -270,7 +292,9 @@ class ServerProtocol:
             op = header.pop("op", None)
             cls = REQUESTS.get(op) if isinstance(op, str) else None
             if cls is None:
-                raise RemoteProtocolError("unknown_op", f"unknown op {op!r}; ops are {', '.join(REQUESTS)}")
+                raise RemoteProtocolError(
+                    "unknown_op", f"unknown op {op!r:.80}; ops are {', '.join(REQUESTS)}"
+                )
             msg = cls.from_fields(header, list(frames[1:]))
             namespace = self._check(msg, tenant)
             if self.inflight.get(peer, 0) >= self.limits.max_inflight:

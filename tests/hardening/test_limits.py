@@ -116,6 +116,26 @@ def test_more_token_ids_than_the_cap_is_too_many_tokens(daemon: Daemon, raw: Raw
     still_serving(daemon)
 
 
+def test_a_header_of_many_items_is_refused_as_it_is_decoded_and_not_echoed(daemon: Daemon, raw: Raw) -> None:
+    """Items past what a request takes (token ids past the cap, fields no op has, a long string) are
+    refused by the decoder, before they are built or checked one by one on the loop that serves
+    every client; the refusal does not repeat them back."""
+    cap = LIMITS.max_header_bytes
+    many_ids = list(range(cap // 6))  # ~5 bytes each: a header just under its cap
+    r = raw.ask(header("get", 11, ns=NS.id, tokens=many_ids))
+    assert (r["op"], r["code"], r["id"]) == ("error", "too_many_tokens", 11)
+    fields = {f"f{i}": 0 for i in range(cap // 10)}
+    r = raw.ask(header("ping", 12, **fields))
+    assert (r["op"], r["code"], r["id"]) == ("error", "too_large", 12) and len(r["message"]) < 300
+    r = raw.ask(header("x" * 60000, 13))  # an op no one knows, as long as a header holds
+    assert (r["op"], r["code"], r["id"]) == ("error", "unknown_op", 13) and len(r["message"]) < 300
+    r = raw.ask(header("ping", 15, pad="x" * (cap - 100)))  # a string no field takes
+    assert (r["op"], r["code"], r["id"]) == ("error", "too_large", 15) and len(r["message"]) < 300
+    r = raw.ask(header("ping", 14, **{f"f{i}": 0 for i in range(20)}))  # a few unknown fields
+    assert (r["op"], r["code"]) == ("error", "bad_header") and "and 12 more" in r["message"]
+    still_serving(daemon)
+
+
 def test_a_payload_over_max_message_bytes_is_too_large(daemon: Daemon, raw: Raw) -> None:
     blocks = MAX_MESSAGE // LAYOUT.block_nbytes + 1  # one block more than fits
     tokens = np.arange(blocks * T, dtype="<u4")
