@@ -525,6 +525,7 @@ class KVStoreClient:
 
     def release(self, handle: int) -> bool:
         """End a pin from ``pin``; False when its lease had already ended (or the handle is unknown)."""
-        reply = self._call(Release(handle=handle))
+        # not sent again after a time-out: a repeat would find the pin the first try ended (False)
+        reply = self._call(Release(handle=handle), idempotent=False)
         assert isinstance(reply, ReleaseOk)
         return reply.released

@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from kvstore.daemon.auth import ClientKeys
-from kvstore.errors import DaemonStarting
+from kvstore.errors import ClientClosed, DaemonStarting
 from kvstore.keys import Namespace
 from kvstore.wire.errors import RemoteProtocolError, RequestTimeout, ServerError, error_for_reply
 from kvstore.wire.messages import ErrorReply, Hello, HelloOk, Message
@@ -94,8 +94,11 @@ class Connection:
         self.proto = ClientProtocol()
         self.reconnects = 0
         self._greeted = False
+        self._closed = False
 
     def _open(self) -> zmq.Socket:
+        if self._closed:
+            raise ClientClosed(f"this client of {self.endpoint} was closed; make a new KVStoreClient")
         if self.sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             try:
@@ -123,6 +126,7 @@ class Connection:
         self.reconnects += 1
 
     def close(self) -> None:
+        self._closed = True
         self._finalizer.detach()
         if self.sock is not None:
             self.sock.close(linger=0)

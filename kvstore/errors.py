@@ -92,3 +92,9 @@ class DaemonStarting(KVStoreError, TimeoutError):
     """The daemon is still building its store (allocating pools, reading back its index)."""
 
     code = "starting"
+
+
+class ClientClosed(KVStoreError):
+    """A call on a client after its ``close()``: make a new client to go on."""
+
+    code = "closed"

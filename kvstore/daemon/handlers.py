@@ -26,7 +26,7 @@ from kvstore.results import EvictFilter
 from kvstore.shm.plane import StagingFull
 from kvstore.store.adoption import Adoption
 from kvstore.tiers.base import TierName
-from kvstore.wire.errors import ProtocolError
+from kvstore.wire.errors import ProtocolError, wire_code
 from kvstore.wire.messages import (
     Commit,
     DataOk,
@@ -135,7 +135,7 @@ class Handlers:
                 return self._shared(request)
             return self._run(request.msg, request.namespace)
         except (KVStoreError, ProtocolError) as e:
-            return ErrorReply(code=getattr(e, "code", "internal") or "internal", message=str(e))
+            return ErrorReply(code=wire_code(getattr(e, "code", None)), message=str(e))
         except Exception as e:  # the daemon must survive anything a request triggers
             log.exception("request %s (%s) failed", request.id, request.msg.op)
             return ErrorReply(

@@ -35,6 +35,7 @@ class ZapHandler:
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
         self._reported: set[bytes] = set()
+        self._reported_all = False  # _DENIALS_LOGGED keys reported: the rest go to debug
 
     def start(self, ctx: zmq.Context) -> None:
         """Bind the ZAP socket (before the router binds: no handshake may pass unchecked) and start answering."""
@@ -88,7 +89,13 @@ class ZapHandler:
 
     def _report(self, mechanism: bytes, credentials: list[bytes], address: bytes) -> None:
         key = z85.encode(credentials[0]) if len(credentials) == 1 and len(credentials[0]) == 32 else mechanism
-        level = logging.DEBUG if key in self._reported else logging.WARNING
+        if key not in self._reported and len(self._reported) >= _DENIALS_LOGGED and not self._reported_all:
+            self._reported_all = True  # a flood of keys: the log is not its amplifier
+            log.warning(
+                "refused %d distinct CURVE keys; further refusals are logged at debug level only",
+                _DENIALS_LOGGED,
+            )
+        level = logging.DEBUG if key in self._reported or self._reported_all else logging.WARNING
         if len(self._reported) < _DENIALS_LOGGED:
             self._reported.add(key)
         log.log(

@@ -54,6 +54,16 @@ ERROR_CODES: dict[str, str] = {
     "forbidden": "the connection's authenticated tenant may not do this (another tenant, an operator op)",
 }
 
+# codes of the store's own errors that reach a reply under a published code
+_ALIASES = {"invalid_request": "invalid_argument", "closed": "shutting_down"}
+
+
+def wire_code(code: str | None) -> str:
+    """The published code (ERROR_CODES) a reply carries for an error of ``code``: its alias, or
+    "internal" for one that is not published (the message still says what happened)."""
+    code = _ALIASES.get(code or "", code)
+    return code if code in ERROR_CODES else "internal"
+
 
 class ProtocolError(KVStoreError):
     """Base of protocol errors; ``code`` is one of ERROR_CODES."""

@@ -369,26 +369,6 @@ REQUESTS: dict[str, type[Message]] = {
         Commit,
     )
 }
-# Safe to send again after a timeout: a repeat changes nothing a first try would not (a repeated
-# locate or reserve holds a second lease, which lapses).
-IDEMPOTENT = frozenset(
-    {
-        "hello",
-        "ping",
-        "lookup",
-        "get",
-        "put",
-        "stats",
-        "inspect",
-        "prefetch",
-        "flush",
-        "release",
-        "locate",
-        "finish",
-        "reserve",
-        "commit",
-    }
-)
 
 
 # ---------------------------------------------------------------- replies

@@ -53,3 +53,36 @@ def test_arguments_msgpack_cannot_carry_are_refused_before_anything_is_sent(
         assert c.stats()["store"]["blocks"] == 2
     with pytest.raises(KVStoreError, match="not valid UTF-8"):
         KVStoreClient(d.endpoint, model="other", layout=LAYOUT, tenant="\udcff")
+
+
+def test_a_client_used_after_close_says_so(daemons: Any, tmp_path: Path) -> None:
+    from kvstore.errors import ClientClosed
+
+    d = daemons(write_config(tmp_path))
+    c = client(d.endpoint)
+    c.ping()
+    c.close()
+    with pytest.raises(ClientClosed, match="was closed; make a new KVStoreClient"):
+        c.ping()
+
+
+def test_a_release_that_timed_out_is_not_sent_again(daemons: Any, tmp_path: Path) -> None:
+    """A repeat after a time-out finds the pin its first try ended and answers False: the caller
+    would take a released pin for one whose lease had lapsed. The time-out is raised instead."""
+    import os
+    import signal
+    import threading
+
+    from kvstore.wire.errors import RequestTimeout
+
+    d = daemons(write_config(tmp_path))
+    tokens = random_tokens(np.random.default_rng(8), 2)
+    with client(d.endpoint) as setup:
+        setup.put(tokens, prefix_kv(tokens))
+    c = client(d.endpoint, timeout=0.5, retries=3)
+    handle, _ = c.pin(tokens, lease=60)
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    threading.Timer(0.8, os.kill, (d.proc.pid, signal.SIGCONT)).start()
+    with pytest.raises(RequestTimeout):
+        c.release(handle)
+    c.close()

@@ -143,6 +143,30 @@ def test_random_bytes_get_an_error_reply(daemon: Daemon, frames: list[bytes]) ->
         r.close()
 
 
+@pytest.mark.parametrize("session", ["a\tb", "a\x7fb", "a\u2028b"])
+def test_a_put_the_store_refuses_gets_a_published_code(daemon: Daemon, session: str) -> None:
+    # the store's InvalidRequest reached the wire as "invalid_request", a code no client knows
+    tokens = random_tokens(np.random.default_rng(5), 2)
+    kv = prefix_kv(tokens)
+    r = Raw(daemon.endpoint)
+    try:
+        assert r.ask(header("hello", 1, namespace=NS.to_dict()))["op"] == "hello"
+        put = header(
+            "put",
+            2,
+            ns=NS.id,
+            tokens=tokens.tobytes(),
+            shape=list(kv.shape),
+            dtype="float16",
+            session=session,
+        )
+        reply = r.ask(put, kv.numpy().tobytes())
+        check_reply(reply, 2)
+        assert reply["code"] == "invalid_argument" and "control character" in reply["message"]
+    finally:
+        r.close()
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     nbytes=st.integers(0, 2**21),
