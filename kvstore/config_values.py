@@ -184,7 +184,8 @@ def optional(check: Callable[[Any], Any], *off: Any) -> Callable[[Any], Any]:
         # compared with their types: False == 0 and 0.0 == 0, but `metrics_port = false` is no port number
         if any(type(v) is type(o) and v == o for o in off):
             return None
-        if isinstance(v, str) and v.strip().lower() in ("", "none", "off"):
+        # an environment variable's text: "0" is metrics_port's off as 0 is
+        if isinstance(v, str) and v.strip().lower() in ("", "none", "off", *map(str, off)):
             return None
         try:
             return check(v)

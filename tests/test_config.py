@@ -483,6 +483,12 @@ def test_metrics_port_off_is_said_with_0_or_off(tmp_path: Path) -> None:
         assert c.server.metrics_port is None
     with pytest.raises(ConfigError, match=r"1 to 65535, or 0 or 'off' for none"):
         load_config(write(tmp_path, "[server]\nmetrics_port = false\n"), env={})
+    # from the environment, a text: "0" as the README says (it was refused, the daemon down)
+    for text in ("0", "off"):
+        c = load_config(
+            write(tmp_path, "[server]\nmetrics_port = 9464\n"), env={"KVSTORE_SERVER_METRICS_PORT": text}
+        )
+        assert c.server.metrics_port is None
 
 
 def test_a_relative_ipc_endpoint_in_a_file_resolves_against_the_files_directory(

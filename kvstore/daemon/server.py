@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -224,6 +225,9 @@ class Server:
                 zap = self.auth.handler()
                 zap.start(self.ctx)
             router.bind(self.config.server.endpoint)
+            if re.search(r":(0|\*)$", self.config.server.endpoint):  # "any free port": say which one
+                bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.config = replace(self.config, server=replace(self.config.server, endpoint=bound))
         except BaseException:
             router.close(linger=0)
             pull.close(linger=0)

@@ -209,3 +209,19 @@ def test_serves_tcp_on_loopback_when_allowed_and_exports_metrics(start_daemon: S
     assert 'kvstore_requests_total{code="ok",op="get"}' in body
     assert f"metrics: http://127.0.0.1:{metrics_port}/metrics" in d.output()
     assert d.stop() == 0
+
+
+def test_a_tcp_endpoint_on_any_free_port_says_which_port_it_took(start_daemon: StartDaemon) -> None:
+    import re
+    import time
+
+    d = start_daemon(endpoint="tcp://127.0.0.1:0", allow_insecure_tcp=True, ready=False)
+    deadline = time.monotonic() + 120
+    while not (m := re.search(r"serving (tcp://127\.0\.0\.1:(\d+))", d.output())):
+        assert d.proc.poll() is None and time.monotonic() < deadline, d.output()
+        time.sleep(0.1)
+    endpoint, port = m.group(1), int(m.group(2))
+    assert port != 0
+    with KVStoreClient(endpoint, timeout=10.0) as c:
+        assert c.stats()["server"]["endpoint"] == endpoint
+    assert d.stop() == 0
