@@ -164,7 +164,9 @@ class SessionInfo:
 
 @dataclass(frozen=True)
 class NamespaceUsage:
-    """One namespace's share of the store: its blocks (in all, and held per tier) and sessions."""
+    """One namespace's share of the store: its blocks (in all, and held per tier) and sessions;
+    ``tier_bytes``: what its blocks take in each tier, from the tier's cost of a block of its
+    layout (an estimate where a tier compresses: a tenant's own figure, no other's in it)."""
 
     namespace: str
     model: str
@@ -172,6 +174,7 @@ class NamespaceUsage:
     blocks: int
     tiers: dict[str, int]
     sessions: int
+    tier_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ import msgpack
 import torch
 
 from kvstore.codecs import Codec, check_frame, decode_frame
-from kvstore.codecs.frame import Buffer, stored_checksum
+from kvstore.codecs.frame import HEADER_SIZE, Buffer, stored_checksum
 from kvstore.errors import ConfigError, FrameError, KVStoreError
 from kvstore.keys import KEY_BYTES
 from kvstore.layout import KVLayout
@@ -176,6 +176,11 @@ class NvmeTier(Tier):
             )
 
     # -- blocks -----------------------------------------------------------------------
+    def block_cost(self, layout: KVLayout) -> int:
+        """A frame of ``layout`` in the codec of most blocks, before zstd (an estimate: zstd's gain
+        and LMDB's pages are not known per block)."""
+        return HEADER_SIZE + self.codec.payload_bytes(layout)
+
     def codec_for(self, position: int | None) -> Codec:
         """The codec a block at ``position`` in its prefix is stored with: ``head_codec`` for the
         first ``head_blocks``, ``codec`` otherwise (and when the position is unknown)."""

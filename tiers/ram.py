@@ -18,7 +18,7 @@ import torch
 
 from kvstore.codecs import Codec, check_frame, decode_frame
 from kvstore.codecs.base import bytes_tensor
-from kvstore.codecs.frame import Buffer
+from kvstore.codecs.frame import HEADER_SIZE, Buffer
 from kvstore.layout import KVLayout
 from kvstore.memcopy import Copier
 from kvstore.tiers.base import FrameTier, TierName
@@ -70,6 +70,12 @@ class RamTier(PagedTier, FrameTier):
         layout = KVLayout.of_block(block)
         seen = None if self.codec.zstd_level else self._frame_bytes.get(layout)
         return self._pool.can_alloc(seen if seen is not None else self.codec.max_frame_bytes(layout))
+
+    def block_cost(self, layout: KVLayout) -> int:
+        """A frame of ``layout`` rounded up to whole pages: the size seen, else header and payload
+        (zstd's gain unknown)."""
+        n = self._frame_bytes.get(layout) or HEADER_SIZE + self.codec.payload_bytes(layout)
+        return -(-n // self.page_bytes) * self.page_bytes
 
     def can_put_frame(self, frame_bytes: int) -> bool:
         """Whether a frame of ``frame_bytes`` bytes fits now (for ``put_frame``). Changes nothing."""

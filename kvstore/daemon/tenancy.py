@@ -164,16 +164,16 @@ class TenantOps:
     def stats(self, tenant: str) -> dict[str, Any]:
         """``tenant``'s share of the store: blocks, bytes per tier, sessions; tier capacities (shared).
 
-        From counters the store keeps per namespace (no walk over blocks): a
-        tier's bytes are the tenant's share of its blocks times the bytes the
-        tier holds (blocks of one layout take the same room in a tier).
+        From counters the store keeps per namespace (no walk over blocks): a tier's bytes are the
+        tenant's blocks there times what a block of their layout takes in it (NamespaceUsage), so
+        that nothing another tenant stores or evicts moves the figure.
         """
         mine = self.store.usage(tenant)
         totals = self.store.stats().tiers
         tiers = {}
         for name, t in totals.items():
             held = sum(u.tiers.get(name, 0) for u in mine)
-            used = t.used * held // t.blocks if t.blocks else 0
+            used = sum(u.tier_bytes.get(name, 0) for u in mine)
             tiers[name] = {"name": name, "used": used, "capacity": t.capacity, "blocks": held}
         blocks = sum(u.blocks for u in mine)
         sessions = sum(u.sessions for u in mine)

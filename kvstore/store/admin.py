@@ -270,6 +270,10 @@ class AdminOps:
                         blocks=c[-1],
                         tiers={name: c[t] for t, name in enumerate(self._tiers.names)},
                         sessions=sessions.get(ns_id, 0),
+                        tier_bytes={
+                            name: c[t] * self._tiers[t].block_cost(ns.layout) if ns else 0
+                            for t, name in enumerate(self._tiers.names)
+                        },
                     )
                 )
             return out

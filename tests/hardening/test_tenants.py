@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvstore.client import KVStoreClient
 from kvstore.connection import Connection
@@ -200,6 +201,36 @@ def test_stats_of_a_tenant_count_only_its_own_blocks(curve: CurveDaemon) -> None
     assert not {"requests", "errors", "clients", "namespaces", "inflight"} & set(s["server"])
     with curve.client("operator", namespace=False) as op:
         assert op.stats()["store"]["blocks"] >= 7
+
+
+def test_a_tenant_s_bytes_are_its_own_whatever_others_store(curve: CurveDaemon) -> None:
+    """Blocks of another size stored and evicted by alice leave bob's figures as they were (his
+    bytes were his share of the tier's blocks times all the bytes it held: alice's put moved them)."""
+    from dataclasses import replace
+
+    from kvstore.client import KVStoreClient
+
+    wide = replace(LAYOUT, num_layers=LAYOUT.num_layers * 4)
+    alice_wide = KVStoreClient(
+        curve.endpoint,
+        model=MODEL,
+        layout=wide,
+        tenant="alice",
+        timeout=10.0,
+        curve_server_key=str(curve.keys["server"].public_file),
+        curve_secret_key=str(curve.keys["alice"].secret_file),
+    )
+    with alice_wide, curve.client("bob") as bob:
+        bob.evict(all=True)
+        put(bob, tokens_of(70, 1))
+        before = bob.stats()["store"]["tiers"]["hbm"]
+        assert before["blocks"] == 1 and before["used"] >= LAYOUT.block_nbytes
+        tokens = tokens_of(71, 3)
+        g = torch.Generator().manual_seed(3)
+        assert alice_wide.put(tokens, torch.randn(wide.shape(len(tokens)), generator=g).half()).stored == 3
+        assert bob.stats()["store"]["tiers"]["hbm"] == before
+        alice_wide.evict(all=True)
+        assert bob.stats()["store"]["tiers"]["hbm"] == before
 
 
 def test_over_ipc_the_hello_tenant_is_trusted_and_operators_span_tenants(
