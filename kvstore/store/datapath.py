@@ -179,8 +179,9 @@ class DataPath:
                     ):
                         self._mover.corrupt(e, t, damaged=False)  # the index says it is there: a lost copy
 
-    def after_get(self, read: list[Read], missed: bool, now: float, ready: Frames = NO_FRAMES) -> None:
-        """(Lock held.) Count hits and misses, touch what was read, admit on second use, promote."""
+    def after_get(self, read: list[Read], missed: int, now: float, ready: Frames = NO_FRAMES) -> None:
+        """(Lock held.) Count hits and misses, touch what was read, admit on second use, promote.
+        ``missed``: the blocks asked for and not read (a miss in every tier, each)."""
         counters = self._mover.counters
         admit: list[bytes] = []
         for e, _block, t in read:
@@ -194,9 +195,8 @@ class DataPath:
                 if e.tiers & SEEN:
                     admit.append(e.key)
                 e.tiers |= SEEN
-        if missed:
-            for c in counters:
-                c.misses += 1
+        for c in counters:  # per block, as the hits above
+            c.misses += missed
         if self._promote:
             for e, block, t in read:
                 if block is not None and t > 0 and e.tiers & TIER_MASK and e.highest() == t:

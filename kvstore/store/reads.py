@@ -137,7 +137,7 @@ class Reader:
                 chain.append(e)
             handle = self._pins.pin([e.key for e in chain], self._lease)
             self._counts.lookups += 1
-            self._counts.tokens_asked += max(0, (names.blocks(T) - start) * T)
+            self._counts.tokens_asked += want * T  # what this call could serve (max_blocks, out)
         # each block is decoded or copied straight into its place in the result: one copy, not two
         given = out is not None
         remote = missed is not None and self._cluster is not None and self._cluster.cluster.available()
@@ -162,7 +162,7 @@ class Reader:
             ready = self._data.prepare_promotions(read)
             with self._lock:
                 self._pins.release(handle)  # before promoting: the chain itself may need to make room
-                self._data.after_get(read, len(read) < want, self._clock(), ready)
+                self._data.after_get(read, want - len(read), self._clock(), ready)
                 self._counts.tokens_served += len(read) * T
         tiers = [self._tiers.names[t] for _, _, t in read]
         if remote and missed is not None and len(read) == len(chain):
@@ -220,11 +220,14 @@ class Reader:
                 found.append((e, t))
             places = self._places(found)
             handle = self._pins.pin([e.key for e, _ in found], lease, located=True)
-            self._counts.lookups += 1
-            self._counts.tokens_asked += max(0, (names.blocks(T) - start) * T)
         if missed is not None and self._cluster is not None and self._cluster.cluster.available():
             held = len(places) + rest
             rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])
+        with self._lock:
+            # the blocks held but not located are read by a get (the daemon's, or the client's over
+            # the socket), which counts them and what follows: asked once, not twice
+            self._counts.lookups += 1
+            self._counts.tokens_asked += (len(places) if rest else want) * T
         return Located(ns, start, handle, places, rest)
 
     def _places(self, found: list[tuple[Entry, int]]) -> list[tuple[Entry, int, Place]]:
@@ -256,7 +259,7 @@ class Reader:
             self._pins.release(located.handle)
             if self._closed():
                 return
-            self._data.after_get(read, used < len(located.places), self._clock(), ready)
+            self._data.after_get(read, len(located.places) - used, self._clock(), ready)
             self._counts.tokens_served += used * T
 
 

@@ -168,6 +168,25 @@ def test_stats_count_hits_misses_and_tokens(make_store) -> None:
     assert st.to_dict()["tiers"]["ram"]["blocks"] == st.tiers["ram"].blocks
 
 
+def test_a_get_asks_for_what_it_may_serve_and_misses_count_per_block(make_store) -> None:
+    """A get of at most 2 blocks asks for 2 (it counted every block of the prompt: chunked gets of
+    a fully held prompt read a hit rate of 0.4); blocks held nowhere are a miss each, in every tier."""
+    s = make_store(hbm_blocks=8, nvme=False)
+    toks = tokens(4)
+    s.put(NS, toks, kv(4 * T))
+    for start in range(0, 4, 2):
+        assert s.get(NS, toks, start_block=start, max_blocks=2).matched_blocks == 2
+    st = s.stats()
+    assert (st.lookups, st.tokens_asked, st.tokens_served) == (2, 4 * T, 4 * T)
+    before = {t: c.misses for t, c in st.tiers.items()}
+    s.get(NS, tokens(4, seed=99))  # four blocks held nowhere
+    st = s.stats()
+    assert {t: c.misses - before[t] for t, c in st.tiers.items()} == {"hbm": 4, "ram": 4}
+    loc = s.locate(NS, toks, tiers=(0,))  # hbm
+    s.finish(loc, len(loc.places))
+    assert s.stats().tokens_asked == 4 * T + 4 * T + 4 * T  # all four located, asked once
+
+
 def test_prefetch_in_chunks_reports_the_chain_and_what_remains(make_store, tmp_path) -> None:
     path = tmp_path / "lmdb"
     s = make_store(path=path, ram_blocks=8)
