@@ -467,6 +467,18 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     return Config(source=source, **sections)
 
 
+def check_pools(config: Config) -> None:
+    """ConfigError unless the hbm and ram pools each hold a page at least (with none, every block
+    would skip the tier)."""
+    page = config.policy.page_bytes
+    for name, capacity in (("hbm", config.hbm.capacity), ("ram", config.ram.capacity)):
+        if capacity < page:
+            raise ConfigError(
+                f"[{name}] capacity = {capacity} bytes is less than one page ([policy] page_bytes = "
+                f"{page}); give the tier at least one page (a block takes several)"
+            )
+
+
 def with_overrides(config: Config, section: str, **changes: Any) -> Config:
     """A copy of ``config`` with ``[section]`` keys changed, checked like file values (tests, CLI flags)."""
     if section not in _CHECKS:

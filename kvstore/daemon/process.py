@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvstore.config import Config, load_config, runtime_dir
+from kvstore.config import Config, check_pools, load_config, runtime_dir
 from kvstore.daemon.auth import ServerAuth
 from kvstore.daemon.endpoint import claim
 from kvstore.daemon.heap import keep_scratch
-from kvstore.daemon.server import EXIT_REFUSED, Server
-from kvstore.errors import KVStoreError
+from kvstore.daemon.server import EXIT_CONFIG, EXIT_REFUSED, Server
+from kvstore.errors import ConfigError, KVStoreError
 
 if TYPE_CHECKING:
     from kvstore.shm.plane import SharedPlane
@@ -53,6 +53,15 @@ def serve(config: Config) -> int:
     _setup_logging(config.server.log_level)
     _share_cores(config.server.workers)
     keep_scratch()  # codec temporaries reused from the heap, not mapped afresh per block (heap.py)
+    try:  # what the config alone says is wrong: before anything is claimed or allocated
+        check_pools(config)
+        if config.cluster.enabled:
+            from kvstore.store.cluster_admin import cluster_nodes
+
+            cluster_nodes(config)
+    except ConfigError as e:
+        log.error("refusing to start: %s", e)
+        return EXIT_CONFIG
     ctx = zmq.Context()
     cfg = config.server
     try:
@@ -184,5 +193,5 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
     except KVStoreError as e:
         print(f"kvstore: {e}", file=sys.stderr)
-        return EXIT_REFUSED
+        return EXIT_CONFIG
     return serve(config)

@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.daemon.server")
 
-EXIT_OK, EXIT_REFUSED = 0, 1
+EXIT_OK, EXIT_REFUSED, EXIT_CONFIG = 0, 1, 2  # (the codes of `kvstore serve`: README, Exit codes)
 DRAIN_TIMEOUT = 60.0  # seconds to finish in-flight requests after a stop signal
 PROGRESS_EVERY = 5.0  # seconds between "still starting" log lines
 POLL_MS = 100  # how soon the loop notices a stop request

@@ -216,6 +216,15 @@ def _session(d: dict[str, Any]) -> dict[str, Any] | None:
         return None
 
 
+def cluster_nodes(config: Config) -> ClusterNodes:
+    """The seed nodes and credentials ``[cluster]`` names; ConfigError saying what is wrong (no
+    node, a bad URL, a password variable not set). Reads the environment, connects to nothing."""
+    c = config.cluster
+    files = (c.tls_ca_file, c.tls_cert_file, c.tls_key_file)
+    tls = TlsFiles(*(None if f is None else str(f) for f in files))
+    return ClusterNodes.parse(c.nodes, c.username, c.resolved_password(), tls)
+
+
 def cluster_from_config(config: Config) -> ClusterTier | None:
     """The cluster tier ``[cluster]`` describes, connected; None when it is off.
 
@@ -225,9 +234,7 @@ def cluster_from_config(config: Config) -> ClusterTier | None:
     c = config.cluster
     if not c.enabled:
         return None
-    files = (c.tls_ca_file, c.tls_cert_file, c.tls_key_file)
-    tls = TlsFiles(*(None if f is None else str(f) for f in files))
-    nodes = ClusterNodes.parse(c.nodes, c.username, c.resolved_password(), tls)
+    nodes = cluster_nodes(config)
     codec, head = c.codecs(config.nvme)
     tier = ClusterTier(
         nodes,

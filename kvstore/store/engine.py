@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.errors import ConfigError
+from kvstore.config import check_pools
 from kvstore.keys import Namespace
 from kvstore.results import (
     EvictFilter,
@@ -217,12 +217,7 @@ class Store:
         from kvstore.tiers.ram import RamTier
 
         p = config.policy
-        for name, capacity in (("hbm", config.hbm.capacity), ("ram", config.ram.capacity)):
-            if capacity < p.page_bytes:  # the pool would have no page: every block would skip the tier
-                raise ConfigError(
-                    f"[{name}] capacity = {capacity} bytes is less than one page ([policy] page_bytes = "
-                    f"{p.page_bytes}); give the tier at least one page (a block takes several)"
-                )
+        check_pools(config)
         hbm = HbmTier(
             config.hbm.capacity,
             device=config.hbm.resolved_device(),

@@ -243,3 +243,38 @@ def test_a_command_run_while_the_daemon_starts_says_so_in_one_line(tmp_path: Pat
     err = capsys.readouterr().err
     assert "still starting" in err and "--timeout" in err and "kvstore serve" not in err, err
     assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "extra, complaint",
+    [
+        ("[cluster]\nenabled = true\n", "give at least one seed node"),
+        (
+            '[cluster]\nenabled = true\nnodes = ["redis://127.0.0.1:1"]\npassword_env = "KVSTORE_TEST_UNSET"\n',
+            "that environment variable is not set",
+        ),
+    ],
+)
+def test_a_config_the_daemon_cannot_serve_is_refused_before_anything_is_allocated(
+    start_daemon, tmp_path: Path, extra: str, complaint: str
+) -> None:
+    """Exit 2, a bad config, as `kvstore serve` says for one, and before the pools are allocated (it
+    came after them, with exit 1)."""
+    config = write_config(tmp_path)
+    config.write_text(config.read_text() + extra)
+    d = start_daemon(config, ready=False)
+    assert d.wait_exit(60) == 2, d.output()
+    log = d.output()
+    assert complaint in log and "allocating" not in log and "Traceback" not in log, log
+
+
+def test_pools_smaller_than_a_page_are_refused_as_a_bad_config(start_daemon, tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    config.write_text(
+        config.read_text().replace(
+            '[hbm]\ndevice = "cpu"\ncapacity = "16MiB"', '[hbm]\ndevice = "cpu"\ncapacity = 1000'
+        )
+    )
+    d = start_daemon(config, ready=False)
+    assert d.wait_exit(60) == 2, d.output()
+    assert "less than one page" in d.output()
