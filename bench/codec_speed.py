@@ -7,17 +7,20 @@ of native-dtype block bytes (30 layers x 2 x 64 tokens x 3 heads x 64 dims,
 bfloat16 = 1.47 MB a block):
 
     encode   block -> frame (checksum included)
-    decode   frame -> block, checksum verified (what a tier does)
-    dec-nv   frame -> block, checksum not verified (to show what the CRC costs)
+    decode   frame -> a preallocated block, checksum verified (what a tier does)
+    dec-nv   frame -> a preallocated block, checksum not verified (to show what the CRC costs)
 
 beside ``dst.copy_(src)`` of the same blocks into preallocated tensors, and
 prints each figure as a ratio of memcpy. The blocks rotate through a working
-set larger than the last-level cache (``--blocks``), so neither side runs from
-a hot cache. Every figure is the best of ``--repeat`` rounds, memcpy measured
-in the same round as the codec: on a shared machine only the ratios mean much.
-With one thread the clock is the thread's own CPU time (user + system, page
-faults included), so other processes competing for the cores do not count;
-with several threads it is wall time.
+set larger than the last-level cache (``--blocks``), and memcpy and both
+decodes write block ``i`` into the same one of ``--blocks`` preallocated
+destinations (decode's ``out=``), so that no side reads or writes from a hot
+cache. Encode returns a fresh frame, as a tier's put does. Every figure is the
+best of ``--repeat`` rounds, memcpy measured in the same round as the codec:
+on a shared machine only the ratios mean much. With one thread the clock is
+the thread's own CPU time (user + system, page faults included), so other
+processes competing for the cores do not count; with several threads it is
+wall time.
 ``int4-nvme`` is int4 as the nvme and cluster tiers store it by default (Hadamard
 rotation, zstd 3). The process runs on the daemon's malloc settings (heap.py).
 It also prints bits per value and the relative L2 error on random and on
@@ -73,13 +76,16 @@ def measure(codec: Codec, blocks: list[torch.Tensor], repeat: int, device: str) 
     """GB/s of memcpy, encode, decode and unverified decode, each the best of ``repeat`` rounds."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else _no_sync
     n, nbytes = len(blocks), LAYOUT.block_nbytes
+    # one destination per block, shared by memcpy and the decodes: a decode that allocated its
+    # output would get the block it freed a call before back from the heap (keep_scratch), hot in
+    # the cache, while memcpy wrote cold memory
     dsts = [torch.empty_like(b) for b in blocks]
     frames = [codec.encode(b) for b in blocks]
     runs: dict[str, Callable[[int], object]] = {
         "memcpy": lambda i: dsts[i].copy_(blocks[i]),
         "encode": lambda i: codec.encode(blocks[i]),
-        "decode": lambda i: codec.decode(frames[i], device=device),
-        "dec-nv": lambda i: codec.decode(frames[i], device=device, verify=False),
+        "decode": lambda i: codec.decode(frames[i], device=device, out=dsts[i]),
+        "dec-nv": lambda i: codec.decode(frames[i], device=device, verify=False, out=dsts[i]),
     }
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(repeat):

@@ -1,6 +1,6 @@
 """End to end: time to first token of SmolLM2-135M-Instruct recomputing a prefix vs. fetching it from each tier.
 
-    .venv/bin/python bench/e2e.py [--sizes 512,2048,4096] [--repeat 3] [--scratch-repeat 1] [--tail 16]
+    .venv/bin/python bench/e2e.py [--sizes 512,2048,4096] [--repeat 3] [--tail 16]
 
 Method. A prompt is ``P`` tokens of real text (the reference texts of
 kvstore/quality.py, concatenated) followed by ``--tail`` more tokens (a new
@@ -30,7 +30,8 @@ attends to the whole prefix) the next-token distribution through the cache
 from that tier is compared with recomputing: KL(recompute || tier), mean over
 the positions in nats, and top-1 agreement. hbm's KL is the bfloat16 storage
 alone (the model computes in float32).
-Ratios, not absolute times, are the figures: the machine is shared.
+Every TTFT, recomputing's too, is the median of ``--repeat`` runs after one untimed warm-up run at
+the same size. Ratios, not absolute times, are the figures: the machine is shared.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from kvstore.integrations.quality import reference_texts
 from kvstore.integrations.transformers import cache_kwargs, fetch_cache, save_cache
 
 TIERS = ("hbm", "ram", "nvme")
+BLOCK_TOKENS = 64
 AIM_SPEEDUP, AIM_NVME_VS_RAM, AIM_AT = 20.0, 3.0, 2048
 
 
@@ -147,10 +149,26 @@ class Cell:
     tiers: str
 
 
-def timed(fn: Callable[[], Any], repeat: int, *, warm_up: bool = True) -> tuple[float, list[Any]]:
+def bounded_int(low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``low..high`` (``high`` None: no bound), else a usage error
+    that names the range and ``why``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            span = f"between {low} and {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}{why}")
+        return value
+
+    return parse
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, list[Any]]:
     """Median seconds of ``repeat`` runs of ``fn`` (after one untimed warm-up run), and every run's result."""
-    if warm_up:
-        fn()
+    fn()
     times, results = [], []
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -204,20 +222,22 @@ def main() -> int:
     )
     parser.add_argument("--sizes", default="512,2048,4096", help="prefix lengths in tokens (multiples of 64)")
     parser.add_argument(
-        "--repeat", type=int, default=3, help="timed runs per tier cell (median; after a warm-up)"
-    )
-    parser.add_argument(
-        "--scratch-repeat",
-        type=int,
-        default=1,
-        help="timed runs of recomputing (median; default 1: at 4K tokens one run takes a minute "
-        "on two loaded cores)",
+        "--repeat",
+        type=bounded_int(1),
+        default=3,
+        help="timed runs per cell, recomputing's too (median; after a warm-up run)",
     )
     parser.add_argument(
         "--tail",
-        type=int,
+        type=bounded_int(
+            1,
+            BLOCK_TOKENS,
+            " (0 leaves no token to compute; a longer tail holds a whole block stored with the longest "
+            "prefix, so a shorter prefix's get would match more than that prefix)",
+        ),
         default=16,
-        help="new tokens after the prefix (computed every time; quality is measured at these positions)",
+        help=f"new tokens after the prefix, 1..{BLOCK_TOKENS} (computed every time; quality is measured at "
+        "these positions)",
     )
     parser.add_argument(
         "--threads",
@@ -233,7 +253,7 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     load_before = os.getloadavg()
     llm = load_smollm2()
-    model, layout = llm.model, llm.layout(dtype="bfloat16")
+    model, layout = llm.model, llm.layout(dtype="bfloat16", block_tokens=BLOCK_TOKENS)
     if any(s % layout.block_tokens for s in sizes):
         raise SystemExit(f"prefix lengths must be multiples of {layout.block_tokens}")
     top = max(sizes)
@@ -244,14 +264,13 @@ def main() -> int:
         f"tail {args.tail} tokens; median of {args.repeat}"
     )
 
-    # recomputing: the baseline TTFT and the reference distributions; the longest run's cache is stored
-    recompute(model, tokens[: layout.block_tokens], 1)  # warm-up
+    # recomputing: the baseline TTFT and the reference distributions; the longest run's cache is stored.
+    # Timed as the tier cells are (a warm-up run, then the median of --repeat), so that a ratio of the
+    # two compares like with like.
     scratch: dict[int, float] = {}
     refs: dict[int, torch.Tensor] = {}
     for p in sizes:
-        scratch[p], runs = timed(
-            partial(recompute, model, tokens[: p + args.tail], args.tail), args.scratch_repeat, warm_up=False
-        )
+        scratch[p], runs = timed(partial(recompute, model, tokens[: p + args.tail], args.tail), args.repeat)
         refs[p], cache = runs[-1]
         if p == top:
             full_cache = cache

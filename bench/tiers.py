@@ -11,12 +11,16 @@
    (one transaction per put; get = the frame's bytes copied out). Aims: hbm and
    ram (raw codec) get >= 50% of memcpy; nvme get >= 50% of raw LMDB reads with
    the same codec. Best of ``--repeat`` rounds, peer measured in the same round.
-2. Lookup of a 32K-token prompt (512 blocks) with 10K, 100K and 1M blocks
-   indexed: it should stay flat (one SHA-256 and one dict probe per block).
+2. Lookup of a 32K-token prompt (512 blocks of 64 tokens, as the daemon cuts
+   them) with 10K, 100K and 1M blocks indexed: it should stay flat (one SHA-256
+   of 64 tokens and one dict probe per block).
 3. Index memory per block (tracemalloc, aim <= 300 B) and the time to reopen a
-   store of 1M blocks from LMDB (aim <= 10 s). These use a tiny layout (1 layer,
-   1 head, 8 dims, 4 tokens: 128-byte blocks) so that 1M blocks take ~0.5 GB of
-   disk and a minute to write; the index does not depend on the block size.
+   store of 1M blocks from LMDB (aim <= 10 s). The blocks but the lookup prompt's
+   use a tiny layout (1 layer, 1 head, 8 dims, 4 tokens: 128-byte blocks) so that
+   1M blocks take ~0.5 GB of disk and a minute to write; the index does not depend
+   on the block size (it keeps no token ids). The lookup prompt's 512 blocks are
+   of a layout as small but with 64-token blocks (LOOKUP: 2 KiB blocks), so that a
+   lookup hashes what a real 32K-token prompt would.
 
 One benchmark run prints every figure side by side, hence one file.
 """
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 import torch
 
 from kvstore.codecs import get_codec
@@ -50,6 +55,9 @@ from kvstore.tiers.ram import RamTier
 
 SMOL = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=64)
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16", block_tokens=4)
+# the lookup prompt's blocks: tiny, but of the daemon's 64 tokens, since a lookup hashes every token
+LOOKUP = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16", block_tokens=64)
+LOOKUP_BLOCKS = 512  # 32K tokens
 GB = 1e9
 
 
@@ -197,40 +205,45 @@ def throughput(n: int, repeat: int, root: Path, clock_name: str = "cpu") -> None
     store.close()
 
 
-def tiny_block() -> torch.Tensor:
-    return torch.randn(TINY.shape()).to(torch.bfloat16)
+def write_prompt(tier: NvmeTier, ns: Namespace, toks: list[int], stamp: float) -> None:
+    """One prompt's whole blocks, chained from the namespace root, straight into ``tier`` (raw frames)."""
+    T = ns.layout.block_tokens
+    frame = bytes(get_codec("raw").encode(torch.randn(ns.layout.shape()).to(torch.bfloat16)))
+    parent = ns.root()
+    for i in range(len(toks) // T):
+        blk = np.asarray(toks[i * T : (i + 1) * T], dtype="<u4")
+        key = chain(parent, blk)
+        rec = BlockRecord(
+            key=key,
+            parent=parent,
+            namespace=ns.id,
+            position=i,
+            tokens=blk.tobytes(),
+            created=stamp,
+            last_access=stamp,
+        )
+        tier.put_frame(key, frame, rec)
+        parent = key
 
 
 def fill_nvme(path: Path, n: int) -> tuple[Namespace, list[int]]:
-    """Write ``n`` tiny blocks as prompts of 512 blocks through NvmeTier.put_frame; returns the first prompt."""
-    ns = Namespace("bench-tiny", TINY)
+    """Write ``n`` blocks through NvmeTier.put_frame: first the lookup prompt (up to LOOKUP_BLOCKS blocks
+    of 64 tokens, namespace of LOOKUP), then tiny blocks as prompts of 512 blocks. Returns the lookup
+    prompt and its namespace."""
+    ns, tiny = Namespace("bench-lookup", LOOKUP), Namespace("bench-tiny", TINY)
     tier = NvmeTier(path, 4 << 30, get_codec("raw"))
-    tier.put_namespace(ns.id, ns.to_dict())
-    frame = bytes(get_codec("raw").encode(tiny_block()))
-    T = TINY.block_tokens
-    first: list[int] = []
+    for space in (ns, tiny):
+        tier.put_namespace(space.id, space.to_dict())
+    now = time.time()
+    first = list(range(min(LOOKUP_BLOCKS, n) * LOOKUP.block_tokens))
+    write_prompt(tier, ns, first, now)
     t0 = time.perf_counter()
-    done, prompt, now = 0, 0, time.time()
+    done, prompt = len(first) // LOOKUP.block_tokens, 1
     while done < n:
         length = min(512, n - done)
-        toks = [prompt * 1_000_003 + i for i in range(length * T)]
-        if prompt == 0:
-            first = toks
-        parent = ns.root()
-        for i in range(length):
-            blk = toks[i * T : (i + 1) * T]
-            key = chain(parent, torch.tensor(blk).numpy().astype("<u4"))
-            rec = BlockRecord(
-                key=key,
-                parent=parent,
-                namespace=ns.id,
-                position=i,
-                tokens=torch.tensor(blk, dtype=torch.int64).numpy().astype("<u4").tobytes(),
-                created=now,
-                last_access=now + prompt,
-            )
-            tier.put_frame(key, frame, rec)
-            parent = key
+        write_prompt(
+            tier, tiny, [prompt * 1_000_003 + i for i in range(length * TINY.block_tokens)], now + prompt
+        )
         done += length
         prompt += 1
         if prompt % 200 == 0:
@@ -291,7 +304,10 @@ def interference(store: Store, ns: Namespace, toks: list[int], blocks: int) -> N
     walk = lookup_beside(
         store, ns, toks, lambda: store.evict(EvictFilter(tenant="nobody"), dry_run=True), 2.0
     )
-    print(f"\n  lookup of 512 blocks with {blocks} blocks indexed, p50 while another thread loops:")
+    print(
+        f"\n  lookup of a {len(toks)}-token prompt ({len(toks) // ns.layout.block_tokens} blocks) with "
+        f"{blocks} blocks indexed, p50 while another thread loops:"
+    )
     print(f"    nothing                          {alone * 1e3:8.3f} ms")
     print(f"    stats + usage + sessions         {stats * 1e3:8.3f} ms   {stats / alone:6.2f} x alone")
     print(
@@ -302,8 +318,9 @@ def interference(store: Store, ns: Namespace, toks: list[int], blocks: int) -> N
 
 def scale(index_blocks: int, root: Path) -> None:
     print(
-        f"\n== index at scale (tiny layout {TINY.block_nbytes} B blocks; lookups of a 32K-token prompt "
-        f"= 512 blocks) =="
+        f"\n== index at scale (tiny layout: {TINY.block_nbytes} B blocks of {TINY.block_tokens} tokens; lookups "
+        f"of a {LOOKUP_BLOCKS * LOOKUP.block_tokens}-token prompt = {LOOKUP_BLOCKS} blocks of "
+        f"{LOOKUP.block_tokens} tokens, indexed beside them) =="
     )
     sizes = [s for s in (10_000, 100_000, 1_000_000) if s < index_blocks] + [index_blocks]
     results = []
@@ -333,7 +350,8 @@ def scale(index_blocks: int, root: Path) -> None:
         gc.collect()
         results.append((n, blocks, fill, reopen, look, held / max(blocks, 1), reopen_cpu))
         shutil.rmtree(path, ignore_errors=True)
-    print(f"  {'blocks':>9} {'write':>8} {'reopen':>8} {'(cpu)':>8} {'lookup 32K':>11} {'index B/block':>14}")
+    lookup_head = f"lookup {len(first) // 1024}K" if len(first) >= 1024 else f"lookup {len(first)}"
+    print(f"  {'blocks':>9} {'write':>8} {'reopen':>8} {'(cpu)':>8} {lookup_head:>11} {'index B/block':>14}")
     for _n, blocks, fill, reopen, look, per, cpu in results:
         print(f"  {blocks:>9} {fill:7.1f}s {reopen:7.2f}s {cpu:7.2f}s {look * 1e3:9.3f}ms {per:13.0f}")
     base_look = results[0][4]
