@@ -394,12 +394,12 @@ def _apply(
         ) from None
 
 
-def _read_file(path: Path, values: dict[str, dict[str, Any]]) -> None:
+def _read_file(path: Path, values: dict[str, dict[str, Any]], named_by: str) -> None:
     try:
         with path.open("rb") as f:
             doc = tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist; pass an existing file to --config") from None
+        raise ConfigError(f"config file {path} does not exist; give an existing file to {named_by}") from None
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
@@ -453,13 +453,14 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     ConfigError naming the key, the value and what is allowed.
     """
     env = os.environ if env is None else env
+    named_by = "--config"
     if path is None and env.get("KVSTORE_CONFIG"):
-        path = env["KVSTORE_CONFIG"]
+        path, named_by = env["KVSTORE_CONFIG"], "KVSTORE_CONFIG (the environment)"
     values: dict[str, dict[str, Any]] = {s: {} for s in _CHECKS}
     source = None
     if path is not None:
         source = value.expand_home(path).absolute()
-        _read_file(source, values)
+        _read_file(source, values, named_by)
     _read_env(env, values)
     values["server"].setdefault("endpoint", default_endpoint(env))
     values["nvme"].setdefault("path", default_data_dir(env))

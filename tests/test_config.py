@@ -536,3 +536,10 @@ def test_curve_secret_key_is_never_shown(tmp_path: Path) -> None:
         load_config(env={"KVSTORE_SERVER_CURVE_SECRET_KEY": key}).to_dict()["server"]["curve_secret_key"]
         == "***"
     )
+
+
+def test_a_missing_file_is_named_by_where_it_came_from(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"does not exist; give an existing file to KVSTORE_CONFIG"):
+        load_config(env={"KVSTORE_CONFIG": str(tmp_path / "nope.toml")})
+    with pytest.raises(ConfigError, match=r"does not exist; give an existing file to --config"):
+        load_config(tmp_path / "nope.toml", env={})

@@ -35,6 +35,7 @@ modes all guard one LMDB environment and share its state.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -342,6 +343,8 @@ def open_environment(
         raise ConfigError(f"nvme durability {durability!r} is not one of {choices}") from None
     path = Path(path)
     try:
+        if path.exists() and not path.is_dir():  # mkdir would say "File exists"
+            raise NotADirectoryError(errno.ENOTDIR, "a file, not a directory", str(path))
         path.mkdir(parents=True, exist_ok=True)
         fd = _lock(path)
     except OSError as e:  # unwritable, not a directory, read-only or full filesystem

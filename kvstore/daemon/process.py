@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -122,7 +123,10 @@ def serve(config: Config) -> int:
         try:
             code = server.run(open_store)
         except (zmq.ZMQError, KVStoreError) as e:
-            log.error("refusing to start: cannot serve %s: %s", config.server.endpoint, e)
+            why = str(e)
+            if isinstance(e, zmq.ZMQError) and e.errno in (errno.ENODEV, errno.EADDRNOTAVAIL):
+                why = "its host is not an address of this machine (or does not resolve); check [server] endpoint"
+            log.error("refusing to start: cannot serve %s: %s", config.server.endpoint, why)
             code = EXIT_REFUSED
             server.stop("start failed")
     finally:

@@ -663,3 +663,10 @@ def test_a_records_entry_too_short_to_read_is_a_bad_copy_and_can_be_replaced(
     tier._write(lambda txn: txn.put(key(1), entry, db=tier._records))
     assert tier.drop(key(1)) >= 0 and key(1) not in tier
     tier.close()
+
+
+def test_a_path_that_is_a_file_is_refused_as_such(tmp_path: Path) -> None:
+    f = tmp_path / "afile"
+    f.write_text("")
+    with pytest.raises(TierIOError, match="cannot be opened: a file, not a directory"):
+        NvmeTier(f, 1 << 22, get_codec("raw"))
