@@ -318,14 +318,19 @@ def throughput(
     return {name: gb / statistics.median(v) for name, v in times.items()}
 
 
+# (label, key in the rates) of each kvstore figure; the peers' keys follow from the direction
+THROUGHPUT_ROWS = (
+    ("get (one message)", "get"),
+    ("get (16-block chunks)", "get16"),
+    ("put (one message)", "put"),
+    ("put (16-block chunks)", "put16"),
+)
+
+
 def print_throughput(rate: dict[str, float]) -> None:
     print(f"{'':>26} {'kvstore':>8} {'raw 1-way':>9} {'ratio':>6} {'raw echo':>9} {'ratio':>6}")
-    for name, key, peer in (
-        ("get (one message)", "get", "rget"),
-        ("get (16-block chunks)", "get16", "rget"),
-        ("put (one message)", "put", "rput"),
-        ("put (16-block chunks)", "put16", "rput"),
-    ):
+    for name, key in THROUGHPUT_ROWS:
+        peer = "r" + key[:3]  # the raw 1-way of the same direction
         print(
             f"{name:>26} {rate[key]:8.2f} {rate[peer]:9.2f} {rate[key] / rate[peer]:6.2f} "
             f"{rate['echo']:9.2f} {rate[key] / rate['echo']:6.2f}"
@@ -336,12 +341,8 @@ def print_throughput(rate: dict[str, float]) -> None:
         return
     print("\n-- vs Redis (same 64 blocks, unix socket, MGET / pipelined SET; in the rounds above) --")
     print(f"{'':>26} {'kvstore':>8} {'redis':>8} {'ratio':>6}")
-    for name, key, peer in (
-        ("get (one message)", "get", "redis_get"),
-        ("get (16-block chunks)", "get16", "redis_get"),
-        ("put (one message)", "put", "redis_put"),
-        ("put (16-block chunks)", "put16", "redis_put"),
-    ):
+    for name, key in THROUGHPUT_ROWS:
+        peer = "redis_" + key[:3]
         print(f"{name:>26} {rate[key]:8.2f} {rate[peer]:8.2f} {rate[key] / rate[peer]:6.2f}")
     print(
         "  redis get: MGET, then each block copied into one prefix tensor by copy_into (one thread), as\n"
