@@ -143,6 +143,7 @@ class Store:
             self._namespaces,
             self._counts,
         )
+        self._parts = parts
         self._mover = Mover(parts, self._journal.session)
         self._write_through = write_through and nvme is not None
         self._writeback: WriteBack | None = None
@@ -415,9 +416,9 @@ class Store:
         host does not know it, as the cluster recorded it; None when neither knows it."""
         self.settle()
         with self._lock:
-            s = self._sessions.get(name)
-            ns = None if s is None else self._namespaces.get(s.namespace)
-        if s is not None:
+            known = self._sessions.get(name) is not None
+            ns = self._parts.session_namespace(name)
+        if known:
             return None if ns is None else ns.tenant
         found = None if self._cluster_admin is None else self._cluster_admin.find_session(name)
         return None if found is None else found["ns"].tenant

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstore.keys import Namespace
 from kvstore.store.counts import StoreCounts
 from kvstore.store.index import BlockIndex
 from kvstore.store.namespaces import NamespaceTable
@@ -44,3 +45,9 @@ class StoreParts:
         t = self.tiers.nvme_t
         e = self.index.get(key)
         return t is not None and e is not None and bool(e.tiers & (1 << t))
+
+    def session_namespace(self, name: str) -> Namespace | None:
+        """(Lock held.) The namespace of session ``name`` (its tenant's); None when the session is
+        unknown here, or its namespace's description was lost."""
+        s = self.sessions.get(name)
+        return None if s is None else self.namespaces.get(s.namespace)

@@ -59,6 +59,7 @@ class Putter:
         self._lock, self._clock, self._tiers = parts.lock, parts.clock, parts.tiers
         self._index, self._pins, self._sessions = parts.index, parts.pins, parts.sessions
         self._namespaces, self._on_disk = parts.namespaces, parts.on_disk
+        self._session_namespace = parts.session_namespace
         self._data, self._mover, self._journal = data, mover, journal
         self._through, self._cluster = through, cluster
         self._lease = lease
@@ -80,9 +81,9 @@ class Putter:
         start = check_index("start_block", start_block)
         if session is not None:
             with self._lock:  # a session stored under an older build's rules goes on under its name
-                known = self._sessions.get(session)
-                owner = None if known is None else self._namespaces.get(known.namespace)
-            check_session_name(session, allow_control=known is not None)
+                known = self._sessions.get(session) is not None
+                owner = self._session_namespace(session)
+            check_session_name(session, allow_control=known)
             if owner is not None and owner.tenant != ns.tenant:  # (not named: a confined client's
                 raise Forbidden(  # name is stored qualified, tenancy.py)
                     "the session named is a conversation of another tenant; a put cannot continue it: "
