@@ -7,9 +7,9 @@
        4     1   format version (1)
        5     1   codec id
        6     1   dtype code of the decoded block
-       7     1   flags (bit 0: payload is zstd-compressed)
+       7     1   flags (bit 0: payload is zstd-compressed; any other bit: refused)
        8     2   num_layers          10  2  num_kv_heads       12  2  head_dim
-      14     2   reserved (0)
+      14     2   reserved (0; anything else: refused)
       16     4   tokens in the block
       20     4   params length P     24  8  payload length N
       32    16   layout fingerprint (KVLayout.fingerprint())
@@ -57,6 +57,7 @@ _SIZES = struct.Struct("<4sB15xIQ16xI12s")  # magic, version, params length, pay
 _ZEROS = bytes(12)
 _FIXED = struct.Struct("<BBBHHHHI16s")  # header bytes 5..19 and 32..47: what one layout and codec share
 FLAG_ZSTD = 1
+KNOWN_FLAGS = FLAG_ZSTD  # a frame with another bit set is refused (UnsupportedVersion)
 DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}
 _DTYPE_BY_CODE = {v: k for k, v in DTYPE_CODES.items()}
 MAX_PARAMS = 4096
@@ -92,6 +93,8 @@ def pack(
     codec_id: int, layout: KVLayout, params: dict[str, Any], payload: Sequence[Buffer], *, flags: int = 0
 ) -> bytearray:
     """Assemble a frame from the payload's pieces (written back to back)."""
+    if flags & ~KNOWN_FLAGS:
+        raise ValueError(f"frame flags {flags:#04x}: only {KNOWN_FLAGS:#04x} are defined")
     p = msgpack.packb(params, use_bin_type=True)
     n = sum(memoryview(b).nbytes for b in payload)
     head = HEADER.pack(
@@ -200,7 +203,12 @@ def _parse_fixed(head: bytes, raw_params: bytes) -> tuple[int, int, KVLayout, di
 
     A pure function, cached: the params dict it returns is shared and must not be changed
     (read_header hands out copies)."""
-    codec_id, dcode, flags, L, H, D, _r, tokens, fp = _FIXED.unpack(head)
+    codec_id, dcode, flags, L, H, D, reserved, tokens, fp = _FIXED.unpack(head)
+    if flags & ~KNOWN_FLAGS or reserved:  # a newer format's frame: its payload means something else
+        raise UnsupportedVersion(
+            f"frame sets flags {flags:#04x} and reserved field {reserved:#06x}; this build knows "
+            f"flags {KNOWN_FLAGS:#04x} and a reserved field of 0"
+        )
     if dcode not in _DTYPE_BY_CODE:
         raise ChecksumMismatch(f"frame names unknown dtype code {dcode}")
     try:

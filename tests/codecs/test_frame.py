@@ -76,6 +76,18 @@ def test_wrong_magic_and_version() -> None:
         read_header(reseal(newer))
 
 
+def test_flags_and_fields_a_newer_format_would_set_are_refused() -> None:
+    # a bit this build does not know may change what the payload means: never decoded as if unset
+    frame = pack(get_codec("raw").codec_id, LAYOUT, {}, [bytes(LAYOUT.block_nbytes)])
+    for offset, value in ((7, 0x02), (7, 0x81), (14, 1), (15, 0x80)):
+        newer = bytearray(frame)
+        newer[offset] |= value
+        with pytest.raises(UnsupportedVersion, match="this build knows flags 0x01"):
+            decode_frame(reseal(newer), layout=LAYOUT)
+    with pytest.raises(ValueError, match="only 0x01 are defined"):
+        pack(1, LAYOUT, {}, [b"x"], flags=2)
+
+
 def test_checksum_covers_header_params_and_payload() -> None:
     frame = pack(1, LAYOUT, {"k": "v"}, [b"payload bytes"])
     for offset in (5, 16, 47, 48, HEADER_SIZE, len(frame) - 1):
