@@ -128,6 +128,10 @@ class Mover:
             return self.demote(e, t, ready)  # no copy above, none in the next tier: it moves down
         if e.tiers & TIER_MASK & ~bit:
             if t == self.tiers.nvme_t and not self.keep_record(e):
+                # its record is unreadable: the block cannot outlive this copy, so it goes whole, once
+                # nothing below it is read
+                if self.subtree_pinned(e):
+                    return False
                 self.drop_block(e)
                 return True
             self.drop_copy(e, t)

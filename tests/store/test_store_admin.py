@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter, InvalidFilter, InvalidRequest
-from tests.store.storekit import NS, Clock, T, kv, tokens
+from tests.store.storekit import NS, Clock, T, kv, same, tokens
 
 
 def test_evict_by_session_drops_its_blocks_and_keeps_shared_ones(make_store) -> None:
@@ -54,6 +54,25 @@ def test_evict_from_nvme_keeps_the_copies_above(make_store) -> None:
     assert not set(s.tiers[-1].keys())
     r = s.evict(EvictFilter(namespace=NS.id))
     assert r.blocks == 4 and s.stats().blocks == 0
+    assert s.check_integrity() == []
+
+
+def test_a_block_whose_nvme_record_is_unreadable_goes_whole_but_never_under_a_reader(make_store) -> None:
+    s = make_store(hbm_blocks=8, ram_blocks=8)
+    toks, data = tokens(3), kv(3 * T)
+    s.put(NS, toks, data)
+    assert s.flush(10)
+    keys = block_keys(NS, toks)
+    nvme = s.tiers[-1]
+    nvme._write(lambda txn: txn.put(keys[0], b"not a record", db=nvme._records))
+    handle = s.pin(keys[2:])  # a reader of block 2, below the damaged record's block
+    s.evict(EvictFilter(tier="nvme"))
+    # block 0 cannot keep its place without its record, and would take block 2 with it: all stay
+    got = s.get(NS, toks)
+    assert got.matched_blocks == 3 and same(got.kv, data)
+    assert s.release(handle)
+    s.evict(EvictFilter(tier="nvme"))
+    assert s.lookup(NS, toks).matched_blocks == 0  # once nobody reads below it, it goes whole
     assert s.check_integrity() == []
 
 
