@@ -53,7 +53,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.e2e import Daemon, bounded_int, compare, recompute, reuse, text_tokens, timed  # noqa: E402
+from bench.args import bounded_int  # noqa: E402
+from bench.e2e import Daemon, compare, recompute, reuse, text_tokens, timed  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.codecs import decode_frame  # noqa: E402
 from kvstore.daemon.heap import keep_scratch  # noqa: E402
@@ -239,7 +240,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=2048, help="prefix length (whole 64-token blocks)")
+    parser.add_argument(
+        "--tokens", type=bounded_int(64), default=2048, help="prefix length (whole 64-token blocks)"
+    )
     parser.add_argument(
         "--tail", type=bounded_int(1), default=16, help="tokens after the prefix (the new question; >= 1)"
     )

@@ -29,16 +29,22 @@ bench/codec_speed.py measures speed.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvstore.codecs import CODECS, Codec, get_codec
-from kvstore.config import NvmeConfig
-from kvstore.integrations.quality import AIMS, GATES, QualityHarness, QualityResult, reference_texts
-from kvstore.integrations.transformers import cache_to_kv
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.args import bounded_int  # noqa: E402
+from kvstore.codecs import CODECS, Codec, get_codec  # noqa: E402
+from kvstore.config import NvmeConfig  # noqa: E402
+from kvstore.integrations.quality import AIMS, GATES, QualityHarness, QualityResult, reference_texts  # noqa: E402
+from kvstore.integrations.transformers import cache_to_kv  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="defaults and a few int4 rows only")
     ap.add_argument("--nvme", action="store_true", help="part 4 only: the nvme tier as configured by default")
-    ap.add_argument("--continuation", type=int, default=256, help="scored tokens per text")
-    ap.add_argument("--prefix-blocks", type=int, default=16, help="64-token blocks of prefix per text")
+    ap.add_argument("--continuation", type=bounded_int(1), default=256, help="scored tokens per text")
+    ap.add_argument(
+        "--prefix-blocks", type=bounded_int(1), default=16, help="64-token blocks of prefix per text"
+    )
     args = ap.parse_args()
 
     from kvstore.integrations.models import load_smollm2

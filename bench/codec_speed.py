@@ -31,16 +31,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from kvstore.codecs import CODECS, decode_frame, get_codec
-from kvstore.codecs.base import Codec
-from kvstore.codecs.rotation import bf16_matmul_fast
-from kvstore.daemon.heap import keep_scratch
-from kvstore.layout import KVLayout
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.args import bounded_int  # noqa: E402
+from kvstore.codecs import CODECS, decode_frame, get_codec  # noqa: E402
+from kvstore.codecs.base import Codec  # noqa: E402
+from kvstore.codecs.rotation import bf16_matmul_fast  # noqa: E402
+from kvstore.daemon.heap import keep_scratch  # noqa: E402
+from kvstore.layout import KVLayout  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=64)
 
@@ -116,8 +122,10 @@ def codecs_to_run(names: list[str] | None) -> list[tuple[str, Codec]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=48, help="working set in blocks (default 48 = 71 MB)")
-    ap.add_argument("--repeat", type=int, default=5, help="rounds; each figure is the best round")
+    ap.add_argument(
+        "--blocks", type=bounded_int(1), default=48, help="working set in blocks (default 48 = 71 MB)"
+    )
+    ap.add_argument("--repeat", type=bounded_int(1), default=5, help="rounds; each figure is the best round")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--codecs", nargs="*", help="names to run (default: all, plus raw+shuffle+zstd)")
     args = ap.parse_args()

@@ -53,11 +53,15 @@ from typing import Any
 import torch
 import zmq
 
-from kvstore.client import KVStoreClient
-from kvstore.daemon.endpoint import probe
-from kvstore.integrations.models import LoadedModel, load_smollm2
-from kvstore.integrations.quality import reference_texts
-from kvstore.integrations.transformers import cache_kwargs, fetch_cache, save_cache
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.args import bounded_int  # noqa: E402
+from kvstore.client import KVStoreClient  # noqa: E402
+from kvstore.daemon.endpoint import probe  # noqa: E402
+from kvstore.integrations.models import LoadedModel, load_smollm2  # noqa: E402
+from kvstore.integrations.quality import reference_texts  # noqa: E402
+from kvstore.integrations.transformers import cache_kwargs, fetch_cache, save_cache  # noqa: E402
 
 TIERS = ("hbm", "ram", "nvme")
 BLOCK_TOKENS = 64
@@ -149,23 +153,6 @@ class Cell:
     tiers: str
 
 
-def bounded_int(low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
-    """An argparse ``type``: an integer in ``low..high`` (``high`` None: no bound), else a usage error
-    that names the range and ``why``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low or (high is not None and value > high):
-            span = f"between {low} and {high}" if high is not None else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"must be {span}, got {value}{why}")
-        return value
-
-    return parse
-
-
 def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, list[Any]]:
     """Median seconds of ``repeat`` runs of ``fn`` (after one untimed warm-up run), and every run's result."""
     fn()
@@ -241,7 +228,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=bounded_int(0),
         default=1,
         help="torch threads (default 1: on a machine whose "
         "cores are oversubscribed, several threads per process run several times slower; 0 = "

@@ -66,11 +66,15 @@ import numpy as np
 import torch
 import zmq
 
-from kvstore.client import KVStoreClient
-from kvstore.codecs import decode_frame, decode_frames, get_codec
-from kvstore.daemon.endpoint import probe
-from kvstore.kvbuffers import PagedKV
-from kvstore.layout import KVLayout
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.args import bounded_int  # noqa: E402
+from kvstore.client import KVStoreClient  # noqa: E402
+from kvstore.codecs import decode_frame, decode_frames, get_codec  # noqa: E402
+from kvstore.daemon.endpoint import probe  # noqa: E402
+from kvstore.kvbuffers import PagedKV  # noqa: E402
+from kvstore.layout import KVLayout  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=64)
 MODEL = "smollm2-135m-instruct"
@@ -736,11 +740,13 @@ def summary(figures: list[Figure]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 timed rounds instead of --repeat")
-    ap.add_argument("--repeat", type=int, default=9, help="timed rounds per figure (median; after a warm-up)")
+    ap.add_argument(
+        "--repeat", type=bounded_int(1), default=9, help="timed rounds per figure (median; after a warm-up)"
+    )
     ap.add_argument("--gpu-only", action="store_true", help="run only the GPU section")
     ap.add_argument(
         "--threads",
-        type=int,
+        type=bounded_int(0),
         default=1,
         help="torch threads in this process (default 1: with two processes on a few shared cores, "
         "several threads per process stall each other; 0 = torch's choice). The hbm section also "

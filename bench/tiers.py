@@ -31,6 +31,7 @@ import argparse
 import gc
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -43,15 +44,19 @@ import lmdb
 import numpy as np
 import torch
 
-from kvstore.codecs import get_codec
-from kvstore.keys import Namespace, chain
-from kvstore.layout import KVLayout
-from kvstore.record import BlockRecord
-from kvstore.results import EvictFilter
-from kvstore.store.engine import Store
-from kvstore.tiers.hbm import HbmTier
-from kvstore.tiers.nvme import NvmeTier
-from kvstore.tiers.ram import RamTier
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.args import bounded_int  # noqa: E402
+from kvstore.codecs import get_codec  # noqa: E402
+from kvstore.keys import Namespace, chain  # noqa: E402
+from kvstore.layout import KVLayout  # noqa: E402
+from kvstore.record import BlockRecord  # noqa: E402
+from kvstore.results import EvictFilter  # noqa: E402
+from kvstore.store.engine import Store  # noqa: E402
+from kvstore.tiers.hbm import HbmTier  # noqa: E402
+from kvstore.tiers.nvme import NvmeTier  # noqa: E402
+from kvstore.tiers.ram import RamTier  # noqa: E402
 
 SMOL = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=64)
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="bfloat16", block_tokens=4)
@@ -369,14 +374,19 @@ def scale(index_blocks: int, root: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, default=24, help="SmolLM2 blocks per throughput pass")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--index-blocks", type=int, default=1_000_000, help="largest index for the scale part")
+    ap.add_argument("--blocks", type=bounded_int(1), default=24, help="SmolLM2 blocks per throughput pass")
+    ap.add_argument("--repeat", type=bounded_int(1), default=5)
+    ap.add_argument(
+        "--index-blocks",
+        type=bounded_int(LOOKUP_BLOCKS + 1),
+        default=1_000_000,
+        help="largest index for the scale part",
+    )
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-scale", action="store_true")
     ap.add_argument(
         "--threads",
-        type=int,
+        type=bounded_int(1),
         default=1,
         help="torch intra-op threads (default 1: with several busy cores, more only adds waiting)",
     )
