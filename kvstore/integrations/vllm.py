@@ -83,6 +83,7 @@ from kvstore.integrations.vllm_settings import (
     Settings,
     Variant,
     VariantRefused,
+    check_attention,
     model_layout,
     worker_ranks,
 )
@@ -137,6 +138,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 policy,
             )
             self.settings = replace(self.settings, load=False)
+        check_attention(vllm_config, kv_cache_config)
         self.layout = model_layout(vllm_config, self.settings.block_tokens)
         self._worker = role == KVConnectorRole.WORKER
         # the scheduler looks up what rank 0 of the first stage holds; each worker loads and saves its own

@@ -195,6 +195,47 @@ def model_layout(vllm_config: Any, block_tokens: int) -> KVLayout:
     )
 
 
+# The KV cache groups whose blocks stay the request's for its whole life: a group of another kind
+# (sliding window, chunked local, R-SWA) frees the blocks behind its window while the request runs, and
+# a save planned on the request's block list would read blocks vLLM has given to another request.
+_WHOLE_ATTENTION = ("FullAttentionSpec",)
+
+
+def check_attention(vllm_config: Any, kv_cache_config: Any) -> None:
+    """LayoutError unless every layer keeps the K/V of every token of a request in the blocks vLLM
+    gave it, in the order of its block table: no sliding-window or chunked-local attention (vLLM
+    frees their blocks behind the window as the request runs), no decode context parallelism
+    (tokens interleaved across ranks)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    if int(getattr(pc, "decode_context_parallel_size", 1) or 1) > 1:
+        raise LayoutError(
+            "kvstore's vLLM connector reads a request's tokens in the order of its block table; "
+            "--decode-context-parallel-size > 1 is not supported"
+        )
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) > 1:  # the connector follows one block table per request: the first group's
+        raise LayoutError(
+            f"kvstore's vLLM connector follows one block table per request, and this model's KV cache "
+            f"has {len(groups)} groups ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}); "
+            "it is not supported"
+        )
+    kinds: set[str] = set()
+    for group in groups:
+        spec = group.kv_cache_spec
+        members = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one kind, per layer
+        kinds.update(type(s).__name__ for s in (members.values() if isinstance(members, dict) else [spec]))
+    other = sorted(kinds - set(_WHOLE_ATTENTION))
+    window = getattr(mc, "get_sliding_window", lambda: None)() if kv_cache_config is None else None
+    chunk = getattr(mc, "attention_chunk_size", None) if kv_cache_config is None else None
+    if other or window or chunk:
+        what = ", ".join(other) if other else "sliding-window" if window else "chunked-local"
+        raise LayoutError(
+            f"kvstore's vLLM connector keeps every token's K/V, and this model's attention ({what}) "
+            "has vLLM free the blocks behind its window while a request runs; it is not supported "
+            "(a model of full attention only, or one vLLM runs with --disable-sliding-window)"
+        )
+
+
 def namespace_revision(vllm_config: Any, ranks: tuple[int, int], variant: Variant) -> str:
     """The namespace's revision field: the model's revision and everything else that changes its K/V
     for the same weights' name (this shard, the weights' quantization, ``hf_overrides``, the variant)."""

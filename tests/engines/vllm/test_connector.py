@@ -487,6 +487,41 @@ def test_bad_settings_are_refused_at_start_naming_the_key(
         connector.KVStoreConnector(vcfg, connector.KVConnectorRole.SCHEDULER, None)
 
 
+def test_attention_that_frees_blocks_behind_a_window_is_refused_at_start(
+    vllm_utils: Any, model_dir: Path
+) -> None:
+    # vLLM frees a sliding window's blocks while the request runs: a save on the request's block list
+    # would store whatever another request wrote there since, under this request's keys
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    vcfg = vllm_utils.create_vllm_config(
+        model=str(model_dir),
+        block_size=BS,
+        kv_connector="KVStoreConnector",
+        kv_connector_module_path="kvstore.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+    )
+    window = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=3, head_size=64, dtype=torch.bfloat16, sliding_window=4 * BS
+    )
+    only_windows = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], window)]
+    )
+    for role in (connector.KVConnectorRole.SCHEDULER, connector.KVConnectorRole.WORKER):
+        with pytest.raises(connector.LayoutError, match="SlidingWindowSpec.*not supported"):
+            connector.KVStoreConnector(vcfg, role, only_windows)
+    with pytest.raises(connector.LayoutError, match="2 groups"):
+        connector.KVStoreConnector(
+            vcfg, connector.KVConnectorRole.SCHEDULER, vllm_utils.make_kv_cache_config(BS, swa_enabled=True)
+        )
+    full = vllm_utils.make_kv_cache_config(BS)  # full attention, one group: taken
+    connector.KVStoreConnector(vcfg, connector.KVConnectorRole.SCHEDULER, full).shutdown()
+    vcfg.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(connector.LayoutError, match="decode-context-parallel"):
+        connector.KVStoreConnector(vcfg, connector.KVConnectorRole.SCHEDULER, full)
+
+
 def test_cpu_kernels_that_pack_k_otherwise_are_refused_at_start(
     setup: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
