@@ -251,14 +251,26 @@ class SharedPath:
             for _ in range(2):
                 ranges.append(self._reserve(m, chunk * ns.layout.block_nbytes))
 
+            # the chunk each range holds for its commit: a range is written again only once that
+            # commit is answered, or by the same chunk's commit sent again (refused "busy", or a reset:
+            # the same bytes). Replies may come in another order than the commits went (a commit refused
+            # and sent again after the next one): a range is never picked by its turn.
+            owner: list[int | None] = [None, None]
+            answered: set[int] = set()
+
             def make(i: int) -> Message:
                 s, e = starts[i], min(starts[i] + chunk, total)
-                # free: the commit that used it two chunks ago is answered
-                return self._stage(m, ranges[i % 2], ns, tokens, src, s, e, session, keep=True)
+                r = next((r for r in (0, 1) if owner[r] == i), None)
+                if r is None:  # free: with two commits at most in flight, one range's commit is answered
+                    r = next(r for r in (0, 1) if owner[r] is None or owner[r] in answered)
+                    owner[r] = i
+                return self._stage(m, ranges[r], ns, tokens, src, s, e, session, keep=True)
 
-            self._conn.pipeline(
-                len(starts), make, lambda _, reply: tally.add(reply), idempotent=True, window=2
-            )
+            def on_reply(i: int, reply: Message) -> None:
+                answered.add(i)
+                tally.add(reply)
+
+            self._conn.pipeline(len(starts), make, on_reply, idempotent=True, window=2)
             committed = True
         finally:
             for r in ranges:

@@ -23,7 +23,7 @@ from kvstore.client import KVStoreClient
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout
 from kvstore.wire.errors import RequestTimeout, ServerError
-from kvstore.wire.messages import Finish, Locate, LocateOk, Reserve
+from kvstore.wire.messages import Commit, ErrorReply, Finish, Locate, LocateOk, Reserve
 from tests.hardening.conftest import (
     LAYOUT,
     MODEL,
@@ -642,6 +642,62 @@ def test_a_put_in_many_chunks_is_stored_whole_while_the_daemon_turns_requests_aw
         finally:
             served = [f.join() for f in floods]
         assert all(served)
+        assert_served(c, toks)
+
+
+def test_a_staging_range_is_written_again_only_once_its_commit_is_answered(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # commit 0 turned away busy (a client at its in-flight bound, max_inflight_per_client <= 2) while
+    # commit 1 is taken: 0 goes again after 1, and 1's answer comes first. Chunk 2 must not be written
+    # into the range that the commit of chunk 0 sent again still reads (by their turns, it was: the
+    # daemon could store chunk 2's K/V as chunk 0's)
+    cfg = write_config(tmp_path, server=CHUNKED)
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(14)
+    toks = random_tokens(rng, 100)  # four chunks, two staging ranges
+    with attached(ep) as c:
+        conn = c._conn
+        send, recv, stage = conn._send, conn._recv, c._shm._stage
+        refused: list[tuple[int, ErrorReply]] = []  # the refusal, until it is read
+        turned: list[bool] = []
+        reading: dict[int, int] = {}  # commits sent and not answered: request id -> staging range
+        overwritten: list[int] = []
+
+        def turn_away_the_first_commit(msg: Any) -> int:
+            if isinstance(msg, Commit) and not turned:
+                turned.append(True)
+                refused.append((-1, ErrorReply(code="busy", message="over max_inflight_per_client")))
+                return -1  # as if the daemon had refused it: never sent
+            rid = send(msg)
+            if isinstance(msg, Commit):
+                reading[rid] = msg.handle
+            return rid
+
+        def answers(deadline: float) -> Any:
+            got = refused.pop() if refused else recv(deadline)
+            if got is not None:
+                reading.pop(got[0], None)
+            return got
+
+        def write(m: Any, r: Any, *args: Any, **kw: Any) -> Any:
+            if r.handle in reading.values():
+                overwritten.append(args[3])  # the first block of the chunk written over a commit's bytes
+            return stage(m, r, *args, **kw)
+
+        monkeypatch.setattr(conn, "_send", turn_away_the_first_commit)
+        monkeypatch.setattr(conn, "_recv", answers)
+        monkeypatch.setattr(c._shm, "_stage", write)
+        r = c.put(toks, prefix_kv(toks))
+        assert not overwritten, f"chunks starting at blocks {overwritten} overwrote a commit not answered"
+        # commit 1 ran before chunk 0 was stored: its blocks and those after them are refused, and say so
+        assert r.stored == 32 and {f.block for f in r.failed} == set(range(32, 100)), r
+        assert {f.code for f in r.failed} == {"missing_parent"}
+        monkeypatch.undo()
+        assert_served(c, toks[: 32 * T])  # what was stored is chunk 0's own K/V, bit for bit
+        r = c.put(toks, prefix_kv(toks))
+        assert r.stored == 68 and r.present == 32 and not r.failed
         assert_served(c, toks)
 
 
