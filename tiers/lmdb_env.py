@@ -84,6 +84,9 @@ LOCK_FILE = "kvstore.lock"
 # Room always left free on the filesystem: writes that would eat into it are refused (TierFull),
 # and a store is not opened on a filesystem with less than half of it free.
 DISK_HEADROOM = 1 << 20
+# pages above the ceiling that deletes and rewrites may take (Environment.slack): a delete of 256 keys
+# spread over the B-trees copies a leaf per key and db, plus branches and the freelist's own pages
+FREEING_SLACK_PAGES = 2048
 # LMDB's lock file (reader table) is mapped; a page of it that the filesystem cannot allocate
 # is a SIGBUS, not an error. It is allocated up front (1024 readers take ~64 KiB).
 LOCK_MDB_BYTES = 128 << 10
@@ -167,6 +170,12 @@ class Environment:
         self.durability, self.created, self.reset_reason = durability, created, reset_reason
         self.ceiling = ceiling
         self.psize = int(env.stat()["psize"])
+        # Map room only transactions that free or rewrite entries may grow into (``write(frees=True)``):
+        # LMDB copies every page a delete touches, and a store filled to its ceiling could otherwise
+        # never delete enough to make room. Counted from the map at open, which LMDB raises to the
+        # file's size (a store reopened with a smaller capacity is above its ceiling until trimmed).
+        self.slack = FREEING_SLACK_PAGES * self.psize
+        self._floor = max(ceiling, int(env.info()["map_size"]))
         self._lock_fd = lock_fd
         self._main = env.open_db()
         self._gate = ResizeGate()
@@ -212,8 +221,10 @@ class Environment:
         finally:
             self._gate.leave()
 
-    def write(self, fn: Callable[[lmdb.Transaction], T]) -> T:
-        """Run ``fn`` in one write transaction; grow the map on MapFullError; TierFull at the ceiling."""
+    def write(self, fn: Callable[[lmdb.Transaction], T], *, frees: bool = False) -> T:
+        """Run ``fn`` in one write transaction; grow the map on MapFullError; TierFull at the ceiling.
+        ``frees``: ``fn`` only deletes or rewrites entries in place; its pages may come from ``slack``
+        above the ceiling, so that room can always be made (keep such transactions small)."""
         with self._wlock:
             self._check_open()
             if self.durability is Durability.FAST and not self._dirty:
@@ -223,16 +234,16 @@ class Environment:
                 )
                 self._sync()
                 self._dirty = True
-            return self._commit(fn)
+            return self._commit(fn, frees)
 
-    def _commit(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+    def _commit(self, fn: Callable[[lmdb.Transaction], T], frees: bool = False) -> T:
         """One write transaction, retried after growing the map. Caller holds the write lock."""
         while True:
             try:
                 with self._gate.txn(), self.env.begin(write=True) as txn:
                     return fn(txn)
             except lmdb.MapFullError:
-                if not self._grow():
+                if not self._grow(self._floor + self.slack if frees else self.ceiling):
                     raise TierFull(
                         f"nvme store {self.path} has filled its {self.ceiling} bytes "
                         "(LMDB map full); evict or raise [nvme] capacity"
@@ -247,10 +258,10 @@ class Environment:
                     f"nvme store {self.path}: write failed: {e}; check the disk (space, permissions)"
                 ) from e
 
-    def _grow(self) -> bool:
+    def _grow(self, limit: int) -> bool:
         with self._gate.exclusive():
             current = int(self.env.info()["map_size"])
-            new = min(self.ceiling, current * 2)
+            new = min(limit, current * 2)
             if new <= current:
                 return False
             self.env.set_mapsize(new)
@@ -271,15 +282,17 @@ class Environment:
             self._sync()
             if self._dirty:
                 try:
-                    self._commit(lambda txn: txn.delete(_DIRTY, db=self.dbs["meta"]))
+                    self._commit(lambda txn: txn.delete(_DIRTY, db=self.dbs["meta"]), frees=True)
                 except TierFull:
                     # no room even to delete the marker: it stays, which errs on the safe side
                     log.warning(
                         "nvme store %s: full; the unsynced-commits marker stays until room is made", self.path
                     )
                     return
-                self._sync()
+                # the marker's deletion is committed: from here the next write marks anew, even when
+                # this sync fails (its commits may not all be on disk, and nothing would say so)
                 self._dirty = False
+                self._sync()
 
     def close(self) -> None:
         """Sync, close the environment, release the lock. Idempotent."""

@@ -76,6 +76,7 @@ from kvstore.tiers.nvme_format import (
 log = logging.getLogger(__name__)
 
 MIN_CAPACITY = 1 << 20
+DROP_BATCH = 256  # keys deleted (or records rewritten) in one transaction
 DEFAULT_MAP_SIZE = 64 << 20
 _RECORD_GUESS = 512  # bytes of a records entry when can_put has only the block to go on
 _CHUNK = 4096  # records read per transaction while iterating
@@ -316,21 +317,26 @@ class NvmeTier(Tier):
             txn.delete(key, db=self._records)
             return cost
 
-        return self._write(txn_drop)
+        return self._write(txn_drop, frees=True)
 
     def drop_many(self, keys: Iterable[bytes]) -> int:
-        """Remove every key in one transaction; return the bytes freed (absent keys count 0)."""
+        """Remove every key, DROP_BATCH to a transaction (a delete copies the pages it touches: one
+        transaction of thousands would need more room than a full store has); return the bytes freed
+        (absent keys count 0). On a failure, the batches before it are gone and the rest stay."""
         todo = list(keys)
 
-        def txn_drop(txn: lmdb.Transaction) -> int:
+        def txn_drop(batch: list[bytes], txn: lmdb.Transaction) -> int:
             freed = 0
-            for key in todo:
+            for key in batch:
                 freed += self._cost_of(txn, key)
                 txn.delete(key, db=self._blocks)
                 txn.delete(key, db=self._records)
             return freed
 
-        return self._write(txn_drop) if todo else 0
+        return sum(
+            self._write(partial(txn_drop, todo[i : i + DROP_BATCH]), frees=True)
+            for i in range(0, len(todo), DROP_BATCH)
+        )
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, bytes):
@@ -371,19 +377,24 @@ class NvmeTier(Tier):
         return rec
 
     def update_records(self, records: Iterable[BlockRecord]) -> int:
-        """Rewrite the records of blocks still stored (one transaction); returns how many were updated."""
+        """Rewrite the records of blocks still stored (DROP_BATCH to a transaction, in the room a
+        delete may take: a record keeps its size); returns how many were updated. On a failure, the
+        batches before it are written and the rest are not."""
         recs = list(records)
 
-        def txn_update(txn: lmdb.Transaction) -> int:
+        def txn_update(batch: list[BlockRecord], txn: lmdb.Transaction) -> int:
             done = 0
-            for rec in recs:
+            for rec in batch:
                 old = txn.get(rec.key, db=self._records)
                 if old is not None:
                     txn.put(rec.key, self._rewritten(txn, old, rec), db=self._records)
                     done += 1
             return done
 
-        return self._write(txn_update) if recs else 0
+        return sum(
+            self._write(partial(txn_update, recs[i : i + DROP_BATCH]), frees=True)
+            for i in range(0, len(recs), DROP_BATCH)
+        )
 
     def _rewritten(self, txn: lmdb.Transaction, old: bytes | memoryview, rec: BlockRecord) -> bytes:
         """``rec`` as the entry replacing ``old``, for the same frame. A format-1 entry recorded no
@@ -539,7 +550,7 @@ class NvmeTier(Tier):
                 continue
             yield name, info
         if damaged:
-            self._write(lambda txn: [txn.delete(k, db=db) for k in damaged])
+            self._write(lambda txn: [txn.delete(k, db=db) for k in damaged], frees=True)
 
     def put_session(self, name: str, info: dict[str, Any]) -> None:
         """Store (or replace) a session's info (msgpack-able map). TierFull when out of room."""
@@ -547,7 +558,7 @@ class NvmeTier(Tier):
 
     def drop_session(self, name: str) -> bool:
         """Forget a session; whether it was there."""
-        return self._write(lambda txn: bool(txn.delete(name.encode(), db=self._sessions)))
+        return self._write(lambda txn: bool(txn.delete(name.encode(), db=self._sessions)), frees=True)
 
     def iter_sessions(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """(name, info) of every stored session (a snapshot)."""

@@ -36,6 +36,7 @@ Frames = Mapping[bytes, tuple[int, Buffer]]  # key -> (tier, frame) encoded befo
 NO_FRAMES: Frames = MappingProxyType({})
 
 _SCAN = 64  # LRU entries examined for a leaf before settling for the oldest candidate
+PLACE_TRIES = 8  # puts into a tier that said it was full after room was made for the block
 
 log = logging.getLogger("kvstore.store")
 
@@ -86,7 +87,20 @@ class Mover:
             scanned += 1
             if scanned >= _SCAN and fallback is not None:
                 break
+        if fallback is not None and t == self.tiers.last and fallback.tiers & TIER_MASK == bit:
+            return self._tail(fallback, bit, exclude)
         return fallback
+
+    @staticmethod
+    def _tail(e: Entry, bit: int, exclude: set[bytes]) -> Entry:
+        """The last block of ``e``'s prefix held in the tier of ``bit`` (the first child there, each
+        time): a long prefix at the bottom of the LRU leaves that tier from its tail, a block at a time,
+        not whole (its subtree, unpinned, may go with it)."""
+        while True:
+            below = next((c for c in e.child_list() if c.tiers & bit and c.key not in exclude), None)
+            if below is None:
+                return e
+            e = below
 
     # -- making room ------------------------------------------------------------------
     def make_room(
@@ -192,7 +206,7 @@ class Mover:
                 # it again and again and fail every put after it
                 self.refused(e, t, err)
                 return False
-        for _ in range(3):
+        for _ in range(PLACE_TRIES):
             room = (
                 self.make_room(t, None, len(frame), ready=ready)
                 if frame is not None
@@ -211,11 +225,26 @@ class Mover:
                 else:
                     self.tiers[t].put(e.key, block)
             except TierFull:
-                continue  # the size estimate was short (zstd); make more room
+                # the size estimate was short (zstd), or, on nvme, LMDB found no free run of pages
+                # for the frame (the free pages are scattered, though the B-trees' size is within
+                # the capacity): one more block goes, whatever the estimate says; its pages are a run
+                if t == self.tiers.nvme_t and not self.push_out_one(t, e.key, ready):
+                    return False
+                continue
             except KVStoreError:  # the backing store failed (TierIOError), or cannot hold the record
                 return False
             self.index.set_tier(e, t)
             return True
+        return False
+
+    def push_out_one(self, t: int, keep: bytes, ready: Frames = NO_FRAMES) -> bool:
+        """Evict one block of tier ``t`` (not ``keep``) for room, after the tier refused a put that its
+        estimate said fits; False when none can go."""
+        tried = {keep}
+        while (victim := self.victim(t, tried)) is not None:
+            tried.add(victim.key)
+            if self.evict_from(t, victim, ready):
+                return True
         return False
 
     def refused(self, e: Entry, t: int, err: CodecError) -> None:
@@ -281,22 +310,23 @@ class Mover:
         return freed
 
     def drop_block(self, e: Entry) -> list[Entry]:
-        """Remove ``e`` and its descendants from every tier and the index (leaves first)."""
+        """Remove ``e`` and its descendants from every tier and the index (leaves first). The nvme
+        copies go first: when the disk refuses (TierIOError, TierFull), the index still names every
+        block the disk holds, and nothing else has changed."""
         gone = self.index.subtree(e)
-        batch: list[bytes] = []  # nvme copies go in one LMDB transaction
+        nvme_t = self.tiers.nvme_t
+        on_disk = [d.key for d in gone if nvme_t is not None and d.tiers & (1 << nvme_t)]
+        if on_disk and self.tiers.nvme is not None:
+            self.tiers.nvme.drop_many(on_disk)
         for d in gone:
             for t in d.tier_list():
-                if t == self.tiers.nvme_t:
-                    batch.append(d.key)
-                else:
+                if t != nvme_t:
                     self.tiers[t].drop(d.key)
                 self.counters[t].evictions += 1
             self.index.remove(d)
             step = self.namespaces.block_tokens(d.ns)
             for s in self.sessions.tail_gone(d.key, d.parent.key if d.parent is not None else None, step):
                 self.persist_session(s)
-        if batch and self.tiers.nvme is not None:
-            self.tiers.nvme.drop_many(batch)
         return gone
 
     def corrupt(self, e: Entry, t: int, *, damaged: bool = True) -> None:

@@ -30,7 +30,7 @@ from kvstore.codecs.frame import Buffer, read_header
 from kvstore.errors import CodecError, FrameError, KVStoreError
 from kvstore.record import BlockRecord
 from kvstore.store.index import TIER_MASK, Entry
-from kvstore.store.movement import Mover
+from kvstore.store.movement import PLACE_TRIES, Mover
 from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
 from kvstore.tiers.base import TierFull, TierIOError
@@ -241,13 +241,16 @@ class WriteBack:
             with self._lock:
                 self._failed(key)
             return
-        for _ in range(3):
+        for _ in range(PLACE_TRIES):
             try:
                 nvme.put(key, block, rec)
                 break
-            except TierFull:
+            except TierFull:  # room is made as the estimate says, and one more block goes (Mover.place)
                 with self._lock:
-                    if not self._mover.make_room(t_n, block, position=rec.position):
+                    if not (
+                        self._mover.make_room(t_n, block, position=rec.position)
+                        and self._mover.push_out_one(t_n, key)
+                    ):
                         self._failed(key)
                         return
             except CodecError as err:  # inf or NaN in the block: it never reaches the disk
@@ -337,12 +340,14 @@ class WriteBack:
         self._mover.drop_block(e)
 
     def idle(self) -> None:
-        """Periodic upkeep on the writer thread."""
-        self.expire()
-        self._requeue(1024, wait=0.0)
-        self.persist_dirty()
-        with self._lock:
-            self._pins.purge()
+        """Periodic upkeep on the writer thread; pins lapse whatever the disk does."""
+        try:
+            self.expire()
+            self._requeue(1024, wait=0.0)
+            self.persist_dirty()
+        finally:
+            with self._lock:
+                self._pins.purge()
 
     def expire(self) -> int:
         """Drop blocks not accessed for ``ttl`` seconds, with their descendants. Returns blocks dropped."""
@@ -406,7 +411,12 @@ class WriteBack:
                     continue
                 records.append(replace(rec, sessions=sessions, last_access=accessed))
             if records:
-                nvme.update_records(records)
+                try:
+                    nvme.update_records(records)
+                except (TierFull, TierIOError):
+                    with self._lock:  # written again next time: an access time lost would expire
+                        self._dirty.update(k for k, _, _ in items)  # the block early after a restart
+                    raise
 
 
 def _size(frame: Buffer) -> int:

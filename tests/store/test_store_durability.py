@@ -11,9 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from kvstore.keys import block_keys
+from kvstore.codecs import get_codec
+from kvstore.keys import Namespace, block_keys
+from kvstore.layout import KVLayout
 from kvstore.results import EvictFilter
+from kvstore.store.engine import Store
+from kvstore.tiers.hbm import HbmTier
+from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.ram import RamTier
 from tests.store.storekit import NS, Clock, T, close_to, kv, tokens
 
 
@@ -344,6 +351,46 @@ def test_a_disk_reopened_with_a_smaller_capacity_gives_up_its_least_recently_use
     assert 0 < sum(held) < 8 * len(prompts)
     assert s2.put(NS, tokens(8, seed=99), kv(8 * T, 99)).stored == 8  # and it takes new blocks
     assert s2.flush(30)
+
+
+def test_a_full_disk_makes_room_for_long_conversations_and_reopens_smaller(tmp_path: Path) -> None:
+    # nvme full: room is made by dropping a whole conversation of 100 blocks, whose keys are spread
+    # over the B-trees (one LMDB transaction of them needed more pages than the full map had, and
+    # the blocks left the index before the disk refused: forgotten while on disk, flush stuck)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
+    ns, n, nb = Namespace("m", layout), 100, layout.block_nbytes  # int4 frames of ~5 KiB: overflow pages
+    clock = Clock()
+
+    def store(capacity: int) -> Store:
+        hbm = HbmTier(8 * nb, page_bytes=nb)
+        ram = RamTier(8 * (nb + 8192), get_codec("raw"), page_bytes=nb + 8192, pin_memory=False)
+        nvme = NvmeTier(tmp_path / "lmdb", capacity, get_codec("int4"))
+        return Store(hbm, ram, nvme, tick=0.05, clock=clock)
+
+    def conversation(seed: int) -> tuple[list[int], torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        toks = [seed * 1_000_000 + i for i in range(n * 16)]
+        return toks, torch.randn(layout.shape(n * 16), generator=g).to(torch.bfloat16)
+
+    s = store(4 << 20)
+    for seed in range(12):
+        toks, data = conversation(seed)
+        r = s.put(ns, toks, data, session=f"conv-{seed}")
+        assert r.stored == n and not r.failed, (seed, r)
+        clock.advance(1)
+        assert s.flush(30), seed
+    held = s.tiers[-1].usage().blocks
+    assert 2 * n < held < 12 * n  # the oldest conversations went, from their tails: the disk stays full
+    last = [s.lookup(ns, conversation(seed)[0]).matched_blocks for seed in (10, 11)]
+    assert last == [n, n] and s.check_integrity() == []
+    s.close()
+    s = store(2 << 20)  # the full file, reopened with a smaller capacity: trimmed, not stuck
+    u = s.tiers[-1].usage()
+    assert u.used_bytes <= u.capacity_bytes and s.check_integrity() == []
+    toks, data = conversation(99)
+    assert s.put(ns, toks, data).stored == n
+    assert s.flush(30) and s.check_integrity() == []
+    s.close()
 
 
 @pytest.mark.parametrize("stop", ["flush", "close"])

@@ -5,6 +5,7 @@ Many short stories, one per promise of the nvme tier.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import subprocess
@@ -14,6 +15,7 @@ import textwrap
 import threading
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import lmdb
@@ -26,7 +28,7 @@ from kvstore.codecs import get_codec
 from kvstore.errors import ConfigError, FrameError, StoreFormatError, StoreLocked
 from kvstore.record import BlockRecord
 from kvstore.tiers import NvmeTier, TierFull, TierIOError
-from kvstore.tiers.lmdb_env import DURABILITY, Durability
+from kvstore.tiers.lmdb_env import DURABILITY, FREEING_SLACK_PAGES, Durability
 
 SHAPE = (2, 2, 16, 2, 64)  # 16 KiB a block in bf16: frames live in overflow pages, like real ones
 
@@ -118,6 +120,26 @@ def test_drop_frees_room_and_pages_are_reused(tmp_path: Path) -> None:
     assert torch.equal(tier.get(key(stored)), block(stored))
     assert tier.usage().used_bytes <= tier.capacity_bytes
     assert (tmp_path / "nvme" / "data.mdb").stat().st_size <= tier.capacity_bytes
+    tier.close()
+
+
+def test_a_full_store_deletes_and_rewrites_any_number_of_entries(tmp_path: Path) -> None:
+    # a delete copies every page it touches: keys spread over the B-trees, as block keys are, need a
+    # page each, and a store filled to its capacity once could not delete a few dozen in one go
+    tier = open_tier(tmp_path / "nvme", capacity=8 << 20)
+    spread = [hashlib.sha256(i.to_bytes(8, "big")).digest() for i in range(10_000)]
+    n = 0
+    with pytest.raises(TierFull):
+        while True:
+            tier.put(spread[n], block(n), replace(record(n), key=spread[n]))
+            n += 1
+    recs = [replace(r, last_access=9000.0) for r in tier.iter_records()]
+    assert tier.update_records(recs) == n
+    assert {r.last_access for r in tier.iter_records()} == {9000.0}
+    assert tier.drop_many(spread[: n - 1]) > 0 and sorted(tier.keys()) == [spread[n - 1]]
+    size = (tmp_path / "nvme" / "data.mdb").stat().st_size
+    assert size <= tier.capacity_bytes + FREEING_SLACK_PAGES * tier._psize  # deletes' room, no more
+    tier.put(spread[n], block(n), replace(record(n), key=spread[n]))  # and it takes new blocks
     tier.close()
 
 
