@@ -97,6 +97,7 @@ class ClusterTier:
         self.retry_after = retry_after
         self.prefix = prefix
         self.counters = ClusterCounters()
+        self._foreign_logged = False  # a session record of another tenant left alone was logged
         self._factory = client_factory or open_client
         self._clock = clock
         self._lock = threading.Lock()  # guards the client, the state and the counters
@@ -377,13 +378,20 @@ class ClusterTier:
 
     def put_session(self, name: str, info: dict[str, Any]) -> bool:
         """Record a session (its namespace, token ids or block keys); False when the cluster refused
-        it for memory (counted in ``write_refused``), ClusterUnavailable on an outage. Members of
-        expired records leave the sorted set as this runs: it holds the live sessions."""
+        it for memory (counted in ``write_refused``), or holds a record of the name whose namespace is
+        another tenant's (a conversation another host stored: a host refuses a put that continues
+        another tenant's session, and the cluster keeps the first one's record alike; one read more
+        per write). ClusterUnavailable on an outage. Members of expired records leave the sorted set
+        as this runs: it holds the live sessions."""
         value = msgpack.packb({"v": SESSION_VERSION, "name": name, **info}, use_bin_type=True)
         px = _px(self.ttl)
         key = self.session_key(name)
+        tenant = _tenant_of(info)
 
-        def write(c: Any) -> list[Any]:
+        def write(c: Any) -> list[Any] | None:
+            held = session_of(c.get(key))
+            if held is not None and held.get("name") == name and _tenant_of(held) != tenant:
+                return None  # another tenant's conversation of this name, stored from another host
             now = time.time()  # wall time: the score is read by every host
             pipe = c.pipeline(transaction=False)  # one round trip
             pipe.set(key, value, px=px)
@@ -396,6 +404,15 @@ class ClusterTier:
             return results
 
         results = self._call("session write", write)
+        if results is None:
+            if not self._foreign_logged:
+                self._foreign_logged = True
+                log.warning(
+                    "session %r is another tenant's conversation in the cluster (stored from another "
+                    "host): this host's record of it is not written there (further such are not logged)",
+                    name,
+                )
+            return False
         if any(out_of_memory(r) for r in results):  # the cluster is full: refused, not an outage
             with self._lock:
                 self.counters.write_refused += 1
@@ -469,6 +486,12 @@ def _close_quietly(client: Any) -> None:
         client.close()
     except Exception:  # noqa: BLE001 - closing a broken client may fail too; nothing to do
         pass
+
+
+def _tenant_of(info: dict[str, Any]) -> Any:
+    """The tenant a session record's namespace names (None when it names none readable)."""
+    ns = info.get("ns")
+    return ns.get("tenant") if isinstance(ns, dict) else None
 
 
 def _px(seconds: float) -> int | None:

@@ -69,6 +69,7 @@ class AdminOps:
         self._writeback = writeback
         self._lease = lease
         self._cluster = cluster
+        self._parts = parts
 
     def evict(self, flt: EvictFilter, *, dry_run: bool = False) -> EvictResult:
         """Drop (or, with ``flt.tier``, move down) the blocks ``flt`` selects, descendants included.
@@ -88,12 +89,15 @@ class AdminOps:
         if flt.tier is not None and flt.tier not in names:
             off = " (the cluster tier is off: [cluster] enabled = false)" if flt.tier == "cluster" else ""
             raise InvalidFilter(f"unknown tier {flt.tier!r}{off}; tiers are {', '.join(names)}")
+        owner = self._session_owner(flt.session)
         if flt.tier == "cluster":
             assert self._cluster is not None
             with self._lock:
                 now = self._clock()
                 chosen_keys = [e.key for e in self._index.entries() if self._selected(e, flt, None, now)]
-            return self._cluster.evict(chosen_keys, flt.session, dry_run=dry_run, continued=self._continued)
+            return self._cluster.evict(
+                chosen_keys, flt.session, dry_run=dry_run, continued=self._continued, tenant=owner
+            )
         t = None if flt.tier is None else self._tiers.names.index(flt.tier)
         with self._lock:
             now = self._clock()
@@ -151,7 +155,9 @@ class AdminOps:
         )
         if flt.session is not None and t is None and self._cluster is not None:
             try:
-                remote = self._cluster.evict([], flt.session, dry_run=dry_run, continued=self._continued)
+                remote = self._cluster.evict(
+                    [], flt.session, dry_run=dry_run, continued=self._continued, tenant=owner
+                )
             except InvalidRequest as e:  # the cluster is down: this host's part stands, and says so
                 return replace(result, not_done=f"{e}; evict --session again once it is back")
             result = EvictResult(
@@ -425,6 +431,14 @@ class AdminOps:
             last_access=s.last_access,
         )
         return info, chain
+
+    def _session_owner(self, session: str | None) -> str | None:
+        """The tenant whose conversation ``session`` is here; None when this host does not know it."""
+        if session is None:
+            return None
+        with self._lock:
+            ns = self._parts.session_namespace(session)
+        return None if ns is None else ns.tenant
 
     def _needs_record(self, e: Entry) -> bool:
         t = self._tiers.nvme_t

@@ -94,17 +94,24 @@ class ClusterAdmin:
         *,
         dry_run: bool,
         continued: Callable[[list[bytes], str], set[bytes]],
+        tenant: str | None = None,
     ) -> EvictResult:
         """Delete the cluster's copies of ``keys`` and, with ``session``, the blocks that session stored
         there (its record names them) and its record. With ``session`` a block is deleted only when
         nothing known continues it: not in another session's record, and not among
         ``continued(candidates, session)`` (the blocks this host knows something else builds on; a
         deleted block would orphan what follows it, lookups being prefix-closed). InvalidRequest when
-        the cluster cannot be reached (nothing is deleted then)."""
+        the cluster cannot be reached (nothing is deleted then). ``tenant``: whose conversation the
+        session is on this host; a record of the name that another tenant's host wrote is left alone
+        (None: this host does not know the session, and the record is taken as it is)."""
+        foreign = False
         try:
             if session is not None:
                 raw = self.cluster.get_session(session)  # ClusterUnavailable when down: nothing is deleted
                 d = None if raw is None else _session(raw)
+                # another tenant's conversation of the same name: neither its blocks nor its record go
+                foreign = d is not None and tenant is not None and d["ns"].tenant != tenant
+                d = None if foreign else d
                 theirs = [] if d is None else d["keys"]
                 others: set[bytes] = set()  # blocks another session's prefix runs through stay
 
@@ -128,7 +135,7 @@ class ClusterAdmin:
             present = [k for k, there in zip(keys, self.cluster.exists(keys), strict=True) if there]
             if not dry_run:
                 self.cluster.count(deleted=self.cluster.delete(present))
-                if session is not None:
+                if session is not None and not foreign:
                     self.cluster.drop_session(session)
         except ClusterUnavailable as e:
             raise InvalidRequest(f"evict from the cluster tier: {e}") from None

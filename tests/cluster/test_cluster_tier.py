@@ -389,6 +389,9 @@ def test_a_late_failure_on_a_replaced_client_leaves_the_new_one_alone(call: str)
         def ping(self) -> bool:
             return True
 
+        def get(self, key: str) -> None:  # no session record stored under the name yet
+            return None
+
         def pipeline(self, transaction: bool = True) -> Pipeline:
             return Pipeline()
 

@@ -150,6 +150,28 @@ def test_another_tenant_never_sees_the_blocks(rc: LocalCluster, host: HostFactor
     assert all(len(k.split(b":")[-1]) == 64 for k in rc.keys())
 
 
+def test_a_session_name_two_tenants_use_on_two_hosts_stays_the_first_one_s_in_the_cluster(
+    host: HostFactory,
+) -> None:
+    # a host refuses a put that continues another tenant's session; the cluster did not: host B's
+    # record replaced host A's, and A's evict --session then deleted tenant t's blocks from the cluster
+    a, b, c = host("a"), host("b"), host("c")
+    u, t = (Namespace(NS.model, LAYOUT, tenant=name) for name in ("u", "t"))
+    tu, tt = tokens(4, seed=1), tokens(4, seed=2)
+    a.put(u, tu, kv(16, seed=1), session="conv-1")
+    written(a, 4)
+    time.sleep(0.2)  # the session record follows on the cluster thread
+    b.put(t, tt, kv(16, seed=2), session="conv-1")
+    written(b, 4)
+    time.sleep(0.2)
+    assert c.session_tenant("conv-1") == "u"  # the first conversation of the name keeps it
+    assert b.stats().cluster["session_dropped"] == 1  # type: ignore[index]
+    a.evict(EvictFilter(session="conv-1"))
+    assert c.lookup(u, tu).matched_blocks == 0  # u's conversation went from the cluster
+    assert c.lookup(t, tt).tiers == ["cluster"] * 4  # t's stayed
+    assert c.session_tenant("conv-1") is None  # and so did u's record
+
+
 def test_sessions_are_seen_and_warmed_up_on_another_host(host: HostFactory) -> None:
     a, b = host("a"), host("b")
     toks, x = tokens(4), kv(16, seed=2)
