@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice, takewhile
@@ -45,6 +46,7 @@ from kvstore.tiers.cluster_format import pack_value, unpack_value
 log = logging.getLogger(__name__)
 
 FETCH_BATCH = 8  # blocks per pipelined GETEX: bounds the memory one read holds in flight
+FETCHERS = 4  # reads fetching their next batch at once
 LOOKUP_LIMIT = 4096  # blocks one lookup asks the cluster about at most
 UNSENT_LIMIT = 1 << 16  # dropped blocks remembered to send again (2 MiB of keys, ~7 MB as Python objects)
 RECORDS_BYTES = 64 << 20  # session records waiting hold at most this many bytes of keys and token ids
@@ -82,7 +84,9 @@ class ClusterLink:
         self._records_bytes = 0
         self._writer = WriteThrough(maxsize=queue, tick=tick, name="kvstore-cluster")
         self._writer.start(self._write, self._idle)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-cluster-fetch")
+        # a read's next batch is fetched on one of these while the read decodes the last: one slow read
+        # holds one, the others go on
+        self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="kvstore-cluster-fetch")
         self._decoders = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-decode")
         self._adopter = Adopter()
 
@@ -300,17 +304,23 @@ class ClusterLink:
 
         # the next batch is fetched while this one is checked and decoded, two blocks at a time: the
         # round trip hides behind the codec work, which runs outside the GIL for the most part
+        # A read takes about one time-out at most: a node slow enough to answer each batch just within
+        # it never marks the cluster down, so no batch is asked for once the time-out has passed
+        # since the read began (what came is served, the rest is a miss).
         fetch = self._pool.submit
+        deadline = time.monotonic() + self.cluster.timeout
         ahead = fetch(self.cluster.fetch, [keys[j] for j in batches[0]]) if batches else None
         n = 0
         try:
             for i, batch in enumerate(batches):
-                assert ahead is not None
+                if ahead is None:
+                    return n
                 try:
                     values = ahead.result()
                 except ClusterUnavailable:
                     return n
-                nxt = [keys[j] for j in batches[i + 1]] if i + 1 < len(batches) else None
+                late = time.monotonic() > deadline
+                nxt = [keys[j] for j in batches[i + 1]] if i + 1 < len(batches) and not late else None
                 ahead = fetch(self.cluster.fetch, nxt) if nxt else None
                 present = [
                     v for v in takewhile(lambda v: v is not None, values) if v is not None

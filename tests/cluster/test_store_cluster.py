@@ -6,6 +6,7 @@ host B: lookup -> cluster tiers; get -> from the cluster, checked, decoded, stor
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -303,6 +304,43 @@ def test_a_hung_node_costs_one_timeout_then_the_cluster_is_used_again(
     r = b.get(NS, toks)
     assert r.tiers == ["cluster"] * 6 and same(got(r), x)
     assert b.stats().cluster["state"] == "up"  # type: ignore[index]
+
+
+def test_a_slow_node_cuts_a_get_short_after_about_one_timeout(rc: LocalCluster, host: HostFactory) -> None:
+    # a node that answers each batch just within the time-out never marks the cluster down: a get of
+    # 64 blocks, eight batches, waited on each (8 x 0.4 s against a time-out of 0.5 s)
+    import redis
+
+    a, b = host("a"), host("b", timeout=0.5)
+    n = 64
+    toks, x = tokens(n, seed=5), kv(n * T, seed=5)
+    a.put(NS, toks, x)
+    written(a, n)
+    busy = (
+        "local t0 = redis.call('TIME'); "
+        "repeat local t = redis.call('TIME') until (t[1] - t0[1]) * 1e6 + t[2] - t0[2] > 400000"
+    )
+    stop = threading.Event()
+
+    def slow_node() -> None:
+        with redis.Redis("127.0.0.1", rc.ports[0], socket_timeout=5) as node:
+            while not stop.is_set():
+                node.eval(busy, 0)
+
+    hog = threading.Thread(target=slow_node, daemon=True)
+    hog.start()
+    try:
+        time.sleep(0.1)
+        t = time.monotonic()
+        r = b.get(NS, toks)
+        took = time.monotonic() - t
+    finally:
+        stop.set()
+        hog.join(5)
+    assert took < 1.5, f"{took:.2f} s"  # the time-out, a batch and the decoding; not 8 batches
+    # (a reads the best copy it holds to write it: for blocks its hbm and ram had no room for, int4)
+    assert 0 < r.matched_blocks < n and close_to(got(r), x[:, :, : r.matched_blocks * T])
+    assert b.stats().cluster["state"] == "up"  # type: ignore[index]  # slow is not down
 
 
 def test_a_get_may_leave_storing_the_cluster_blocks_until_after_it_returns(host: HostFactory) -> None:
