@@ -243,8 +243,11 @@ class Mover:
         tried = {keep}
         while (victim := self.victim(t, tried)) is not None:
             tried.add(victim.key)
-            if self.evict_from(t, victim, ready):
-                return True
+            try:
+                if self.evict_from(t, victim, ready):
+                    return True
+            except KVStoreError:  # the disk refused even the delete (a full filesystem): no room now
+                return False
         return False
 
     def refused(self, e: Entry, t: int, err: CodecError) -> None:
@@ -380,6 +383,8 @@ class Mover:
             if placed and move and e.tiers & (1 << source):
                 self.tiers[source].drop(e.key)
                 self.index.clear_tier(e, source)
+        except KVStoreError:  # the disk refused what making room takes (a full filesystem): the block
+            placed = False  # stays where it is; a promotion is never worth failing the get that asked
         finally:
             self.busy.discard(e.key)
         if placed:
