@@ -87,6 +87,8 @@ EXIT_OK, EXIT_REFUSED, EXIT_CONFIG = 0, 1, 2  # (the codes of `kvstore serve`: R
 DRAIN_TIMEOUT = 60.0  # seconds to finish in-flight requests after a stop signal
 PROGRESS_EVERY = 5.0  # seconds between "still starting" log lines
 POLL_MS = 100  # how soon the loop notices a stop request
+HEARTBEAT_MS = 10_000  # how often each connection is pinged (ZMTP heartbeat; clients answer unasked)
+HEARTBEAT_TIMEOUT_MS = 60_000  # a connection with no traffic this long after a ping is closed
 BATCH = 64  # messages taken from a socket per wake-up, so neither side starves the other
 MAX_WAITING_COMMITS = 8  # commits of one client queued behind its running one, taken past a spent budget
 
@@ -216,6 +218,11 @@ class Server:
         # a hard cap far above the soft limit: bigger frames cost the peer its connection, smaller
         # ones over max_message_bytes get a too_large reply
         router.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_message_bytes + self.limits.max_header_bytes)
+        # a peer that stops answering (a part of a large message sent and nothing more, or gone
+        # without a close) is disconnected, and what it held is freed
+        router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        router.setsockopt(zmq.HANDSHAKE_IVL, HEARTBEAT_TIMEOUT_MS)
         pull = self.ctx.socket(zmq.PULL)
         pull.bind(self._replies)
         zap: ZapHandler | None = None

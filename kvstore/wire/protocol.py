@@ -375,6 +375,17 @@ class ServerProtocol:
         ``shm``: the shared-memory offer to make, when the client asked and may have it."""
         assert isinstance(request.msg, Hello)
         ns = request.msg.namespace
+        if ns.layout.block_nbytes > self.limits.max_message_bytes:
+            # such a block could never be put, and a get of one would be charged more than the daemon
+            # lets all requests hold (kvstore.daemon.budget): one client's misses would turn others away
+            return self.error(
+                request.peer,
+                request.id,
+                "invalid_argument",
+                f"a block of this layout is {ns.layout.block_nbytes} bytes, over max_message_bytes "
+                f"{self.limits.max_message_bytes}: fewer tokens a block (block_tokens) or a smaller layout",
+                done=True,
+            )
         if ns.id not in self.namespaces and (
             self._per_tenant.get(ns.tenant, 0) >= self.namespaces_per_tenant
             or len(self.namespaces) >= MAX_NAMESPACES

@@ -94,6 +94,18 @@ def test_hello_registers_namespace_and_returns_limits() -> None:
     assert server.inflight == {}  # hello answered: nothing left in flight
 
 
+def test_a_layout_whose_block_is_larger_than_a_message_is_refused_at_hello() -> None:
+    # a get of one such block would be charged more than the daemon lets all requests hold: one
+    # client's misses would have every other client turned away busy
+    client, server = ClientProtocol(), ServerProtocol(Limits(max_message_bytes=1 << 20), server="test")
+    huge = KVLayout(num_layers=64, num_kv_heads=8, head_dim=128, dtype="float32", block_tokens=64)
+    _, frames = client.send(Hello(namespace=Namespace(model="m", layout=huge)))
+    got = client.receive(server.hello(server.receive(PEER, frames)))
+    assert got is not None and isinstance(got[1], ErrorReply) and got[1].code == "invalid_argument"
+    assert "over max_message_bytes 1048576" in got[1].message
+    assert server.namespaces == {} and server.inflight == {}
+
+
 def test_lookup_round_trip_keeps_tokens_and_matches_reply_by_id() -> None:
     client, server, ns = joined()
     tokens = np.arange(10, dtype="<u4")
