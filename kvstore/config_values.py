@@ -93,8 +93,12 @@ def page_size(v: Any) -> int:
     return n
 
 
-def duration(*, never: bool) -> Callable[[Any], float]:
+def duration(*, never: bool, most: tuple[float, str] | None = None) -> Callable[[Any], float]:
+    """A positive duration; ``never`` allows "never" (infinity); ``most``: (seconds, as written) the
+    longest allowed (a lease or a time-out that never ends is no lease or time-out)."""
     allowed = "a positive duration like '30s', '2h' or '7d'" + (", or 'never'" if never else "")
+    if most is not None:
+        allowed += f", at most {most[1]}"
 
     def check(v: Any) -> float:
         if never and isinstance(v, str) and v.strip().lower() in NEVER:
@@ -103,7 +107,7 @@ def duration(*, never: bool) -> Callable[[Any], float]:
             s = parse_duration(v)
         except ConfigError as e:
             raise Invalid(allowed) from e
-        if s <= 0 or (math.isinf(s) and not never):
+        if s <= 0 or (math.isinf(s) and not never) or (most is not None and s > most[0]):
             raise Invalid(allowed)
         return s
 

@@ -286,6 +286,10 @@ def test_env_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None
         ("nvme", "enabled", "1", "true or false"),
         ("policy", "promote_on_hit", '"yes please"', "true or false"),
         ("policy", "pin_lease", '"never"', "positive duration"),
+        # a lease or a time-out that never ends in practice: pins never lapsed
+        ("policy", "pin_lease", "1e+300", "at most 1d"),
+        ("cluster", "timeout", '"2d"', "at most 1h"),
+        ("cluster", "retry_after", '"30d"', "at most 1d"),
         ("policy", "write_queue", "0", "integer from 1"),
         ("policy", "page_bytes", "16", "at least 256"),
     ],
