@@ -310,6 +310,16 @@ class ClusterTier:
         values = self._call("get", lambda c: self._pipeline(c, "getex", keys, **expiry))
         return [v if isinstance(v, bytes) else None for v in values]
 
+    def refresh(self, keys: Sequence[bytes]) -> int:
+        """Set the TTL of the values of ``keys`` anew (PEXPIRE; absent keys are left absent): blocks
+        served from a host's own tiers, whose cluster copies no read refreshes. Returns how many were
+        there. ClusterUnavailable on an outage."""
+        px = _px(self.ttl)
+        if not keys or px is None:
+            return 0
+        found = self._call("refresh", lambda c: self._pipeline(c, "pexpire", keys, time=px))
+        return sum(1 for f in found if f is True or f == 1)
+
     def store(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         """SET each ``(key, value)`` with the TTL; returns how many were stored. A refusal for
         memory (maxmemory) is counted in ``write_refused``; ClusterUnavailable on an outage, also
@@ -504,9 +514,10 @@ def _px(seconds: float) -> int | None:
 CLOCK_SLACK = 600.0
 SESSION_BATCH = 256  # session records read in one round trip by ``sessions``
 
-# The single-key reads ``_pipeline`` sends with ``by_node``: op -> the command for one key.
+# The single-key commands ``_pipeline`` sends with ``by_node``: op -> the command for one key.
 _READS: dict[str, Callable[..., tuple[Any, ...]]] = {
     "exists": lambda key: ("EXISTS", key),
+    "pexpire": lambda key, time: ("PEXPIRE", key, time),
     "get": lambda key: ("GET", key),
     "getrange": lambda key, start, end: ("GETRANGE", key, start, end),
     "getex": lambda key, px=None, persist=False: (

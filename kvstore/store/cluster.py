@@ -22,8 +22,10 @@ find a block.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice, takewhile
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 FETCH_BATCH = 8  # blocks per pipelined GETEX: bounds the memory one read holds in flight
 FETCHERS = 4  # reads fetching their next batch at once
 LOOKUP_LIMIT = 4096  # blocks one lookup asks the cluster about at most
+REFRESH_SHARE = 0.25  # a block served here has its cluster TTL set anew once this share of it has passed
+REFRESH_MEMORY = 1 << 16  # blocks whose last refresh is remembered (~8 MB); the others are refreshed again
+REFRESH_BATCH = 256  # TTLs set in one round trip
 UNSENT_LIMIT = 1 << 16  # dropped blocks remembered to send again (2 MiB of keys, ~7 MB as Python objects)
 RECORDS_BYTES = 64 << 20  # session records waiting hold at most this many bytes of keys and token ids
 
@@ -89,6 +94,10 @@ class ClusterLink:
         self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="kvstore-cluster-fetch")
         self._decoders = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-decode")
         self._adopter = Adopter()
+        # blocks served from this host's tiers, by when their cluster copy's TTL was last set (newest
+        # last), and those due a refresh (see ``touch``)
+        self._refreshed: OrderedDict[bytes, float] = OrderedDict()
+        self._refresh_due: dict[bytes, None] = {}
 
     # -- writes -----------------------------------------------------------------------
     def submit(self, new: list[bytes], touched: Sequence[bytes] = ()) -> None:
@@ -119,6 +128,58 @@ class ClusterLink:
         refused = self._writer.submit(keys, 0.0)
         if refused:
             self._dropped(refused, again)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Blocks served from this host's tiers: their cluster copies' TTL is set anew on the cluster
+        thread, each at most once per REFRESH_SHARE of the TTL. Only reads from the cluster refreshed
+        it: a prefix this host serves all day (a system prompt) expired for every other host, and
+        with it, lookups being prefix-closed, every conversation built on it."""
+        ttl = self.cluster.ttl
+        if not keys or not math.isfinite(ttl):
+            return
+        now, every = time.monotonic(), ttl * REFRESH_SHARE
+        with self._unsent_lock:
+            idle = not self._refresh_due
+            for k in keys:
+                last = self._refreshed.get(k)
+                if last is not None and now - last < every:
+                    continue
+                self._refreshed[k] = now
+                self._refreshed.move_to_end(k)
+                self._refresh_due[k] = None
+            while len(self._refreshed) > REFRESH_MEMORY:
+                self._refreshed.popitem(last=False)
+            while len(self._refresh_due) > REFRESH_MEMORY:  # the cluster thread is behind: the oldest wait
+                self._refresh_due.pop(next(iter(self._refresh_due)))
+            due = bool(self._refresh_due)
+        if due and idle:
+            self._writer.run_soon(self._refresh)
+
+    def _set(self, keys: Sequence[bytes]) -> None:
+        """``keys``' cluster copies have their TTL from now (written, or read with GETEX)."""
+        now = time.monotonic()
+        with self._unsent_lock:
+            for k in keys:
+                self._refreshed[k] = now
+                self._refreshed.move_to_end(k)
+            while len(self._refreshed) > REFRESH_MEMORY:
+                self._refreshed.popitem(last=False)
+
+    def _refresh(self) -> None:
+        """(The cluster thread.) Set anew the TTL of the blocks ``touch`` found due, a batch at a time."""
+        while True:
+            with self._unsent_lock:
+                batch = list(islice(self._refresh_due, REFRESH_BATCH))
+                for k in batch:
+                    del self._refresh_due[k]
+            if not batch:
+                return
+            try:
+                self.cluster.refresh(batch)
+            except ClusterUnavailable:  # refreshed at a later touch instead
+                with self._unsent_lock:
+                    for k in batch:
+                        self._refreshed.pop(k, None)
 
     def _ancestors(self, key: bytes) -> list[bytes]:
         """The keys of the blocks before ``key`` in its chain, root first."""
@@ -225,7 +286,9 @@ class ClusterLink:
         except ClusterUnavailable:
             self._dropped([key], counted)
             return
-        if not stored:  # refused for memory (counted in write_refused): sent again with the next put
+        if stored:
+            self._set([key])
+        else:  # refused for memory (counted in write_refused): sent again with the next put
             self._dropped([key], counted, count=False)  # that reaches it, or the blocks after it are lost
 
     def _record(self, key: bytes) -> BlockRecord:
@@ -352,6 +415,7 @@ class ClusterLink:
             return n
         finally:
             self.cluster.count(misses=want - n)  # per block: those asked for and not served
+            self._set(keys[:n])  # GETEX set their TTL anew
             if ahead is not None:  # a read cut short: its prefetch is waited for, not left running
                 try:
                     ahead.result()

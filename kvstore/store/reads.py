@@ -165,6 +165,8 @@ class Reader:
                 self._data.after_get(read, want - len(read), self._clock(), ready)
                 self._counts.tokens_served += len(read) * T
         tiers = [self._tiers.names[t] for _, _, t in read]
+        if self._cluster is not None and read:
+            self._cluster.touch([e.key for e, _, _ in read])
         if remote and missed is not None and len(read) == len(chain):
             assert self._cluster is not None
             n = self._cluster.fill(
@@ -261,6 +263,8 @@ class Reader:
                 return
             self._data.after_get(read, len(located.places) - used, self._clock(), ready)
             self._counts.tokens_served += used * T
+        if self._cluster is not None and read:
+            self._cluster.touch([e.key for e, _, _ in read])
 
 
 @dataclass(frozen=True)
