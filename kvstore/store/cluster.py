@@ -97,7 +97,7 @@ class ClusterLink:
         # blocks served from this host's tiers, by when their cluster copy's TTL was last set (newest
         # last), and those due a refresh (see ``touch``)
         self._refreshed: OrderedDict[bytes, float] = OrderedDict()
-        self._refresh_due: dict[bytes, None] = {}
+        self._refresh_due: OrderedDict[bytes, None] = OrderedDict()
 
     # -- writes -----------------------------------------------------------------------
     def submit(self, new: list[bytes], touched: Sequence[bytes] = ()) -> None:
@@ -140,30 +140,27 @@ class ClusterLink:
         now, every = time.monotonic(), ttl * REFRESH_SHARE
         with self._unsent_lock:
             idle = not self._refresh_due
-            for k in keys:
-                last = self._refreshed.get(k)
-                if last is not None and now - last < every:
-                    continue
-                self._refreshed[k] = now
-                self._refreshed.move_to_end(k)
-                self._refresh_due[k] = None
-            while len(self._refreshed) > REFRESH_MEMORY:
-                self._refreshed.popitem(last=False)
-            while len(self._refresh_due) > REFRESH_MEMORY:  # the cluster thread is behind: the oldest wait
-                self._refresh_due.pop(next(iter(self._refresh_due)))
-            due = bool(self._refresh_due)
-        if due and idle:
+            due = [k for k in keys if now - self._refreshed.get(k, -math.inf) >= every]
+            self._remember(due, now)
+            self._refresh_due.update(dict.fromkeys(due))
+            while len(self._refresh_due) > REFRESH_MEMORY:  # the cluster thread is behind: the oldest
+                self._refreshed.pop(self._refresh_due.popitem(last=False)[0], None)  # go, asked again later
+            waiting = bool(self._refresh_due)
+        if waiting and idle:
             self._writer.run_soon(self._refresh)
 
     def _set(self, keys: Sequence[bytes]) -> None:
         """``keys``' cluster copies have their TTL from now (written, or read with GETEX)."""
-        now = time.monotonic()
         with self._unsent_lock:
-            for k in keys:
-                self._refreshed[k] = now
-                self._refreshed.move_to_end(k)
-            while len(self._refreshed) > REFRESH_MEMORY:
-                self._refreshed.popitem(last=False)
+            self._remember(keys, time.monotonic())
+
+    def _remember(self, keys: Sequence[bytes], now: float) -> None:
+        """(``_unsent_lock`` held.) ``keys`` had their cluster TTL set at ``now``."""
+        for k in keys:
+            self._refreshed[k] = now
+            self._refreshed.move_to_end(k)
+        while len(self._refreshed) > REFRESH_MEMORY:
+            self._refreshed.popitem(last=False)
 
     def _refresh(self) -> None:
         """(The cluster thread.) Set anew the TTL of the blocks ``touch`` found due, a batch at a time."""
