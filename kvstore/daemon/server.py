@@ -58,6 +58,7 @@ from kvstore.daemon.budget import Charge, InflightBudget
 from kvstore.daemon.endpoint import ipc_path, remove_socket, socket_identity
 from kvstore.daemon.handlers import Handlers, PinQuota
 from kvstore.daemon.metrics import Metrics
+from kvstore.daemon.outbox import Outbox
 from kvstore.daemon.startup import Startup
 from kvstore.daemon.tenancy import admit
 from kvstore.daemon.zap import ZapHandler, peer_tenant
@@ -89,6 +90,7 @@ PROGRESS_EVERY = 5.0  # seconds between "still starting" log lines
 POLL_MS = 100  # how soon the loop notices a stop request
 HEARTBEAT_MS = 10_000  # how often each connection is pinged (ZMTP heartbeat; clients answer unasked)
 HEARTBEAT_TIMEOUT_MS = 60_000  # a connection with no traffic this long after a ping is closed
+RETRY_MS, RETRY_MAX_MS = 1, 25  # how soon parked replies are tried again (kvstore.daemon.outbox)
 BATCH = 64  # messages taken from a socket per wake-up, so neither side starves the other
 MAX_WAITING_COMMITS = 8  # commits of one client queued behind its running one, taken past a spent budget
 
@@ -152,6 +154,7 @@ class Server:
         self._in_order: dict[bytes, deque[tuple[Request, float, int]]] = {}
         self._ordered: dict[int, bytes] = {}  # charge of a running commit -> its peer
         self._workers: ThreadPoolExecutor | None = None
+        self._outbox: Outbox | None = None  # the router's, while run() serves
         self._next_charge = 0
         self._store_ref = _LateStore()
         self.metrics = Metrics(self._store_ref, usage=self._store_ref.usage)
@@ -181,6 +184,8 @@ class Server:
             "requests": self.requests,
             "errors": self.errors,
             "inflight": self.outstanding,
+            "replies_waiting": 0 if self._outbox is None else self._outbox.parked,
+            "replies_dropped": 0 if self._outbox is None else self._outbox.dropped,
             "clients": len(self.proto.inflight),
             "namespaces": len(self.proto.namespaces),
             "namespaces_expired": self.proto.expired,
@@ -223,6 +228,7 @@ class Server:
         router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         router.setsockopt(zmq.HANDSHAKE_IVL, HEARTBEAT_TIMEOUT_MS)
+        self._outbox = Outbox(router)
         pull = self.ctx.socket(zmq.PULL)
         pull.bind(self._replies)
         zap: ZapHandler | None = None
@@ -261,8 +267,12 @@ class Server:
         finally:
             workers.shutdown(wait=True)
             self.metrics.stop()
-            while self.outstanding and self._forward(router, pull, block=False):
+            while self.outstanding and self._forward(pull):
                 pass
+            flush_until = time.monotonic() + 1.0  # replies parked for clients still reading get a moment
+            while self._outbox is not None and self._outbox.parked and time.monotonic() < flush_until:
+                if not self._outbox.retry():
+                    time.sleep(RETRY_MS / 1000)
             with self._sockets_lock:
                 for s in self._worker_sockets:
                     s.close(linger=0)
@@ -311,7 +321,10 @@ class Server:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        assert self._outbox is not None
+        outbox = self._outbox
         deadline = None
+        retry_ms = RETRY_MS
         while True:
             self._check_startup()
             if self._stop_reason is not None and self.startup is not None and not self.startup.done():
@@ -333,9 +346,13 @@ class Server:
                         DRAIN_TIMEOUT,
                     )
                     return
-            events = dict(poller.poll(POLL_MS))
+            # ZeroMQ tells no one when a client's pipe has room again: parked replies are tried
+            # again soon, then less often while their clients read nothing
+            events = dict(poller.poll(retry_ms if outbox.parked else POLL_MS))
+            if outbox.parked:  # before new requests: what leaves frees budget for them
+                retry_ms = RETRY_MS if outbox.retry() else min(2 * retry_ms, RETRY_MAX_MS)
             if pull in events:
-                self._forward(router, pull, block=False)
+                self._forward(pull)
             if router in events:
                 for _ in range(BATCH):
                     try:
@@ -354,14 +371,13 @@ class Server:
                         if count == 1 or (count <= MAX_FRAMES and size <= self.limits.max_message_bytes):
                             frames.append(frame)
                     try:
-                        self._on_request(router, workers, peer, frames, tenant, (count, size))
+                        self._on_request(workers, peer, frames, tenant, (count, size))
                     except Exception as e:  # a bug in our checks must not end the daemon
                         log.exception("a request from %s broke the loop; answering internal", peer.hex())
-                        self._answer_broken(router, peer, frames, e)
+                        self._answer_broken(peer, frames, e)
 
     def _on_request(
         self,
-        router: zmq.Socket,
         workers: ThreadPoolExecutor,
         peer: bytes,
         frames: list,
@@ -380,15 +396,13 @@ class Server:
             self.errors += 1
             self.metrics.observe("invalid", time.perf_counter() - arrived, e.code)
             log.debug("rejected a request from %s: %s [%s]", peer.hex(), e.message, e.code)
-            router.send_multipart(
-                [peer, *self.proto.error(peer, e.request_id, e.code, e.message, done=False)]
-            )
+            self._send(peer, self.proto.error(peer, e.request_id, e.code, e.message, done=False))
             return
         except Exception:
             self._uncount(peer, before)
             raise
         try:
-            self._answer(router, workers, peer, frames, tenant, request, arrived)
+            self._answer(workers, peer, frames, tenant, request, arrived)
         except Exception:
             self._uncount(peer, before)
             raise
@@ -402,7 +416,6 @@ class Server:
 
     def _answer(
         self,
-        router: zmq.Socket,
         workers: ThreadPoolExecutor,
         peer: bytes,
         frames: list,
@@ -425,7 +438,7 @@ class Server:
             if denied is not None:
                 self.errors += 1
                 self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, denied)
-                router.send_multipart([peer, *self.proto.reply(request, denied)])
+                self._send(peer, self.proto.reply(request, denied))
                 return
         reply: Message | None
         if self._stop_reason is not None:
@@ -466,9 +479,9 @@ class Server:
         else:
             out = self.proto.reply(request, reply)
         self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
-        router.send_multipart([peer, *out])  # a small reply: copying beats wrapping in zmq.Frames
+        self._send(peer, out)  # a small reply: copying beats wrapping in zmq.Frames
 
-    def _answer_broken(self, router: zmq.Socket, peer: bytes, frames: list, error: Exception) -> None:
+    def _answer_broken(self, peer: bytes, frames: list, error: Exception) -> None:
         """Answer a request whose handling raised on the loop: with its id when its header can be
         read (the client waits for that id; without it, until its timeout)."""
         rid: int | None = None
@@ -480,7 +493,7 @@ class Server:
             pass
         message = f"the daemon failed on this request ({type(error).__name__}: {error}); see its log"
         try:
-            router.send_multipart([peer, *encode(rid, ErrorReply(code="internal", message=message))])
+            self._send(peer, encode(rid, ErrorReply(code="internal", message=message)))
         except Exception:  # the answer is lost, the daemon is not
             log.exception("answering request %s from %s failed", rid, peer.hex())
 
@@ -529,21 +542,35 @@ class Server:
             frames = encode(request.id, ErrorReply(code="internal", message=f"reply failed: {e}"))
         self._local.push.send_multipart([charge.to_bytes(8, "little"), request.peer, *frames], copy=False)
 
-    def _forward(self, router: zmq.Socket, pull: zmq.Socket, *, block: bool) -> int:
-        """Send up to BATCH replies workers finished; returns how many. A vanished peer's reply is dropped."""
+    def _forward(self, pull: zmq.Socket) -> int:
+        """Send (or park: kvstore.daemon.outbox) up to BATCH replies workers finished; returns how many."""
         for n in range(BATCH):
             try:
-                frames = pull.recv_multipart(0 if block else zmq.NOBLOCK, copy=False)
+                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return n
             number = int.from_bytes(frames[0].bytes, "little")
-            charge = self._charges.pop(number)
-            router.send_multipart(frames[1:], copy=False)
-            self._next_in_order(number)
-            self.budget.release(charge)
-            self.proto.done(frames[1].bytes)
+            peer = frames[1].bytes
             self.outstanding -= 1
+            self._send(peer, frames[2:], copy=False, sent=self._sent(number, peer))
+            self._next_in_order(number)
         return BATCH
+
+    def _send(
+        self, peer: bytes, frames: list[Any], *, copy: bool = True, sent: Callable[[], None] | None = None
+    ) -> None:
+        assert self._outbox is not None  # (set by run before the loop starts)
+        self._outbox.send(peer, frames, copy=copy, sent=sent)
+
+    def _sent(self, number: int, peer: bytes) -> Callable[[], None]:
+        """The reply of the request charged ``number`` has left (or its peer is gone): the charge and the
+        client's count in flight are released only now, so replies a client leaves unread count."""
+
+        def sent() -> None:
+            self.budget.release(self._charges.pop(number))
+            self.proto.done(peer)
+
+        return sent
 
     def _next_in_order(self, number: int) -> None:
         """The commit with charge ``number`` is answered: start its client's next one, if any."""

@@ -13,6 +13,7 @@ requests in the worker queue (eight connections of 8 MiB puts took a daemon from
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,63 @@ def test_many_connections_pushing_big_puts_stay_within_the_budget(daemons, tmp_p
     finally:
         for r in conns:
             r.close()
+
+
+@pytest.mark.slow
+def test_a_client_that_never_reads_its_replies_holds_no_more_than_the_budget(daemons, tmp_path: Path) -> None:
+    """one connection: 320 gets of a 2 MiB prefix sent, none of the replies read (640 MiB of replies)
+    ->  the daemon holds the replies it cannot send within the tenant's budget, refusing the rest busy
+        (before: ZeroMQ queued up to 1000 replies per connection, all of them here)
+        once the client reads, every get has exactly one reply, and the replies served are exact"""
+    cfg = write_config(
+        tmp_path,
+        server={
+            "max_inflight_bytes": f"{BUDGET // MiB}MiB",
+            "max_inflight_bytes_per_tenant": f"{BUDGET // MiB}MiB",
+            "max_message_bytes": "4MiB",
+        },
+        hbm={"capacity": "16MiB"},
+        ram={"capacity": "16MiB"},
+        nvme={"enabled": False},
+        policy={"page_bytes": "64KiB"},
+    )
+    d = daemons(cfg)
+    pid = d.proc.pid
+    kv = torch.randn(BIG.shape(BLOCKS * BIG.block_tokens)).to(torch.float16)
+    payload = kv.view(-1).view(torch.uint8).numpy().tobytes()
+    tokens = np.arange(BLOCKS * BIG.block_tokens, dtype=np.uint32).tobytes()
+    reader = Raw(endpoint_of(cfg))
+    reader.sock.rcvhwm = 1  # what it does not read stays with the daemon, not in this process
+    reader.sock.rcvbuf = 64 * 1024
+    try:
+        assert reader.ask(header("hello", 1, namespace=NS.to_dict()))["op"] == "hello"
+        put = header("put", 2, ns=NS.id, tokens=tokens, start_block=0, shape=list(kv.shape), dtype=BIG.dtype)
+        assert reader.ask(put, payload)["op"] == "put"
+        base = rss_bytes(pid)
+        gets = 320
+        for i in range(gets):
+            reader.sock.send(header("get", 10 + i, ns=NS.id, tokens=tokens, start_block=0))
+            if i % 16 == 15:  # the way a client pipelines: a burst, then the next a moment later
+                time.sleep(0.05)
+        time.sleep(1.0)
+        grew = status(pid)["VmHWM"] - base
+        offered = gets * PUT_BYTES
+        replies = [reader.recv(60000) for _ in range(gets)]
+        assert sorted(x["id"] for x in replies) == list(range(10, 10 + gets))  # each answered once
+        assert not reader.sock.poll(300)
+        codes: dict[str, int] = {}
+        for x in replies:
+            key = x["op"] if x["op"] != "error" else x["code"]
+            codes[key] = codes.get(key, 0) + 1
+        print(
+            f"\nRSS grew {grew / MiB:.0f} MiB with {offered / MiB:.0f} MiB of replies unread; replies {codes}"
+        )
+        # the budget, the few replies ZeroMQ holds for the connection, and slack for the allocator
+        assert grew < BUDGET + 12 * PUT_BYTES + 64 * MiB, f"RSS grew {grew / MiB:.0f} MiB"
+        assert set(codes) <= {"get", "busy"} and codes.get("get", 0) > 0, codes
+        reader.sock.send(header("get", 999, ns=NS.id, tokens=tokens, start_block=0))
+        assert reader.sock.poll(10000)
+        served = reader.sock.recv_multipart()  # and it goes on serving, exact bytes
+        assert len(served) == 2 and served[1] == payload
+    finally:
+        reader.close()
