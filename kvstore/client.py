@@ -39,6 +39,7 @@ the socket in socket_path.py, K/V through shared memory in shm/client_path.py.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import threading
 import time
@@ -92,11 +93,59 @@ from kvstore.wire.reply_data import as_list, as_map, build, is_a, malformed
 def _endpoint(endpoint: str | None) -> str:
     """``endpoint`` (default: $KVSTORE_ENDPOINT, else the default socket); ConfigError for one a
     daemon listens on but nobody can connect to (``tcp://*:5555``), or no text at all."""
-    from kvstore.config import check_connect_endpoint, default_endpoint
+    from kvstore.config import check_connect_endpoint, check_endpoint, default_endpoint
 
     if endpoint is not None and not isinstance(endpoint, str):
         raise ConfigError(f"endpoint must be a string like 'ipc:///path/kv.sock', got {endpoint!r}")
-    return check_connect_endpoint(endpoint or os.environ.get("KVSTORE_ENDPOINT") or default_endpoint())
+    return check_connect_endpoint(
+        check_endpoint(endpoint or os.environ.get("KVSTORE_ENDPOINT") or default_endpoint())
+    )
+
+
+def _int(v: Any, least: int) -> int | None:
+    """``v`` as an int (numpy's too) if it is one of ``least`` or more, else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        i = operator.index(v)
+    except TypeError:
+        return None
+    return i if i >= least else None
+
+
+def _count(name: str, v: Any, *, least: int = 0, none: bool = False) -> Any:
+    """``v``, an int >= ``least`` (or None when ``none``); InvalidRequest naming ``name``."""
+    if v is None and none:
+        return v
+    i = _int(v, least)
+    if i is None:
+        raise InvalidRequest(
+            f"{name} must be an int of {least} or more{' (or None)' if none else ''}; got {v!r}"
+        )
+    return i
+
+
+def _start(v: Any) -> int:
+    """A ``start`` token position: an int >= 0; LayoutError otherwise."""
+    i = _int(v, 0)
+    if i is None:
+        raise LayoutError(f"start must be a token position, an int of 0 or more; got {v!r}")
+    return i
+
+
+def _device(v: Any) -> torch.device:
+    """Where ``get`` puts the K/V: a cpu or (on a host that has one) cuda device; InvalidRequest otherwise."""
+    try:
+        d = torch.device(v)
+    except (TypeError, RuntimeError) as e:
+        raise InvalidRequest(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {v!r} ({e})") from None
+    if d.type not in ("cpu", "cuda"):
+        raise InvalidRequest(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {v!r}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest(
+            f"device {v!r}: this process has no CUDA device (torch.cuda.is_available() is False)"
+        )
+    return d
 
 
 def _seconds(name: str, v: Any, *, zero: bool = False) -> float:
@@ -157,6 +206,9 @@ class KVStoreClient:
         if (model is None) != (layout is None):
             raise InvalidNamespace("give both model and layout (or neither, for an operator's client)")
         timeout = _seconds("timeout", timeout)
+        retries = _count("retries", retries)
+        window = _count("window", window, least=1)
+        chunk_blocks = _count("chunk_blocks", chunk_blocks, least=1, none=True)
         self.namespace = (
             None
             if model is None or layout is None
@@ -194,7 +246,8 @@ class KVStoreClient:
 
     @property
     def shared_memory(self) -> bool:
-        """Whether K/V moves through shared memory (as of the last hello; False before the first call)."""
+        """Whether K/V moves through shared memory (as of the last hello; False before the first call
+        and once closed)."""
         with self._lock:
             return self._shm.mapping() is not None
 
@@ -256,12 +309,13 @@ class KVStoreClient:
         """
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
+        device = _device(device)
         with self._lock:
             self._conn.ensure_hello()
             tokens = self._names(token_ids)
             if self._shm.mapping() is not None:
                 # host memory is reserved, not touched, until written: no lookup needed to size it
-                on_cpu = torch.device(device).type == "cpu"
+                on_cpu = device.type == "cpu"
                 total = tokens.blocks(T) if on_cpu else self._socket.lookup(ns, tokens).matched_blocks
                 if total == 0:
                     return GetResult(0, 0, None, [])
@@ -292,8 +346,9 @@ class KVStoreClient:
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         check_target(out, layout, "get_into out")
-        if start < 0 or (start % T and not isinstance(out, PagedKV)):
-            raise LayoutError(f"start {start} must be >= 0, and a multiple of {T} for a tensor out")
+        start = _start(start)
+        if start % T and not isinstance(out, PagedKV):
+            raise LayoutError(f"start {start} must be a multiple of {T} for a tensor out")
         first = start // T
         if isinstance(out, PagedKV) and start > out.floor:
             out = out.above(start)
@@ -324,7 +379,7 @@ class KVStoreClient:
         check_target(src, layout, "put_from src")
         names = as_chain(token_ids)
         total = min(names.blocks(T), target_tokens(src) // T)
-        first = max(0, start) // T
+        first = _start(start) // T
         if total <= first:
             return PutResult(0, 0, [])
         with self._lock:

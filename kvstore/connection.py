@@ -125,8 +125,13 @@ class Connection:
         self._greeted = False
         self.reconnects += 1
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         self._closed = True
+        self.shm_offer = None  # nothing is mapped from a closed client again
         self._finalizer.detach()
         if self.sock is not None:
             self.sock.close(linger=0)
@@ -172,21 +177,26 @@ class Connection:
             if got is not None:
                 return got
 
-    def ensure_hello(self) -> None:
-        """Register the namespace (once per socket); a no-op for a client without one."""
+    def ensure_hello(self, retries: int | None = None) -> int:
+        """Register the namespace (once per socket); a no-op for a client without one. ``retries``: at most
+        this many of the client's (a call that must say hello again spends its own). Returns the retries spent."""
         if self._greeted or self.namespace is None:
-            return
+            return 0
         self._greeted = True  # set first: the exchange below must not recurse
+        out: list[Message] = []
+        hello = Hello(namespace=self.namespace, shm=self.shared_memory)
         try:
-            reply = self.call(
-                Hello(namespace=self.namespace, shm=self.shared_memory), idempotent=True, greet=False
+            spent = self.pipeline(
+                1, lambda _: hello, lambda _, r: out.append(r), idempotent=True, greet=False, retries=retries
             )
+            reply = out[0]
         except BaseException:
             self._greeted = False  # a refused hello (forbidden tenant, timeout) is tried again next call
             raise
         assert isinstance(reply, HelloOk)
         self.limits = Limits.from_dict(reply.limits)
         self.shm_offer = reply.shm
+        return spent
 
     def hello_again(self) -> None:
         """Say hello now on this socket (a reply showed the daemon is not the one greeted: it
@@ -209,14 +219,17 @@ class Connection:
         idempotent: bool,
         window: int = 1,
         greet: bool = True,
-    ) -> None:
+        retries: int | None = None,
+    ) -> int:
         """Send requests ``make(0) .. make(n-1)``, at most ``window`` in flight; ``on_reply(i, reply)`` per answer.
 
-        ``make`` may be called again for the same index after a reconnect.
+        ``make`` may be called again for the same index after a reconnect. ``retries``: at most this
+        many of the client's ``retries`` (a hello saying again shares its call's); returns how many it spent.
         Raises the library exception of the first error reply, RequestTimeout
         when retries run out, RemoteProtocolError for a garbled reply that a
         retry did not cure.
         """
+        budget = self.retries if retries is None else retries
         todo: deque[int] = deque(range(n))
         inflight: dict[int, int] = {}  # request id -> index
         attempts = 0
@@ -229,7 +242,7 @@ class Connection:
             reason: str, *, fresh_socket: bool, backoff: bool = False, cause: Exception | None = None
         ) -> None:
             nonlocal attempts, inflight
-            if not idempotent or attempts >= self.retries:
+            if not idempotent or attempts >= budget:
                 for rid in inflight:
                     self.proto.forget(rid)
                 if cause is not None:
@@ -261,8 +274,8 @@ class Connection:
 
         try:
             while todo or inflight:
-                if greet:
-                    self.ensure_hello()
+                if greet:  # the hello a reconnect needs spends this call's retries, not retries of its own
+                    attempts += self.ensure_hello(retries=budget - attempts)
                 blocked = False
                 while todo and len(inflight) < window and not blocked:
                     i = todo.popleft()
@@ -345,6 +358,7 @@ class Connection:
             for rid in inflight:  # not read as the answer to this connection's next request
                 self.proto.forget(rid)
             raise
+        return attempts
 
 
 __all__ = ["Connection", "ServerError"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +29,17 @@ import torch
 from kvstore.errors import LayoutError
 from kvstore.layout import KVLayout
 from kvstore.memcopy import CopyBatch, copy_into, scatter_rows
+
+
+def _indices(values: torch.Tensor | Sequence[int], what: str) -> torch.Tensor:
+    """``values`` as int64 indices; LayoutError for anything but integers (a float id is no block)."""
+    try:
+        t = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise LayoutError(f"{what} must be integers: {e}") from None
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise LayoutError(f"{what} must be integers, got {t.dtype}")
+    return t.to(torch.int64)
 
 
 class PagedKV:
@@ -53,7 +65,7 @@ class PagedKV:
         kv: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """Token-slot buffers ``[slots, H, D]`` per layer and the slot of each token."""
-        idx = torch.as_tensor(slots, dtype=torch.int64)
+        idx = _indices(slots, "slots")
         if idx.dim() != 1:
             raise LayoutError(f"slots must be one index per token, got shape {tuple(idx.shape)}")
         for name, bufs in (("k", k), ("v", v)):
@@ -90,10 +102,14 @@ class PagedKV:
                         f"PagedKV {name}[{i}] is {tuple(b.shape)}; block buffers are [num_blocks, block_size, H, D]"
                     )
         self = cls.__new__(cls)
-        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        ids = _indices(block_ids, "block ids")
         if ids.dim() != 1:
             raise LayoutError(f"block ids must be one id per block, got shape {tuple(ids.shape)}")
         bs = k[0].shape[1] if k else 1
+        try:
+            num_tokens = operator.index(num_tokens)
+        except TypeError:
+            raise LayoutError(f"num_tokens must be an int, got {num_tokens!r}") from None
         if num_tokens < 0 or num_tokens > len(ids) * bs:
             raise LayoutError(f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks, {len(ids)} given")
         self._setup(list(k), list(v), ids[: -(-num_tokens // bs)], num_tokens, kv, what="block ids")

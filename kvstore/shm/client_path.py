@@ -73,7 +73,7 @@ class SharedPath:
         """The mapping of the daemon's current segments (mapped on first use), or None: the daemon
         offers none (tcp, ``shared_memory = "off"``) or they could not be mapped (use the socket)."""
         offer = self._conn.shm_offer
-        if offer is None:
+        if offer is None or self._conn.closed:
             self._unmap()  # a daemon that offers none now (restarted with shared_memory = "off")
             return None
         instance = str(offer.get("instance"))

@@ -28,6 +28,63 @@ def test_an_endpoint_that_is_no_text_is_refused() -> None:
         KVStoreClient(endpoint=5)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("endpoint", ["foo", "tcp://127.0.0.1", "tcp://127.0.0.1:99999", "udp://h:1"])
+def test_an_endpoint_zeromq_cannot_connect_to_is_refused_at_construction(endpoint: str) -> None:
+    # it was taken, and the first call raised ZeroMQ's own "Invalid argument"
+    with pytest.raises(ConfigError, match="is not allowed; expected 'ipc:///path/to/socket'"):
+        KVStoreClient(endpoint=endpoint)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("retries", "2"), ("retries", None), ("retries", -1), ("retries", 1.0), ("window", "2"), ("window", 0),
+     ("chunk_blocks", 0), ("chunk_blocks", 2.5)],
+)  # fmt: skip
+def test_counts_that_are_no_ints_are_refused(name: str, value: Any) -> None:
+    # retries="2" worked until the daemon first failed to answer, then raised TypeError
+    with pytest.raises(InvalidRequest, match=f"{name} must be an int of"):
+        KVStoreClient(model="m", layout=LAYOUT, **{name: value})
+
+
+def test_a_count_may_be_a_numpy_int() -> None:
+    KVStoreClient(model="m", layout=LAYOUT, retries=np.int64(1), window=np.int32(2)).close()  # type: ignore[arg-type]
+
+
+def test_positions_devices_and_ids_that_make_no_sense_are_refused(daemons: Any, tmp_path: Path) -> None:
+    import torch
+
+    from kvstore.errors import LayoutError
+    from kvstore.kvbuffers import PagedKV
+
+    d = daemons(write_config(tmp_path))
+    tokens = random_tokens(np.random.default_rng(9), 2)
+    kv = prefix_kv(tokens)
+    out = torch.zeros_like(kv)
+    with client(d.endpoint) as c:
+        assert c.put(tokens, kv).stored == 2
+        for start in (4.0, "4", -4, True):
+            with pytest.raises(LayoutError, match="start must be a token position"):
+                c.get_into(tokens, out, start=start)  # type: ignore[arg-type]
+            with pytest.raises(LayoutError, match="start must be a token position"):
+                c.put_from(tokens, kv, start=start)  # type: ignore[arg-type]
+        # "meta" was served as a hit with no data in it; "cuda" here raised torch's own error after a lookup
+        for device in ("meta", "gpu", "cuda" if not torch.cuda.is_available() else "xla"):
+            with pytest.raises(InvalidRequest, match="device"):
+                c.get(tokens, device=device)
+        k = [torch.zeros(4, T, *kv.shape[3:], dtype=kv.dtype) for _ in range(LAYOUT.num_layers)]
+        with pytest.raises(LayoutError, match="block ids must be integers"):
+            PagedKV.blocks(k, k, [0.0, 1.7], 2 * T)  # type: ignore[list-item]  # they were truncated to 0 and 1
+        with pytest.raises(LayoutError, match="num_tokens must be an int"):
+            PagedKV.blocks(k, k, [0, 1], 2.0 * T)  # type: ignore[arg-type]
+        with pytest.raises(LayoutError, match="slots must be integers"):
+            PagedKV([b[:, 0] for b in k], [b[:, 0] for b in k], torch.tensor([0.0, 1.0]))
+        v = [torch.zeros_like(b) for b in k]
+        paged = PagedKV.blocks(k, v, np.array([3, 1]), np.int64(2 * T))  # type: ignore[arg-type]
+        got = c.get_into(tokens, paged, start=np.int64(0))  # type: ignore[arg-type]
+        assert got.matched_tokens == 2 * T
+        assert torch.equal(k[0][3], kv[0, 0, :T]) and torch.equal(v[1][1], kv[1, 1, T:])
+
+
 def test_arguments_msgpack_cannot_carry_are_refused_before_anything_is_sent(
     daemons: Any, tmp_path: Path
 ) -> None:
@@ -66,6 +123,48 @@ def test_a_client_used_after_close_says_so(daemons: Any, tmp_path: Path) -> None
         c.ping()
 
 
+def test_a_closed_client_maps_no_shared_memory_again(daemons: Any, tmp_path: Path) -> None:
+    # shared_memory and get mapped the daemon's pools again after close, for good: a stopped daemon's
+    # /dev/shm memory stayed allocated while the client lived
+    from kvstore.errors import ClientClosed
+
+    def mapped() -> int:
+        return sum("/kvs-" in line for line in open("/proc/self/maps"))
+
+    d = daemons(write_config(tmp_path))
+    tokens = random_tokens(np.random.default_rng(10), 2)
+    c = client(d.endpoint)
+    assert c.put(tokens, prefix_kv(tokens)).stored == 2 and c.shared_memory
+    assert mapped() > 0
+    c.close()
+    assert mapped() == 0 and not c.shared_memory
+    with pytest.raises(ClientClosed):
+        c.get(tokens)
+    assert mapped() == 0
+
+
+def test_a_call_after_the_daemon_died_takes_no_longer_than_its_retries(daemons: Any, tmp_path: Path) -> None:
+    """The hello a reconnect needs spends the call's retries: the first call after the daemon died took
+    one timeout more than (retries + 1) x timeout (a hello with retries of its own)."""
+    import os
+    import signal
+    import time
+
+    from kvstore.wire.errors import RequestTimeout
+
+    d = daemons(write_config(tmp_path))
+    tokens = random_tokens(np.random.default_rng(11), 2)
+    with client(d.endpoint, timeout=1.0, retries=2) as c:
+        c.ping()
+        assert c.lookup(tokens).matched_tokens == 0  # greeted
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.wait_exit()
+        started = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            c.lookup(tokens)
+        assert time.monotonic() - started < 3.6
+
+
 def test_a_release_that_timed_out_is_not_sent_again(daemons: Any, tmp_path: Path) -> None:
     """A repeat after a time-out finds the pin its first try ended and answers False: the caller
     would take a released pin for one whose lease had lapsed. The time-out is raised instead."""
@@ -82,7 +181,9 @@ def test_a_release_that_timed_out_is_not_sent_again(daemons: Any, tmp_path: Path
     c = client(d.endpoint, timeout=0.5, retries=3)
     handle, _ = c.pin(tokens, lease=60)
     os.kill(d.proc.pid, signal.SIGSTOP)
-    threading.Timer(0.8, os.kill, (d.proc.pid, signal.SIGCONT)).start()
+    wake = threading.Timer(0.8, os.kill, (d.proc.pid, signal.SIGCONT))
+    wake.start()
     with pytest.raises(RequestTimeout):
         c.release(handle)
+    wake.join()  # before the daemon is stopped
     c.close()
