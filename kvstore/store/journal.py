@@ -1,9 +1,10 @@
 """Session and namespace rows, written to nvme on the writer thread (never on a caller's).
 
 Sessions and namespaces change under the store's lock; their rows reach LMDB
-in the order they changed, through the write-through thread's task list, so a
-put never waits on a disk commit for them. Without nvme there is nothing to
-write and every call is a no-op.
+through the write-through thread's task list, so a put never waits on a disk
+commit for them. A row changed again before its write ran is written once, as
+it is last: a conversation put faster than the disk commits holds one task, not
+one per put. Without nvme there is nothing to write and every call is a no-op.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Journal:
         self._lock = threading.Lock()
         self._failed: dict[_Key, Callable[[], None]] = {}  # namespace rows
         self._failed_sessions: OrderedDict[_Key, Callable[[], None]] = OrderedDict()  # oldest first
+        # rows whose task is queued and not started: the latest write of each (True: a retry's)
+        self._waiting: dict[_Key, tuple[Callable[[], None], bool]] = {}
         self._rewrite_all = False  # session rows were given up: write every session again
         self._failing = 0  # writes failed since the last one that succeeded
         self._warned_given_up = False  # in this run of failures
@@ -120,9 +123,17 @@ class Journal:
         writer = self._writer
         if writer is None:
             return
+        with self._lock:
+            queued = key in self._waiting
+            if queued and again:
+                return  # the row waiting is later than the one kept to retry
+            self._waiting[key] = (write, again)
+        if queued:
+            return  # the task queued for this row writes it as it is now
 
         def task() -> None:
             with self._lock:
+                write, again = self._waiting.pop(key)
                 if again and self._kept(key) is not write:
                     return  # a later row of the same name was written (or failed) meanwhile
             try:

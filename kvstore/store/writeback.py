@@ -15,7 +15,10 @@ Keys the queue refused (back-pressure) or whose write failed are *deferred*:
 kept, retried at the next tick or flush, and never called durable until written.
 A deferred key leaves the set only when it is written (or its block is gone):
 one queued again is still deferred while it waits and while it is written, so
-that a flush never finds the set empty while such a write may still fail.
+that a flush never finds it gone while such a write may still fail. Each carries
+the writer's queue number it owes its write to (kvstore.store.writer's marks):
+a flush answers for the blocks stored before it, not for those other clients
+put while it waits.
 """
 
 from __future__ import annotations
@@ -83,7 +86,8 @@ class WriteBack:
         self._backpressure = backpressure
         self._sweep = sweep
         self._closed = False
-        self.deferred: dict[bytes, None] = {}  # keys to write that the queue refused or that failed
+        # keys to write that the queue refused or that failed -> the earliest queue number they owe
+        self.deferred: dict[bytes, int] = {}
         self._requeued: set[bytes] = set()  # deferred keys queued again, not yet through ``write``
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
@@ -110,7 +114,7 @@ class WriteBack:
                 refused = self._writer.submit(keys, self._backpressure if wait is None else wait)
         finally:
             with self._lock:
-                self.deferred.update(dict.fromkeys(refused))
+                self._owe(refused)
                 if expected:
                     self._expected -= 1
                     self._queued.notify_all()
@@ -118,7 +122,14 @@ class WriteBack:
 
     def defer(self, keys: list[bytes]) -> None:
         """(Lock held.) Write ``keys`` from the writer's next tick, never on the caller's thread."""
-        self.deferred.update(dict.fromkeys(keys))
+        self._owe(keys)
+
+    def _owe(self, keys: list[bytes], number: int | None = None) -> None:
+        """(Lock held.) Defer ``keys``, owed since queue number ``number`` (default: the next one; a
+        key deferred already keeps its earlier number)."""
+        n = self._writer.mark() + 1 if number is None else number
+        for k in keys:
+            self.deferred[k] = min(self.deferred.get(k, n), n)
 
     def offer(self, frames: dict[bytes, Buffer]) -> None:
         """Frames of blocks about to be stored (read from the cluster tier): a block whose frame is in
@@ -165,10 +176,11 @@ class WriteBack:
         if snapshot:
             self.submit(self._unwritten(snapshot), wait=math.inf if wait is None else left())
         self._writer.run_soon(self.persist_dirty)
-        if not self._writer.drain(left()):
+        mark = self._writer.mark()  # what was queued by now, and no more: puts go on meanwhile
+        if not self._writer.drain(left(), upto=mark):
             return False
         with self._lock:
-            if self.deferred:
+            if any(n <= mark for n in self.deferred.values()):
                 return False
         self._nvme.sync()
         return True
@@ -322,7 +334,7 @@ class WriteBack:
         deferred keys, retried at the next tick or flush, so that flush does not call it durable."""
         self._counts.write_failures += 1
         if key in self._index:
-            self.deferred[key] = None
+            self._owe([key], self._writer.running)
 
     def _unwritable(self, key: bytes, err: CodecError) -> None:
         """(Lock held.) nvme's codec refuses block ``key`` (inf or NaN in it). Write-through promises
@@ -334,7 +346,7 @@ class WriteBack:
             return
         self._mover.refused(e, self._t, err)
         if self._mover.subtree_pinned(e):
-            self.deferred[key] = None
+            self._owe([key], self._writer.running)
             return
         self.deferred.pop(key, None)
         self._mover.drop_block(e)

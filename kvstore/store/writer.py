@@ -11,8 +11,10 @@ Back-pressure: ``submit`` blocks the putter while the queue is full, up to
 ``timeout``; a key still not queued then is returned as refused and the
 store keeps it in its deferred set (it is written on the next idle tick or
 ``flush``), so nothing is lost and a slow disk slows putters down instead of
-growing memory without bound. ``drain`` waits until nothing is queued or
-running: the store's ``flush`` is ``drain`` plus an LMDB sync.
+growing memory without bound. ``drain`` waits until what was queued before a
+``mark`` has run (the store's ``flush`` is that plus an LMDB sync): under a
+steady load the queue is never empty, and a flush must not wait for puts
+that came after it. Tasks and keys take turns, so neither starves the other.
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ class WriteThrough:
         self._maxsize = maxsize
         self._tick = tick
         self._name = name
-        self._keys: deque[bytes] = deque()
-        self._tasks: deque[Callable[[], None]] = deque()
-        self._busy = False
+        # each with the number it was queued under (from 1, in order), for drain's marks
+        self._keys: deque[tuple[int, bytes]] = deque()
+        self._tasks: deque[tuple[int, Callable[[], None]]] = deque()
+        self._seq = 0  # the number of the latest key or task queued
+        self._running: int | None = None  # the number of the key or task being run
         self._closed = False
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -81,7 +85,8 @@ class WriteThrough:
                     self._cv.wait(min(left, 1.0))
                 if self._closed:
                     return keys[i:]
-                self._keys.append(k)
+                self._seq += 1
+                self._keys.append((self._seq, k))
                 self._cv.notify_all()
         return []
 
@@ -91,19 +96,40 @@ class WriteThrough:
             if self._closed:
                 task()
                 return
-            self._tasks.append(task)
+            self._seq += 1
+            self._tasks.append((self._seq, task))
             self._cv.notify_all()
 
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is queued or running. False when ``timeout`` passed first."""
+    @property
+    def running(self) -> int | None:
+        """The queue number of the key or task being run (read it on the writer thread: stable there)."""
+        return self._running
+
+    def mark(self) -> int:
+        """The number of the latest key or task queued: ``drain(upto=mark())`` waits for it and those before."""
+        with self._cv:
+            return self._seq
+
+    def drain(self, timeout: float | None = None, *, upto: int | None = None) -> bool:
+        """Wait until nothing is queued or running (or, with ``upto``, nothing queued under that mark or
+        before). False when ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while (self._keys or self._tasks or self._busy) and self._alive():
+            while self._pending(upto) and self._alive():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._cv.wait(left if left is not None else 1.0)
-            return not (self._keys or self._tasks or self._busy)
+            return not self._pending(upto)
+
+    def _pending(self, upto: int | None) -> bool:
+        """(Lock held.) Whether a key or task numbered up to ``upto`` (any, when None) waits or runs."""
+        last = self._seq if upto is None else upto
+        return (
+            bool(self._keys and self._keys[0][0] <= last)
+            or bool(self._tasks and self._tasks[0][0] <= last)
+            or (self._running is not None and self._running <= last)
+        )
 
     def discard(self) -> tuple[int, int]:
         """Forget the keys and tasks still waiting (not the one being run); returns how many of each."""
@@ -129,6 +155,7 @@ class WriteThrough:
 
     def _run(self, write: Callable[[bytes], None], idle: Callable[[], None]) -> None:
         next_idle = time.monotonic() + self._tick
+        last_was_task = False
         while True:
             with self._cv:
                 while not (self._keys or self._tasks or self._closed):
@@ -138,9 +165,14 @@ class WriteThrough:
                     self._cv.wait(left)
                 if self._closed and not (self._keys or self._tasks):
                     return
-                task: Callable[[], None] | None = self._tasks.popleft() if self._tasks else None
-                key = self._keys.popleft() if task is None and self._keys else None
-                self._busy = True
+                # turns: a stream of session rows must not hold block writes back, nor the reverse
+                task: Callable[[], None] | None = None
+                key: bytes | None = None
+                if self._tasks and not (last_was_task and self._keys):
+                    self._running, task = self._tasks.popleft()
+                elif self._keys:
+                    self._running, key = self._keys.popleft()
+                last_was_task = task is not None
                 self._cv.notify_all()  # room in the queue for a waiting putter
             try:
                 if task is not None:
@@ -154,5 +186,5 @@ class WriteThrough:
                 log.exception("write-through failed")
             finally:
                 with self._cv:
-                    self._busy = False
+                    self._running = None
                     self._cv.notify_all()
