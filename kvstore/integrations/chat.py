@@ -85,8 +85,7 @@ def run_turn(
     hit = None
     if backoff.available():
         try:
-            # in the model's own dtype: its config may name another (a model cast after loading)
-            hit = fetch_cache(client, ids, config=model.config, dtype=model.dtype, device=model.device)
+            hit = fetch_cache(client, ids, model=model)
         except LayoutError:  # a model that does not fit the client's layout: the caller's to fix
             raise
         except KVStoreError as e:  # the daemon away, busy or failing: a miss, not a failed turn

@@ -114,6 +114,19 @@ class KVStoreHiCache(HiCacheStorage):
         self._pages = _HostPages(mem_pool_host)
         self.client = self._new_client(wait_when_busy=False)
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Pools beside the K/V (a hybrid model's SWA, Mamba or indexer state) are refused: kvstore
+        keeps attention K/V pages only, and a hit without them would serve an incomplete state.
+        Raises ValueError, which fails SGLang's attach."""
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name != "kv":
+            raise ValueError(
+                f"kvstore's SGLang backend stores attention K/V pages only; this model also keeps a "
+                f"{name!r} host pool (a hybrid SWA/Mamba/indexer model), which it cannot store: run it "
+                "without kvstore's L3"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
     def _new_client(self, *, wait_when_busy: bool) -> KVStoreClient:
         assert self._pages is not None
         return KVStoreClient(

@@ -2,7 +2,7 @@
 
 ::
 
-    cache, n = load_cache(client, input_ids, config=model.config)   # n tokens come from kvstore
+    cache, n = load_cache(client, input_ids, model=model)           # n tokens come from kvstore
     out = model(input_ids[:, n:], **cache_kwargs(model, cache))      # compute only the rest
     save_cache(client, input_ids, cache, session="conv-42")         # keep the full blocks
 
@@ -30,7 +30,7 @@ import torch
 
 from kvstore.errors import KVStoreError, LayoutError
 from kvstore.layout import KVLayout
-from kvstore.results import GetResult, PutResult
+from kvstore.results import GetResult, InvalidRequest, PutResult
 
 
 class BatchNotSupported(KVStoreError, ValueError):
@@ -194,13 +194,20 @@ def fetch_cache(
     client: CacheClient,
     input_ids: Any,
     *,
-    config: Any,
+    config: Any = None,
+    model: Any = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> CacheHit:
     """Like ``load_cache``, also saying which tier each reused block came from (``CacheHit.tiers``)."""
     from transformers import DynamicCache
 
+    if model is not None:  # what the model runs in now: a model cast after loading keeps its config's dtype
+        config = config if config is not None else model.config
+        dtype = dtype or model.dtype
+        device = device if device is not None else model.device
+    if config is None:
+        raise InvalidRequest("load_cache needs the model (model=model) or its config (config=model.config)")
     layout = client_layout(client)
     check_model(layout, config)
     ids = single_sequence(input_ids)
@@ -219,7 +226,8 @@ def load_cache(
     client: CacheClient,
     input_ids: Any,
     *,
-    config: Any,
+    config: Any = None,
+    model: Any = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> tuple[Any, int]:
@@ -227,12 +235,15 @@ def load_cache(
 
     The length is block-aligned and at most ``len(input_ids) - 1``: the last
     prompt token is always left for the model to compute, since its logits
-    are what generation starts from. ``dtype``/``device`` default to the
-    model config's dtype and the CPU. With nothing cached the cache is empty
-    and the length 0. Raises BatchNotSupported for a batch > 1, LayoutError
-    when the model does not match the client's layout.
+    are what generation starts from. Give the ``model`` (its config, dtype and
+    device are used) or its ``config``; ``dtype``/``device`` default to the
+    model's (with ``config`` alone: the config's dtype, which a model cast
+    after loading does not update, and the CPU). With nothing cached the cache
+    is empty and the length 0. Raises BatchNotSupported for a batch > 1,
+    LayoutError when the model does not match the client's layout,
+    InvalidRequest when neither ``model`` nor ``config`` is given.
     """
-    hit = fetch_cache(client, input_ids, config=config, dtype=dtype, device=device)
+    hit = fetch_cache(client, input_ids, config=config, model=model, dtype=dtype, device=device)
     return hit.cache, hit.tokens
 
 

@@ -72,25 +72,33 @@ class SharedPath:
     def mapping(self) -> SharedMapping | None:
         """The mapping of the daemon's current segments (mapped on first use), or None: the daemon
         offers none (tcp, ``shared_memory = "off"``) or they could not be mapped (use the socket)."""
-        offer = self._conn.shm_offer
-        if offer is None or self._conn.closed:
-            self._unmap()  # a daemon that offers none now (restarted with shared_memory = "off")
-            return None
-        instance = str(offer.get("instance"))
-        if instance in self._refused:  # its segments failed once: not used again
+        for asked in (False, True):
+            offer = self._conn.shm_offer
+            if offer is None or self._conn.closed:
+                self._unmap()  # a daemon that offers none now (restarted with shared_memory = "off")
+                return None
+            instance = str(offer.get("instance"))
+            if instance in self._refused:  # its segments failed once: not used again
+                self._unmap()
+                return None
+            m = self._mapping
+            if m is not None and m.instance == instance:
+                return m
             self._unmap()
-            return None
-        m = self._mapping
-        if m is not None and m.instance == instance:
-            return m
-        self._unmap()
-        try:
-            self._mapping = SharedMapping(offer, self._copier)
-        except ShmUnavailable as e:
-            log.warning("shared memory offered but not usable (%s); using the socket", e)
-            self._refused.add(instance)
-            return None
-        return self._mapping
+            try:
+                self._mapping = SharedMapping(offer, self._copier)
+                return self._mapping
+            except ShmUnavailable as e:
+                if not asked:
+                    # the offer may be a daemon's that restarted since the hello (a client that said
+                    # hello long before its first read): the current daemon's is asked for once
+                    self._conn.hello_again()
+                    if str((self._conn.shm_offer or {}).get("instance")) != instance:
+                        continue
+                log.warning("shared memory offered but not usable (%s); using the socket", e)
+                self._refused.add(instance)
+                return None
+        return None
 
     def _mapped(self, what: str, run: Callable[[SharedMapping], _T]) -> _T | None:
         """``run(mapping)``, started over on the new segments of a daemon that restarted meanwhile (up

@@ -90,6 +90,27 @@ def test_save_then_load_reuses_the_prefix_and_gives_the_same_logits(client: KVSt
     assert save_cache(client, ids[:18], out.past_key_values).present == 4
 
 
+def test_a_model_cast_after_loading_gets_a_cache_in_its_own_dtype(client: KVStoreClient, tiny: Any) -> None:
+    # its config still says float32: load_cache(config=...) gave a float32 cache, and the bf16 forward failed
+    import copy
+
+    from kvstore.results import InvalidRequest
+
+    ids = torch.randint(0, 96, (14,))
+    with torch.inference_mode():
+        out = tiny(ids.unsqueeze(0), use_cache=True)
+    assert save_cache(client, ids, out.past_key_values).stored == 3
+    half = copy.deepcopy(tiny)
+    half.config.dtype = torch.float32  # as from_pretrained(dtype=torch.float32) records it
+    half = half.to(torch.bfloat16)
+    assert config_dtype(half.config) == torch.float32
+    cache, n = load_cache(client, ids, model=half)
+    assert n == 12 and cache.layers[0].keys.dtype == torch.bfloat16
+    assert logits(half, ids[12:], cache).dtype == torch.bfloat16  # it runs
+    with pytest.raises(InvalidRequest, match="needs the model"):
+        load_cache(client, ids)
+
+
 def test_the_last_prompt_token_is_always_computed(client: KVStoreClient, tiny: Any) -> None:
     ids = torch.randint(0, 96, (8,))
     with torch.inference_mode():

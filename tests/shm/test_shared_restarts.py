@@ -87,6 +87,26 @@ def test_a_daemon_restarted_with_shared_memory_off_is_read_and_written_over_the_
             assert got.matched_blocks == 4
 
 
+def test_a_client_greeted_by_a_daemon_that_restarted_before_its_first_read_maps_the_new_one(
+    daemons: Any, tmp_path: Path
+) -> None:
+    # the offer of the hello before the restart named segments gone since: that daemon instance was
+    # refused, and the client read over the socket for the rest of its life (SGLang's lookup client)
+    cfg = write_config(tmp_path, server=SHM)
+    d = daemons(cfg)
+    a = random_tokens(np.random.default_rng(23), 4)
+    with client(endpoint_of(cfg), retries=5) as c:
+        assert c.lookup(a).matched_tokens == 0  # greeted, offered shared memory, nothing mapped yet
+        assert c._shm._mapping is None
+        d.stop()
+        d = daemons(cfg)
+        assert c.put(a, prefix_kv(a)).stored == 4
+        r = c.get(a)
+        assert r.matched_blocks == 4
+        assert_exact(a, r.kv, r.matched_tokens)
+        assert c.shared_memory and not c._shm._refused
+
+
 def test_a_put_first_after_a_restart_gives_back_the_new_daemon_s_range_and_maps_its_segments(
     daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -126,6 +126,13 @@ def test_legacy_calls_say_to_set_interface_v1_and_mla_is_refused(daemon: Any) ->
     cfg.is_mla_model = True
     with pytest.raises(ValueError, match="MLA"):
         KVStoreHiCache(cfg, {})
+    # a hybrid model's sidecar pools fail the attach; every v2 call raised a bare NotImplementedError
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    store.register_mem_host_pool_v2(pool, PoolName.KV)
+    for sidecar in (PoolName.SWA, PoolName.MAMBA):
+        with pytest.raises(ValueError, match=f"'{sidecar.value}' host pool"):
+            store.register_mem_host_pool_v2(pool, sidecar)
     # a misspelt option of ours is refused (a tenant typo would share the default tenant's pages);
     # SGLang's own keys in extra_config are left alone
     for typo, meant in (("tennant", "tenant"), ("timout", "timeout")):
