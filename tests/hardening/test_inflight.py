@@ -34,25 +34,35 @@ NS = Namespace(model="inflight-model", layout=BIG)
 BLOCKS = PUT_BYTES // BIG.block_nbytes
 
 
-@pytest.mark.slow
-def test_many_connections_pushing_big_puts_stay_within_the_budget(daemons, tmp_path: Path) -> None:
-    cfg = write_config(
+def budget_config(tmp_path: Path, **server: object) -> Path:
+    """A daemon of 16 MiB tiers whose in-flight budgets are BUDGET, daemon-wide and per tenant."""
+    return write_config(
         tmp_path,
         server={
-            "workers": 1,
             "max_inflight_bytes": f"{BUDGET // MiB}MiB",
             "max_inflight_bytes_per_tenant": f"{BUDGET // MiB}MiB",
             "max_message_bytes": "4MiB",
+            **server,
         },
         hbm={"capacity": "16MiB"},
         ram={"capacity": "16MiB"},
         nvme={"enabled": False},
         policy={"page_bytes": "64KiB"},
     )
+
+
+def prefix_payload() -> tuple[torch.Tensor, bytes]:
+    """The K/V of a PUT_BYTES prefix and its bytes as a put carries them."""
+    kv = torch.randn(BIG.shape(BLOCKS * BIG.block_tokens)).to(torch.float16)
+    return kv, kv.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.slow
+def test_many_connections_pushing_big_puts_stay_within_the_budget(daemons, tmp_path: Path) -> None:
+    cfg = budget_config(tmp_path, workers=1)
     d = daemons(cfg)
     pid = d.proc.pid
-    kv = torch.randn(BIG.shape(BLOCKS * BIG.block_tokens)).to(torch.float16)
-    payload = kv.view(-1).view(torch.uint8).numpy().tobytes()
+    kv, payload = prefix_payload()
     assert len(payload) == PUT_BYTES
     conns = [Raw(endpoint_of(cfg)) for _ in range(CONNECTIONS)]
     try:
@@ -110,22 +120,10 @@ def test_a_client_that_never_reads_its_replies_holds_no_more_than_the_budget(dae
     ->  the daemon holds the replies it cannot send within the tenant's budget, refusing the rest busy
         (before: ZeroMQ queued up to 1000 replies per connection, all of them here)
         once the client reads, every get has exactly one reply, and the replies served are exact"""
-    cfg = write_config(
-        tmp_path,
-        server={
-            "max_inflight_bytes": f"{BUDGET // MiB}MiB",
-            "max_inflight_bytes_per_tenant": f"{BUDGET // MiB}MiB",
-            "max_message_bytes": "4MiB",
-        },
-        hbm={"capacity": "16MiB"},
-        ram={"capacity": "16MiB"},
-        nvme={"enabled": False},
-        policy={"page_bytes": "64KiB"},
-    )
+    cfg = budget_config(tmp_path)
     d = daemons(cfg)
     pid = d.proc.pid
-    kv = torch.randn(BIG.shape(BLOCKS * BIG.block_tokens)).to(torch.float16)
-    payload = kv.view(-1).view(torch.uint8).numpy().tobytes()
+    kv, payload = prefix_payload()
     tokens = np.arange(BLOCKS * BIG.block_tokens, dtype=np.uint32).tobytes()
     reader = Raw(endpoint_of(cfg))
     reader.sock.rcvhwm = 1  # what it does not read stays with the daemon, not in this process
