@@ -1,7 +1,7 @@
 """The memory the daemon lets requests hold between their arrival and their reply.
 
 Every request handed to a worker is charged on the loop thread and released
-when its reply leaves::
+when its reply leaves for its client's socket::
 
     put            its message bytes (the K/V payload, held until the store has copied it)
     get            its largest possible reply: the blocks it asks for x the layout's block bytes
@@ -14,7 +14,11 @@ budget (``[server] max_inflight_bytes``) and of its tenant's
 nothing charged to it takes any request, so one bigger than a budget still
 goes through alone and nothing is refused for good: in flight stays within
 max(budget, max_message_bytes). Otherwise the request is answered ``busy``
-(the client backs off and sends it again); it is never dropped. A commit of
+(the client backs off and sends it again); it is never dropped. A reply its client
+does not read yet waits in the daemon (kvstore.daemon.outbox): it leaves the
+daemon's budget and queue then (``park``), so that one tenant's unread replies
+turn no other tenant away, and stays charged to its tenant until it leaves
+(``unpark``). A commit of
 the same-host data plane is taken even so (its K/V is in staging, and the
 next chunk's commit must not overtake it): kvstore.daemon.server's
 ``_commit_refusal``.
@@ -69,10 +73,23 @@ class InflightBudget:
         self._tenants[tenant] = self._tenants.get(tenant, 0) + nbytes
         return Charge(tenant, nbytes)
 
+    def park(self, charge: Charge) -> None:
+        """The request's work is done and its reply waits for its client: its bytes and queue place are
+        the daemon's again, still its tenant's until ``unpark``."""
+        self.held -= charge.nbytes
+        self.queued -= 1
+
+    def unpark(self, charge: Charge) -> None:
+        """The parked reply has left (or its client is gone)."""
+        self._untenant(charge)
+
     def release(self, charge: Charge) -> None:
         """The request's reply has left: its bytes are free again."""
         self.held -= charge.nbytes
         self.queued -= 1
+        self._untenant(charge)
+
+    def _untenant(self, charge: Charge) -> None:
         left = self._tenants.get(charge.tenant, 0) - charge.nbytes
         if left > 0:
             self._tenants[charge.tenant] = left

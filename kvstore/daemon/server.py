@@ -40,6 +40,7 @@ process.py runs it as the daemon process).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import threading
@@ -58,7 +59,7 @@ from kvstore.daemon.budget import Charge, InflightBudget
 from kvstore.daemon.endpoint import ipc_path, remove_socket, socket_identity
 from kvstore.daemon.handlers import Handlers, PinQuota
 from kvstore.daemon.metrics import Metrics
-from kvstore.daemon.outbox import Outbox
+from kvstore.daemon.outbox import Outbox, Sent
 from kvstore.daemon.startup import Startup
 from kvstore.daemon.tenancy import admit
 from kvstore.daemon.zap import ZapHandler, peer_tenant
@@ -90,7 +91,6 @@ PROGRESS_EVERY = 5.0  # seconds between "still starting" log lines
 POLL_MS = 100  # how soon the loop notices a stop request
 HEARTBEAT_MS = 10_000  # how often each connection is pinged (ZMTP heartbeat; clients answer unasked)
 HEARTBEAT_TIMEOUT_MS = 60_000  # a connection with no traffic this long after a ping is closed
-RETRY_MS, RETRY_MAX_MS = 1, 25  # how soon parked replies are tried again (kvstore.daemon.outbox)
 BATCH = 64  # messages taken from a socket per wake-up, so neither side starves the other
 MAX_WAITING_COMMITS = 8  # commits of one client queued behind its running one, taken past a spent budget
 
@@ -228,7 +228,8 @@ class Server:
         router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         router.setsockopt(zmq.HANDSHAKE_IVL, HEARTBEAT_TIMEOUT_MS)
-        self._outbox = Outbox(router)
+        # a client that reads never has more replies queued than requests in flight (kvstore.daemon.outbox)
+        self._outbox = Outbox(router, hwm=self.limits.max_inflight)
         pull = self.ctx.socket(zmq.PULL)
         pull.bind(self._replies)
         zap: ZapHandler | None = None
@@ -271,8 +272,8 @@ class Server:
                 pass
             flush_until = time.monotonic() + 1.0  # replies parked for clients still reading get a moment
             while self._outbox is not None and self._outbox.parked and time.monotonic() < flush_until:
-                if not self._outbox.retry():
-                    time.sleep(RETRY_MS / 1000)
+                self._outbox.retry()
+                time.sleep(self._outbox.wait(0.01))
             with self._sockets_lock:
                 for s in self._worker_sockets:
                     s.close(linger=0)
@@ -324,7 +325,6 @@ class Server:
         assert self._outbox is not None
         outbox = self._outbox
         deadline = None
-        retry_ms = RETRY_MS
         while True:
             self._check_startup()
             if self._stop_reason is not None and self.startup is not None and not self.startup.done():
@@ -346,11 +346,10 @@ class Server:
                         DRAIN_TIMEOUT,
                     )
                     return
-            # ZeroMQ tells no one when a client's pipe has room again: parked replies are tried
-            # again soon, then less often while their clients read nothing
-            events = dict(poller.poll(retry_ms if outbox.parked else POLL_MS))
+            # parked replies are tried when their peer's turn comes (kvstore.daemon.outbox)
+            events = dict(poller.poll(math.ceil(1000 * outbox.wait(POLL_MS / 1000))))
             if outbox.parked:  # before new requests: what leaves frees budget for them
-                retry_ms = RETRY_MS if outbox.retry() else min(2 * retry_ms, RETRY_MAX_MS)
+                outbox.retry()
             if pull in events:
                 self._forward(pull)
             if router in events:
@@ -552,22 +551,26 @@ class Server:
             number = int.from_bytes(frames[0].bytes, "little")
             peer = frames[1].bytes
             self.outstanding -= 1
-            self._send(peer, frames[2:], copy=False, sent=self._sent(number, peer))
+            if not self._send(peer, frames[2:], copy=False, sent=self._sent(number, peer)):
+                self.budget.park(self._charges[number])  # its tenant's until it leaves: unread
             self._next_in_order(number)
         return BATCH
 
-    def _send(
-        self, peer: bytes, frames: list[Any], *, copy: bool = True, sent: Callable[[], None] | None = None
-    ) -> None:
+    def _send(self, peer: bytes, frames: list[Any], *, copy: bool = True, sent: Sent | None = None) -> bool:
+        """Send a reply now (True) or park it (kvstore.daemon.outbox)."""
         assert self._outbox is not None  # (set by run before the loop starts)
-        self._outbox.send(peer, frames, copy=copy, sent=sent)
+        return self._outbox.send(peer, frames, copy=copy, sent=sent)
 
-    def _sent(self, number: int, peer: bytes) -> Callable[[], None]:
+    def _sent(self, number: int, peer: bytes) -> Sent:
         """The reply of the request charged ``number`` has left (or its peer is gone): the charge and the
         client's count in flight are released only now, so replies a client leaves unread count."""
 
-        def sent() -> None:
-            self.budget.release(self._charges.pop(number))
+        def sent(parked: bool) -> None:
+            charge = self._charges.pop(number)
+            if parked:
+                self.budget.unpark(charge)
+            else:
+                self.budget.release(charge)
             self.proto.done(peer)
 
         return sent

@@ -172,12 +172,12 @@ def read_header(frame: Buffer, limit: int, max_list: int | None = None) -> tuple
         )
     rid = header.pop("id", None)
     if rid is not None and (isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < 2**64):
-        raise RemoteProtocolError("bad_header", f"header id must be an unsigned integer, got {rid!r}")
+        raise RemoteProtocolError("bad_header", f"header id must be an unsigned integer, got {rid!r:.80}")
     version = header.pop("v", None)
     if version != PROTOCOL_VERSION:
         raise RemoteProtocolError(
             "version",
-            f"protocol version {version!r} is not spoken here (this side speaks {PROTOCOL_VERSION}); "
+            f"protocol version {version!r:.80} is not spoken here (this side speaks {PROTOCOL_VERSION}); "
             "upgrade the older of client and daemon",
             rid,
         )
@@ -326,7 +326,7 @@ class ServerProtocol:
         namespace = self.namespaces.get(ns_id)
         if namespace is None or (tenant is not None and namespace.tenant != tenant):
             raise RemoteProtocolError(
-                "unknown_namespace", f"namespace {ns_id!r} is not registered; send hello first"
+                "unknown_namespace", f"namespace {ns_id!r:.80} is not registered; send hello first"
             )
         layout = namespace.layout
         if isinstance(msg, (Put, Commit)):

@@ -100,10 +100,10 @@ def test_many_connections_pushing_big_puts_stay_within_the_budget(daemons, tmp_p
         grew = peak - base
         print(f"\nRSS grew {grew / MiB:.0f} MiB, {offered / MiB:.0f} MiB offered; replies {codes}")
         # the budget, the frames ZeroMQ has read off the sockets and the loop not yet refused, and slack for
-        # the allocator. The middle term depends on how far the loop lags: 48-91 MiB on a quiet machine,
-        # 145 MiB once in a full CI run on two busy cores. Without the budget every request is parked: the
-        # whole 384 MiB and more. Half of what was offered tells the two apart.
-        assert grew < offered // 2, f"RSS grew {grew / MiB:.0f} MiB with {offered / MiB:.0f} MiB offered"
+        # the allocator. The middle term depends on how far the loop lags: 48-114 MiB on a quiet machine,
+        # 145-198 MiB a few times on two busy cores. Without the budget every request is parked: the
+        # whole 384 MiB and more. Two thirds of what was offered tells the two apart.
+        assert grew < offered * 2 // 3, f"RSS grew {grew / MiB:.0f} MiB with {offered / MiB:.0f} MiB offered"
         assert set(codes) <= {"put", "busy"}, codes
         assert codes.get("busy", 0) > 0 and codes.get("put", 0) > 0, codes
         # and it goes on serving: a request now is taken
@@ -116,11 +116,12 @@ def test_many_connections_pushing_big_puts_stay_within_the_budget(daemons, tmp_p
 
 @pytest.mark.slow
 def test_a_client_that_never_reads_its_replies_holds_no_more_than_the_budget(daemons, tmp_path: Path) -> None:
-    """one connection: 320 gets of a 2 MiB prefix sent, none of the replies read (640 MiB of replies)
-    ->  the daemon holds the replies it cannot send within the tenant's budget, refusing the rest busy
-        (before: ZeroMQ queued up to 1000 replies per connection, all of them here)
+    """one connection (max_inflight_per_client = 4): 320 gets of a 2 MiB prefix sent, no reply read
+    ->  ZeroMQ queues 4 replies; the daemon holds those it cannot send within the tenant's budget,
+        refusing the rest busy (before: ZeroMQ queued up to 1000 replies per connection)
+        another tenant is served meanwhile
         once the client reads, every get has exactly one reply, and the replies served are exact"""
-    cfg = budget_config(tmp_path)
+    cfg = budget_config(tmp_path, max_inflight_per_client=4)
     d = daemons(cfg)
     pid = d.proc.pid
     kv, payload = prefix_payload()
@@ -134,13 +135,24 @@ def test_a_client_that_never_reads_its_replies_holds_no_more_than_the_budget(dae
         assert reader.ask(put, payload)["op"] == "put"
         base = rss_bytes(pid)
         gets = 320
-        for i in range(gets):
+        for i in range(gets):  # sent about as fast as the daemon serves them: most are taken
             reader.sock.send(header("get", 10 + i, ns=NS.id, tokens=tokens, start_block=0))
-            if i % 16 == 15:  # the way a client pipelines: a burst, then the next a moment later
-                time.sleep(0.05)
+            time.sleep(0.005)
         time.sleep(1.0)
         grew = status(pid)["VmHWM"] - base
         offered = gets * PUT_BYTES
+        # another tenant is served meanwhile: the unread replies hold their own tenant's budget only
+        other_ns = Namespace(model="inflight-model", layout=BIG, tenant="other")
+        other = Raw(endpoint_of(cfg))
+        try:
+            assert other.ask(header("hello", 1, namespace=other_ns.to_dict()))["op"] == "hello"
+            put = header(
+                "put", 2, ns=other_ns.id, tokens=tokens, start_block=0, shape=list(kv.shape), dtype=BIG.dtype
+            )
+            assert other.ask(put, payload)["op"] == "put"
+            assert other.ask(header("get", 3, ns=other_ns.id, tokens=tokens, start_block=0))["op"] == "get"
+        finally:
+            other.close()
         replies = [reader.recv(60000) for _ in range(gets)]
         assert sorted(x["id"] for x in replies) == list(range(10, 10 + gets))  # each answered once
         assert not reader.sock.poll(300)
@@ -151,8 +163,8 @@ def test_a_client_that_never_reads_its_replies_holds_no_more_than_the_budget(dae
         print(
             f"\nRSS grew {grew / MiB:.0f} MiB with {offered / MiB:.0f} MiB of replies unread; replies {codes}"
         )
-        # the budget, the few replies ZeroMQ holds for the connection, and slack for the allocator
-        assert grew < BUDGET + 12 * PUT_BYTES + 64 * MiB, f"RSS grew {grew / MiB:.0f} MiB"
+        # the budget, the replies ZeroMQ holds for the connection (4, one being written), and slack
+        assert grew < BUDGET + 6 * PUT_BYTES + 64 * MiB, f"RSS grew {grew / MiB:.0f} MiB"
         assert set(codes) <= {"get", "busy"} and codes.get("get", 0) > 0, codes
         reader.sock.send(header("get", 999, ns=NS.id, tokens=tokens, start_block=0))
         assert reader.sock.poll(10000)
