@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import zmq
 
@@ -51,6 +51,9 @@ from kvstore.cli.parser import (
 from kvstore.config import check_connect_endpoint, ipc_socket_path, load_config, with_overrides
 from kvstore.errors import ConfigError, DaemonStarting, KVStoreError
 from kvstore.wire.errors import RemoteProtocolError
+
+if TYPE_CHECKING:
+    from kvstore.client import KVStoreClient
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -165,6 +168,14 @@ def _ask(prompt: str) -> bool:
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
+def _no_session(client: KVStoreClient, name: str) -> bool:
+    """Whether the daemon knows no session ``name`` (for a hint only: False when it cannot say)."""
+    try:
+        return all(s.name != name for s in client.sessions())
+    except KVStoreError:
+        return False
+
+
 def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
     flt = {
         "session": args.session,
@@ -175,12 +186,14 @@ def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
         "namespace": args.namespace,
         "all": args.all,
     }
-    interactive = sys.stdin.isatty()
+    interactive = sys.stdin is not None and sys.stdin.isatty()  # (None: started with stdin closed)
     if args.all and not (args.yes or args.dry_run or interactive):
         raise UsageError(
             "evict --all drops every block and stdin is not a terminal to ask; add --yes to confirm"
         )
     with connect(args) as client:
+        # asked before the evict, which may take the session's record with its blocks
+        unknown = args.session is not None and _no_session(client, args.session)
         if not (args.yes or args.dry_run) and interactive:
             preview = plain(client.evict(**flt, dry_run=True))
             if not preview["blocks"]:
@@ -191,9 +204,8 @@ def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
                 return EXIT_FAILED
         result = plain(client.evict(**flt, dry_run=args.dry_run))
         _emit(args, result, display.render_evict, out)
-        if args.session is not None and not result["blocks"] and not args.json:
-            if all(s.name != args.session for s in client.sessions()):  # a typo, most likely
-                sys.stderr.write(f"no session {args.session!r} here (kvstore inspect lists them)\n")
+        if unknown and not result["blocks"] and not args.json:  # a typo, most likely
+            sys.stderr.write(f"no session {args.session!r} here (kvstore inspect lists them)\n")
     return EXIT_FAILED if result.get("not_done") else EXIT_OK  # a part left to do: scripts see it
 
 
@@ -298,7 +310,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, IO[str]], int]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstore`` console script; returns the exit code."""
     args = parse_args(argv)
-    err = sys.stderr
+    err = sys.stderr if sys.stderr is not None else open(os.devnull, "w")  # noqa: SIM115 - (fd 2 closed)
+    if sys.stdout is None:  # started with fd 1 closed (`kvstore stats >&-`): nowhere to answer
+        err.write("kvstore: standard output is closed; nothing can be printed\n")
+        return EXIT_FAILED
     try:
         return COMMANDS[args.command](args, sys.stdout)
     except (UsageError, ConfigError) as e:

@@ -155,8 +155,11 @@ MAX_TOKEN_ID = 2**32 - 1  # kvstore.keys.MAX_TOKEN_ID, not imported: kvstore.key
 
 def read_tokens(path: str, stdin: IO[str] | None = None) -> list[int]:
     """Token ids from a file (``-`` = stdin): a JSON list, or integers separated by spaces, commas or newlines."""
+    source = stdin or sys.stdin
+    if path == "-" and source is None:  # started with fd 0 closed
+        raise UsageError("--tokens - reads standard input, and it is closed")
     try:
-        text = (stdin or sys.stdin).read() if path == "-" else Path(path).read_text()
+        text = source.read() if path == "-" else Path(path).read_text()
     except OSError as e:
         raise UsageError(f"cannot read tokens from {path}: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -249,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         help="drop (or move down) blocks",
         description="Evict the blocks every given filter selects (filters combine with AND). "
-        "With --tier the blocks in that tier move down one tier instead of going away.",
+        "With --tier the blocks in that tier move down one tier instead of going away (from the "
+        "last tier, nvme, they are dropped with the blocks after them).",
     )
     p.add_argument("--session", type=_session_arg, help="blocks of this session (and no other)")
     p.add_argument(
@@ -258,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tier",
         choices=(*TIERS, "cluster"),
-        help="blocks held in this tier move down one tier (cluster: the cluster's copies are deleted)",
+        help="blocks held in this tier move down one tier (nvme: they are dropped; cluster: the cluster's "
+        "copies are deleted)",
     )
     p.add_argument("--model", type=_nonempty_arg, help="blocks of this model id")
     p.add_argument("--tenant", type=_nonempty_arg, help="blocks of this tenant")

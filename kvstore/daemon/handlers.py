@@ -236,7 +236,7 @@ class Handlers:
                 raise ProtocolError("bad_header", "inspect of tokens needs the ns field")
             ns = ns_unused
             assert ns is not None
-            r = self.store.lookup(ns, msg.tokens)
+            r = self.store.lookup(ns, msg.tokens, count=False)  # an operator's look: not traffic
             keys = block_keys(ns, msg.tokens)[: r.matched_blocks]
             blocks = [
                 {"position": i, "key": k.hex(), "tier": t}
@@ -282,7 +282,7 @@ class Handlers:
         if msg.lease is not None and msg.lease <= 0:
             raise ProtocolError("invalid_argument", "pin lease must be positive seconds (or absent)")
         lease = self.max_lease if msg.lease is None else min(msg.lease, self.max_lease)
-        matched = self.store.lookup(ns, msg.tokens).matched_blocks
+        matched = self.store.lookup(ns, msg.tokens, count=False).matched_blocks  # the get after counts
         if matched == 0:  # nothing to hold: a handle that release() will not know, and no table slot
             return PinOk(handle=secrets.randbits(63), blocks=0, lease=lease)
         now = time.monotonic()
@@ -396,6 +396,7 @@ class Handlers:
                     max_blocks=k,
                     out=outs,
                     adopted=Adoption(lambda: plane.done_reading(lease, keep=True), lease.copied, plane.lease),
+                    lookup=False,  # the locate's own, counted once
                 )
                 for j in range(r.matched_blocks):
                     extent = np.asarray([[lease.offset + j * nb, nb]], dtype="<i8").tobytes()

@@ -173,6 +173,8 @@ class SharedPath:
             start += good
             if good < len(reply.blocks):
                 break  # a block moved: the result ends here
+            if reply.blocks and not reply.rest and start < total:
+                break  # the prefix ends here (asking again would only count a second lookup)
             if not reply.blocks:
                 if reply.rest:  # held, but no staging room for them now: the socket brings them
                     n, more = self._socket.read_into(ns, tokens, out, min(total, start + reply.rest), start)

@@ -99,6 +99,7 @@ class AdminOps:
                 chosen_keys, flt.session, dry_run=dry_run, continued=self._continued, tenant=owner
             )
         t = None if flt.tier is None else self._tiers.names.index(flt.tier)
+        whole = flt.session is not None and not replace(flt, session=None).selects_anything()
         with self._lock:
             now = self._clock()
             chosen = [e for e in self._index.entries() if self._selected(e, flt, t, now)]
@@ -144,7 +145,14 @@ class AdminOps:
                     else:
                         assert t is not None
                         self._mover.evict_from(t, e)
-                if flt.session is not None and t is None and self._sessions.remove(flt.session):
+                # the conversation goes with its blocks: all of them (the session the only criterion),
+                # or the last of those it tagged; evict --session S --older-than D keeps its younger part
+                if (
+                    flt.session is not None
+                    and t is None
+                    and (whole or not any(flt.session in e.sessions for e in self._index.entries()))
+                    and self._sessions.remove(flt.session)
+                ):
                     self._journal.forget_session(flt.session)
         result = EvictResult(
             blocks=len(keys),
@@ -154,9 +162,13 @@ class AdminOps:
             dry_run=dry_run,
         )
         if flt.session is not None and t is None and self._cluster is not None:
-            try:
+            try:  # the whole conversation, or the cluster's copies of the blocks chosen here
                 remote = self._cluster.evict(
-                    [], flt.session, dry_run=dry_run, continued=self._continued, tenant=owner
+                    [] if whole else keys,
+                    flt.session if whole else None,
+                    dry_run=dry_run,
+                    continued=self._continued,
+                    tenant=owner,
                 )
             except InvalidRequest as e:  # the cluster is down: this host's part stands, and says so
                 return replace(result, not_done=f"{e}; evict --session again once it is back")

@@ -287,13 +287,14 @@ class Store:
             self.settle()
         return self._puts.put(ns, tokens, kv, session=session, start_block=start_block, adopted=_adopted)
 
-    def lookup(self, ns: Namespace, tokens: Any) -> LookupResult:
+    def lookup(self, ns: Namespace, tokens: Any, *, count: bool = True) -> LookupResult:
         """How many leading blocks of ``tokens`` are held (and the uppermost tier of each). Reads nothing.
 
         Where the local tiers end, the cluster tier (if any) is asked about the blocks after, in one
-        round trip; those it holds are reported as tier ``cluster``."""
+        round trip; those it holds are reported as tier ``cluster``. ``count``: in the lookup and
+        token counters (False for an operator's look, which is no inference traffic)."""
         self.settle()
-        r = self._reads.lookup(ns, tokens, remote=True)
+        r = self._reads.lookup(ns, tokens, remote=True, count=count)
         assert r is not None
         return r
 
@@ -321,6 +322,7 @@ class Store:
         device: torch.device | str | None = None,
         out: torch.Tensor | Sequence[torch.Tensor] | None = None,
         adopted: Adoption | None = None,
+        lookup: bool = True,
     ) -> GetResult:
         """Read the held blocks ``start_block ..`` of ``tokens`` (at most ``max_blocks``) onto ``device``
         (default CPU) as one ``[L, 2, n*T, H, D]`` tensor; with ``out`` (``[L, 2, >= n*T, H, D]``, the
@@ -337,12 +339,13 @@ class Store:
         first; see Adoption), and until ``adopted.done()`` is called (at once when
         nothing came from the cluster) ``out`` must stay as it is. A later call of
         ``lookup``, ``get``, ``locate``, ``evict`` and the like waits for those
-        blocks to be stored (``settle``).
+        blocks to be stored (``settle``). ``lookup``: counted as a lookup (False: the rest of a
+        ``locate``, which counted it).
         """
         later = [] if adopted is None else [adopted]  # fill takes it out; else it is done here
         try:
             self.settle()
-            return self._reads.get(ns, tokens, start_block, max_blocks, device, out, later)
+            return self._reads.get(ns, tokens, start_block, max_blocks, device, out, later, lookup=lookup)
         finally:
             if later:
                 later.pop().done()

@@ -57,7 +57,7 @@ class Reader:
         self._lease = lease
         self._check_open, self._closed = check_open, closed
 
-    def lookup(self, ns: Namespace, tokens: Any, *, remote: bool) -> LookupResult | None:
+    def lookup(self, ns: Namespace, tokens: Any, *, remote: bool, count: bool = True) -> LookupResult | None:
         """See Store.lookup; with ``remote`` False, None (nothing counted) where the answer needs
         the cluster."""
         T = ns.layout.block_tokens
@@ -78,12 +78,14 @@ class Reader:
                     return None
             else:
                 missed = None
-                self._count(chain.blocks(T) * T, len(tiers) * T)
+                if count:
+                    self._count(chain.blocks(T) * T, len(tiers) * T)
         if missed is not None and self._cluster is not None:  # no lock held during the round trip
             held = self._cluster.leading([missed, *islice(keys, chain.blocks(T) - len(tiers) - 1)])
             tiers += ["cluster"] * held
-            with self._lock:
-                self._count(chain.blocks(T) * T, len(tiers) * T)
+            if count:
+                with self._lock:
+                    self._count(chain.blocks(T) * T, len(tiers) * T)
         return LookupResult(len(tiers), len(tiers) * T, tiers)
 
     def _count(self, asked: int, matched: int) -> None:
@@ -100,6 +102,8 @@ class Reader:
         device: torch.device | str | None,
         out: torch.Tensor | Sequence[torch.Tensor] | None,
         later: list[Adoption],
+        *,
+        lookup: bool = True,
     ) -> GetResult:
         """See Store.get; ``later`` holds its Adoption, taken out by the cluster's fill."""
         T = ns.layout.block_tokens
@@ -136,7 +140,7 @@ class Reader:
                     break
                 chain.append(e)
             handle = self._pins.pin([e.key for e in chain], self._lease)
-            self._counts.lookups += 1
+            self._counts.lookups += lookup
             self._counts.tokens_asked += want * T  # what this call could serve (max_blocks, out)
         # each block is decoded or copied straight into its place in the result: one copy, not two
         given = out is not None
@@ -227,10 +231,12 @@ class Reader:
             rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])
         with self._lock:
             # the blocks held but not located are read by a get (the daemon's, or the client's over
-            # the socket), which counts them and what follows: asked once, not twice
+            # the socket), which counts them: asked once, not twice
             self._counts.lookups += 1
-            self._counts.tokens_asked += (len(places) if rest else want) * T
-        return Located(ns, start, handle, places, rest)
+            self._counts.tokens_asked += (want - rest) * T
+        # blocks asked for and not held: misses in every tier, counted with the hits by finish
+        missing = want - len(places) - rest
+        return Located(ns, start, handle, places, rest, missing)
 
     def _places(self, found: list[tuple[Entry, int]]) -> list[tuple[Entry, int, Place]]:
         """(Lock held.) Each found block with its tier and its place there, in order: each tier asked
@@ -261,7 +267,7 @@ class Reader:
             self._pins.release(located.handle)
             if self._closed():
                 return
-            self._data.after_get(read, len(located.places) - used, self._clock(), ready)
+            self._data.after_get(read, len(located.places) - used + located.missing, self._clock(), ready)
             self._counts.tokens_served += used * T
         if self._cluster is not None and read:
             self._cluster.touch([e.key for e, _, _ in read])
@@ -277,3 +283,4 @@ class Located:
     handle: PinHandle
     places: list[tuple[Entry, int, Place]]
     rest: int
+    missing: int = 0  # blocks asked for and not held (after the located ones and ``rest``)

@@ -165,7 +165,8 @@ def test_a_reply_of_the_wrong_shape_is_one_line_and_exit_1(
     assert r.returncode == 1 and r.stdout == ""
     line = one_line(r)
     assert said in line, line
-    assert d.requests == [argv[0]]
+    # evict --session first asks which sessions there are (for its hint on a name it does not know)
+    assert d.requests == ["inspect"] * (argv[:2] == ["evict", "--session"]) + [argv[0]]
 
 
 def test_json_prints_a_reply_it_cannot_render_as_it_came(fake: Callable[[Answer], FakeDaemon]) -> None:
@@ -445,6 +446,28 @@ def test_output_that_cannot_be_written_is_one_line_and_exit_1(tmp_path: Path) ->
         )
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == ["kvstore: No space left on device"]
+
+
+def test_closed_standard_streams_are_one_line(tmp_path: Path) -> None:
+    # stdin or stdout closed (a cron line, `>&-`) was an AttributeError traceback
+    import shlex
+
+    cli = " ".join(shlex.quote(c) for c in kvstore_cmd())
+    ep = f"ipc://{tmp_path}/kv.sock"
+
+    def run(line: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-c", line], capture_output=True, text=True, env=clean_env(), timeout=60
+        )
+
+    r = run(f"{cli} stats --endpoint {ep} >&-")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "kvstore: standard output is closed; nothing can be printed"
+    ]
+    r = run(f"{cli} evict --older-than 30d --endpoint {ep} <&-")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "no kvstore daemon" in r.stderr, r.stderr
+    r = run(f"{cli} inspect --tokens - --model m --layout L=2,H=1,D=8,dtype=float16,T=4 --endpoint {ep} <&-")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "standard input" in r.stderr, r.stderr
 
 
 def test_a_nul_in_a_path_and_a_blank_key_name_are_refused(tmp_path: Path) -> None:

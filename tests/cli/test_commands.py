@@ -549,12 +549,21 @@ def test_operator_commands_against_a_real_daemon(daemon: Path, tmp_path: Path) -
     assert one.returncode == 0 and one.stdout.startswith("session conv-42: model m, tenant default")
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(list(range(13))))
+    looked = cli_json(daemon, "stats")
     prefix = cli_json(daemon, "inspect", "--tokens", str(tokens), "--model", "m", "--layout", LAYOUT_SPEC)
     assert isinstance(prefix, dict) and prefix["matched_tokens"] == 12 and len(prefix["blocks"]) == 3
+    after = cli_json(daemon, "stats")
+    assert isinstance(looked, dict) and isinstance(after, dict)
+    assert after["store"]["lookups"] == looked["store"]["lookups"]  # an operator's look is no traffic
 
     warmed = cli_json(daemon, "prefetch", "--session", "conv-42", "--to", "hbm")
     assert isinstance(warmed, dict) and warmed["moved"] + warmed["present"] == 3 and warmed["failed"] == 0
 
+    # another criterion that selects none of its blocks: the conversation stays (its record was dropped)
+    young = run_cli("evict", "--session", "conv-42", "--older-than", "30d", "--config", str(daemon))
+    assert young.returncode == 0 and "no blocks matched" in young.stdout and young.stderr == ""
+    again = cli_json(daemon, "inspect")
+    assert isinstance(again, list) and "conv-42" in {s["name"] for s in again}
     # dry run: reported, nothing changes
     dry = cli_json(daemon, "evict", "--session", "conv-42", "--dry-run")
     assert isinstance(dry, dict) and dry["blocks"] == 3 and dry["dry_run"] is True

@@ -124,6 +124,45 @@ def test_shared_memory_and_socket_serve_the_same_bytes_from_every_tier(
     compare("nvme", exact=False)
 
 
+@pytest.mark.parametrize("where", ["hbm", "nvme"])
+def test_shared_memory_and_socket_gets_count_the_same_lookups_tokens_and_misses(
+    daemons: Any, tmp_path: Path, where: str
+) -> None:
+    # a same-host get asked again for the part not held (a second lookup, its tokens asked twice) and
+    # counted no tier misses; with blocks only on nvme its staging read counted a lookup of its own
+    cfg = write_config(tmp_path, server=SHM)
+    d = daemons(cfg)
+    tokens = random_tokens(np.random.default_rng(31), 12)
+    held = 3
+    with client(d.endpoint) as c:
+        assert c.put(tokens[: held * T], prefix_kv(tokens, held)).stored == held
+        if where == "nvme":
+            assert c.flush(30) and c.evict(tier="hbm").blocks == held and c.evict(tier="ram").blocks == held
+
+    def counted(shared: bool) -> dict[str, Any]:
+        with client(d.endpoint) if shared else socket_client(d.endpoint) as c:
+            before = c.stats()["store"]
+            r = c.get(tokens)
+            assert r.matched_blocks == held and c.shared_memory == shared
+            assert_exact(tokens, r.kv, r.matched_tokens)
+            after = c.stats()["store"]
+            if where == "nvme":  # promoted by the read: back down for the next one
+                c.evict(tier="hbm")
+                c.evict(tier="ram")
+                assert c.lookup(tokens).tiers == ["nvme"] * held
+        tiers = after["tiers"]
+        return {
+            "lookups": after["lookups"] - before["lookups"],
+            "tokens_asked": after["tokens_asked"] - before["tokens_asked"],
+            "tokens_served": after["tokens_served"] - before["tokens_served"],
+            "misses": {t: tiers[t]["misses"] - before["tiers"][t]["misses"] for t in tiers},
+        }
+
+    over_socket, shared = counted(False), counted(True)
+    assert over_socket["lookups"] == 1 and over_socket["tokens_asked"] == len(tokens)
+    assert shared == over_socket
+
+
 def test_put_from_a_paged_source_and_get_into_a_gpu_shaped_destination(daemons: Any, tmp_path: Path) -> None:
     cfg = write_config(tmp_path, server=SHM)
     daemons(cfg)
