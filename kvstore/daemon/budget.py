@@ -10,7 +10,9 @@ when its reply leaves for its client's socket::
 A request is taken when its charge fits in what is left of the daemon's
 budget (``[server] max_inflight_bytes``) and of its tenant's
 (``max_inflight_bytes_per_tenant``), and while fewer than
-``max_queued_requests`` requests wait for or run on a worker. A budget with
+``max_queued_requests`` requests wait for or run on a worker, of which one
+tenant holds at most TENANT_SHARE (the rest stays for the others: a tenant that
+floods the workers with slow requests turns only itself away). A budget with
 nothing charged to it takes any request, so one bigger than a budget still
 goes through alone and nothing is refused for good: in flight stays within
 max(budget, max_message_bytes). Otherwise the request is answered ``busy``
@@ -29,6 +31,8 @@ Not thread-safe: the loop thread alone charges and releases.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+TENANT_SHARE = 0.75  # of max_queued_requests one tenant's requests may hold
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class InflightBudget:
         self.held = 0  # bytes charged, all tenants
         self.queued = 0  # requests charged
         self._tenants: dict[str, int] = {}
+        self._queued_by: dict[str, int] = {}  # requests charged, per tenant
 
     def refusal(self, tenant: str, nbytes: int) -> str | None:
         """Why a request of ``nbytes`` from ``tenant`` must wait (a ``busy`` message), or None. Changes nothing.
@@ -62,6 +67,13 @@ class InflightBudget:
                 f"{nbytes} more: over its budget of {self.per_tenant} ([server] "
                 "max_inflight_bytes_per_tenant); wait for replies, then send it again"
             )
+        queued = self._queued_by.get(tenant, 0)
+        if queued and queued >= max(1, int(self.max_queued * TENANT_SHARE)):
+            return (
+                f"tenant {tenant!r} has {queued} requests waiting for or running on a worker, the most "
+                "one tenant may ([server] max_queued_requests, of which a tenant takes three quarters); "
+                "wait for replies, then send it again"
+            )
         if self.queued >= self.max_queued or (self.held and self.held + nbytes > self.total):
             return "the daemon has as many requests in flight as it takes; send it again shortly"
         return None
@@ -70,6 +82,7 @@ class InflightBudget:
         """Charge a request that ``refusal`` let through."""
         self.held += nbytes
         self.queued += 1
+        self._queued_by[tenant] = self._queued_by.get(tenant, 0) + 1
         self._tenants[tenant] = self._tenants.get(tenant, 0) + nbytes
         return Charge(tenant, nbytes)
 
@@ -77,7 +90,7 @@ class InflightBudget:
         """The request's work is done and its reply waits for its client: its bytes and queue place are
         the daemon's again, still its tenant's until ``unpark``."""
         self.held -= charge.nbytes
-        self.queued -= 1
+        self._unqueue(charge)
 
     def unpark(self, charge: Charge) -> None:
         """The parked reply has left (or its client is gone)."""
@@ -86,8 +99,16 @@ class InflightBudget:
     def release(self, charge: Charge) -> None:
         """The request's reply has left: its bytes are free again."""
         self.held -= charge.nbytes
-        self.queued -= 1
+        self._unqueue(charge)
         self._untenant(charge)
+
+    def _unqueue(self, charge: Charge) -> None:
+        self.queued -= 1
+        left = self._queued_by[charge.tenant] - 1
+        if left:
+            self._queued_by[charge.tenant] = left
+        else:
+            del self._queued_by[charge.tenant]
 
     def _untenant(self, charge: Charge) -> None:
         left = self._tenants.get(charge.tenant, 0) - charge.nbytes
