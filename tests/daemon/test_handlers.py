@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvstore.config import load_config, with_overrides
-from kvstore.daemon.handlers import Handlers
+from kvstore.daemon.handlers import INLINE_BLOCKS, Handlers
 from kvstore.keys import Namespace
 from kvstore.store.engine import Store
 from kvstore.wire.messages import ErrorReply, Get, GetOk, Inspect, Lookup, LookupOk, Prefetch, Put, PutOk
@@ -85,6 +85,10 @@ def test_inline_lookup_only_when_the_store_is_free(store: Store) -> None:
         t.join()
     # only lookups are ever answered inline
     assert h.try_inline(req(Get(ns=NS.id, tokens=np.arange(T, dtype="<u4")))) is None
+    # and only short ones: a walk of many blocks (block_tokens = 1: one per token) would hold up every client
+    long = np.arange((INLINE_BLOCKS + 1) * T, dtype="<u4")
+    assert h.try_inline(req(Lookup(ns=NS.id, tokens=long))) is None
+    assert h.handle(req(Lookup(ns=NS.id, tokens=long))) == LookupOk(0, 0, [])  # a worker answers it
 
 
 def test_errors_become_error_replies(store: Store) -> None:
