@@ -37,6 +37,8 @@ def _indices(values: torch.Tensor | Sequence[int], what: str) -> torch.Tensor:
         t = torch.as_tensor(values)
     except (TypeError, ValueError, RuntimeError) as e:
         raise LayoutError(f"{what} must be integers: {e}") from None
+    if t.numel() == 0:  # an empty list is float32 to torch: no ids, not float ones
+        return torch.empty(t.shape, dtype=torch.int64)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise LayoutError(f"{what} must be integers, got {t.dtype}")
     return t.to(torch.int64)

@@ -154,3 +154,13 @@ def test_whole_blocks_land_where_token_writes_put_them(block_size: int, combined
     assert torch.equal(
         c.read(0, torch.empty(LAYOUT.shape(tokens), dtype=torch.float16))[:, :, 12:], data[:, :, 12:]
     )
+
+
+def test_an_empty_sequence_of_slots_or_block_ids_is_no_tokens() -> None:
+    # torch makes [] a float32 tensor: it was refused as float ids
+    from kvstore.kvbuffers import PagedKV
+
+    k = [torch.zeros(4, 2, 1, 8)]
+    assert PagedKV.blocks(k, k, [], 0).num_tokens == 0
+    assert PagedKV.blocks(k, k, (), 0).num_tokens == 0
+    assert PagedKV([b[:, 0] for b in k], [b[:, 0] for b in k], []).num_tokens == 0

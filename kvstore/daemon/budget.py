@@ -18,8 +18,8 @@ goes through alone and nothing is refused for good: in flight stays within
 max(budget, max_message_bytes). Otherwise the request is answered ``busy``
 (the client backs off and sends it again); it is never dropped. A reply its client
 does not read yet waits in the daemon (kvstore.daemon.outbox): it leaves the
-daemon's budget and queue then (``park``), so that one tenant's unread replies
-turn no other tenant away, and stays charged to its tenant until it leaves
+worker queue then (``park``), so that unread replies hold no worker place, and
+its bytes stay charged, to the daemon and its tenant, until it leaves
 (``unpark``). A commit of
 the same-host data plane is taken even so (its K/V is in staging, and the
 next chunk's commit must not overtake it): kvstore.daemon.server's
@@ -87,13 +87,13 @@ class InflightBudget:
         return Charge(tenant, nbytes)
 
     def park(self, charge: Charge) -> None:
-        """The request's work is done and its reply waits for its client: its bytes and queue place are
-        the daemon's again, still its tenant's until ``unpark``."""
-        self.held -= charge.nbytes
+        """The request's work is done and its reply waits for its client: its queue place is free again,
+        its bytes stay charged until ``unpark``."""
         self._unqueue(charge)
 
     def unpark(self, charge: Charge) -> None:
         """The parked reply has left (or its client is gone)."""
+        self.held -= charge.nbytes
         self._untenant(charge)
 
     def release(self, charge: Charge) -> None:

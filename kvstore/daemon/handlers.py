@@ -408,6 +408,8 @@ class Handlers:
                     blocks.append([STAGING, extent, b"", b""])
                 tiers.extend(r.tiers)
                 rest = located.rest - k if r.matched_blocks == k else 0  # short: the chain broke there
+                if not rest:  # the last round of this read: what is not held after it is counted now
+                    self.store.missed(located)
         except BaseException:
             plane.take(lease.handle)
             self.store.finish(located, 0)

@@ -3,10 +3,10 @@
 A ROUTER queues replies per connection up to its send high-water mark, and ZeroMQ's default (1000)
 let a client that sends requests and never reads the answers hold up to 1000 replies in the
 daemon's memory, each up to ``max_message_bytes``, outside every budget. Here the router is
-``ROUTER_MANDATORY`` with a high-water mark of ``max_inflight_per_client`` replies per connection
-(a client that reads never has more queued), and a reply that does not fit is parked in the Outbox:
-its request's charge stays on its tenant's budget (kvstore.daemon.budget) until it leaves, so
-unread replies turn that tenant away ``busy``, and no other::
+``ROUTER_MANDATORY`` with a high-water mark of SNDHWM replies per connection (fewer with a smaller
+``max_inflight_per_client``), and a reply that does not fit is parked in the Outbox: its request's
+bytes stay charged (kvstore.daemon.budget) until it leaves, so unread replies turn their tenant away
+``busy`` once its budget is spent::
 
     worker reply ──► Outbox.send ──► ROUTER pipe (hwm replies) ──► socket ──► client
                         │ pipe full                  ▲
@@ -15,12 +15,14 @@ unread replies turn that tenant away ``busy``, and no other::
 Replies to one peer leave in the order they were sent. A reply to a peer that is gone is dropped
 (``gone`` counts them), and so are small uncharged replies (busy, errors, lookups) past
 MAX_PARKED_BYTES waiting for one peer (``dropped``): a client with that much unread is not reading.
-What a connection can hold outside its tenant's budget: hwm replies in the pipe, the one being
-written, the kernel's buffer, and MAX_PARKED_BYTES.
+What a connection can hold outside the budgets: hwm replies in the pipe, the one being written, the
+kernel's buffer, and MAX_PARKED_BYTES.
 
-ZeroMQ tells no one when a pipe has room again, so a peer's parked replies are tried again after
-RETRY_MIN, then, while its pipe stays full, after twice as long each time, up to RETRY_MAX: a
-client that reads is served within a millisecond, and hundreds that do not cost the loop little.
+ZeroMQ says a pipe has room again only by a command on the socket's mailbox (the loop watches the
+socket's file descriptor while replies are parked, and ``retry`` runs the commands), not for which
+peer. So a peer that took replies within HOT seconds is tried on every turn of the loop (a client
+that reads is served at once), and one that did not after RETRY_MIN, then after twice as long each
+time, up to RETRY_MAX: hundreds of clients that read nothing cost the loop little.
 
 Not thread-safe: the loop thread alone sends.
 """
@@ -41,8 +43,12 @@ from kvstore.wire.protocol import nbytes
 
 log = logging.getLogger("kvstore.daemon.outbox")
 
+# Replies ZeroMQ queues for one connection: each may be a whole get's K/V, outside the budgets, so few.
+# A client pipelining more small requests than this is served by retry() at once while it reads.
+SNDHWM = 8
 MAX_PARKED_BYTES = 4 * 2**20  # uncharged replies waiting for one peer beyond which new ones are dropped
 RETRY_MIN, RETRY_MAX = 0.001, 0.1  # seconds between tries of one peer's parked replies
+HOT = 0.05  # a peer that took replies this recently (seconds) is tried on every turn of the loop
 
 # called once a charged reply has left, or been dropped (its peer gone); True if it was parked first
 Sent = Callable[[bool], None]
@@ -56,6 +62,7 @@ class _Waiting:
     uncharged_bytes: int = 0
     delay: float = RETRY_MIN
     due: float = 0.0
+    took: float = 0.0  # when it last took a reply (or its first was parked)
     warned: bool = False
 
 
@@ -81,7 +88,8 @@ class Outbox:
         if w is None:
             if self._try(peer, frames, copy, sent, parked=False):
                 return True
-            w = self._parked[peer] = _Waiting(due=time.monotonic() + RETRY_MIN)
+            now = time.monotonic()
+            w = self._parked[peer] = _Waiting(due=now + RETRY_MIN, took=now)
         size = 0
         if sent is None:
             size = sum(nbytes(f) for f in frames)
@@ -108,7 +116,7 @@ class Outbox:
         # the socket's pending commands run here: a pipe with room again, a peer gone (its pipe ends
         # only once its inbound side is read to its end, which this looks at)
         self.router.getsockopt(zmq.EVENTS)
-        for peer in [p for p, w in self._parked.items() if w.due <= now]:
+        for peer in [p for p, w in self._parked.items() if w.due <= now or now - w.took < HOT]:
             w = self._parked[peer]
             before = left
             while w.replies:
@@ -122,8 +130,12 @@ class Outbox:
             if not w.replies:
                 del self._parked[peer]
                 continue
-            # a peer that took some is reading: again at once; one that took none, later and later
-            w.delay = RETRY_MIN if left > before else min(2 * w.delay, RETRY_MAX)
+            # a peer that took some is reading: tried on every turn (and after RETRY_MIN at the
+            # latest); one that took none, later and later
+            if left > before:
+                w.took, w.delay = now, RETRY_MIN
+            else:
+                w.delay = min(2 * w.delay, RETRY_MAX)
             w.due = now + w.delay
         return left
 

@@ -59,7 +59,7 @@ from kvstore.daemon.budget import Charge, InflightBudget
 from kvstore.daemon.endpoint import ipc_path, remove_socket, socket_identity
 from kvstore.daemon.handlers import Handlers, PinQuota
 from kvstore.daemon.metrics import Metrics
-from kvstore.daemon.outbox import Outbox, Sent
+from kvstore.daemon.outbox import SNDHWM, Outbox, Sent
 from kvstore.daemon.startup import Startup
 from kvstore.daemon.tenancy import admit
 from kvstore.daemon.zap import ZapHandler, peer_tenant
@@ -228,8 +228,7 @@ class Server:
         router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         router.setsockopt(zmq.HANDSHAKE_IVL, HEARTBEAT_TIMEOUT_MS)
-        # a client that reads never has more replies queued than requests in flight (kvstore.daemon.outbox)
-        self._outbox = Outbox(router, hwm=self.limits.max_inflight)
+        self._outbox = Outbox(router, hwm=min(self.limits.max_inflight, SNDHWM))
         pull = self.ctx.socket(zmq.PULL)
         pull.bind(self._replies)
         zap: ZapHandler | None = None
@@ -324,6 +323,8 @@ class Server:
         poller.register(pull, zmq.POLLIN)
         assert self._outbox is not None
         outbox = self._outbox
+        mailbox = router.getsockopt(zmq.FD)  # readable when the socket has commands: a pipe with room
+        watching = False
         deadline = None
         while True:
             self._check_startup()
@@ -347,6 +348,12 @@ class Server:
                     )
                     return
             # parked replies are tried when their peer's turn comes (kvstore.daemon.outbox)
+            if bool(outbox.parked) != watching:
+                watching = not watching
+                if watching:
+                    poller.register(mailbox, zmq.POLLIN)
+                else:
+                    poller.unregister(mailbox)
             events = dict(poller.poll(math.ceil(1000 * outbox.wait(POLL_MS / 1000))))
             if outbox.parked:  # before new requests: what leaves frees budget for them
                 outbox.retry()

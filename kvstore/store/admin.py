@@ -162,13 +162,14 @@ class AdminOps:
             dry_run=dry_run,
         )
         if flt.session is not None and t is None and self._cluster is not None:
-            try:  # the whole conversation, or the cluster's copies of the blocks chosen here
+            try:  # the whole conversation, or its cluster copies among the blocks chosen here
                 remote = self._cluster.evict(
-                    [] if whole else keys,
-                    flt.session if whole else None,
+                    [],
+                    flt.session,
                     dry_run=dry_run,
                     continued=self._continued,
                     tenant=owner,
+                    within=None if whole else set(keys),
                 )
             except InvalidRequest as e:  # the cluster is down: this host's part stands, and says so
                 return replace(result, not_done=f"{e}; evict --session again once it is back")

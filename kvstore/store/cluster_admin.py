@@ -95,9 +95,12 @@ class ClusterAdmin:
         dry_run: bool,
         continued: Callable[[list[bytes], str], set[bytes]],
         tenant: str | None = None,
+        within: set[bytes] | None = None,
     ) -> EvictResult:
         """Delete the cluster's copies of ``keys`` and, with ``session``, the blocks that session stored
-        there (its record names them) and its record. With ``session`` a block is deleted only when
+        there (its record names them) and its record; with ``within`` too, only those of its blocks
+        among ``within``, and the record stays (evict --session S with another criterion).
+        With ``session`` a block is deleted only when
         nothing known continues it: not in another session's record, and not among
         ``continued(candidates, session)`` (the blocks this host knows something else builds on; a
         deleted block would orphan what follows it, lookups being prefix-closed). InvalidRequest when
@@ -113,6 +116,8 @@ class ClusterAdmin:
                 foreign = d is not None and tenant is not None and d["ns"].tenant != tenant
                 d = None if foreign else d
                 theirs = [] if d is None else d["keys"]
+                if within is not None:
+                    theirs = [k for k in theirs if k in within]
                 others: set[bytes] = set()  # blocks another session's prefix runs through stay
 
                 def other(o: dict[str, Any]) -> None:
@@ -135,7 +140,7 @@ class ClusterAdmin:
             present = [k for k, there in zip(keys, self.cluster.exists(keys), strict=True) if there]
             if not dry_run:
                 self.cluster.count(deleted=self.cluster.delete(present))
-                if session is not None and not foreign:
+                if session is not None and not foreign and within is None:
                     self.cluster.drop_session(session)
         except ClusterUnavailable as e:
             raise InvalidRequest(f"evict from the cluster tier: {e}") from None

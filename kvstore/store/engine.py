@@ -370,6 +370,11 @@ class Store:
             ns, tokens, tiers, start_block=start_block, max_blocks=max_blocks, lease=lease
         )
 
+    def missed(self, located: Located) -> None:
+        """The held blocks after ``located``'s (its ``rest``) were all read by ``get``: count the blocks
+        not held after them (asked, and a miss in every tier), which ``finish`` leaves to this call."""
+        self._reads.missed(located)
+
     def finish(self, located: Located, used: int) -> None:
         """A located read is over: ``used`` leading blocks were served (the rest came back moved or
         were not wanted). Unpins, counts hits, touches what was used and promotes it (``promote_on_hit``;

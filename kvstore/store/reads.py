@@ -231,12 +231,20 @@ class Reader:
             rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])
         with self._lock:
             # the blocks held but not located are read by a get (the daemon's, or the client's over
-            # the socket), which counts them: asked once, not twice
+            # the socket), which counts them; the blocks not held after them are counted by the round
+            # that reads the last of them (``missed``), or by this one: asked once, not once a round
             self._counts.lookups += 1
-            self._counts.tokens_asked += (want - rest) * T
+            self._counts.tokens_asked += (len(places) if rest else want) * T
         # blocks asked for and not held: misses in every tier, counted with the hits by finish
         missing = want - len(places) - rest
         return Located(ns, start, handle, places, rest, missing)
+
+    def missed(self, located: Located) -> None:
+        """The rest of ``located`` was read (into staging) to its end: the blocks not held after it
+        are counted now, asked and missed, once."""
+        with self._lock:
+            self._counts.tokens_asked += located.missing * located.ns.layout.block_tokens
+            self._data.after_get([], located.missing, self._clock())
 
     def _places(self, found: list[tuple[Entry, int]]) -> list[tuple[Entry, int, Place]]:
         """(Lock held.) Each found block with its tier and its place there, in order: each tier asked
@@ -267,7 +275,8 @@ class Reader:
             self._pins.release(located.handle)
             if self._closed():
                 return
-            self._data.after_get(read, len(located.places) - used + located.missing, self._clock(), ready)
+            missing = 0 if located.rest else located.missing  # with a rest: see missed
+            self._data.after_get(read, len(located.places) - used + missing, self._clock(), ready)
             self._counts.tokens_served += used * T
         if self._cluster is not None and read:
             self._cluster.touch([e.key for e, _, _ in read])

@@ -21,16 +21,16 @@ def test_a_tenant_flooding_the_workers_leaves_a_quarter_of_the_queue_to_the_othe
     assert b.queued == 0 and b.held == 0 and b.of_tenant("a") == 0
 
 
-def test_a_parked_reply_holds_its_tenants_bytes_only() -> None:
-    # a reply its client does not read: the daemon's queue and bytes are free of it, its tenant's are not
-    b = InflightBudget(total=100, per_tenant=100, max_queued=4)
+def test_a_parked_reply_holds_its_bytes_and_no_worker_place() -> None:
+    # a reply its client does not read: the worker queue is free of it, the byte budgets are not
+    b = InflightBudget(total=100, per_tenant=100, max_queued=1)
     c = b.take("a", 80)
     b.park(c)
-    assert b.queued == 0 and b.held == 0 and b.of_tenant("a") == 80
-    assert b.refusal("b", 80) is None  # another tenant is taken
-    assert b.refusal("a", 80) is not None  # this one waits for its reply to leave
+    assert b.queued == 0 and b.held == 80 and b.of_tenant("a") == 80
+    assert b.refusal("b", 10) is None  # a request that fits is taken: the queue place is free
+    assert b.refusal("a", 80) is not None and b.refusal("b", 80) is not None  # the bytes are not
     b.unpark(c)
-    assert b.of_tenant("a") == 0 and b.refusal("a", 80) is None
+    assert b.held == 0 and b.of_tenant("a") == 0 and b.refusal("a", 80) is None
 
 
 def test_one_request_bigger_than_a_budget_goes_through_alone() -> None:

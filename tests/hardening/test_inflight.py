@@ -121,7 +121,8 @@ def test_a_client_that_never_reads_its_replies_holds_no_more_than_the_budget(dae
         refusing the rest busy (before: ZeroMQ queued up to 1000 replies per connection)
         another tenant is served meanwhile
         once the client reads, every get has exactly one reply, and the replies served are exact"""
-    cfg = budget_config(tmp_path, max_inflight_per_client=4)
+    # the daemon's budget twice a tenant's, as by default: another tenant has room beside this one's
+    cfg = budget_config(tmp_path, max_inflight_per_client=4, max_inflight_bytes=f"{2 * BUDGET // MiB}MiB")
     d = daemons(cfg)
     pid = d.proc.pid
     kv, payload = prefix_payload()
