@@ -237,9 +237,9 @@ def test_evict_of_a_session_leaves_the_cluster_blocks_others_build_on(host: Host
     assert b.lookup(NS, toks).tiers == ["cluster"] * 6
 
 
-@pytest.mark.parametrize("more", [{}, {"model": NS.model}])
+@pytest.mark.parametrize("model", [None, NS.model])
 def test_evict_of_a_session_leaves_the_blocks_another_host_s_session_builds_on(
-    host: HostFactory, more: dict[str, str]
+    host: HostFactory, model: str | None
 ) -> None:
     # with another criterion (one every block matches) the cluster was asked to delete the blocks
     # chosen here as they were, past every check: host B's session lost its prefix for every host
@@ -250,7 +250,7 @@ def test_evict_of_a_session_leaves_the_blocks_another_host_s_session_builds_on(
     theirs = toks[: 2 * T] + tokens(2, seed=9)  # B's session builds on S's first two blocks
     b.put(NS, theirs, torch.cat([x[:, :, : 2 * T], kv(8, seed=9)], dim=2), session="T")
     written(b, 2)
-    a.evict(EvictFilter(session="S", **more))
+    a.evict(EvictFilter(session="S", model=model))
     assert c.lookup(NS, theirs).tiers == ["cluster"] * 4
     assert c.lookup(NS, toks).matched_blocks == 2  # S's own blocks are gone
 
