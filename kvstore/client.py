@@ -39,7 +39,6 @@ the socket in socket_path.py, K/V through shared memory in shm/client_path.py.
 from __future__ import annotations
 
 import math
-import operator
 import os
 import threading
 import time
@@ -66,6 +65,7 @@ from kvstore.results import (
     PutResult,
     SessionDetail,
     SessionInfo,
+    as_int,
 )
 from kvstore.shm.client_path import SharedPath
 from kvstore.socket_path import WINDOW, SocketPath
@@ -102,22 +102,11 @@ def _endpoint(endpoint: str | None) -> str:
     )
 
 
-def _int(v: Any, least: int) -> int | None:
-    """``v`` as an int (numpy's too) if it is one of ``least`` or more, else None."""
-    if isinstance(v, bool):
-        return None
-    try:
-        i = operator.index(v)
-    except TypeError:
-        return None
-    return i if i >= least else None
-
-
 def _count(name: str, v: Any, *, least: int = 0, none: bool = False) -> Any:
     """``v``, an int >= ``least`` (or None when ``none``); InvalidRequest naming ``name``."""
     if v is None and none:
         return v
-    i = _int(v, least)
+    i = as_int(v, least)
     if i is None:
         raise InvalidRequest(
             f"{name} must be an int of {least} or more{' (or None)' if none else ''}; got {v!r}"
@@ -127,7 +116,7 @@ def _count(name: str, v: Any, *, least: int = 0, none: bool = False) -> Any:
 
 def _start(v: Any) -> int:
     """A ``start`` token position: an int >= 0; LayoutError otherwise."""
-    i = _int(v, 0)
+    i = as_int(v)
     if i is None:
         raise LayoutError(f"start must be a token position, an int of 0 or more; got {v!r}")
     return i

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +28,7 @@ import torch
 from kvstore.errors import LayoutError
 from kvstore.layout import KVLayout
 from kvstore.memcopy import CopyBatch, copy_into, scatter_rows
+from kvstore.results import as_int
 
 
 def _indices(values: torch.Tensor | Sequence[int], what: str) -> torch.Tensor:
@@ -108,10 +108,10 @@ class PagedKV:
         if ids.dim() != 1:
             raise LayoutError(f"block ids must be one id per block, got shape {tuple(ids.shape)}")
         bs = k[0].shape[1] if k else 1
-        try:
-            num_tokens = operator.index(num_tokens)
-        except TypeError:
-            raise LayoutError(f"num_tokens must be an int, got {num_tokens!r}") from None
+        n = as_int(num_tokens, least=-(2**63))  # (a negative count is refused just below, naming it)
+        if n is None:
+            raise LayoutError(f"num_tokens must be an int, got {num_tokens!r}")
+        num_tokens = n
         if num_tokens < 0 or num_tokens > len(ids) * bs:
             raise LayoutError(f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks, {len(ids)} given")
         self._setup(list(k), list(v), ids[: -(-num_tokens // bs)], num_tokens, kv, what="block ids")

@@ -8,6 +8,7 @@ held it when it was read.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,11 +27,23 @@ class InvalidRequest(KVStoreError, ValueError):
     code = "invalid_request"
 
 
+def as_int(v: Any, least: int = 0) -> int | None:
+    """``v`` as an int (numpy's integers too, never a bool or a float) if it is ``least`` or more, else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        i = operator.index(v)
+    except TypeError:
+        return None
+    return i if i >= least else None
+
+
 def check_index(name: str, v: Any) -> int:
     """``v``, a block index or count of a request; InvalidRequest unless a non-negative integer."""
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    i = as_int(v)
+    if i is None:
         raise InvalidRequest(f"{name} must be a non-negative integer, got {v!r}")
-    return v
+    return i
 
 
 class InvalidFilter(InvalidRequest):

@@ -214,7 +214,8 @@ def test_a_session_put_faster_than_the_disk_holds_one_row_write(make_store: Stor
     data = kv(2 * T, 5)
     for _ in range(500):
         s.put(NS, toks, data, session="conv")
-    assert s._writeback is not None and s._writeback.depth() <= 2
+    # at most: the session's row, the namespace's, the prefix's 2 blocks if not written yet (not 500 rows)
+    assert s._writeback is not None and s._writeback.depth() <= 4
     other = tokens(1, seed=6)
     s.put(NS, other, kv(T, 6))  # a block put now reaches the disk while rows keep coming
     for _ in range(100):
