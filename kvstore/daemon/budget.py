@@ -22,8 +22,7 @@ worker queue then (``park``), so that unread replies hold no worker place, and
 its bytes stay charged, to the daemon and its tenant, until it leaves
 (``unpark``). A commit of
 the same-host data plane is taken even so (its K/V is in staging, and the
-next chunk's commit must not overtake it): kvstore.daemon.server's
-``_commit_refusal``.
+next chunk's commit must not overtake it): kvstore.daemon.dispatch.
 
 Not thread-safe: the loop thread alone charges and releases.
 """

@@ -33,8 +33,8 @@ release the endpoint's lock, exit 0. A stop while the store is being built
 waits for it to be built, then closes it.
 
 Longer than most modules: the event loop, the worker hand-off and the start/stop sequence
-share the sockets this class owns (budget.py, startup.py and endpoint.py hold what could go;
-process.py runs it as the daemon process).
+share the sockets this class owns (dispatch.py, budget.py, outbox.py, startup.py and endpoint.py
+hold what could go; process.py runs it as the daemon process).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import os
 import re
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -55,7 +54,8 @@ import zmq
 
 from kvstore.config import Config
 from kvstore.daemon.auth import OPERATOR, ServerAuth
-from kvstore.daemon.budget import Charge, InflightBudget
+from kvstore.daemon.budget import InflightBudget
+from kvstore.daemon.dispatch import Dispatch
 from kvstore.daemon.endpoint import ipc_path, remove_socket, socket_identity
 from kvstore.daemon.handlers import Handlers, PinQuota
 from kvstore.daemon.metrics import Metrics
@@ -65,7 +65,7 @@ from kvstore.daemon.tenancy import admit
 from kvstore.daemon.zap import ZapHandler, peer_tenant
 from kvstore.errors import KVStoreError
 from kvstore.wire.errors import RemoteProtocolError
-from kvstore.wire.messages import Commit, ErrorReply, Get, Hello, Message, Ping, Pong
+from kvstore.wire.messages import ErrorReply, Hello, Message, Ping, Pong
 from kvstore.wire.protocol import (
     MAX_FRAMES,
     PROTOCOL_VERSION,
@@ -92,7 +92,6 @@ POLL_MS = 100  # how soon the loop notices a stop request
 HEARTBEAT_MS = 10_000  # how often each connection is pinged (ZMTP heartbeat; clients answer unasked)
 HEARTBEAT_TIMEOUT_MS = 60_000  # a connection with no traffic this long after a ping is closed
 BATCH = 64  # messages taken from a socket per wake-up, so neither side starves the other
-MAX_WAITING_COMMITS = 8  # commits of one client queued behind its running one, taken past a spent budget
 
 
 class _LateStore:
@@ -148,14 +147,9 @@ class Server:
         self.budget = InflightBudget(
             cfg.max_inflight_bytes, cfg.max_inflight_bytes_per_tenant, cfg.max_queued_requests
         )
-        self._charges: dict[int, Charge] = {}  # per request on a worker, by a number it carries
-        # A client's commits run one at a time, in the order they came (each needs the blocks of
-        # the one before it): those behind the running one wait here, by peer.
-        self._in_order: dict[bytes, deque[tuple[Request, float, int]]] = {}
-        self._ordered: dict[int, bytes] = {}  # charge of a running commit -> its peer
+        self.dispatch = Dispatch(self.budget, self.proto)  # the requests on workers and their charges
         self._workers: ThreadPoolExecutor | None = None
         self._outbox: Outbox | None = None  # the router's, while run() serves
-        self._next_charge = 0
         self._store_ref = _LateStore()
         self.metrics = Metrics(self._store_ref, usage=self._store_ref.usage)
         self.startup: Startup | None = None
@@ -168,7 +162,7 @@ class Server:
         self._sockets_lock = threading.Lock()
         self._replies = f"inproc://kvstore-replies-{id(self):x}"
         self._started = time.time()
-        self.requests = self.errors = self.outstanding = 0
+        self.requests = self.errors = 0
 
     def stop(self, reason: str) -> None:
         """Ask the loop to stop (safe from a signal handler or another thread)."""
@@ -183,7 +177,7 @@ class Server:
             "uptime": time.time() - self._started,
             "requests": self.requests,
             "errors": self.errors,
-            "inflight": self.outstanding,
+            "inflight": self.dispatch.outstanding,
             "replies_waiting": 0 if self._outbox is None else self._outbox.parked,
             "replies_dropped": 0 if self._outbox is None else self._outbox.dropped,
             "clients": len(self.proto.inflight),
@@ -263,11 +257,11 @@ class Server:
                 self.startup.begin()
             else:
                 self._serving()
-            self._loop(router, pull, workers)
+            self._loop(router, pull)
         finally:
             workers.shutdown(wait=True)
             self.metrics.stop()
-            while self.outstanding and self._forward(pull):
+            while self.dispatch.outstanding and self._forward(pull):
                 pass
             flush_until = time.monotonic() + 1.0  # replies parked for clients still reading get a moment
             while self._outbox is not None and self._outbox.parked and time.monotonic() < flush_until:
@@ -317,7 +311,7 @@ class Server:
             self.exit_code = EXIT_REFUSED
             self.stop("start failed")
 
-    def _loop(self, router: zmq.Socket, pull: zmq.Socket, workers: ThreadPoolExecutor) -> None:
+    def _loop(self, router: zmq.Socket, pull: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
@@ -335,15 +329,15 @@ class Server:
                     log.info(
                         "stopping (%s): finishing %d request(s) in flight",
                         self._stop_reason,
-                        self.outstanding,
+                        self.dispatch.outstanding,
                     )
                     deadline = time.monotonic() + DRAIN_TIMEOUT
-                if self.outstanding == 0:
+                if self.dispatch.outstanding == 0:
                     return
                 if time.monotonic() > deadline:
                     log.warning(
                         "%d request(s) still running after %.0fs; waiting for them to end",
-                        self.outstanding,
+                        self.dispatch.outstanding,
                         DRAIN_TIMEOUT,
                     )
                     return
@@ -377,14 +371,13 @@ class Server:
                         if count == 1 or (count <= MAX_FRAMES and size <= self.limits.max_message_bytes):
                             frames.append(frame)
                     try:
-                        self._on_request(workers, peer, frames, tenant, (count, size))
+                        self._on_request(peer, frames, tenant, (count, size))
                     except Exception as e:  # a bug in our checks must not end the daemon
                         log.exception("a request from %s broke the loop; answering internal", peer.hex())
                         self._answer_broken(peer, frames, e)
 
     def _on_request(
         self,
-        workers: ThreadPoolExecutor,
         peer: bytes,
         frames: list,
         tenant: str | None = None,
@@ -408,7 +401,7 @@ class Server:
             self._uncount(peer, before)
             raise
         try:
-            self._answer(workers, peer, frames, tenant, request, arrived)
+            self._answer(peer, frames, tenant, request, arrived)
         except Exception:
             self._uncount(peer, before)
             raise
@@ -422,7 +415,6 @@ class Server:
 
     def _answer(
         self,
-        workers: ThreadPoolExecutor,
         peer: bytes,
         frames: list,
         tenant: str | None,
@@ -458,23 +450,9 @@ class Server:
             reply = Pong(server=self.proto.server, pid=os.getpid(), time=time.time())
         else:
             reply = self.handlers.try_inline(request)
-            if reply is None:
-                tenant, cost = self._cost(request, frames)
-                refusal = self.budget.refusal(tenant, cost)
-                if refusal is not None and isinstance(request.msg, Commit):
-                    refusal = self._commit_refusal(peer)
-                if refusal is None:  # taken: charged until its reply leaves (_forward)
-                    self._next_charge += 1
-                    self._charges[self._next_charge] = self.budget.take(tenant, cost)
-                    self.outstanding += 1
-                    if isinstance(request.msg, Commit):
-                        waiting = self._in_order.get(peer)
-                        if waiting is not None:  # another commit of this client runs: after it
-                            waiting.append((request, arrived, self._next_charge))
-                            return
-                        self._in_order[peer] = deque()
-                        self._ordered[self._next_charge] = peer
-                    workers.submit(self._work, self.handlers, request, arrived, self._next_charge)
+            if reply is None:  # to a worker, charged until its reply leaves (_forward), or busy
+                refusal = self.dispatch.take(peer, request, frames, arrived, self._submit)
+                if refusal is None:
                     return
                 reply = ErrorReply(code="busy", message=refusal)  # the frames are let go right here
         if reply is None:
@@ -503,17 +481,6 @@ class Server:
         except Exception:  # the answer is lost, the daemon is not
             log.exception("answering request %s from %s failed", rid, peer.hex())
 
-    def _commit_refusal(self, peer: bytes) -> str | None:
-        """Why ``peer``'s commit must wait when the budget is spent, or None: it is taken anyway. A
-        commit's K/V is in the client's staging already (bounded by ``shm_staging``), its client's
-        commits run one at a time, and the next chunk's commit, sent before this one's answer, must
-        not be taken ahead of it: it would find its parent block missing. Only a client with
-        MAX_WAITING_COMMITS commits already waiting is told to wait."""
-        waiting = self._in_order.get(peer)
-        if waiting is not None and len(waiting) >= MAX_WAITING_COMMITS:
-            return f"{len(waiting)} commits of this client wait for the one running; send it again shortly"
-        return None
-
     def _init_worker(self) -> None:
         sock = self.ctx.socket(zmq.PUSH)
         sock.connect(self._replies)
@@ -521,19 +488,10 @@ class Server:
         with self._sockets_lock:
             self._worker_sockets.append(sock)
 
-    @staticmethod
-    def _cost(request: Request, frames: list) -> tuple[str, int]:
-        """(tenant, bytes) a request taken holds until its reply leaves: see kvstore.daemon.budget."""
-        ns = request.namespace
-        tenant = request.tenant or (ns.tenant if ns is not None else OPERATOR)
-        cost = sum(nbytes(f) for f in frames)
-        msg = request.msg
-        if isinstance(msg, Get) and ns is not None:
-            blocks = max(0, msg.chain.blocks(ns.layout.block_tokens) - msg.start_block)
-            if msg.max_blocks is not None:
-                blocks = min(blocks, msg.max_blocks)
-            cost += blocks * ns.layout.block_nbytes
-        return tenant, cost
+    def _submit(self, request: Request, arrived: float, number: int) -> None:
+        """Run a request Dispatch took on a worker (RuntimeError once the workers are shut down)."""
+        assert self._workers is not None and self.handlers is not None
+        self._workers.submit(self._work, self.handlers, request, arrived, number)
 
     def _work(self, handlers: Handlers, request: Request, arrived: float, charge: int) -> None:
         """Run on a worker thread: exactly one reply goes back for ``request``, whatever happens."""
@@ -557,50 +515,14 @@ class Server:
                 return n
             number = int.from_bytes(frames[0].bytes, "little")
             peer = frames[1].bytes
-            self.outstanding -= 1
-            if not self._send(peer, frames[2:], copy=False, sent=self._sent(number, peer)):
-                self.budget.park(self._charges[number])  # its tenant's until it leaves: unread
-            self._next_in_order(number)
+            now = self._send(peer, frames[2:], copy=False, sent=self.dispatch.sent(number, peer))
+            self.dispatch.answered(number, parked=not now, submit=self._submit)
         return BATCH
 
     def _send(self, peer: bytes, frames: list[Any], *, copy: bool = True, sent: Sent | None = None) -> bool:
         """Send a reply now (True) or park it (kvstore.daemon.outbox)."""
         assert self._outbox is not None  # (set by run before the loop starts)
         return self._outbox.send(peer, frames, copy=copy, sent=sent)
-
-    def _sent(self, number: int, peer: bytes) -> Sent:
-        """The reply of the request charged ``number`` has left (or its peer is gone): the charge and the
-        client's count in flight are released only now, so replies a client leaves unread count."""
-
-        def sent(parked: bool) -> None:
-            charge = self._charges.pop(number)
-            if parked:
-                self.budget.unpark(charge)
-            else:
-                self.budget.release(charge)
-            self.proto.done(peer)
-
-        return sent
-
-    def _next_in_order(self, number: int) -> None:
-        """The commit with charge ``number`` is answered: start its client's next one, if any."""
-        peer = self._ordered.pop(number, None)
-        if peer is None:
-            return
-        waiting = self._in_order[peer]
-        if not waiting:
-            del self._in_order[peer]
-            return
-        request, arrived, charge = waiting.popleft()
-        self._ordered[charge] = peer
-        assert self._workers is not None and self.handlers is not None
-        try:
-            self._workers.submit(self._work, self.handlers, request, arrived, charge)
-        except RuntimeError:  # the workers are gone (the daemon is stopping): no answer; it lapses
-            self.budget.release(self._charges.pop(charge))
-            self.proto.done(request.peer)
-            self.outstanding -= 1
-            self._next_in_order(charge)
 
     def _log_start(self, metrics_url: str | None) -> None:
         cfg = self.config
