@@ -39,7 +39,6 @@ the socket in socket_path.py, K/V through shared memory in shm/client_path.py.
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -91,15 +90,14 @@ from kvstore.wire.reply_data import as_list, as_map, build, is_a, malformed
 
 
 def _endpoint(endpoint: str | None) -> str:
-    """``endpoint`` (default: $KVSTORE_ENDPOINT, else the default socket); ConfigError for one a
-    daemon listens on but nobody can connect to (``tcp://*:5555``), or no text at all."""
-    from kvstore.config import check_connect_endpoint, check_endpoint, default_endpoint
+    """``endpoint`` (default: $KVSTORE_ENDPOINT or $KVSTORE_SERVER_ENDPOINT, else the default
+    socket); ConfigError for one a daemon listens on but nobody can connect to (``tcp://*:5555``),
+    or no text at all, or for the two variables naming different endpoints."""
+    from kvstore.config import check_connect_endpoint, check_endpoint, default_endpoint, env_endpoint
 
     if endpoint is not None and not isinstance(endpoint, str):
         raise ConfigError(f"endpoint must be a string like 'ipc:///path/kv.sock', got {endpoint!r}")
-    return check_connect_endpoint(
-        check_endpoint(endpoint or os.environ.get("KVSTORE_ENDPOINT") or default_endpoint())
-    )
+    return check_connect_endpoint(check_endpoint(endpoint or env_endpoint() or default_endpoint()))
 
 
 def _count(name: str, v: Any, *, least: int = 0, none: bool = False) -> Any:

@@ -96,6 +96,20 @@ def default_endpoint(env: Mapping[str, str] | None = None) -> str:
     return f"ipc://{runtime_dir(env) / 'kvstore.sock'}"
 
 
+def env_endpoint(env: Mapping[str, str] | None = None) -> str | None:
+    """The endpoint the environment names: ``KVSTORE_ENDPOINT`` or its long form
+    ``KVSTORE_SERVER_ENDPOINT`` (None: neither). ConfigError when both are set and differ: the
+    daemon, the CLI and clients would not agree on one socket."""
+    env = os.environ if env is None else env
+    short, full = env.get("KVSTORE_ENDPOINT"), env.get("KVSTORE_SERVER_ENDPOINT")
+    if short is not None and full is not None and short != full:
+        raise ConfigError(
+            f"environment variables KVSTORE_ENDPOINT ({short!r}) and KVSTORE_SERVER_ENDPOINT "
+            f"({full!r}) name different endpoints; set one of them"
+        )
+    return short if short is not None else full
+
+
 def default_data_dir(env: Mapping[str, str] | None = None) -> Path:
     """Where LMDB lives when no ``[nvme] path`` is given: ``$XDG_DATA_HOME/kvstore`` (``~/.local/share/kvstore``)."""
     env = os.environ if env is None else env
@@ -427,7 +441,7 @@ def _read_file(path: Path, values: dict[str, dict[str, Any]], named_by: str) -> 
 def _read_env(env: Mapping[str, str], values: dict[str, dict[str, Any]]) -> None:
     """Apply ``KVSTORE_<SECTION>_<KEY>``; other ``KVSTORE_*`` names (KVSTORE_VENV, ...) belong to others."""
     overrides = []
-    if "KVSTORE_ENDPOINT" in env:
+    if "KVSTORE_ENDPOINT" in env and env_endpoint(env) is not None:  # (refused: a second, other one)
         overrides.append(("KVSTORE_ENDPOINT", "server", "endpoint"))
     for name in sorted(env):
         for section, (_, checks) in _CHECKS.items():

@@ -222,9 +222,25 @@ def test_endpoint_shorthand_and_precedence() -> None:
         load_config(env={"KVSTORE_ENDPOINT": "tcp://127.0.0.1:7000"}).server.endpoint
         == "tcp://127.0.0.1:7000"
     )
-    # the full name is more specific and wins over the shorthand
-    both = {"KVSTORE_ENDPOINT": "tcp://127.0.0.1:7000", "KVSTORE_SERVER_ENDPOINT": "tcp://127.0.0.1:7001"}
-    assert load_config(env=both).server.endpoint == "tcp://127.0.0.1:7001"
+    full = {"KVSTORE_SERVER_ENDPOINT": "tcp://127.0.0.1:7001"}
+    assert load_config(env=full).server.endpoint == "tcp://127.0.0.1:7001"
+    same = {**full, "KVSTORE_ENDPOINT": "tcp://127.0.0.1:7001"}
+    assert load_config(env=same).server.endpoint == "tcp://127.0.0.1:7001"
+    # two endpoints: the CLI and a client in the same environment would talk to different sockets
+    with pytest.raises(ConfigError, match="KVSTORE_ENDPOINT .* KVSTORE_SERVER_ENDPOINT .* set one"):
+        load_config(env={**full, "KVSTORE_ENDPOINT": "tcp://127.0.0.1:7000"})
+
+
+def test_a_client_reads_the_endpoint_either_variable_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.client import KVStoreClient
+
+    monkeypatch.delenv("KVSTORE_ENDPOINT", raising=False)
+    monkeypatch.setenv("KVSTORE_SERVER_ENDPOINT", "tcp://127.0.0.1:7001")
+    with KVStoreClient(timeout=0.1) as c:
+        assert c.endpoint == "tcp://127.0.0.1:7001"
+    monkeypatch.setenv("KVSTORE_ENDPOINT", "tcp://127.0.0.1:7000")
+    with pytest.raises(ConfigError, match="name different endpoints"):
+        KVStoreClient(timeout=0.1)
 
 
 def test_kvstore_config_variable_names_the_file(tmp_path: Path) -> None:

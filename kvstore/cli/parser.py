@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--endpoint",
         type=_endpoint_arg,
-        help="daemon endpoint (default: $KVSTORE_ENDPOINT, else the config's [server] endpoint)",
+        help="daemon endpoint (default: $KVSTORE_ENDPOINT or $KVSTORE_SERVER_ENDPOINT, "
+        "else the config's [server] endpoint)",
     )
     common.add_argument(
         "--config", metavar="FILE", help="TOML config (default: $KVSTORE_CONFIG, else built-in)"

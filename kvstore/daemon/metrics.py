@@ -72,8 +72,16 @@ _TIER_GAUGES = (
 _TIER_COUNTERS = (
     ("hits", "kvstore_tier_hits", "Blocks read from this tier (the highest tier holding them)"),
     ("misses", "kvstore_tier_misses", "Reads that found the block only below this tier, or nowhere"),
-    ("evictions", "kvstore_tier_evictions", "Blocks dropped from this tier"),
-    ("demotions", "kvstore_tier_demotions", "Blocks moved down from this tier to make room"),
+    (
+        "evictions",
+        "kvstore_tier_evictions",
+        "Copies that left this tier: moved down, dropped, expired or evicted on request (a demotion counts here too)",
+    ),
+    (
+        "demotions",
+        "kvstore_tier_demotions",
+        "Copies moved down from this tier (to make room, or evicted from it)",
+    ),
     ("promotions", "kvstore_tier_promotions", "Blocks copied up into this tier on a hit or prefetch"),
     (
         "corrupt",
@@ -375,7 +383,7 @@ def _write_failures(value: int | Mapping[str, int]) -> Metric:
     c = CounterMetricFamily(
         "kvstore_write_failures",
         "Blocks whose write-through to nvme failed (nvme full, "
-        "disk full, I/O error); they stay in the upper tiers only",
+        "disk full, I/O error); they stay queued and are written again later",
         labels=["reason"],
     )
     for reason, n in value.items() if isinstance(value, Mapping) else [("any", value)]:

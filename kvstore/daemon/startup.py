@@ -46,6 +46,8 @@ def stored_blocks(path: Path) -> int | None:
     before returning: nothing is written, and no lock the store takes is touched.
     """
     try:
+        if path.exists() and not path.is_dir():
+            return None  # refused when the store opens, with the reason: "a new store" would mislead
         if not (path / "data.mdb").exists():
             return 0
     except OSError as e:  # EACCES, ENAMETOOLONG: Path.exists says False only for a path that is not there

@@ -20,6 +20,7 @@ import zmq
 from kvstore.cli.commands import main as cli_main
 from kvstore.client import KVStoreClient
 from kvstore.daemon.endpoint import probe
+from kvstore.daemon.startup import stored_blocks
 from kvstore.errors import DaemonStarting
 from tests.daemon.conftest import LAYOUT, MODEL, Daemon, write_config
 
@@ -202,6 +203,14 @@ def test_the_blocks_of_a_store_the_daemon_may_not_enter_are_unknown_not_a_crash(
         store.chmod(0o700)
     assert p.returncode == 0 and p.stdout.strip() == "None", p.stderr
     assert f"cannot look into {store}: Permission denied" in p.stderr and "[nvme] path" in p.stderr
+
+
+def test_an_nvme_path_that_is_a_file_is_not_called_a_new_store(tmp_path: Path) -> None:
+    # the store's opening refuses it with the reason; "no blocks to read back (a new store)" would mislead
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"x")
+    assert stored_blocks(afile) is None
+    assert stored_blocks(tmp_path / "absent") == 0 and stored_blocks(tmp_path) == 0
 
 
 @pytest.mark.slow
