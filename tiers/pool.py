@@ -49,7 +49,9 @@ DEFAULT_PAGE_BYTES = 64 * 1024
 # Where a pool's memory comes from: (capacity bytes, page bytes, pages, device) -> (arena, page
 # generations).
 # The default is private memory; kvstore.shm.plane gives shared segments the daemon's clients map.
-PoolMemory = Callable[[int, int, int, torch.device], tuple[torch.Tensor, np.ndarray]]
+# (capacity, page bytes, pages, device) -> (arena, page generations) in memory shared elsewhere, or
+# None: that memory cannot be had here, the pool allocates its own
+PoolMemory = Callable[[int, int, int, torch.device], tuple[torch.Tensor, np.ndarray] | None]
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,9 @@ class PagePool:
         memory: PoolMemory | None = None,
         copier: Copier | None = None,
     ) -> None:
-        """``memory``: where the arena and the generations live (default: private to this process).
-        ``copier``: how host copies into and out of the arena run (default: on the calling thread)."""
+        """``memory``: where the arena and the generations live (default, or when it returns None:
+        private to this process). ``copier``: how host copies into and out of the arena run (default:
+        on the calling thread)."""
         for name, value, low in (("capacity_bytes", capacity_bytes, 0), ("page_bytes", page_bytes, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"page pool {name} must be an integer >= {low}, got {value!r}")
@@ -123,11 +126,12 @@ class PagePool:
         self.num_pages = capacity_bytes // page_bytes
         pin = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
         self.pinned = pin
+        shared = None if memory is None else memory(capacity_bytes, page_bytes, self.num_pages, self.device)
         # shared with other processes (kvstore.shm): a GPU write must have landed before the block is
         # published, since a client reads it on a stream of its own (CUDA IPC)
-        self._shared_gpu = memory is not None and self.device.type == "cuda"
-        if memory is not None:
-            self._arena, self.gens = memory(capacity_bytes, page_bytes, self.num_pages, self.device)
+        self._shared_gpu = shared is not None and self.device.type == "cuda"
+        if shared is not None:
+            self._arena, self.gens = shared
             self.pinned = pin and _register_host(self._arena)
         else:
             # Zero-filled on purpose: the memory is touched now, so a host that cannot back the

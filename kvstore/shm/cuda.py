@@ -15,24 +15,28 @@ from typing import Any
 
 import torch
 
-from kvstore.errors import ConfigError
 from kvstore.shm.segment import ShmUnavailable
 
 
 def cuda_arena(capacity: int, device: torch.device) -> tuple[torch.Tensor, bytes, Any]:
-    """(arena as a uint8 tensor on ``device``, its IPC handle, the object that keeps it alive)."""
+    """(arena as a uint8 tensor on ``device``, its IPC handle, the object that keeps it alive).
+    ShmUnavailable when cupy is missing or fails (built for another CUDA, a driver that refuses):
+    the pool is then not shared; nothing is left allocated."""
     try:
         import cupy
     except Exception:  # noqa: BLE001 - not installed, or built for another CUDA
-        raise ConfigError(
-            "sharing the hbm pool on a GPU needs cupy built for torch's CUDA (pip install cupy-cuda12x or "
-            'cupy-cuda13x); install it or set [server] shared_memory = "off"'
+        raise ShmUnavailable(
+            "sharing a pool on a GPU needs cupy built for torch's CUDA (pip install -e '.[cuda12]' or "
+            "'.[cuda13]'; ./dev setup does it)"
         ) from None
-    with cupy.cuda.Device(device.index or 0):
-        mem = cupy.cuda.Memory(capacity)  # a plain cudaMalloc
-        cupy.cuda.runtime.memset(mem.ptr, 0, capacity)
-        arr = cupy.ndarray((capacity,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(mem.ptr))
+    try:
+        with cupy.cuda.Device(device.index or 0):
+            mem = cupy.cuda.Memory(capacity)  # a plain cudaMalloc
+            cupy.cuda.runtime.memset(mem.ptr, 0, capacity)
+            arr = cupy.ndarray((capacity,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+            handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(mem.ptr))
+    except Exception as e:  # noqa: BLE001 - cupy's CUDARuntimeError, OutOfMemoryError, a CUDA mismatch
+        raise ShmUnavailable(f"cupy could not allocate and share {capacity} bytes on {device}: {e}") from None
     return torch.from_dlpack(arr), handle, (mem, arr)
 
 
@@ -60,16 +64,19 @@ class IpcArena:
             raise ShmUnavailable("the hbm pool is on a GPU and this process sees no CUDA device")
         try:
             import cupy
-        except ImportError:
-            raise ShmUnavailable("reading the GPU hbm pool needs cupy in the client") from None
+        except Exception:  # noqa: BLE001 - not installed, or built for another CUDA
+            raise ShmUnavailable(
+                "reading the GPU hbm pool needs cupy (built for torch's CUDA) in the client"
+            ) from None
         index = torch.device(device).index or 0
-        with cupy.cuda.Device(index):
-            try:
+        try:
+            with cupy.cuda.Device(index):
                 ptr = cupy.cuda.runtime.ipcOpenMemHandle(
                     handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
                 )
-            except Exception as e:  # cupy raises CUDARuntimeError
-                raise ShmUnavailable(f"cudaIpcOpenMemHandle failed: {e}") from None
+        except Exception as e:  # noqa: BLE001 - cupy raises CUDARuntimeError (a wrong CUDA: others)
+            raise ShmUnavailable(f"cudaIpcOpenMemHandle failed: {e}") from None
+        with cupy.cuda.Device(index):
             self._ptr = ptr
             mem = cupy.cuda.UnownedMemory(ptr, capacity, self)
             arr = cupy.ndarray((capacity,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))

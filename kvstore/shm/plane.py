@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import KVStoreError
-from kvstore.shm.segment import NoRoom, Segment, private_dir, sweep
+from kvstore.shm.segment import NoRoom, Segment, ShmUnavailable, private_dir, sweep
 from kvstore.tiers.pool import PoolMemory
 from kvstore.wire.errors import ProtocolError
 
@@ -189,7 +189,7 @@ class SharedPlane:
 
         def allocate(
             capacity: int, page_bytes: int, num_pages: int, device: torch.device
-        ) -> tuple[torch.Tensor, np.ndarray]:
+        ) -> tuple[torch.Tensor, np.ndarray] | None:
             gens_offset = -(-capacity // ALIGN) * ALIGN
             if device.type == "cpu":
                 seg = Segment.create(self.directory, role, gens_offset + 8 * num_pages)
@@ -198,7 +198,16 @@ class SharedPlane:
             else:
                 from kvstore.shm.cuda import cuda_arena
 
-                arena, handle, keep = cuda_arena(capacity, device)
+                try:
+                    arena, handle, keep = cuda_arena(capacity, device)
+                except ShmUnavailable as e:  # no cupy that works: the pool is the daemon's own
+                    log.warning(
+                        "the %s pool on %s is not shared: %s; same-host clients read it through staging",
+                        role,
+                        device,
+                        e,
+                    )
+                    return None
                 gens_seg = Segment.create(self.directory, role + "gens", 8 * num_pages)
                 pool = _Pool(
                     role,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -509,3 +510,21 @@ def test_shared_memory_is_offered_on_x86_64_only(
             assert len([r for r in caplog.records if "not offered" in r.getMessage()]) == 1
     finally:
         plane.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
+def test_a_gpu_pool_without_cupy_is_the_daemons_own_and_not_offered(
+    shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a GPU host without a cupy that works: one warning, the hbm pool allocated as a private one, and
+    # the offer names only the pools that are shared (clients read the rest through staging)
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
+    with caplog.at_level(logging.WARNING, logger="kvstore.shm"):
+        got = plane.pool_memory("hbm", "raw")(16 * 1024, 1024, 16, torch.device("cuda:0"))
+    assert got is None and not plane.shares("hbm")
+    assert "the hbm pool on cuda:0 is not shared: sharing a pool on a GPU needs cupy" in caplog.text
+    ram = RamTier(16 * 1024, get_codec("raw"), page_bytes=1024, memory=plane.pool_memory("ram", "frames"))
+    offer = plane.offer()
+    assert offer is not None and [s["role"] for s in offer["segments"]] == ["ram"] and plane.shares("ram")
+    ram.close()
+    plane.close()

@@ -339,3 +339,18 @@ def test_a_failed_batched_copy_is_raised_to_the_batch_and_a_free_elsewhere_still
     assert outcome["free"] == "freed"
     assert isinstance(outcome["batch"], OSError)
     assert pool.used_pages == 1
+
+
+def test_a_pool_whose_shared_memory_cannot_be_had_allocates_its_own() -> None:
+    # memory() answering None (no cupy for a GPU pool): the pool is private, and works as one
+    asked = []
+
+    def memory(capacity: int, page_bytes: int, pages: int, device: torch.device) -> None:
+        asked.append((capacity, page_bytes, pages, device.type))
+        return None
+
+    pool = PagePool(8 * 1024, page_bytes=1024, memory=memory)
+    assert asked == [(8 * 1024, 1024, 8, "cpu")] and pool.num_pages == 8
+    span = pool.alloc(2048)
+    pool.write(span, torch.arange(2048, dtype=torch.int16).view(torch.uint8)[:2048])
+    assert torch.equal(pool.read(span, 2048), torch.arange(2048, dtype=torch.int16).view(torch.uint8)[:2048])
