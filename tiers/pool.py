@@ -31,6 +31,7 @@ reads take the fast path.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -126,6 +127,7 @@ class PagePool:
         self.num_pages = capacity_bytes // page_bytes
         pin = bool(pin_memory) and self.device.type == "cpu" and torch.cuda.is_available()
         self.pinned = pin
+        self._host: _PinnedHost | None = None  # the private pinned arena's owner, when there is one
         shared = None if memory is None else memory(capacity_bytes, page_bytes, self.num_pages, self.device)
         # shared with other processes (kvstore.shm): a GPU write must have landed before the block is
         # published, since a client reads it on a stream of its own (CUDA IPC)
@@ -137,10 +139,12 @@ class PagePool:
             # Zero-filled on purpose: the memory is touched now, so a host that cannot back the
             # configured capacity fails at start instead of being OOM-killed under load later.
             try:
-                self._arena = torch.zeros(
-                    capacity_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin
-                )
-            except (RuntimeError, MemoryError) as e:  # out of host or device memory: a capacity too large
+                if pin:
+                    self._host = _PinnedHost(capacity_bytes)
+                    self._arena, self.pinned = self._host.tensor, self._host.registered
+                else:
+                    self._arena = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device)
+            except (RuntimeError, MemoryError, OSError) as e:  # out of host or device memory: too large
                 raise ConfigError(
                     f"a {capacity_bytes}-byte pool cannot be allocated on {self.device} "
                     f"({str(e).splitlines()[0][:200]}); lower the tier's capacity"
@@ -332,6 +336,31 @@ class PagePool:
                 self._failed = e
             finally:
                 self._pending.clear()
+
+
+class _PinnedHost:
+    """``nbytes`` of page-locked host memory, exactly: torch's pinned allocator rounds every request
+    up to a power of two (a 33 GiB ram tier would lock 64 GiB). An anonymous mapping, registered with
+    CUDA (kvstore.shm.cuda.host_register), zero-filled where it could not be (registering touches every
+    page). Unregistered when this object goes, always before the mapping is unmapped: ``tensor``
+    and its views keep the mapping, not the registration (a view that outlives the pool copies at
+    pageable speed)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self._map = mmap.mmap(-1, nbytes) if nbytes else None
+        empty = torch.empty(0, dtype=torch.uint8)
+        self.tensor = empty if self._map is None else torch.frombuffer(self._map, dtype=torch.uint8)
+        self._ptr = self.tensor.data_ptr()
+        self.registered = bool(nbytes) and _register_host(self.tensor)
+        if not self.registered:
+            self.tensor.zero_()
+
+    def __del__(self) -> None:
+        if self.registered:
+            from kvstore.shm.cuda import host_unregister
+
+            self.registered = False
+            host_unregister(self._ptr)
 
 
 def _register_host(arena: torch.Tensor) -> bool:

@@ -250,8 +250,8 @@ def test_cuda_pool_round_trip() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_host_pool_is_page_locked() -> None:
-    pool = PagePool(1024, page_bytes=256, pin_memory=True)
-    assert pool.pinned and pool._arena.is_pinned()
+    pool = PagePool(3 * 256, page_bytes=256, pin_memory=True)  # locked as it is: not rounded up to 1024
+    assert pool.pinned and pool._arena.is_pinned() and pool._arena.numel() == 3 * 256
 
 
 def test_a_readers_flush_cannot_come_between_a_batched_write_and_its_mark(
@@ -354,3 +354,46 @@ def test_a_pool_whose_shared_memory_cannot_be_had_allocates_its_own() -> None:
     span = pool.alloc(2048)
     pool.write(span, torch.arange(2048, dtype=torch.int16).view(torch.uint8)[:2048])
     assert torch.equal(pool.read(span, 2048), torch.arange(2048, dtype=torch.int16).view(torch.uint8)[:2048])
+
+
+def test_a_private_pinned_pool_locks_exactly_its_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's pinned allocator rounds up to a power of two (a 33 GiB tier locked 64 GiB): the pool
+    # registers its own mapping instead, of exactly its size, and unregisters it before it is unmapped.
+    # CUDA's registration stands in here (no GPU); tests/tiers/test_pool.py's gpu tests do it for real.
+    import kvstore.shm.cuda as cuda
+
+    calls: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def register(ptr: int, n: int, *, read_only: bool, device: int = 0) -> bool:
+        calls.append(("reg", ptr, n))
+        return True
+
+    monkeypatch.setattr(cuda, "host_register", register)
+    monkeypatch.setattr(cuda, "host_unregister", lambda ptr: calls.append(("unreg", ptr, 0)))
+    capacity = 3 * 1024 * 1024 + 4096  # not a power of two
+    pool = PagePool(capacity, page_bytes=4096, pin_memory=True)
+    assert pool.pinned and pool._arena.numel() == capacity
+    assert calls == [("reg", pool._arena.data_ptr(), capacity)]
+    span = pool.alloc(8192)
+    pool.write(span, torch.full((8192,), 7, dtype=torch.uint8))
+    assert torch.equal(pool.read(span, 8192), torch.full((8192,), 7, dtype=torch.uint8))
+    kept = pool.read(span, 8192)  # a copy: nothing of the arena outlives the pool here
+    ptr = pool._arena.data_ptr()
+    del pool, span
+    import gc
+
+    gc.collect()
+    assert calls[-1] == ("unreg", ptr, 0) and kept[0] == 7
+
+
+def test_a_pinned_pool_whose_registration_fails_is_pageable_and_zeroed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvstore.shm.cuda as cuda
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "host_register", lambda ptr, n, *, read_only, device=0: False)
+    monkeypatch.setattr(cuda, "host_unregister", lambda ptr: pytest.fail("nothing was registered"))
+    pool = PagePool(64 * 1024, page_bytes=4096, pin_memory=True)
+    assert not pool.pinned and pool._arena.numel() == 64 * 1024 and not pool._arena.any()
