@@ -125,10 +125,15 @@ class Putter:
                         self._pins.release(hold)
                     more = not job.failed and c1 < job.end and job.tail is not None
                     hold = self._pins.pin([job.tail], self._lease) if more and job.tail is not None else None
-                    if self._through is not None and new:
+                    queue = new
+                    if job.again:  # in the chunk's order: parents are written before their children
+                        again, job.again = set(job.again), []
+                        again.update(new)
+                        queue = [k for k in job.keys[c0:c1] if k in again]
+                    if self._through is not None and queue:
                         self._through.expect()  # found by others now: a flush waits until they are queued
-                if self._through is not None and new:
-                    job.deferred += self._through.submit(new, expected=True)
+                if self._through is not None and queue:
+                    job.deferred += self._through.submit(queue, expected=True)
                 if self._cluster is not None and not adopted:
                     self._cluster.submit(new, job.keys[c0:c1])  # and those dropped before (an outage)
                 if job.failed:
@@ -172,6 +177,8 @@ class Putter:
             if e is not None:
                 self._touch(e, now)
                 job.present += 1
+                if self._through is not None and self._through.owed(e):
+                    job.again.append(e.key)
             else:
                 keeps_record = self._tiers.nvme is not None or self._cluster is not None  # both store records
                 pending = Pending(job.base + i, *job.chain.identity(i, T)) if keeps_record else None
@@ -221,6 +228,7 @@ class _PutJob:
     stored: int = 0
     present: int = 0
     deferred: int = 0
+    again: list[bytes] = field(default_factory=list)  # present blocks whose nvme copy went: queued again
     failed: list[FailedBlock] = field(default_factory=list)
     last: int = -1
 

@@ -91,6 +91,7 @@ class WriteBack:
         self._requeued: set[bytes] = set()  # deferred keys queued again, not yet through ``write``
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
+        self._waiting: set[bytes] = set()  # queued by ``submit``, not yet taken by ``write``
         self._ready: dict[bytes, Buffer] = {}  # frames in nvme's codec already (from the cluster tier)
         self._ready_bytes = 0
         # puts that indexed new blocks and have not queued them yet (``expect``): flush waits for them
@@ -109,16 +110,34 @@ class WriteBack:
         """Queue keys for write-through (no lock held); those refused are deferred. Returns how many.
         ``expected``: the keys ``expect()`` announced."""
         refused: list[bytes] = []
+        if keys:
+            with self._lock:  # before the writer can take them: ``write`` lets each go
+                self._waiting.update(keys)
         try:
             if keys:
                 refused = self._writer.submit(keys, self._backpressure if wait is None else wait)
         finally:
             with self._lock:
+                self._waiting.difference_update(keys[len(keys) - len(refused) :] if refused else ())
                 self._owe(refused)
                 if expected:
                     self._expected -= 1
                     self._queued.notify_all()
         return len(refused)
+
+    def owed(self, e: Entry) -> bool:
+        """(Lock held.) Whether a put that finds ``e`` stored must queue it again: its nvme copy went
+        (dropped to make room, or ``evict --tier nvme``) while a copy above stayed, and no write of it
+        waits. Without this the put answered ``present`` and a flush ``durable`` with the block on no
+        disk."""
+        return (
+            not e.tiers & (1 << self._t)
+            and e.pending is not None
+            and e.highest() >= 0
+            and e.key not in self.deferred
+            and e.key not in self.writing
+            and e.key not in self._waiting
+        )
 
     def defer(self, keys: list[bytes]) -> None:
         """(Lock held.) Write ``keys`` from the writer's next tick, never on the caller's thread."""
@@ -207,6 +226,7 @@ class WriteBack:
         meanwhile, and then the fresh nvme copy is dropped again."""
         with self._lock:
             self.writing.add(key)  # check_integrity: the nvme copy may lead the index for a moment
+            self._waiting.discard(key)
         try:
             self._write(key)
         except Exception:  # whatever it was, the block is not on disk: counted, kept, never called durable

@@ -424,3 +424,26 @@ def test_a_flush_between_a_put_indexing_its_blocks_and_queueing_them_waits_for_t
     if stop == "close":
         reopened = make_store(path=tmp_path / "nvme")
         assert reopened.lookup(NS, a).matched_blocks == 2
+
+
+def test_a_block_whose_nvme_copy_went_is_written_again_when_put_again(make_store) -> None:
+    # put + flush: on disk. evict --tier nvme: the disk copies go, hbm and ram keep theirs. The client
+    # puts the same prefix again (answered present) and flushes: durable must mean on disk again
+    s = make_store(hbm_blocks=8, ram_blocks=8)
+    toks = tokens(4, seed=5)
+    keys = block_keys(NS, toks)
+    s.put(NS, toks, kv(4 * T, 5), session="conv")
+    assert s.flush(10) and set(keys) <= nvme_keys(s)
+    s.evict(EvictFilter(tier="nvme"))
+    assert not set(keys) & nvme_keys(s) and s.lookup(NS, toks).matched_blocks == 4
+    r = s.put(NS, toks, kv(4 * T, 5), session="conv")
+    assert r.present == 4 and r.stored == 0
+    assert s.flush(10)
+    assert set(keys) <= nvme_keys(s)
+    rec = s.tiers[-1].record(keys[2])
+    assert rec.position == 2 and rec.parent == keys[1] and list(rec.token_ids()) == toks[2 * T : 3 * T]
+    assert s.check_integrity() == []
+    # and a put of blocks on disk already queues nothing
+    before = s.stats().written
+    s.put(NS, toks, kv(4 * T, 5))
+    assert s.flush(10) and s.stats().written == before
