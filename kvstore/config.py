@@ -101,7 +101,7 @@ def env_endpoint(env: Mapping[str, str] | None = None) -> str | None:
     ``KVSTORE_SERVER_ENDPOINT`` (None: neither). ConfigError when both are set and differ: the
     daemon, the CLI and clients would not agree on one socket."""
     env = os.environ if env is None else env
-    short, full = env.get("KVSTORE_ENDPOINT"), env.get("KVSTORE_SERVER_ENDPOINT")
+    short, full = env.get("KVSTORE_ENDPOINT") or None, env.get("KVSTORE_SERVER_ENDPOINT") or None  # "": unset
     if short is not None and full is not None and short != full:
         raise ConfigError(
             f"environment variables KVSTORE_ENDPOINT ({short!r}) and KVSTORE_SERVER_ENDPOINT "
@@ -441,7 +441,7 @@ def _read_file(path: Path, values: dict[str, dict[str, Any]], named_by: str) -> 
 def _read_env(env: Mapping[str, str], values: dict[str, dict[str, Any]]) -> None:
     """Apply ``KVSTORE_<SECTION>_<KEY>``; other ``KVSTORE_*`` names (KVSTORE_VENV, ...) belong to others."""
     overrides = []
-    if "KVSTORE_ENDPOINT" in env and env_endpoint(env) is not None:  # (refused: a second, other one)
+    if env.get("KVSTORE_ENDPOINT") and env_endpoint(env) is not None:  # (refused: a second, other one)
         overrides.append(("KVSTORE_ENDPOINT", "server", "endpoint"))
     for name in sorted(env):
         for section, (_, checks) in _CHECKS.items():

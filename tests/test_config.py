@@ -226,6 +226,9 @@ def test_endpoint_shorthand_and_precedence() -> None:
     assert load_config(env=full).server.endpoint == "tcp://127.0.0.1:7001"
     same = {**full, "KVSTORE_ENDPOINT": "tcp://127.0.0.1:7001"}
     assert load_config(env=same).server.endpoint == "tcp://127.0.0.1:7001"
+    assert (
+        load_config(env={**full, "KVSTORE_ENDPOINT": ""}).server.endpoint == "tcp://127.0.0.1:7001"
+    )  # "": unset
     # two endpoints: the CLI and a client in the same environment would talk to different sockets
     with pytest.raises(ConfigError, match="KVSTORE_ENDPOINT .* KVSTORE_SERVER_ENDPOINT .* set one"):
         load_config(env={**full, "KVSTORE_ENDPOINT": "tcp://127.0.0.1:7000"})

@@ -31,6 +31,7 @@ reads take the fast path.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 from collections.abc import Callable, Iterator
@@ -44,6 +45,8 @@ from kvstore.config import PAGE_ALIGN
 from kvstore.errors import ConfigError
 from kvstore.memcopy import Copier
 from kvstore.tiers.base import TierFull
+
+log = logging.getLogger("kvstore.tiers.pool")
 
 DEFAULT_PAGE_BYTES = 64 * 1024
 
@@ -139,11 +142,19 @@ class PagePool:
             # Zero-filled on purpose: the memory is touched now, so a host that cannot back the
             # configured capacity fails at start instead of being OOM-killed under load later.
             try:
-                if pin:
+                if pin and _registers_exactly():
                     self._host = _PinnedHost(capacity_bytes)
                     self._arena, self.pinned = self._host.tensor, self._host.registered
-                else:
-                    self._arena = torch.zeros(capacity_bytes, dtype=torch.uint8, device=self.device)
+                    if not self.pinned:
+                        log.warning(
+                            "a %d-byte host pool could not be page-locked; its GPU copies run at "
+                            "pageable speed",
+                            capacity_bytes,
+                        )
+                else:  # torch's pinned allocator (rounded up to a power of two) without cupy
+                    self._arena = torch.zeros(
+                        capacity_bytes, dtype=torch.uint8, device=self.device, pin_memory=pin
+                    )
             except (RuntimeError, MemoryError, OSError) as e:  # out of host or device memory: too large
                 raise ConfigError(
                     f"a {capacity_bytes}-byte pool cannot be allocated on {self.device} "
@@ -338,6 +349,15 @@ class PagePool:
                 self._pending.clear()
 
 
+def _registers_exactly() -> bool:
+    """Whether host memory can be page-locked as it is (cupy: its error check clears what a failed
+    registration leaves in CUDA's last error, which torch's own cudart call would leave for the next
+    kernel to fail on)."""
+    import importlib.util
+
+    return importlib.util.find_spec("cupy") is not None
+
+
 class _PinnedHost:
     """``nbytes`` of page-locked host memory, exactly: torch's pinned allocator rounds every request
     up to a power of two (a 33 GiB ram tier would lock 64 GiB). An anonymous mapping, registered with
@@ -347,7 +367,8 @@ class _PinnedHost:
     pageable speed)."""
 
     def __init__(self, nbytes: int) -> None:
-        self._map = mmap.mmap(-1, nbytes) if nbytes else None
+        # private, as torch's and cudaHostAlloc's memory is (anonymous mmap is shared by default)
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if nbytes else None
         empty = torch.empty(0, dtype=torch.uint8)
         self.tensor = empty if self._map is None else torch.frombuffer(self._map, dtype=torch.uint8)
         self._ptr = self.tensor.data_ptr()

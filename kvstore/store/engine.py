@@ -491,7 +491,12 @@ class Store:
             if self._closed or self._closing:
                 return
             self._closing = True  # before the last flush: a put accepted after it would not be written
-        self.flush()  # blocks earlier gets read from the cluster are stored first (settle)
+        if not self.flush() and self._writeback is not None:  # (settle: cluster reads are stored first)
+            log.warning(
+                "closing with %d block(s) not written to nvme (the disk refused them; see write_failures): "
+                "they are lost with this process",
+                len(self._writeback.deferred),
+            )
         with self._lock:
             self._closed = True
         if self._cluster is not None:

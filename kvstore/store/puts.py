@@ -131,7 +131,9 @@ class Putter:
                         again.update(new)
                         queue = [k for k in job.keys[c0:c1] if k in again]
                     if self._through is not None and queue:
-                        self._through.expect()  # found by others now: a flush waits until they are queued
+                        self._through.expect(
+                            queue
+                        )  # found by others now: a flush waits until they are queued
                 if self._through is not None and queue:
                     job.deferred += self._through.submit(queue, expected=True)
                 if self._cluster is not None and not adopted:

@@ -27,6 +27,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 
 from kvstore.codecs.frame import Buffer, read_header
@@ -91,7 +92,7 @@ class WriteBack:
         self._requeued: set[bytes] = set()  # deferred keys queued again, not yet through ``write``
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
-        self._waiting: set[bytes] = set()  # queued by ``submit``, not yet taken by ``write``
+        self._waiting: Counter[bytes] = Counter()  # times queued by ``submit``, not yet taken by ``write``
         self._ready: dict[bytes, Buffer] = {}  # frames in nvme's codec already (from the cluster tier)
         self._ready_bytes = 0
         # puts that indexed new blocks and have not queued them yet (``expect``): flush waits for them
@@ -100,17 +101,19 @@ class WriteBack:
         writer.start(self.write, self.idle)
 
     # -- callers' side ----------------------------------------------------------------
-    def expect(self) -> None:
-        """(Lock held.) The caller indexed new blocks under this hold of the lock and queues them
-        after it (``submit(..., expected=True)``): a flush meanwhile waits for them, or it would
-        call durable blocks that other clients already find and that no queue holds yet."""
+    def expect(self, keys: list[bytes]) -> None:
+        """(Lock held.) The caller indexed new blocks (or found blocks ``owed``) under this hold of
+        the lock and queues ``keys`` after it (``submit(keys, expected=True)``): a flush meanwhile
+        waits for them, or it would call durable blocks that other clients already find and that no
+        queue holds yet; and a put meanwhile does not queue them again."""
         self._expected += 1
+        self._waiting.update(keys)
 
     def submit(self, keys: list[bytes], wait: float | None = None, *, expected: bool = False) -> int:
         """Queue keys for write-through (no lock held); those refused are deferred. Returns how many.
         ``expected``: the keys ``expect()`` announced."""
         refused: list[bytes] = []
-        if keys:
+        if keys and not expected:
             with self._lock:  # before the writer can take them: ``write`` lets each go
                 self._waiting.update(keys)
         try:
@@ -118,7 +121,8 @@ class WriteBack:
                 refused = self._writer.submit(keys, self._backpressure if wait is None else wait)
         finally:
             with self._lock:
-                self._waiting.difference_update(keys[len(keys) - len(refused) :] if refused else ())
+                self._waiting.subtract(keys[len(keys) - len(refused) :] if refused else ())
+                self._waiting += Counter()  # (drops the keys at zero)
                 self._owe(refused)
                 if expected:
                     self._expected -= 1
@@ -226,7 +230,10 @@ class WriteBack:
         meanwhile, and then the fresh nvme copy is dropped again."""
         with self._lock:
             self.writing.add(key)  # check_integrity: the nvme copy may lead the index for a moment
-            self._waiting.discard(key)
+            if self._waiting[key] > 1:
+                self._waiting[key] -= 1
+            else:
+                self._waiting.pop(key, None)
         try:
             self._write(key)
         except Exception:  # whatever it was, the block is not on disk: counted, kept, never called durable

@@ -364,6 +364,7 @@ def test_a_private_pinned_pool_locks_exactly_its_capacity(monkeypatch: pytest.Mo
 
     calls: list[tuple[str, int, int]] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("kvstore.tiers.pool._registers_exactly", lambda: True)
 
     def register(ptr: int, n: int, *, read_only: bool, device: int = 0) -> bool:
         calls.append(("reg", ptr, n))
@@ -393,6 +394,7 @@ def test_a_pinned_pool_whose_registration_fails_is_pageable_and_zeroed(
     import kvstore.shm.cuda as cuda
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("kvstore.tiers.pool._registers_exactly", lambda: True)
     monkeypatch.setattr(cuda, "host_register", lambda ptr, n, *, read_only, device=0: False)
     monkeypatch.setattr(cuda, "host_unregister", lambda ptr: pytest.fail("nothing was registered"))
     pool = PagePool(64 * 1024, page_bytes=4096, pin_memory=True)
