@@ -441,7 +441,8 @@ def _read_file(path: Path, values: dict[str, dict[str, Any]], named_by: str) -> 
 def _read_env(env: Mapping[str, str], values: dict[str, dict[str, Any]]) -> None:
     """Apply ``KVSTORE_<SECTION>_<KEY>``; other ``KVSTORE_*`` names (KVSTORE_VENV, ...) belong to others."""
     overrides = []
-    if env.get("KVSTORE_ENDPOINT") and env_endpoint(env) is not None:  # (refused: a second, other one)
+    env_endpoint(env)  # ConfigError when KVSTORE_ENDPOINT and KVSTORE_SERVER_ENDPOINT differ
+    if env.get("KVSTORE_ENDPOINT"):
         overrides.append(("KVSTORE_ENDPOINT", "server", "endpoint"))
     for name in sorted(env):
         for section, (_, checks) in _CHECKS.items():

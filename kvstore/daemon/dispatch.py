@@ -37,17 +37,19 @@ Submit = Callable[[Request, float, int], Any]
 class Dispatch:
     """The requests on workers (``outstanding``), their charges, and the commits waiting their turn."""
 
-    def __init__(self, budget: InflightBudget, proto: ServerProtocol) -> None:
+    def __init__(self, budget: InflightBudget, proto: ServerProtocol, submit: Submit) -> None:
+        """``submit`` runs a request taken on a worker (RuntimeError: the workers are gone)."""
         self.budget = budget
         self.proto = proto
+        self._submit = submit
         self.outstanding = 0  # taken and not yet answered by a worker
         self._charges: dict[int, Charge] = {}  # per request taken, by the number it carries
         self._number = 0
         self._waiting: dict[bytes, deque[tuple[Request, float, int]]] = {}  # peer -> commits behind
         self._running: dict[int, bytes] = {}  # number of a running commit -> its peer
 
-    def take(self, peer: bytes, request: Request, frames: list, arrived: float, submit: Submit) -> str | None:
-        """Charge ``request`` and ``submit`` it (or queue it behind its client's running commit); or,
+    def take(self, peer: bytes, request: Request, frames: list, arrived: float) -> str | None:
+        """Charge ``request`` and submit it (or queue it behind its client's running commit); or,
         changing nothing, say why it is refused ``busy``."""
         tenant, cost = cost_of(request, frames)
         refusal = self.budget.refusal(tenant, cost)
@@ -72,7 +74,7 @@ class Dispatch:
                 return None
             self._waiting[peer] = deque()
             self._running[number] = peer
-        submit(request, arrived, number)
+        self._submit(request, arrived, number)
         return None
 
     def sent(self, number: int, peer: bytes) -> Sent:
@@ -89,7 +91,7 @@ class Dispatch:
 
         return sent
 
-    def answered(self, number: int, *, parked: bool, submit: Submit) -> None:
+    def answered(self, number: int, *, parked: bool) -> None:
         """A worker answered request ``number``; ``parked``: its reply waits for its client to read
         (its bytes stay charged, its worker place is free). Starts its client's next commit, if any."""
         self.outstanding -= 1
@@ -104,7 +106,7 @@ class Dispatch:
             request, arrived, number = waiting.popleft()
             self._running[number] = peer
             try:
-                submit(request, arrived, number)
+                self._submit(request, arrived, number)
                 return
             except RuntimeError:  # the workers are gone (the daemon is stopping): no answer; it lapses
                 del self._running[number]

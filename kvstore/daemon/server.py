@@ -147,7 +147,9 @@ class Server:
         self.budget = InflightBudget(
             cfg.max_inflight_bytes, cfg.max_inflight_bytes_per_tenant, cfg.max_queued_requests
         )
-        self.dispatch = Dispatch(self.budget, self.proto)  # the requests on workers and their charges
+        self.dispatch = Dispatch(
+            self.budget, self.proto, self._submit
+        )  # the requests on workers and their charges
         self._workers: ThreadPoolExecutor | None = None
         self._outbox: Outbox | None = None  # the router's, while run() serves
         self._store_ref = _LateStore()
@@ -451,7 +453,7 @@ class Server:
         else:
             reply = self.handlers.try_inline(request)
             if reply is None:  # to a worker, charged until its reply leaves (_forward), or busy
-                refusal = self.dispatch.take(peer, request, frames, arrived, self._submit)
+                refusal = self.dispatch.take(peer, request, frames, arrived)
                 if refusal is None:
                     return
                 reply = ErrorReply(code="busy", message=refusal)  # the frames are let go right here
@@ -516,7 +518,7 @@ class Server:
             number = int.from_bytes(frames[0].bytes, "little")
             peer = frames[1].bytes
             now = self._send(peer, frames[2:], copy=False, sent=self.dispatch.sent(number, peer))
-            self.dispatch.answered(number, parked=not now, submit=self._submit)
+            self.dispatch.answered(number, parked=not now)
         return BATCH
 
     def _send(self, peer: bytes, frames: list[Any], *, copy: bool = True, sent: Sent | None = None) -> bool:

@@ -125,15 +125,9 @@ class Putter:
                         self._pins.release(hold)
                     more = not job.failed and c1 < job.end and job.tail is not None
                     hold = self._pins.pin([job.tail], self._lease) if more and job.tail is not None else None
-                    queue = new
-                    if job.again:  # in the chunk's order: parents are written before their children
-                        again, job.again = set(job.again), []
-                        again.update(new)
-                        queue = [k for k in job.keys[c0:c1] if k in again]
+                    queue, job.queue = job.queue, []  # in the chunk's order: parents first
                     if self._through is not None and queue:
-                        self._through.expect(
-                            queue
-                        )  # found by others now: a flush waits until they are queued
+                        self._through.expect(queue)  # found by others now: a flush waits until queued
                 if self._through is not None and queue:
                     job.deferred += self._through.submit(queue, expected=True)
                 if self._cluster is not None and not adopted:
@@ -180,7 +174,7 @@ class Putter:
                 self._touch(e, now)
                 job.present += 1
                 if self._through is not None and self._through.owed(e):
-                    job.again.append(e.key)
+                    job.queue.append(e.key)
             else:
                 keeps_record = self._tiers.nvme is not None or self._cluster is not None  # both store records
                 pending = Pending(job.base + i, *job.chain.identity(i, T)) if keeps_record else None
@@ -196,6 +190,7 @@ class Putter:
                     break
                 job.stored += 1
                 new.append(e.key)
+                job.queue.append(e.key)
             parent, job.last, job.tail = e, i, e.key
         if job.session is not None and job.tail is not None and job.last >= job.start:
             if job.failed or c1 == job.end:
@@ -230,7 +225,7 @@ class _PutJob:
     stored: int = 0
     present: int = 0
     deferred: int = 0
-    again: list[bytes] = field(default_factory=list)  # present blocks whose nvme copy went: queued again
+    queue: list[bytes] = field(default_factory=list)  # this chunk's keys for nvme: new, or owed again
     failed: list[FailedBlock] = field(default_factory=list)
     last: int = -1
 

@@ -121,8 +121,7 @@ class WriteBack:
                 refused = self._writer.submit(keys, self._backpressure if wait is None else wait)
         finally:
             with self._lock:
-                self._waiting.subtract(keys[len(keys) - len(refused) :] if refused else ())
-                self._waiting += Counter()  # (drops the keys at zero)
+                self._unwait(refused)
                 self._owe(refused)
                 if expected:
                     self._expected -= 1
@@ -142,6 +141,14 @@ class WriteBack:
             and e.key not in self.writing
             and e.key not in self._waiting
         )
+
+    def _unwait(self, keys: list[bytes]) -> None:
+        """(Lock held.) One queueing of each of ``keys`` is over (taken by the writer, or refused)."""
+        for k in keys:
+            if self._waiting[k] > 1:
+                self._waiting[k] -= 1
+            else:
+                self._waiting.pop(k, None)
 
     def defer(self, keys: list[bytes]) -> None:
         """(Lock held.) Write ``keys`` from the writer's next tick, never on the caller's thread."""
@@ -230,10 +237,7 @@ class WriteBack:
         meanwhile, and then the fresh nvme copy is dropped again."""
         with self._lock:
             self.writing.add(key)  # check_integrity: the nvme copy may lead the index for a moment
-            if self._waiting[key] > 1:
-                self._waiting[key] -= 1
-            else:
-                self._waiting.pop(key, None)
+            self._unwait([key])
         try:
             self._write(key)
         except Exception:  # whatever it was, the block is not on disk: counted, kept, never called durable

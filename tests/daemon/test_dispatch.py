@@ -37,64 +37,65 @@ def stats(peer: bytes, rid: int) -> Request:
 
 def dispatch(total: int = 1000) -> tuple[Dispatch, InflightBudget, Workers]:
     budget = InflightBudget(total=total, per_tenant=total, max_queued=64)
-    return Dispatch(budget, ServerProtocol(Limits())), budget, Workers()
+    w = Workers()
+    return Dispatch(budget, ServerProtocol(Limits()), w.submit), budget, w
 
 
 def test_a_clients_commits_run_one_at_a_time_in_the_order_sent() -> None:
     d, budget, w = dispatch()
     # commits 1, 2, 3 of client a; 1 of client b: a's first and b's run, a's others wait
     for rid in (1, 2, 3):
-        assert d.take(b"a", commit(b"a", rid), [b"x" * 10], 0.0, w.submit) is None
-    assert d.take(b"b", commit(b"b", 1), [b"x" * 10], 0.0, w.submit) is None
+        assert d.take(b"a", commit(b"a", rid), [b"x" * 10], 0.0) is None
+    assert d.take(b"b", commit(b"b", 1), [b"x" * 10], 0.0) is None
     assert [(p, r) for p, r, _ in w.ran] == [(b"a", 1), (b"b", 1)]
     assert d.outstanding == 4 and budget.held == 40  # the waiting ones are charged too
     # a's first is answered and leaves: its second starts, then its third
     n = w.ran[0][2]
     d.sent(n, b"a")(False)
-    d.answered(n, parked=False, submit=w.submit)
+    d.answered(n, parked=False)
     assert [(p, r) for p, r, _ in w.ran[2:]] == [(b"a", 2)]
     n = w.ran[2][2]
-    d.answered(n, parked=False, submit=w.submit)
+    d.answered(n, parked=False)
     assert [(p, r) for p, r, _ in w.ran[3:]] == [(b"a", 3)]
     assert d.outstanding == 2
 
 
 def test_past_a_spent_budget_commits_queue_up_to_a_bound_and_other_requests_are_busy() -> None:
     d, budget, w = dispatch(total=100)
-    assert d.take(b"a", commit(b"a", 1), [b"x" * 100], 0.0, w.submit) is None  # the budget is spent
-    assert d.take(b"a", stats(b"a", 2), [b"x"], 0.0, w.submit) is not None  # not a commit: busy
+    assert d.take(b"a", commit(b"a", 1), [b"x" * 100], 0.0) is None  # the budget is spent
+    assert d.take(b"a", stats(b"a", 2), [b"x"], 0.0) is not None  # not a commit: busy
     for rid in range(2, 2 + MAX_WAITING_COMMITS):  # behind the running one, taken anyway
-        assert d.take(b"a", commit(b"a", rid), [b"x" * 100], 0.0, w.submit) is None
-    refusal = d.take(b"a", commit(b"a", 99), [b"x" * 100], 0.0, w.submit)
+        assert d.take(b"a", commit(b"a", rid), [b"x" * 100], 0.0) is None
+    refusal = d.take(b"a", commit(b"a", 99), [b"x" * 100], 0.0)
     assert refusal is not None and f"{MAX_WAITING_COMMITS} commits of this client wait" in refusal
     assert d.outstanding == 1 + MAX_WAITING_COMMITS and len(w.ran) == 1  # the refused one changed nothing
 
 
 def test_a_reply_left_unread_keeps_its_bytes_charged_until_it_leaves() -> None:
     d, budget, w = dispatch(total=100)
-    assert d.take(b"a", stats(b"a", 1), [b"x" * 60], 0.0, w.submit) is None
+    assert d.take(b"a", stats(b"a", 1), [b"x" * 60], 0.0) is None
     n = w.ran[0][2]
     sent = d.sent(n, b"a")
-    d.answered(n, parked=True, submit=w.submit)  # the client does not read: the reply waits
+    d.answered(n, parked=True)  # the client does not read: the reply waits
     assert d.outstanding == 0 and budget.queued == 0 and budget.held == 60
-    assert d.take(b"b", stats(b"b", 1), [b"x" * 60], 0.0, w.submit) is not None  # its bytes count
+    assert d.take(b"b", stats(b"b", 1), [b"x" * 60], 0.0) is not None  # its bytes count
     sent(True)  # it left at last
     assert budget.held == 0
-    assert d.take(b"b", stats(b"b", 1), [b"x" * 60], 0.0, w.submit) is None
+    assert d.take(b"b", stats(b"b", 1), [b"x" * 60], 0.0) is None
 
 
 def test_commits_waiting_when_the_workers_are_gone_are_let_go() -> None:
     d, budget, w = dispatch()
     for rid in (1, 2, 3):
-        d.take(b"a", commit(b"a", rid), [b"x" * 10], 0.0, w.submit)
+        d.take(b"a", commit(b"a", rid), [b"x" * 10], 0.0)
     w.shut = True  # the daemon is stopping: the waiting ones get no answer (their clients retry)
     n = w.ran[0][2]
     d.sent(n, b"a")(False)
-    d.answered(n, parked=False, submit=w.submit)
+    d.answered(n, parked=False)
     assert d.outstanding == 0 and budget.held == 0 and budget.queued == 0
     # and a new commit of that client is not queued behind one that will never run
     w.shut = False
-    assert d.take(b"a", commit(b"a", 4), [b"x"], 0.0, w.submit) is None
+    assert d.take(b"a", commit(b"a", 4), [b"x"], 0.0) is None
     assert w.ran[-1][1] == 4
 
 
@@ -102,13 +103,13 @@ def test_commits_waiting_when_the_workers_are_gone_are_let_go() -> None:
 def test_every_charge_comes_back_whatever_the_client_does(peer_reads: bool) -> None:
     d, budget, w = dispatch()
     for rid in range(1, 6):
-        d.take(b"a", commit(b"a", rid) if rid % 2 else stats(b"a", rid), [b"x" * 7], 0.0, w.submit)
+        d.take(b"a", commit(b"a", rid) if rid % 2 else stats(b"a", rid), [b"x" * 7], 0.0)
     done: set[int] = set()
     while len(done) < len(w.ran):
         for _, _, n in list(w.ran):
             if n not in done:
                 done.add(n)
                 sent = d.sent(n, b"a")
-                d.answered(n, parked=not peer_reads, submit=w.submit)
+                d.answered(n, parked=not peer_reads)
                 sent(not peer_reads)
     assert len(w.ran) == 5 and d.outstanding == 0 and budget.held == 0 and budget.queued == 0
