@@ -18,6 +18,8 @@ and encodes under the lock only what was not foreseen.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -37,6 +39,7 @@ NO_FRAMES: Frames = MappingProxyType({})
 
 _SCAN = 64  # LRU entries examined for a leaf before settling for the oldest candidate
 PLACE_TRIES = 8  # puts into a tier that said it was full after room was made for the block
+DISK_BACKOFF = 1.0  # seconds after the disk refused a block in which no block pushed down tries it again
 
 log = logging.getLogger("kvstore.store")
 
@@ -49,9 +52,11 @@ class Mover:
         self.tiers, self.index, self.pins = parts.tiers, parts.index, parts.pins
         self.sessions, self.namespaces = parts.sessions, parts.namespaces
         self.persist_session = persist_session
+        self.counts = parts.counts
         self.counters = [TierCounters() for _ in parts.tiers]
         self.busy: set[bytes] = set()  # blocks in the middle of a move or write: as good as pinned
         self.unencodable = 0  # copies a tier's codec refused (inf or NaN that got in): not moved there
+        self.disk_refused_at = -math.inf  # when nvme last refused a block (I/O error, no pages left)
 
     # -- checks -----------------------------------------------------------------------
     def pinned(self, e: Entry) -> bool:
@@ -59,6 +64,28 @@ class Mover:
 
     def subtree_pinned(self, e: Entry) -> bool:
         return any(self.pinned(d) for d in self.index.subtree(e))
+
+    def owed(self, e: Entry) -> bool:
+        """Whether ``e`` is a block flush must still write: there is an nvme tier and no copy on it."""
+        t = self.tiers.nvme_t
+        return t is not None and not e.tiers & (1 << t)
+
+    def disk_refusing(self) -> bool:
+        """Whether nvme refused a block within the last DISK_BACKOFF seconds. Meanwhile the blocks it
+        owes stay where they are (flush answers not durable) rather than go unwritten, and room is
+        not made by trying each of them against the disk in turn: a put finds no room instead."""
+        return time.monotonic() - self.disk_refused_at < DISK_BACKOFF
+
+    def _disk_refused(self, e: Entry, err: KVStoreError) -> None:
+        if not self.disk_refusing():
+            log.warning(
+                "nvme refused block %s (%s): blocks not yet on disk stay in memory, and puts that "
+                "need their room are refused, until it takes writes again",
+                e.key.hex()[:16],
+                err,
+            )
+        self.disk_refused_at = time.monotonic()
+        self.counts.write_failures += 1
 
     def victim(self, t: int, exclude: set[bytes]) -> Entry | None:
         """The block to push out of tier ``t``: least recently used, unpinned, leaf-first.
@@ -122,7 +149,8 @@ class Mover:
             if e is None:
                 return False
             tried.add(e.key)
-            self.evict_from(t, e, ready)
+            if not self.evict_from(t, e, ready) and self.disk_refusing():
+                return False  # what would go needs the disk, which refuses it now
         return True
 
     def _fits(self, t: int, block: torch.Tensor | None, frame_bytes: int, position: int | None) -> bool:
@@ -157,7 +185,12 @@ class Mover:
 
     def demote(self, e: Entry, t: int, ready: Frames = NO_FRAMES) -> bool:
         """Move ``e`` from ``t`` to ``t+1``, re-encoded from ``t``'s copy (the best one left), or
-        as the frame ``ready`` holds for it."""
+        as the frame ``ready`` holds for it. False when it stays: something in its subtree is pinned,
+        or it owes nvme a copy and the disk refuses writes (a block flush must write is never dropped
+        for room: a flush after the disk is back would call the store durable without it)."""
+        owed = self.owed(e)
+        if owed and t + 1 == self.tiers.nvme_t and self.disk_refusing():
+            return False
         try:
             block = None if _frame_for(ready, e, t + 1) is not None else self.tiers[t].get(e.key)
         except FrameError:
@@ -177,7 +210,7 @@ class Mover:
             if e.tiers & TIER_MASK & ~(1 << t):
                 self.drop_copy(e, t)  # no room below, but a copy further down remains
                 return True
-            if self.subtree_pinned(e):
+            if self.subtree_pinned(e) or owed and self.disk_refusing():
                 return False
             self.drop_block(e)
             return True
@@ -229,9 +262,14 @@ class Mover:
                 # for the frame (the free pages are scattered, though the B-trees' size is within
                 # the capacity): one more block goes, whatever the estimate says; its pages are a run
                 if t == self.tiers.nvme_t and not self.push_out_one(t, e.key, ready):
+                    self._disk_refused(e, TierFull("no room on nvme for it"))
                     return False
                 continue
-            except KVStoreError:  # the backing store failed (TierIOError), or cannot hold the record
+            except TierIOError as err:  # the backing store failed
+                if t == self.tiers.nvme_t:
+                    self._disk_refused(e, err)
+                return False
+            except KVStoreError:  # it cannot hold the record
                 return False
             self.index.set_tier(e, t)
             return True
