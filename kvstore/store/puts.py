@@ -185,6 +185,14 @@ class Putter:
                 except KVStoreError as err:  # a tier failed while room was made (an LMDB delete, say)
                     job.fail(i, err.code or "tier_io", f"block {i} was not stored: {err}")
                     break
+                if not stored and self._mover.disk_refusing():
+                    job.fail(
+                        i,
+                        "tier_io",
+                        f"block {i} was not stored: memory is full of blocks not yet on disk, and nvme "
+                        "refuses writes (see the daemon's log)",
+                    )
+                    break
                 if not stored:
                     job.fail(i, NO_ROOM, "every tier is full of pinned blocks; retry when reads finish")
                     break
