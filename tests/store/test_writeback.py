@@ -222,3 +222,44 @@ def test_a_session_put_faster_than_the_disk_holds_one_row_write(make_store: Stor
         s.put(NS, toks, data, session="conv")
     assert s.flush(10) and block_keys(NS, other)[0] in nvme
     assert dict(nvme.iter_sessions())["conv"]["tokens"] is not None
+
+
+def test_two_puts_of_one_new_prefix_queue_its_blocks_once(make_store: StoreFactory) -> None:
+    """put A indexes a new prefix and lets go of the lock before queueing it; put B of the same prefix
+    runs in that gap and finds every block present
+    ->  B queues none of them again: each block is handed to the writer once and written once
+    (before, B saw blocks on no disk and in no queue yet, and queued each a second time)"""
+    s = make_store(hbm_blocks=8, ram_blocks=8)
+    wb = s._writeback
+    assert wb is not None
+    queued: list[bytes] = []
+    handed = wb._writer.submit
+
+    def counting(keys: list[bytes], timeout: float) -> list[bytes]:
+        queued.extend(keys)
+        return handed(keys, timeout)
+
+    wb._writer.submit = counting  # type: ignore[method-assign]
+    in_gap, b_done = threading.Event(), threading.Event()
+    submit = wb.submit
+
+    def a_waits_in_the_gap(keys: list[bytes], wait: float | None = None, *, expected: bool = False) -> int:
+        if threading.current_thread().name == "put-A":
+            in_gap.set()
+            b_done.wait(5)
+        return submit(keys, wait, expected=expected)
+
+    wb.submit = a_waits_in_the_gap  # type: ignore[method-assign]
+    toks, data = tokens(4, seed=7), kv(4 * T, 7)
+    results: dict[str, Any] = {}
+    a = threading.Thread(target=lambda: results.update(A=s.put(NS, toks, data)), name="put-A")
+    a.start()
+    assert in_gap.wait(5)
+    results["B"] = s.put(NS, toks, data)
+    b_done.set()
+    a.join()
+    assert results["A"].stored == 4 and results["B"].present == 4
+    assert s.flush(10)
+    keys = block_keys(NS, toks)
+    assert sorted(queued) == sorted(keys)
+    assert s.stats().written == 4
