@@ -74,7 +74,14 @@ class Dispatch:
                 return None
             self._waiting[peer] = deque()
             self._running[number] = peer
-        self._submit(request, arrived, number)
+        try:
+            self._submit(request, arrived, number)
+        except BaseException:  # the workers are gone (the daemon is stopping): as if never taken
+            if commit:
+                del self._running[number], self._waiting[peer]
+            self.budget.release(self._charges.pop(number))
+            self.outstanding -= 1
+            raise
         return None
 
     def sent(self, number: int, peer: bytes) -> Sent:

@@ -113,3 +113,17 @@ def test_every_charge_comes_back_whatever_the_client_does(peer_reads: bool) -> N
                 d.answered(n, parked=not peer_reads)
                 sent(not peer_reads)
     assert len(w.ran) == 5 and d.outstanding == 0 and budget.held == 0 and budget.queued == 0
+
+
+def test_a_request_the_workers_refuse_leaves_nothing_charged_or_queued() -> None:
+    # the daemon is stopping: its workers take nothing more. The request is answered with an error by
+    # the loop, and the client's next commit is not queued behind one that will never run
+    d, budget, w = dispatch()
+    w.shut = True
+    for rid, request in ((1, commit(b"a", 1)), (2, stats(b"a", 2))):
+        with pytest.raises(RuntimeError):
+            d.take(b"a", request, [b"x" * 10], 0.0)
+        assert d.outstanding == 0 and budget.held == 0, rid
+    w.shut = False
+    assert d.take(b"a", commit(b"a", 3), [b"x" * 10], 0.0) is None
+    assert [(p, r) for p, r, _ in w.ran] == [(b"a", 3)]
