@@ -98,6 +98,7 @@ def serve(config: Config) -> int:
         from kvstore.shm.segment import NoRoom
         from kvstore.store.engine import Store
 
+        use_gpu(config)
         plane = open_plane(config)
         try:
             store = Store.from_config(
@@ -147,6 +148,17 @@ def serve(config: Config) -> int:
         ", store flushed and closed" if server.store is not None else "",
     )
     return code
+
+
+def use_gpu(config: Config) -> None:
+    """Make the hbm pool's GPU this thread's current one (the thread that builds the pools): CUDA
+    contexts, pinned host memory and its registration then go to that GPU, not to GPU 0, which on a
+    host of several GPUs another process serves from."""
+    import torch
+
+    device = torch.device(config.hbm.resolved_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _share_cores(workers: int) -> None:

@@ -99,7 +99,7 @@ _PORTABLE, _READ_ONLY = 0x1, 0x8
 _READ_ONLY_SUPPORTED = 113  # cudaDevAttrHostRegisterReadOnlySupported
 
 
-def host_register(ptr: int, nbytes: int, *, read_only: bool, device: int = 0) -> bool:
+def host_register(ptr: int, nbytes: int, *, read_only: bool, device: int | None = None) -> bool:
     """Page-lock ``nbytes`` of host memory at ``ptr`` for every CUDA context (copies to and from a GPU
     then run at full speed); ``read_only`` for memory mapped without write access. True when
     registered: the caller calls ``host_unregister(ptr)`` before the memory is unmapped. False when
@@ -109,18 +109,26 @@ def host_register(ptr: int, nbytes: int, *, read_only: bool, device: int = 0) ->
     Through cupy, whose error check resets the CUDA runtime's last error: an error left there (as
     ``torch.cuda.cudart().cudaHostRegister`` leaves it) fails the next kernel torch launches. Without
     cupy, writable memory is registered through torch (a refusal is unlikely there), read-only memory
-    is not (whether the device supports it cannot be asked first)."""
+    is not (whether the device supports it cannot be asked first).
+
+    ``device``: the GPU whose context registers it (default: the calling thread's current one, which
+    the daemon sets to its hbm device); a portable registration serves every GPU, but the call makes
+    a context on the GPU it runs on (hundreds of MB there) if it has none."""
+    if device is None:
+        device = torch.cuda.current_device()
     try:
-        from cupy.cuda import runtime
+        from cupy.cuda import Device, runtime
     except ImportError:
         if read_only:
             return False
-        rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE)
+        with torch.cuda.device(device):
+            rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE)
         return int(rc) == 0
     try:
-        if read_only and not runtime.deviceGetAttribute(_READ_ONLY_SUPPORTED, device):
-            return False
-        runtime.hostRegister(ptr, nbytes, _PORTABLE | (_READ_ONLY if read_only else 0))
+        with Device(device):
+            if read_only and not runtime.deviceGetAttribute(_READ_ONLY_SUPPORTED, device):
+                return False
+            runtime.hostRegister(ptr, nbytes, _PORTABLE | (_READ_ONLY if read_only else 0))
     except runtime.CUDARuntimeError:
         return False
     return True

@@ -95,6 +95,7 @@ class SharedMapping:
         self._staging: _Mapped | None = None
         self._staging_path = ""
         self._pinned = False
+        self._gpu = 0  # the GPU whose context page-locks the mappings (the first copy's)
         self._registered: list[int] = []  # host addresses page-locked here (unregistered before unmapping)
         self.moved = 0  # blocks not served because their pages changed while they were read
         self.torn = 0  # frames that failed their checks while being read (and were not served)
@@ -169,18 +170,20 @@ class SharedMapping:
         if self._pinned or device.type != "cuda":
             return
         self._pinned = True
+        self._gpu = torch.cuda.current_device() if device.index is None else device.index
         for m in self.mapped:
             if m is not None and m.arena.device.type == "cpu":
-                self._register(m.arena, read_only=True, device=device.index or 0)
+                self._register(m.arena, read_only=True)
         if self._staging is not None:
             self._register(self._staging.arena, read_only=False)
 
-    def _register(self, arena: torch.Tensor, *, read_only: bool, device: int = 0) -> None:
-        """Page-lock ``arena`` (``device``: the GPU asked whether read-only memory can be)."""
+    def _register(self, arena: torch.Tensor, *, read_only: bool) -> None:
+        """Page-lock ``arena`` through the GPU the first copy went to (it is asked whether read-only
+        memory can be, and no context is made on another)."""
         from kvstore.shm.cuda import host_register
 
         if arena.numel() and host_register(
-            arena.data_ptr(), arena.numel(), read_only=read_only, device=device
+            arena.data_ptr(), arena.numel(), read_only=read_only, device=self._gpu
         ):
             self._registered.append(arena.data_ptr())
 
