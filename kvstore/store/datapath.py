@@ -127,6 +127,7 @@ class DataPath:
                     if t == self._tiers.nvme_t and nvme is not None:
                         nvme.put(e.key, block, self._mover.record(e))
                         e.pending = None
+                        self._mover.disk_took()
                     else:
                         tier.put(e.key, block)
                 except CodecError as err:

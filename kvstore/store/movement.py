@@ -57,6 +57,7 @@ class Mover:
         self.busy: set[bytes] = set()  # blocks in the middle of a move or write: as good as pinned
         self.unencodable = 0  # copies a tier's codec refused (inf or NaN that got in): not moved there
         self.disk_refused_at = -math.inf  # when nvme last refused a block (I/O error, no pages left)
+        self._refusal_logged = False  # since it last took one
 
     # -- checks -----------------------------------------------------------------------
     def pinned(self, e: Entry) -> bool:
@@ -71,21 +72,36 @@ class Mover:
         return t is not None and not e.tiers & (1 << t)
 
     def disk_refusing(self) -> bool:
-        """Whether nvme refused a block within the last DISK_BACKOFF seconds. Meanwhile the blocks it
-        owes stay where they are (flush answers not durable) rather than go unwritten, and room is
-        not made by trying each of them against the disk in turn: a put finds no room instead."""
-        return time.monotonic() - self.disk_refused_at < DISK_BACKOFF
+        """Whether nvme failed a write (an I/O error, not a full disk: that is a smaller capacity) within
+        the last DISK_BACKOFF seconds, and has taken no block since.
+        Meanwhile no block it owes is pushed out for room (flush answers not durable, rather than
+        durable without it): ``victim`` passes over them, and over a last-tier block with one of them
+        below it; a put that finds no other room is refused."""
+        return self.disk_refused_at != -math.inf and time.monotonic() - self.disk_refused_at < DISK_BACKOFF
 
-    def _disk_refused(self, e: Entry, err: KVStoreError) -> None:
-        if not self.disk_refusing():
+    def disk_refused(self, key: bytes, err: KVStoreError) -> None:
+        """(Lock held.) nvme refused block ``key`` (the caller counts it): logged once until the disk
+        takes a block again."""
+        if not self._refusal_logged:
+            self._refusal_logged = True
             log.warning(
                 "nvme refused block %s (%s): blocks not yet on disk stay in memory, and puts that "
                 "need their room are refused, until it takes writes again",
-                e.key.hex()[:16],
+                key.hex()[:16],
                 err,
             )
         self.disk_refused_at = time.monotonic()
-        self.counts.write_failures += 1
+
+    def disk_took(self) -> None:
+        """(Lock held.) nvme took a block: it is not refusing writes (any more)."""
+        if self.disk_refused_at != -math.inf:
+            self.disk_refused_at = -math.inf
+            if self._refusal_logged:
+                self._refusal_logged = False
+                log.warning("nvme takes writes again")
+
+    def _owes_below(self, e: Entry) -> bool:
+        return any(self.owed(d) for d in self.index.subtree(e))
 
     def victim(self, t: int, exclude: set[bytes]) -> Entry | None:
         """The block to push out of tier ``t``: least recently used, unpinned, leaf-first.
@@ -98,13 +114,14 @@ class Mover:
         bit, upto = 1 << t, (2 << t) - 1
         fallback: Entry | None = None
         scanned = 0
+        refusing = self.disk_refusing()
         for e in self.index.lru(t):
-            if e.key in exclude or self.pinned(e):
+            if e.key in exclude or self.pinned(e) or refusing and self.owed(e):
                 continue
             if t == self.tiers.last and e.tiers & TIER_MASK == bit:
                 if e.children is None:
                     return e
-                if fallback is None and not self.subtree_pinned(e):
+                if fallback is None and not self.subtree_pinned(e) and not (refusing and self._owes_below(e)):
                     fallback = e
             else:
                 if not any(c.tiers & upto for c in e.child_list()):
@@ -149,8 +166,7 @@ class Mover:
             if e is None:
                 return False
             tried.add(e.key)
-            if not self.evict_from(t, e, ready) and self.disk_refusing():
-                return False  # what would go needs the disk, which refuses it now
+            self.evict_from(t, e, ready)
         return True
 
     def _fits(self, t: int, block: torch.Tensor | None, frame_bytes: int, position: int | None) -> bool:
@@ -262,15 +278,17 @@ class Mover:
                 # for the frame (the free pages are scattered, though the B-trees' size is within
                 # the capacity): one more block goes, whatever the estimate says; its pages are a run
                 if t == self.tiers.nvme_t and not self.push_out_one(t, e.key, ready):
-                    self._disk_refused(e, TierFull("no room on nvme for it"))
-                    return False
+                    return False  # a full disk is a smaller capacity: the block goes, as at capacity
                 continue
             except TierIOError as err:  # the backing store failed
                 if t == self.tiers.nvme_t:
-                    self._disk_refused(e, err)
+                    self.disk_refused(e.key, err)
+                    self.counts.write_failures += 1
                 return False
             except KVStoreError:  # it cannot hold the record
                 return False
+            if t == self.tiers.nvme_t:
+                self.disk_took()
             self.index.set_tier(e, t)
             return True
         return False

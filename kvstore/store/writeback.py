@@ -290,17 +290,28 @@ class WriteBack:
                 break
             except TierFull:  # room is made as the estimate says, and one more block goes (Mover.place)
                 with self._lock:
-                    if not (
-                        self._mover.make_room(t_n, block, position=rec.position)
-                        and self._mover.push_out_one(t_n, key)
-                    ):
+                    # the block itself is as good as pinned meanwhile: room for it is never made by
+                    # dropping one of its ancestors (with it, all below)
+                    self._mover.busy.add(key)
+                    try:
+                        room = self._mover.make_room(
+                            t_n, block, position=rec.position
+                        ) and self._mover.push_out_one(t_n, key)
+                    finally:
+                        self._mover.busy.discard(key)
+                    if not room:
                         self._failed(key)
                         return
             except CodecError as err:  # inf or NaN in the block: it never reaches the disk
                 with self._lock:
                     self._unwritable(key, err)
                 return
-            except (TierIOError, KVStoreError):  # a disk error, a record that cannot be stored, ...
+            except TierIOError as err:  # a disk error
+                with self._lock:
+                    self._mover.disk_refused(key, err)
+                    self._failed(key)
+                return
+            except KVStoreError:  # a record that cannot be stored, ...
                 with self._lock:
                     self._failed(key)
                 return
@@ -335,6 +346,7 @@ class WriteBack:
         """``key`` is on nvme now (``rec`` its record): tell the index, unless it went meanwhile."""
         t_n, nvme = self._t, self._nvme
         with self._lock:
+            self._mover.disk_took()
             now = self._index.get(key)
             if now is None or not now.tiers & TIER_MASK:
                 nvme.drop(key)  # dropped while it was being written: do not resurrect it

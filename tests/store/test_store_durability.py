@@ -302,7 +302,6 @@ def test_a_block_keeps_the_tag_of_the_session_that_stored_it(make_store, tmp_pat
 def test_a_session_row_whose_write_failed_is_written_again_and_flush_waits_for_it(
     make_store, tmp_path: Path
 ) -> None:
-    from kvstore.tiers.base import TierIOError
 
     path = tmp_path / "lmdb"
     s = make_store(path=path)
@@ -448,37 +447,3 @@ def test_a_block_whose_nvme_copy_went_is_written_again_when_put_again(make_store
     before = s.stats().written
     s.put(NS, toks, kv(4 * T, 5))
     assert s.flush(10) and s.stats().written == before
-
-
-def test_a_block_the_disk_refuses_stays_in_memory_and_is_written_once_it_recovers(make_store) -> None:
-    # the disk refuses every write while hbm and ram fill up: pushing a block down to nvme fails.
-    # Dropping it there (as eviction for room would) lost it, and once the disk was back flush called
-    # the store durable without it. Kept instead: the put that needs its room is refused, flush says not
-    # durable, and once the disk takes writes again every block whose put was answered is on it
-    s = make_store(hbm_blocks=4, ram_blocks=4)
-    nvme = s.tiers[-1]
-    put = nvme.put
-
-    def refusing(*a: Any, **kw: Any) -> Any:
-        raise TierIOError("injected: the disk refuses every write")
-
-    nvme.put = refusing
-    held = [tokens(4, seed=1), tokens(4, seed=2)]
-    for i, toks in enumerate(held):
-        assert s.put(NS, toks, kv(4 * T, i)).stored == 4  # hbm, then (the first pushed down) ram
-    r = s.put(NS, tokens(4, seed=3), kv(4 * T, 3))  # needs room that only the disk could give
-    assert r.stored == 0 and [f.code for f in r.failed] == ["tier_io"] * 4
-    assert not s.flush(1.0)
-    assert s.stats().write_failures > 0
-    for toks in held:
-        assert s.lookup(NS, toks).matched_blocks == 4
-    assert s.check_integrity() == []
-    nvme.put = put  # the disk recovers
-    assert s.flush(10)
-    for i, toks in enumerate(held):
-        assert set(block_keys(NS, toks)) <= nvme_keys(s)
-        got = s.get(NS, toks)
-        assert got.matched_tokens == 4 * T and close_to(got.kv, kv(4 * T, i))
-    time.sleep(1.1)  # past the back-off: blocks go down to the disk again, and puts find room
-    assert s.put(NS, tokens(4, seed=3), kv(4 * T, 3)).stored == 4
-    assert s.check_integrity() == []

@@ -1,0 +1,213 @@
+"""A disk that refuses writes (I/O errors) while memory fills up: no block a flush still owes is lost.
+
+::
+
+    nvme fails a write (TierIOError)          for DISK_BACKOFF (1 s), or until it takes a block:
+      -> blocks not on disk yet ("owed")        not pushed out of memory for room, and no block on
+                                                disk with one of them below it is dropped either
+      -> room comes from copies already on disk; a put that finds none is refused (tier_io)
+      -> flush answers not durable; once the disk takes writes, every owed block is written
+
+A full disk is not a refusal: it acts as a smaller capacity (old blocks make way, see
+tests/hardening/test_disk.py). The failures are injected into a real NvmeTier (its ``put``
+replaced), the one thing here that is not as it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from kvstore.keys import block_keys
+from kvstore.results import EvictFilter
+from kvstore.store.engine import Store
+from kvstore.tiers.base import TierIOError
+from tests.store.conftest import StoreFactory
+from tests.store.storekit import NS, T, close_to, kv, tokens
+
+
+class Disk:
+    """The store's nvme tier refusing every write from ``refuse()`` until ``recover()``."""
+
+    def __init__(self, s: Store) -> None:
+        self.nvme = s.tiers[-1]
+        self._put = self.nvme.put
+
+    def refuse(self) -> None:
+        def refusing(*a: Any, **kw: Any) -> Any:
+            raise TierIOError("injected: the disk refuses every write")
+
+        self.nvme.put = refusing  # type: ignore[method-assign]
+
+    def recover(self) -> None:
+        self.nvme.put = self._put  # type: ignore[method-assign]
+
+
+def nvme_keys(s: Store) -> set[bytes]:
+    return set(s.tiers[-1].keys())
+
+
+def where(s: Store, toks: list[int]) -> list[str]:
+    """Each block's tiers by initial ("hn": hbm and nvme), "-" for a block not held."""
+    out = []
+    for k in block_keys(NS, toks):
+        e = s._index.get(k)
+        out.append("-" if e is None else "".join(s.tiers.names[t][0] for t in e.tier_list()))
+    return out
+
+
+def test_a_block_the_disk_refuses_stays_in_memory_and_is_written_once_it_recovers(make_store) -> None:
+    # the disk refuses every write while hbm and ram fill up: pushing a block down to nvme fails.
+    # Dropping it there (as eviction for room would) lost it, and once the disk was back flush called
+    # the store durable without it. Kept instead: the put that needs its room is refused, flush says not
+    # durable, and once the disk takes writes again every block whose put was answered is on it
+    s = make_store(hbm_blocks=4, ram_blocks=4)
+    disk = Disk(s)
+    disk.refuse()
+    held = [tokens(4, seed=1), tokens(4, seed=2)]
+    for i, toks in enumerate(held):
+        assert s.put(NS, toks, kv(4 * T, i)).stored == 4  # hbm, then ram
+    r = s.put(NS, tokens(4, seed=3), kv(4 * T, 3))  # needs room that only the disk could give
+    assert r.stored == 0 and [f.code for f in r.failed] == ["tier_io"] * 4
+    assert not s.flush(1.0)
+    assert s.stats().write_failures > 0
+    for toks in held:
+        assert s.lookup(NS, toks).matched_blocks == 4
+    assert s.check_integrity() == []
+    disk.recover()
+    assert s.flush(10)
+    for i, toks in enumerate(held):
+        assert set(block_keys(NS, toks)) <= nvme_keys(s)
+        got = s.get(NS, toks)
+        assert got.matched_tokens == 4 * T and close_to(got.kv, kv(4 * T, i))
+    # the disk took blocks again: no back-off left, blocks go down to it, and puts find room at once
+    assert s.put(NS, tokens(4, seed=3), kv(4 * T, 3)).stored == 4
+    assert s.check_integrity() == []
+
+
+def test_while_the_disk_refuses_room_comes_from_copies_already_on_it(make_store: StoreFactory) -> None:
+    # ram holds blocks not yet on disk at the head of its LRU, and behind them copies of blocks that
+    # are on disk: a new block finds room by letting those copies go, not by dropping the others
+    s = make_store(hbm_blocks=4, ram_blocks=4)
+    a = tokens(4, seed=1)
+    s.put(NS, a, kv(4 * T, 1))
+    assert s.flush(10)
+    disk = Disk(s)
+    disk.refuse()
+    later = [tokens(2, seed=i) for i in (2, 3, 4)]
+    for i, toks in enumerate(later):
+        assert s.put(NS, toks, kv(2 * T, i)).stored == 2
+    assert s.get(NS, a).matched_blocks == 4  # a's copies come back up to ram
+    r = s.put(NS, tokens(1, seed=5), kv(T, 5))
+    assert r.stored == 1 and not r.failed
+    for toks in later:
+        assert "-" not in where(s, toks) and "n" not in "".join(where(s, toks))  # held, none on disk
+    assert s.check_integrity() == []
+    disk.recover()
+    assert s.flush(10)
+    for toks in later:
+        assert set(block_keys(NS, toks)) <= nvme_keys(s)
+
+
+def test_while_the_disk_refuses_a_block_on_it_with_one_not_yet_written_below_stays(
+    make_store: StoreFactory,
+) -> None:
+    # nvme full (as it runs), then the disk fails: conversations on disk go on with blocks held in
+    # memory only. Room made on nvme for other blocks must not drop a block on disk that one of those
+    # continues: the continuation would go with it (a lookup walks from the first block)
+    s = make_store(hbm_blocks=4, ram_blocks=4, nvme_capacity=1 << 20)
+    nvme = s.tiers.nvme
+    assert nvme is not None
+    p = tokens(2, seed=3)
+    p_kv = kv(2 * T, 3)
+    s.put(NS, p[:T], p_kv[:, :, :T])
+    assert s.flush(10)
+    x = tokens(400, seed=7)
+    x_kv = kv(400 * T, 7)
+    n = 0
+    while nvme.can_put(kv(T, 0), 5):  # another conversation, written, until nvme is full
+        s.put(NS, x[: (n + 1) * T], x_kv[:, :, n * T : (n + 1) * T], start_block=n)
+        assert s.flush(10)
+        n += 1
+    disk = Disk(s)
+    disk.refuse()
+    assert s.put(NS, p, p_kv[:, :, T:], start_block=1).stored == 1
+    # its write failed: the store knows the disk refuses (before that, room is made as at any time)
+    assert not s.flush(0.5)
+    assert s.put(NS, x[: (n + 1) * T], x_kv[:, :, n * T : (n + 1) * T], start_block=n).stored == 1
+    for i in range(8):  # other clients' puts, needing room in memory and so on nvme
+        s.put(NS, tokens(1, seed=1000 + i), kv(T, 1000 + i))
+    assert where(s, p)[1] != "-" and where(s, x[: (n + 1) * T])[n] != "-"
+    assert s.lookup(NS, p).matched_blocks == 2 and s.lookup(NS, x[: (n + 1) * T]).matched_blocks == n + 1
+    assert not s.flush(1.0)
+    assert s.check_integrity() == []
+
+
+def test_the_writer_never_makes_room_by_dropping_the_block_it_writes(make_store: StoreFactory) -> None:
+    # nvme full of one long conversation and, oldest of all, the first block of another. That one
+    # goes on (a put from block 1): writing its block 1 needs room, and the least recently used
+    # block is its own parent. Dropping it for room dropped block 1 with it, and flush said durable
+    s = make_store(nvme_capacity=1 << 20)
+    nvme = s.tiers.nvme
+    assert nvme is not None
+    p = tokens(2, seed=3)
+    p_kv = kv(2 * T, 3)
+    s.put(NS, p[:T], p_kv[:, :, :T])
+    assert s.flush(10)
+    x = tokens(400, seed=7)
+    x_kv = kv(400 * T, 7)
+    n = 0
+    while nvme.can_put(kv(T, 0), 5):
+        s.put(NS, x[: (n + 1) * T], x_kv[:, :, n * T : (n + 1) * T], start_block=n)
+        assert s.flush(10)
+        n += 1
+    assert s.put(NS, p, p_kv[:, :, T:], start_block=1).stored == 1
+    assert s.flush(10)
+    assert set(block_keys(NS, p)) <= nvme_keys(s)
+    got = s.get(NS, p)
+    assert got.matched_blocks == 2 and got.kv is not None and close_to(got.kv, p_kv)
+    assert s.check_integrity() == []
+
+
+def test_evict_of_a_tier_reports_only_what_left_it(make_store: StoreFactory) -> None:
+    # evict --tier ram while the disk refuses: blocks not yet on disk cannot move down and stay;
+    # the reply counts only the copies that went
+    s = make_store(hbm_blocks=4, ram_blocks=4)
+    a = tokens(4, seed=1)
+    s.put(NS, a, kv(4 * T, 1))
+    assert s.flush(10)
+    disk = Disk(s)
+    disk.refuse()
+    b = tokens(4, seed=2)
+    s.put(NS, b, kv(4 * T, 2))
+    s.put(NS, tokens(2, seed=3), kv(2 * T, 3))  # pushes blocks of a and b down to ram
+    in_ram = [e.key for e in s._index.entries() if e.tiers & 0b10]
+    on_disk = [k for k in in_ram if k in nvme_keys(s)]
+    assert on_disk and len(on_disk) < len(in_ram)  # both kinds in ram
+    r = s.evict(EvictFilter(tier="ram"))
+    assert sorted(r.keys) == sorted(on_disk) and r.blocks == len(on_disk) and r.moved == 0
+    assert s.tiers[1].usage().blocks == len(in_ram) - len(on_disk)
+    assert s.check_integrity() == []
+
+
+def test_one_refused_write_is_logged_once_and_forgotten_when_the_disk_takes_the_next(
+    make_store: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = make_store(hbm_blocks=4, ram_blocks=4)
+    disk = Disk(s)
+    disk.refuse()
+    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        for i in range(6):
+            s.put(NS, tokens(1, seed=i), kv(T, i))
+            assert not s.flush(0.2)
+        refused = [r for r in caplog.records if "nvme refused block" in r.getMessage()]
+        assert len(refused) == 1
+        disk.recover()
+        assert s.flush(10)
+        assert any("takes writes again" in r.getMessage() for r in caplog.records)
+    # nothing held back: new blocks go to hbm as always, old ones down to ram and nvme
+    for i in range(6, 14):
+        assert s.put(NS, tokens(1, seed=i), kv(T, i)).stored == 1
+        assert where(s, tokens(1, seed=i))[0][0] == "h"
