@@ -204,7 +204,9 @@ def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
                 return EXIT_FAILED
         result = plain(client.evict(**flt, dry_run=args.dry_run))
         _emit(args, result, display.render_evict, out)
-        if unknown and not result["blocks"] and not args.json:  # a typo, most likely
+        if (
+            unknown and not result["blocks"] and not result.get("not_done") and not args.json
+        ):  # a typo, most likely
             sys.stderr.write(f"no session {args.session!r} here (kvstore inspect lists them)\n")
     return EXIT_FAILED if result.get("not_done") else EXIT_OK  # a part left to do: scripts see it
 

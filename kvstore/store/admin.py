@@ -89,17 +89,29 @@ class AdminOps:
         if flt.tier is not None and flt.tier not in names:
             off = " (the cluster tier is off: [cluster] enabled = false)" if flt.tier == "cluster" else ""
             raise InvalidFilter(f"unknown tier {flt.tier!r}{off}; tiers are {', '.join(names)}")
-        owner = self._session_owner(flt.session)
+        # whose conversation the session is: as this host knows it, else as the filter says (a tenant's
+        # own evict names its tenant); a tenant criterion naming that tenant narrows nothing
+        owner = self._session_owner(flt.session) or flt.tenant
+        rest = replace(flt, session=None, tenant=None if flt.tenant == owner else flt.tenant)
         if flt.tier == "cluster":
             assert self._cluster is not None
             with self._lock:
                 now = self._clock()
-                chosen_keys = [e.key for e in self._index.entries() if self._selected(e, flt, None, now)]
+                chosen = [e for e in self._index.entries() if self._selected(e, flt, None, now)]
+                if flt.session is None:  # what follows a chosen block goes too: none of it could be found
+                    chosen = [d for e in chosen for d in self._index.subtree(e)]
+                chosen_keys = list(dict.fromkeys(e.key for e in chosen))
+            only_session = flt.session is not None and not replace(rest, tier=None).selects_anything()
             return self._cluster.evict(
-                chosen_keys, flt.session, dry_run=dry_run, continued=self._continued, tenant=owner
+                chosen_keys,
+                flt.session,
+                dry_run=dry_run,
+                continued=self._continued,
+                tenant=owner,
+                within=None if only_session else set(chosen_keys),
             )
         t = None if flt.tier is None else self._tiers.names.index(flt.tier)
-        whole = flt.session is not None and not replace(flt, session=None).selects_anything()
+        whole = flt.session is not None and not rest.selects_anything()
         with self._lock:
             now = self._clock()
             chosen = [e for e in self._index.entries() if self._selected(e, flt, t, now)]
@@ -107,7 +119,7 @@ class AdminOps:
             keys: list[bytes] = []
             moved = 0
             seen: set[bytes] = set()
-            plan: list[tuple[Entry, bool]] = []  # (block, whole subtree goes)
+            plan: list[tuple[Entry, bool, bool]] = []  # (block, whole subtree goes, moves down)
             session = flt.session
 
             def keeps(d: Entry) -> bool:  # a block that keeps its ancestors: read now, or another session's
@@ -127,6 +139,7 @@ class AdminOps:
                             keys.append(d.key)
                             for dt in d.tier_list():
                                 freed[self._tiers.names[dt]] += self._tiers[dt].nbytes(d.key)
+                    plan.append((e, True, False))
                 else:
                     assert t is not None
                     seen.add(e.key)
@@ -134,17 +147,24 @@ class AdminOps:
                     freed[self._tiers.names[t]] += self._tiers[t].nbytes(e.key)
                     # what Mover.evict_from does: no copy above it and none in the next tier, it moves down
                     bit = 1 << t
-                    moved += t < self._tiers.last and not e.tiers & (bit - 1) and not e.tiers & (bit << 1)
-                plan.append((e, drops_all))
+                    down = t < self._tiers.last and not e.tiers & (bit - 1) and not e.tiers & (bit << 1)
+                    moved += down
+                    plan.append((e, False, down))
             if not dry_run:
-                for e, drops_all in plan:
+                stayed: set[bytes] = set()
+                for e, drops_all, down in plan:
                     if self._index.get(e.key) is not e:
                         continue
                     if drops_all:
                         self._mover.drop_block(e)
-                    else:
-                        assert t is not None
-                        self._mover.evict_from(t, e)
+                        continue
+                    assert t is not None
+                    nbytes = self._tiers[t].nbytes(e.key)
+                    if not self._mover.evict_from(t, e):  # it stays (nowhere to go: the disk refuses it)
+                        stayed.add(e.key)
+                        freed[self._tiers.names[t]] -= nbytes
+                        moved -= down
+                keys = [k for k in keys if k not in stayed]
                 # the conversation goes with its blocks: all of them (the session the only criterion),
                 # or the last of those it tagged; evict --session S --older-than D keeps its younger part
                 if (
@@ -164,7 +184,7 @@ class AdminOps:
         if flt.session is not None and t is None and self._cluster is not None:
             try:  # the whole conversation, or its cluster copies among the blocks chosen here
                 remote = self._cluster.evict(
-                    [],
+                    list(keys),  # this host's blocks of it (the cluster's record may not name them)
                     flt.session,
                     dry_run=dry_run,
                     continued=self._continued,
@@ -173,11 +193,12 @@ class AdminOps:
                 )
             except InvalidRequest as e:  # the cluster is down: this host's part stands, and says so
                 return replace(result, not_done=f"{e}; evict --session again once it is back")
+            gone = list(dict.fromkeys([*keys, *remote.keys]))  # a block evicted here and there counts once
             result = EvictResult(
-                blocks=result.blocks + remote.blocks,
+                blocks=len(gone),
                 bytes_freed={**result.bytes_freed, **remote.bytes_freed},
                 moved=moved,
-                keys=[*keys, *remote.keys],
+                keys=gone,
                 dry_run=dry_run,
             )
         return result

@@ -59,11 +59,15 @@ class ClusterAdmin:
     def find_session(self, name: str) -> dict[str, Any] | None:
         """Session ``name`` as another host recorded it: ``ns`` (a Namespace), ``keys`` (its block keys
         from block 0), ``tokens`` (uint32 token ids, or None for an engine-key chain), ``updated``.
-        None when the cluster has no such session or cannot be asked."""
+        None when the cluster has no such session; InvalidRequest when it cannot be asked (not "no
+        such session": it may well be there)."""
         try:
             d = self.cluster.get_session(name)
-        except ClusterUnavailable:
-            return None
+        except ClusterUnavailable as e:
+            raise InvalidRequest(
+                f"session {name!r} is not on this host, and the cluster tier, which may hold it, cannot be "
+                f"asked now ({e}); try again once it is back"
+            ) from None
         return None if d is None else _session(d)
 
     def session_detail(self, name: str) -> SessionDetail | None:
@@ -125,7 +129,7 @@ class ClusterAdmin:
                     if found is not None:
                         others.update(k for k in found["keys"] if k in candidates)
 
-                candidates = set(theirs)
+                candidates = set(theirs) | set(keys)
                 if candidates:
                     self.cluster.sessions(other)
                 values = self.cluster.records(theirs)  # the records alone, not the frames

@@ -7,6 +7,7 @@ on the cluster.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,8 @@ HostFactory = Callable[..., Store]
 @pytest.fixture
 def host(tmp_path: Path, cluster_tier: ClusterFactory) -> Iterator[HostFactory]:
     """``host(name)``: a store with its own tiers and LMDB under tmp_path/name, on the cluster
-    (``cluster_queue``: its [cluster] write_queue; ``write_through``: its [nvme] one; other keywords
-    go to the ClusterTier)."""
+    (``cluster_queue``: its [cluster] write_queue; ``write_through``: its [nvme] one; ``clock``: its
+    clock; other keywords go to the ClusterTier)."""
     opened: list[Store] = []
 
     def make(
@@ -82,6 +83,7 @@ def host(tmp_path: Path, cluster_tier: ClusterFactory) -> Iterator[HostFactory]:
         connect: bool = True,
         cluster_queue: int = 1024,
         write_through: bool = True,
+        clock: Callable[[], float] | None = None,
         **kw: Any,
     ) -> Store:
         hbm = HbmTier(8 * HBM_PAGE, page_bytes=HBM_PAGE)
@@ -91,7 +93,14 @@ def host(tmp_path: Path, cluster_tier: ClusterFactory) -> Iterator[HostFactory]:
         if connect:
             tier.connect()
         s = Store(
-            hbm, ram, nvme, cluster=tier, tick=0.05, cluster_queue=cluster_queue, write_through=write_through
+            hbm,
+            ram,
+            nvme,
+            cluster=tier,
+            tick=0.05,
+            cluster_queue=cluster_queue,
+            write_through=write_through,
+            clock=clock or time.time,
         )
         opened.append(s)
         return s

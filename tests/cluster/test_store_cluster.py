@@ -22,7 +22,7 @@ from kvstore.store.engine import Store
 from kvstore.tiers.nvme import NvmeTier
 from tests.cluster.conftest import HostFactory
 from tests.cluster.rediscluster import LocalCluster
-from tests.store.storekit import LAYOUT, NS, T, close_to, kv, same, tokens
+from tests.store.storekit import LAYOUT, NS, Clock, T, close_to, kv, same, tokens
 
 
 def got(r: GetResult) -> torch.Tensor:
@@ -268,6 +268,78 @@ def test_evict_of_a_session_leaves_the_cluster_blocks_a_request_continued(host: 
         b.session("A")  # the session itself is gone, here and in the cluster
 
 
+def test_evict_of_the_cluster_tier_keeps_to_every_criterion(host: HostFactory) -> None:
+    # --tier cluster --session S with another criterion deleted every block S's record named, and
+    # the record, whatever the other criterion said ("filters combine with AND")
+    clock = Clock()
+    a, c = host("a", clock=clock), host("c")
+    toks, x = tokens(6), kv(24)
+    a.put(NS, toks[: 3 * T], x[:, :, : 3 * T], session="S")
+    clock.advance(3600)
+    a.put(NS, toks, x, session="S")  # an hour later: every block touched
+    written(a, 6)
+    clock.advance(10)
+    assert a.evict(EvictFilter(session="S", older_than=1800, tier="cluster")).blocks == 0
+    assert a.evict(EvictFilter(session="S", tenant="someone-else", tier="cluster")).blocks == 0
+    assert c.lookup(NS, toks).tiers == ["cluster"] * 6 and c.session("S").info.blocks == 6
+    # the session's own tenant narrows nothing: its whole conversation goes, with its record
+    assert a.evict(EvictFilter(session="S", tenant=NS.tenant, tier="cluster")).blocks == 6
+    assert c.lookup(NS, toks).matched_blocks == 0
+    with pytest.raises(KeyError):
+        c.session("S")
+
+
+def test_evict_of_the_cluster_tier_by_age_takes_what_follows_the_old_blocks(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # an engine saves a prefix as it computes it: its first blocks are old, the later ones young.
+    # Only the old blocks' cluster copies went: the young ones stayed there, unreachable by any host
+    clock = Clock()
+    a, c = host("a", clock=clock), host("c")
+    toks, x = tokens(6, seed=11), kv(24, seed=11)
+    a.put(NS, toks[: 3 * T], x[:, :, : 3 * T])
+    clock.advance(7200)
+    a.put(NS, toks, x[:, :, 3 * T :], start_block=3)
+    written(a, 6)
+    r = a.evict(EvictFilter(older_than=3600, tier="cluster"))
+    assert r.blocks == 6 and c.lookup(NS, toks).matched_blocks == 0
+    assert not [k for p in rc.live_masters() for k in rc.node(p).scan_iter(match="kvstore:b:*")]
+
+
+def test_evict_of_a_session_takes_its_blocks_from_the_cluster_without_its_record(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # the cluster's record of S is gone (expired, or refused: another tenant's session of the name
+    # holds it): the cluster evict went by the record alone, and every host still read S's blocks
+    a, c = host("a"), host("c")
+    toks, x = tokens(4), kv(16)
+    a.put(NS, toks, x, session="S")
+    written(a, 4)
+    time.sleep(0.2)
+    for port in rc.live_masters():
+        node = rc.node(port)
+        for k in node.scan_iter(match="kvstore:s:*"):
+            node.delete(k)
+    r = a.evict(EvictFilter(session="S"))
+    assert r.blocks == 4 and not r.not_done  # here and in the cluster, each block counted once
+    assert c.lookup(NS, toks).matched_blocks == 0
+
+
+def test_a_tenant_s_own_evict_of_its_session_takes_the_cluster_s_record_too(host: HostFactory) -> None:
+    # a tenant's evict names its tenant: that made S "not the only criterion", so its record (the
+    # conversation's token ids) stayed in the cluster, and a host that did not hold S deleted nothing
+    a, b, c = host("a"), host("b"), host("c")
+    toks, x = tokens(4), kv(16)
+    a.put(NS, toks, x, session="S")
+    written(a, 4)
+    time.sleep(0.2)
+    r = b.evict(EvictFilter(session="S", tenant=NS.tenant))
+    assert r.blocks == 4
+    assert c.lookup(NS, toks).matched_blocks == 0
+    with pytest.raises(KeyError):
+        c.session("S")
+
+
 def test_a_dead_cluster_degrades_to_local_tiers(host: HostFactory) -> None:
     b = host("b", urls=["redis://127.0.0.1:1"], connect=False, timeout=0.3, retry_after=60.0)
     toks, x = tokens(3), kv(12)
@@ -484,7 +556,8 @@ def test_evict_of_a_session_while_the_cluster_is_down_does_this_host_s_part_and_
         done = a.evict(EvictFilter(session="S"))
         assert done.blocks == 3 and "evict --session again" in done.not_done
         assert a.lookup(NS, toks).matched_blocks == 0
-        with pytest.raises(KeyError):
+        # not "no such session": its record is still in the cluster, which cannot be asked
+        with pytest.raises(InvalidRequest, match="cannot be asked now"):
             a.session("S")
     finally:
         for port in masters:
