@@ -109,6 +109,9 @@ class Handlers:
         # pin handles given to clients: a random id (unguessable by other clients) ->
         # (store handle, expiry, tenant)
         self._pins: dict[int, tuple[Any, float, str]] = {}
+        # same-host reads' pins (a locate's blocks, until its finish or its lease's end), counted in the
+        # same quota: id of the Located -> (blocks, expiry, tenant)
+        self._located: dict[int, tuple[int, float, str]] = {}
         self._pins_lock = threading.Lock()
         self._ops: dict[type[Message], Callable[[Any, Namespace | None], Message]] = {
             Lookup: self._lookup,
@@ -293,20 +296,17 @@ class Handlers:
         now = time.monotonic()
         quota = self.pin_quota
         with self._pins_lock:
-            for hid in [h for h, (_, exp, _) in self._pins.items() if exp <= now]:
-                del self._pins[hid]  # lapsed: the store has let go of them already
-            mine = [len(h.keys) for h, _, t in self._pins.values() if t == ns.tenant]
-            if len(mine) >= quota.pins or sum(mine) + matched > quota.blocks:
+            pins, blocks = self._held(ns.tenant, now)
+            if pins >= quota.pins or blocks + matched > quota.blocks:
                 # the caller's own figures only: nothing about other tenants' pins
                 raise ProtocolError(
                     "busy",
-                    f"tenant {ns.tenant!r} holds {len(mine)} pins of {sum(mine)} blocks; its quota is "
-                    f"{quota.pins} pins and {quota.blocks} blocks ([server] max_pins_per_tenant, "
-                    f"max_pinned_blocks_per_tenant), and this pin needs {matched} more blocks. "
-                    "Release some or wait for their leases to end",
+                    f"tenant {ns.tenant!r} holds {pins} pins of {blocks} blocks (same-host reads' "
+                    f"included); its quota is {quota.pins} pins and {quota.blocks} blocks ([server] "
+                    f"max_pins_per_tenant, max_pinned_blocks_per_tenant), and this pin needs {matched} "
+                    "more blocks. Release some or wait for their leases to end",
                 )
-            held = sum(len(h.keys) for h, _, _ in self._pins.values())
-            if len(self._pins) >= MAX_PINS or held + matched > MAX_PINNED_KEYS:
+            if not self._daemon_room(matched):
                 raise ProtocolError(
                     "busy", "the daemon holds all the pins it can; release yours or wait for leases to end"
                 )
@@ -314,6 +314,46 @@ class Handlers:
             hid = secrets.randbits(63)
             self._pins[hid] = (handle, now + lease, ns.tenant)
         return PinOk(handle=hid, blocks=len(handle.keys), lease=lease)
+
+    def _held(self, tenant: str, now: float) -> tuple[int, int]:
+        """(``_pins_lock`` held.) The pins and pinned blocks ``tenant`` holds, its same-host reads'
+        included; lapsed ones are forgotten first (the store has let go of them already)."""
+        for hid in [h for h, (_, exp, _) in self._pins.items() if exp <= now]:
+            del self._pins[hid]
+        for lid in [i for i, (_, exp, _) in self._located.items() if exp <= now]:
+            del self._located[lid]
+        mine = [len(h.keys) for h, _, t in self._pins.values() if t == tenant]
+        located = [n for n, _, t in self._located.values() if t == tenant]
+        return len(mine) + len(located), sum(mine) + sum(located)
+
+    def _daemon_room(self, blocks: int) -> bool:
+        """(``_pins_lock`` held, after ``_held``.) Whether the daemon-wide tables take one more pin of
+        ``blocks`` blocks."""
+        held = sum(len(h.keys) for h, _, _ in self._pins.values()) + sum(
+            n for n, _, _ in self._located.values()
+        )
+        return len(self._pins) + len(self._located) < MAX_PINS and held + blocks <= MAX_PINNED_KEYS
+
+    def _charge_located(self, located: Any, tenant: str, lease: float) -> bool:
+        """Count a locate's pinned blocks in ``tenant``'s pin quota; False (nothing counted) when they
+        do not fit it, or the daemon's tables."""
+        n = len(located.places)
+        if not n:
+            return True
+        now = time.monotonic()
+        quota = self.pin_quota
+        with self._pins_lock:
+            pins, blocks = self._held(tenant, now)
+            if pins >= quota.pins or blocks + n > quota.blocks or not self._daemon_room(n):
+                return False
+            self._located[id(located)] = (n, now + lease, tenant)
+        return True
+
+    def _finish_located(self, located: Any, used: int) -> None:
+        """A same-host read is over: its pins are let go, in the store and in the quota."""
+        with self._pins_lock:
+            self._located.pop(id(located), None)
+        self.store.finish(located, used)
 
     # -- the same-host data plane (kvstore.shm) ------------------------------------------
     def _shared(self, request: Request) -> Message:
@@ -331,7 +371,7 @@ class Handlers:
         if isinstance(msg, Finish):
             lease = plane.take(msg.handle, request.peer)
             if lease is not None and lease.held is not None:
-                self.store.finish(lease.held, msg.used)
+                self._finish_located(lease.held, msg.used)
             return FinishOk(released=lease is not None)
         if isinstance(msg, Reserve):
             if msg.nbytes < 1:  # a lease of nothing holds no staging, only the daemon's bookkeeping
@@ -357,6 +397,17 @@ class Handlers:
         located = self.store.locate(
             ns, msg.chain, shared, start_block=msg.start_block, max_blocks=msg.max_blocks, lease=plane.lease
         )
+        if not self._charge_located(located, ns.tenant, plane.lease):
+            # past the tenant's pin quota: nothing stays pinned, the blocks are copied into staging
+            self.store.finish(located, 0)
+            located = self.store.locate(
+                ns,
+                msg.chain,
+                set(),
+                start_block=msg.start_block,
+                max_blocks=msg.max_blocks,
+                lease=plane.lease,
+            )
         blocks: list[list[Any]] = []
         tiers: list[str] = []
         segments = {t: plane.segment_index(names[t]) for t in {t for _, t, _ in located.places}}
@@ -383,7 +434,7 @@ class Handlers:
                 k = 0
                 lease = plane.reserve(peer, 0, held=located, armed=False)
         except BaseException:
-            self.store.finish(located, 0)  # the located blocks' pins, at once: not at their lease's end
+            self._finish_located(located, 0)  # the located blocks' pins, at once: not at their lease's end
             raise
         try:
             if k:  # blocks no shared pool holds (nvme): decoded by the daemon into staging
@@ -412,7 +463,7 @@ class Handlers:
                     self.store.missed(located)
         except BaseException:
             plane.take(lease.handle)
-            self.store.finish(located, 0)
+            self._finish_located(located, 0)
             raise
         plane.arm(lease)
         seg = lease.staging
