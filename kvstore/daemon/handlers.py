@@ -25,6 +25,7 @@ from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter
 from kvstore.shm.plane import StagingFull
 from kvstore.store.adoption import Adoption
+from kvstore.store.reads import Located
 from kvstore.tiers.base import TierName
 from kvstore.wire.errors import ProtocolError, wire_code
 from kvstore.wire.messages import (
@@ -334,7 +335,7 @@ class Handlers:
         )
         return len(self._pins) + len(self._located) < MAX_PINS and held + blocks <= MAX_PINNED_KEYS
 
-    def _charge_located(self, located: Any, tenant: str, lease: float) -> bool:
+    def _charge_located(self, located: Located, tenant: str, lease: float) -> bool:
         """Count a locate's pinned blocks in ``tenant``'s pin quota; False (nothing counted) when they
         do not fit it, or the daemon's tables."""
         n = len(located.places)
@@ -349,7 +350,7 @@ class Handlers:
             self._located[id(located)] = (n, now + lease, tenant)
         return True
 
-    def _finish_located(self, located: Any, used: int) -> None:
+    def _finish_located(self, located: Located, used: int) -> None:
         """A same-host read is over: its pins are let go, in the store and in the quota."""
         with self._pins_lock:
             self._located.pop(id(located), None)
@@ -394,20 +395,24 @@ class Handlers:
         plane.admit(peer)  # before anything is pinned: a client at its lease bound pins nothing
         names = self.store.tiers.names
         shared = {t for t, name in enumerate(names) if name in msg.tiers and plane.shares(name)}
-        located = self.store.locate(
-            ns, msg.chain, shared, start_block=msg.start_block, max_blocks=msg.max_blocks, lease=plane.lease
-        )
-        if not self._charge_located(located, ns.tenant, plane.lease):
-            # past the tenant's pin quota: nothing stays pinned, the blocks are copied into staging
-            self.store.finish(located, 0)
-            located = self.store.locate(
+
+        def locate(tiers: set[int], count: bool) -> Located:
+            return self.store.locate(
                 ns,
                 msg.chain,
-                set(),
+                tiers,
                 start_block=msg.start_block,
                 max_blocks=msg.max_blocks,
                 lease=plane.lease,
+                count=count,
             )
+
+        located = locate(shared, False)
+        if self._charge_located(located, ns.tenant, plane.lease):
+            self.store.count_located(located)
+        else:  # past the tenant's pin quota: nothing stays pinned, the blocks are copied into staging
+            self.store.unlocate(located)
+            located = locate(set(), True)
         blocks: list[list[Any]] = []
         tiers: list[str] = []
         segments = {t: plane.segment_index(names[t]) for t in {t for _, t, _ in located.places}}

@@ -156,7 +156,9 @@ def use_gpu(config: Config) -> None:
     host of several GPUs another process serves from."""
     import torch
 
-    device = torch.device(config.hbm.resolved_device())
+    from kvstore.tiers.pool import resolve_device
+
+    device = resolve_device(config.hbm.resolved_device())  # ConfigError for a GPU this host lacks
     if device.type == "cuda":
         torch.cuda.set_device(device)
 

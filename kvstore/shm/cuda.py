@@ -117,20 +117,22 @@ def host_register(ptr: int, nbytes: int, *, read_only: bool, device: int | None 
     if device is None:
         device = torch.cuda.current_device()
     try:
-        from cupy.cuda import Device, runtime
+        from cupy.cuda import runtime
     except ImportError:
         if read_only:
             return False
         with torch.cuda.device(device):
             rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE)
         return int(rc) == 0
-    try:
-        with Device(device):
+    # torch's guard, not cupy's Device: that one sets the device it found on leaving, which makes a
+    # context there (GPU 0, on a thread that never chose one)
+    with torch.cuda.device(device):
+        try:
             if read_only and not runtime.deviceGetAttribute(_READ_ONLY_SUPPORTED, device):
                 return False
             runtime.hostRegister(ptr, nbytes, _PORTABLE | (_READ_ONLY if read_only else 0))
-    except runtime.CUDARuntimeError:
-        return False
+        except runtime.CUDARuntimeError:
+            return False
     return True
 
 

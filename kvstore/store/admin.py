@@ -99,8 +99,8 @@ class AdminOps:
                 now = self._clock()
                 chosen = [e for e in self._index.entries() if self._selected(e, flt, None, now)]
                 if flt.session is None:  # what follows a chosen block goes too: none of it could be found
-                    chosen = [d for e in chosen for d in self._index.subtree(e)]
-                chosen_keys = list(dict.fromkeys(e.key for e in chosen))
+                    chosen = _with_descendants(chosen)
+                chosen_keys = [e.key for e in chosen]
             only_session = flt.session is not None and not replace(rest, tier=None).selects_anything()
             return self._cluster.evict(
                 chosen_keys,
@@ -477,3 +477,19 @@ class AdminOps:
     def _needs_record(self, e: Entry) -> bool:
         t = self._tiers.nvme_t
         return t is not None and not e.tiers & (1 << t)
+
+
+def _with_descendants(entries: list[Entry]) -> list[Entry]:
+    """``entries`` and every block below them, each once (one walk, however many of them are chosen)."""
+    seen: set[bytes] = set()
+    out: list[Entry] = []
+    for e in entries:
+        stack = [e]
+        while stack:
+            d = stack.pop()
+            if d.key in seen:
+                continue
+            seen.add(d.key)
+            out.append(d)
+            stack.extend(d.child_list())
+    return out

@@ -359,16 +359,27 @@ class Store:
         start_block: int = 0,
         max_blocks: int | None = None,
         lease: float | None = None,
+        count: bool = True,
     ) -> Located:
         """Pin the held blocks ``start_block ..`` of ``tokens`` (at most ``max_blocks``) whose uppermost
         copy is in one of ``tiers`` (paged tiers another process can read: kvstore.shm) and say where
         their bytes are, for ``lease`` seconds (default and cap: the pin lease). The walk stops at the
         first block not held; ``rest`` counts the held blocks after the located ones (whose uppermost
-        copy is elsewhere, the cluster tier included: read them with ``get``). End it with ``finish``."""
+        copy is elsewhere, the cluster tier included: read them with ``get``). End it with ``finish``,
+        or with ``unlocate`` (not read). ``count``: whether it counts as a lookup now (else
+        ``count_located`` does, later)."""
         self.settle()
         return self._reads.locate(
-            ns, tokens, tiers, start_block=start_block, max_blocks=max_blocks, lease=lease
+            ns, tokens, tiers, start_block=start_block, max_blocks=max_blocks, lease=lease, count=count
         )
+
+    def count_located(self, located: Located) -> None:
+        """Count a locate made with ``count=False`` as the lookup it is."""
+        self._reads.count_located(located)
+
+    def unlocate(self, located: Located) -> None:
+        """Let go of a locate's pins without reading it: neither a lookup nor hits nor misses."""
+        self._reads.unlocate(located)
 
     def missed(self, located: Located) -> None:
         """The held blocks after ``located``'s (its ``rest``) were all read by ``get``: count the blocks

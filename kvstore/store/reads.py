@@ -200,6 +200,7 @@ class Reader:
         start_block: int = 0,
         max_blocks: int | None = None,
         lease: float | None = None,
+        count: bool = True,
     ) -> Located:
         T = ns.layout.block_tokens
         start = check_index("start_block", start_block)
@@ -229,15 +230,28 @@ class Reader:
         if missed is not None and self._cluster is not None and self._cluster.cluster.available():
             held = len(places) + rest
             rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])
+        # blocks asked for and not held: misses in every tier, counted with the hits by finish
+        missing = want - len(places) - rest
+        located = Located(ns, start, handle, places, rest, missing)
+        if count:
+            self.count_located(located)
+        return located
+
+    def count_located(self, located: Located) -> None:
+        """Count ``located`` as a lookup (``locate`` does, unless told not to)."""
+        T = located.ns.layout.block_tokens
         with self._lock:
             # the blocks held but not located are read by a get (the daemon's, or the client's over
             # the socket), which counts them; the blocks not held after them are counted by the round
             # that reads the last of them (``missed``), or by this one: asked once, not once a round
             self._counts.lookups += 1
-            self._counts.tokens_asked += (len(places) if rest else want) * T
-        # blocks asked for and not held: misses in every tier, counted with the hits by finish
-        missing = want - len(places) - rest
-        return Located(ns, start, handle, places, rest, missing)
+            asked = len(located.places) if located.rest else len(located.places) + located.missing
+            self._counts.tokens_asked += asked * T
+
+    def unlocate(self, located: Located) -> None:
+        """Let go of ``located``'s pins, counting nothing: a locate not counted, and not read."""
+        with self._lock:
+            self._pins.release(located.handle)
 
     def missed(self, located: Located) -> None:
         """The rest of ``located`` was read (into staging) to its end: the blocks not held after it

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import zmq
 
 from kvstore.cli.commands import main as cli_main
@@ -287,3 +288,14 @@ def test_pools_smaller_than_a_page_are_refused_as_a_bad_config(start_daemon, tmp
     d = start_daemon(config, ready=False)
     assert d.wait_exit(60) == 2, d.output()
     assert "less than one page" in d.output()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_an_hbm_device_this_host_lacks_is_refused_in_one_line(start_daemon, tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    config.write_text(config.read_text().replace('device = "cpu"', 'device = "cuda:0"'))
+    d = start_daemon(config, ready=False)
+    assert d.wait_exit(90) == 1, d.output()
+    log = d.output()
+    assert "Traceback" not in log, log
+    assert "refusing to start" in log and "device 'cuda:0' needs CUDA" in log, log

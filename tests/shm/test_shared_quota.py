@@ -44,10 +44,17 @@ def test_a_locate_s_pins_count_in_the_tenant_s_pin_quota(daemons: Any, tmp_path:
         held = c._conn.call(Locate(ns=NS.id, tokens=tokens, tiers=m.tiers), idempotent=True)
         assert isinstance(held, LocateOk) and len(held.blocks) == 6
         assert all(b[0] != STAGING for b in held.blocks)  # in the shared pools, pinned
-        # another read of them would pin 6 more: past the 8-block quota, so it is copied instead
+        # another read of them would pin 6 more: past the 8-block quota, so it is copied instead,
+        # and counted as the one lookup of 6 blocks it is (no misses: every block was served)
+        before = c.stats()["store"]
         over = c._conn.call(Locate(ns=NS.id, tokens=tokens, tiers=m.tiers), idempotent=True)
         assert isinstance(over, LocateOk) and [b[0] for b in over.blocks] == [STAGING] * 6
         c._conn.call(Finish(handle=over.handle, used=6), idempotent=True)
+        after = c.stats()["store"]
+        assert after["lookups"] - before["lookups"] == 1
+        assert after["tokens_asked"] - before["tokens_asked"] == 6 * T
+        for tier in after["tiers"]:
+            assert after["tiers"][tier]["misses"] == before["tiers"][tier]["misses"], tier
         got = c.get(tokens)
         assert got.matched_blocks == 6
         assert_exact(tokens, got.kv, got.matched_tokens)
