@@ -429,6 +429,26 @@ class ClusterTier:
             return False
         return True
 
+    def refresh_sessions(self, names: Sequence[str]) -> None:
+        """Set the TTL of the records of sessions ``names`` anew (absent ones are left absent), and
+        their expiry in the sorted set with it. ClusterUnavailable on an outage."""
+        px = _px(self.ttl)
+        if not names or px is None:
+            return
+
+        def run(c: Any) -> None:
+            keys = [self.session_key(n) for n in names]
+            pipe = c.pipeline(transaction=False)
+            for k in keys:
+                pipe.pexpire(k, px)
+            found = list(pipe.execute(raise_on_error=False))
+            live = [k for k, f in zip(keys, found, strict=True) if f is True or f == 1]
+            if live:  # only members still there: one whose record went leaves the set as it should
+                expires = time.time() + px / 1000
+                c.zadd(self.sessions_key(), dict.fromkeys(live, expires), xx=True)
+
+        self._call("session refresh", run)
+
     def get_session(self, name: str) -> dict[str, Any] | None:
         """The session recorded under ``name`` (None when absent or not a session of this name).
         ClusterUnavailable on an outage."""

@@ -79,6 +79,7 @@ class ClusterLink:
             parts.namespaces,
         )
         self._counts = parts.counts
+        self._sessions = parts.sessions
         self._put, self._offer = put, offer
         self.cluster = cluster
         self._unsent_lock = threading.Lock()  # guards the two below
@@ -98,6 +99,7 @@ class ClusterLink:
         # last), and those due a refresh (see ``touch``)
         self._refreshed: OrderedDict[bytes, float] = OrderedDict()
         self._refresh_due: OrderedDict[bytes, None] = OrderedDict()
+        self._records_due: dict[str, None] = {}  # sessions whose record's TTL is due with their tail's
 
     # -- writes -----------------------------------------------------------------------
     def submit(self, new: list[bytes], touched: Sequence[bytes] = ()) -> None:
@@ -146,6 +148,15 @@ class ClusterLink:
             while len(self._refresh_due) > REFRESH_MEMORY:  # the cluster thread is behind: the oldest
                 self._refreshed.pop(self._refresh_due.popitem(last=False)[0], None)  # go, asked again later
             waiting = bool(self._refresh_due)
+        if due:
+            # a session's record lives as long as its blocks: the conversations ending at these blocks
+            # (a record expired while its blocks lived on: inspect and prefetch on other hosts lost
+            # the conversation, and evict of another session no longer saw that it builds on it)
+            with self._lock:
+                names = [n for k in due for n in self._sessions.ending_at(k)]
+            if names:
+                with self._unsent_lock:
+                    self._records_due.update(dict.fromkeys(names))
         if waiting and idle:
             self._writer.run_soon(self._refresh)
 
@@ -163,13 +174,22 @@ class ClusterLink:
             self._refreshed.popitem(last=False)
 
     def _refresh(self) -> None:
-        """(The cluster thread.) Set anew the TTL of the blocks ``touch`` found due, a batch at a time."""
+        """(The cluster thread.) Set anew the TTL of the blocks ``touch`` found due, a batch at a time,
+        then of the session records ending at them."""
         while True:
             with self._unsent_lock:
                 batch = list(islice(self._refresh_due, REFRESH_BATCH))
                 for k in batch:
                     del self._refresh_due[k]
+                names = [] if batch else list(self._records_due)
+                if not batch:
+                    self._records_due.clear()
             if not batch:
+                if names:
+                    try:
+                        self.cluster.refresh_sessions(names)
+                    except ClusterUnavailable:  # refreshed at a later touch of their tails
+                        pass
                 return
             try:
                 self.cluster.refresh(batch)

@@ -456,6 +456,21 @@ def test_blocks_served_from_a_host_s_own_tiers_keep_their_cluster_copies_alive(h
     assert host("c").lookup(NS, toks).matched_blocks == 0
 
 
+def test_a_session_served_from_a_host_s_own_tiers_keeps_its_cluster_record_alive(host: HostFactory) -> None:
+    # the blocks' TTL was refreshed, the session's record not: other hosts could no longer inspect or
+    # prefetch a conversation whose blocks were all still there
+    a, c = host("a", ttl=2.0), host("c", ttl=2.0)
+    toks, x = tokens(4), kv(16, seed=6)
+    a.put(NS, toks, x, session="S")
+    written(a, 4)
+    for _ in range(10):  # 3 s of local hits on host A, past the 2 s TTL
+        assert a.get(NS, toks).tiers == ["hbm"] * 4
+        time.sleep(0.3)
+    detail = c.session("S")
+    assert detail.info.blocks == 4 and detail.info.tiers == {"cluster": 4}
+    assert c.prefetch("S", "ram").moved == 4
+
+
 def test_a_get_may_leave_storing_the_cluster_blocks_until_after_it_returns(host: HostFactory) -> None:
     """``get(adopted=Adoption(...))`` (what the daemon uses: it answers its client first) stores the
     cluster's blocks on the link's thread afterwards, once ``start`` is set, calls ``done`` once that
