@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 import pytest
+import torch
 
 from kvstore.keys import block_keys
 from kvstore.results import EvictFilter
@@ -58,6 +59,34 @@ def where(s: Store, toks: list[int]) -> list[str]:
     return out
 
 
+def written_then_refusing(s: Store) -> tuple[Disk, list[int]]:
+    """A 4-block prefix put and flushed, then a disk that refuses every write: (the disk, the prefix)."""
+    a = tokens(4, seed=1)
+    s.put(NS, a, kv(4 * T, 1))
+    assert s.flush(10)
+    disk = Disk(s)
+    disk.refuse()
+    return disk, a
+
+
+def full_of_two_conversations(s: Store) -> tuple[list[int], torch.Tensor, list[int], torch.Tensor, int]:
+    """nvme filled as it runs: first block 0 of conversation p (oldest of all), then conversation x,
+    each block written, until nvme has no room for another. Returns p's tokens and K/V (2 blocks:
+    block 1 not stored), x's (400 blocks' worth) and how many blocks of x are stored."""
+    nvme = s.tiers.nvme
+    assert nvme is not None
+    p, p_kv = tokens(2, seed=3), kv(2 * T, 3)
+    s.put(NS, p[:T], p_kv[:, :, :T])
+    assert s.flush(10)
+    x, x_kv = tokens(400, seed=7), kv(400 * T, 7)
+    n = 0
+    while nvme.can_put(kv(T, 0), 5):
+        s.put(NS, x[: (n + 1) * T], x_kv[:, :, n * T : (n + 1) * T], start_block=n)
+        assert s.flush(10)
+        n += 1
+    return p, p_kv, x, x_kv, n
+
+
 def test_a_block_the_disk_refuses_stays_in_memory_and_is_written_once_it_recovers(make_store) -> None:
     # the disk refuses every write while hbm and ram fill up: pushing a block down to nvme fails.
     # Dropping it there (as eviction for room would) lost it, and once the disk was back flush called
@@ -88,20 +117,18 @@ def test_a_block_the_disk_refuses_stays_in_memory_and_is_written_once_it_recover
 
 
 def test_while_the_disk_refuses_room_comes_from_copies_already_on_it(make_store: StoreFactory) -> None:
-    # ram holds blocks not yet on disk at the head of its LRU, and behind them copies of blocks that
-    # are on disk: a new block finds room by letting those copies go, not by dropping the others
+    # memory holds blocks not yet on disk and copies of blocks that are on disk: new blocks find room
+    # by letting those copies go (the blocks stay on disk), never by dropping the others, and a put
+    # is not refused while such a copy is left
     s = make_store(hbm_blocks=4, ram_blocks=4)
-    a = tokens(4, seed=1)
-    s.put(NS, a, kv(4 * T, 1))
-    assert s.flush(10)
-    disk = Disk(s)
-    disk.refuse()
-    later = [tokens(2, seed=i) for i in (2, 3, 4)]
-    for i, toks in enumerate(later):
+    disk, a = written_then_refusing(s)
+    first = tokens(1, seed=2)
+    assert s.put(NS, first, kv(T, 2)).stored == 1
+    assert not s.flush(0.5)  # its write failed: the store knows the disk refuses
+    later = [first] + [tokens(2, seed=i) for i in (3, 4, 5)]
+    for i, toks in enumerate(later[1:]):
         assert s.put(NS, toks, kv(2 * T, i)).stored == 2
-    assert s.get(NS, a).matched_blocks == 4  # a's copies come back up to ram
-    r = s.put(NS, tokens(1, seed=5), kv(T, 5))
-    assert r.stored == 1 and not r.failed
+    assert s.lookup(NS, a).matched_blocks == 4  # a's memory copies went; a stays, on disk
     for toks in later:
         assert "-" not in where(s, toks) and "n" not in "".join(where(s, toks))  # held, none on disk
     assert s.check_integrity() == []
@@ -118,19 +145,7 @@ def test_while_the_disk_refuses_a_block_on_it_with_one_not_yet_written_below_sta
     # memory only. Room made on nvme for other blocks must not drop a block on disk that one of those
     # continues: the continuation would go with it (a lookup walks from the first block)
     s = make_store(hbm_blocks=4, ram_blocks=4, nvme_capacity=1 << 20)
-    nvme = s.tiers.nvme
-    assert nvme is not None
-    p = tokens(2, seed=3)
-    p_kv = kv(2 * T, 3)
-    s.put(NS, p[:T], p_kv[:, :, :T])
-    assert s.flush(10)
-    x = tokens(400, seed=7)
-    x_kv = kv(400 * T, 7)
-    n = 0
-    while nvme.can_put(kv(T, 0), 5):  # another conversation, written, until nvme is full
-        s.put(NS, x[: (n + 1) * T], x_kv[:, :, n * T : (n + 1) * T], start_block=n)
-        assert s.flush(10)
-        n += 1
+    p, p_kv, x, x_kv, n = full_of_two_conversations(s)
     disk = Disk(s)
     disk.refuse()
     assert s.put(NS, p, p_kv[:, :, T:], start_block=1).stored == 1
@@ -150,19 +165,7 @@ def test_the_writer_never_makes_room_by_dropping_the_block_it_writes(make_store:
     # goes on (a put from block 1): writing its block 1 needs room, and the least recently used
     # block is its own parent. Dropping it for room dropped block 1 with it, and flush said durable
     s = make_store(nvme_capacity=1 << 20)
-    nvme = s.tiers.nvme
-    assert nvme is not None
-    p = tokens(2, seed=3)
-    p_kv = kv(2 * T, 3)
-    s.put(NS, p[:T], p_kv[:, :, :T])
-    assert s.flush(10)
-    x = tokens(400, seed=7)
-    x_kv = kv(400 * T, 7)
-    n = 0
-    while nvme.can_put(kv(T, 0), 5):
-        s.put(NS, x[: (n + 1) * T], x_kv[:, :, n * T : (n + 1) * T], start_block=n)
-        assert s.flush(10)
-        n += 1
+    p, p_kv, x, x_kv, n = full_of_two_conversations(s)
     assert s.put(NS, p, p_kv[:, :, T:], start_block=1).stored == 1
     assert s.flush(10)
     assert set(block_keys(NS, p)) <= nvme_keys(s)
@@ -175,11 +178,7 @@ def test_evict_of_a_tier_reports_only_what_left_it(make_store: StoreFactory) -> 
     # evict --tier ram while the disk refuses: blocks not yet on disk cannot move down and stay;
     # the reply counts only the copies that went
     s = make_store(hbm_blocks=4, ram_blocks=4)
-    a = tokens(4, seed=1)
-    s.put(NS, a, kv(4 * T, 1))
-    assert s.flush(10)
-    disk = Disk(s)
-    disk.refuse()
+    disk, a = written_then_refusing(s)
     b = tokens(4, seed=2)
     s.put(NS, b, kv(4 * T, 2))
     s.put(NS, tokens(2, seed=3), kv(2 * T, 3))  # pushes blocks of a and b down to ram
