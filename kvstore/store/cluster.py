@@ -99,7 +99,8 @@ class ClusterLink:
         # last), and those due a refresh (see ``touch``)
         self._refreshed: OrderedDict[bytes, float] = OrderedDict()
         self._refresh_due: OrderedDict[bytes, None] = OrderedDict()
-        self._records_due: dict[str, None] = {}  # sessions whose record's TTL is due with their tail's
+        self._records_due: dict[str, None] = {}  # sessions whose record's TTL is due (see _touch_records)
+        self._records_refreshed: OrderedDict[str, float] = OrderedDict()  # when each was last due
 
     # -- writes -----------------------------------------------------------------------
     def submit(self, new: list[bytes], touched: Sequence[bytes] = ()) -> None:
@@ -149,15 +150,33 @@ class ClusterLink:
                 self._refreshed.pop(self._refresh_due.popitem(last=False)[0], None)  # go, asked again later
             waiting = bool(self._refresh_due)
         if due:
-            # a session's record lives as long as its blocks: the conversations ending at these blocks
-            # (a record expired while its blocks lived on: inspect and prefetch on other hosts lost
-            # the conversation, and evict of another session no longer saw that it builds on it)
-            with self._lock:
+            with self._lock:  # the conversations this host knows that end at these blocks
                 names = [n for k in due for n in self._sessions.ending_at(k)]
-            if names:
-                with self._unsent_lock:
-                    self._records_due.update(dict.fromkeys(names))
+            self._touch_records(names)
         if waiting and idle:
+            self._writer.run_soon(self._refresh)
+
+    def _touch_records(self, names: Sequence[str]) -> None:
+        """Sessions whose last block was just served (from this host's tiers, or read from the
+        cluster): their records' TTL is set anew on the cluster thread, each at most once per
+        REFRESH_SHARE of the TTL. A session's record lives as long as its blocks: one that expired
+        while they lived on lost the conversation for inspect and prefetch on other hosts, and for
+        evict of another session, which no longer saw that it builds on it."""
+        ttl = self.cluster.ttl
+        if not names or not math.isfinite(ttl):
+            return
+        now, every = time.monotonic(), ttl * REFRESH_SHARE
+        with self._unsent_lock:
+            due = [
+                n for n in dict.fromkeys(names) if now - self._records_refreshed.get(n, -math.inf) >= every
+            ]
+            for n in due:
+                self._records_refreshed[n] = now
+                self._records_refreshed.move_to_end(n)
+            while len(self._records_refreshed) > REFRESH_MEMORY:
+                self._records_refreshed.popitem(last=False)
+            self._records_due.update(dict.fromkeys(due))
+        if due:
             self._writer.run_soon(self._refresh)
 
     def _set(self, keys: Sequence[bytes]) -> None:
@@ -374,13 +393,14 @@ class ClusterLink:
         want = min(len(keys), len(outs))
         batches = [range(b0, min(b0 + FETCH_BATCH, want)) for b0 in range(0, want, FETCH_BATCH)]
 
-        def check_decode(j: int, value: bytes) -> Any:
-            """Block ``j``: checked against its key, namespace and parent, decoded into ``outs[j]``."""
-            _, frame = _unpack(
+        def check_decode(j: int, value: bytes) -> tuple[Any, tuple[str, ...]]:
+            """Block ``j``: checked against its key, namespace and parent, decoded into ``outs[j]``;
+            its frame and the sessions its record names."""
+            rec, frame = _unpack(
                 keys[j], value, ns.id, parents if parents is None or j == 0 else (keys[j - 1],)
             )
             decode_frame(frame, layout=ns.layout, out=outs[j], codecs=codecs)
-            return frame
+            return frame, rec.sessions
 
         # the next batch is fetched while this one is checked and decoded, two blocks at a time: the
         # round trip hides behind the codec work, which runs outside the GIL for the most part
@@ -391,6 +411,7 @@ class ClusterLink:
         deadline = time.monotonic() + self.cluster.timeout
         ahead = fetch(self.cluster.fetch, [keys[j] for j in batches[0]]) if batches else None
         n = 0
+        last: tuple[str, ...] = ()  # the sessions the last block served names
         try:
             for i, batch in enumerate(batches):
                 if ahead is None:
@@ -411,7 +432,7 @@ class ClusterLink:
                 ]
                 for j, job in zip(batch, work, strict=False):
                     try:
-                        frame = job.result()
+                        frame, last = job.result()
                     except FrameError as err:
                         for rest in work:  # wait for the others: none may write into outs after this
                             rest.exception()
@@ -433,6 +454,7 @@ class ClusterLink:
         finally:
             self.cluster.count(misses=want - n)  # per block: those asked for and not served
             self._set(keys[:n])  # GETEX set their TTL anew
+            self._touch_records(last)  # and the records of the conversations read to there
             if ahead is not None:  # a read cut short: its prefetch is waited for, not left running
                 try:
                     ahead.result()

@@ -471,6 +471,19 @@ def test_a_session_served_from_a_host_s_own_tiers_keeps_its_cluster_record_alive
     assert c.prefetch("S", "ram").moved == 4
 
 
+def test_a_session_read_from_the_cluster_keeps_its_record_alive(host: HostFactory) -> None:
+    # host B does not know the session by name: it reads the blocks, whose records name it
+    a, b, c = host("a", ttl=2.0), host("b", ttl=2.0), host("c", ttl=2.0)
+    toks, x = tokens(4), kv(16, seed=7)
+    a.put(NS, toks, x, session="S")
+    written(a, 4)
+    for _ in range(10):  # 3 s of reads from the cluster on host B, past the 2 s TTL
+        b.evict(EvictFilter(all=True))
+        assert b.get(NS, toks).tiers == ["cluster"] * 4
+        time.sleep(0.3)
+    assert c.session("S").info.blocks == 4
+
+
 def test_a_get_may_leave_storing_the_cluster_blocks_until_after_it_returns(host: HostFactory) -> None:
     """``get(adopted=Adoption(...))`` (what the daemon uses: it answers its client first) stores the
     cluster's blocks on the link's thread afterwards, once ``start`` is set, calls ``done`` once that
