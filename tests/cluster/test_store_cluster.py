@@ -278,6 +278,7 @@ def test_evict_of_the_cluster_tier_keeps_to_every_criterion(host: HostFactory) -
     clock.advance(3600)
     a.put(NS, toks, x, session="S")  # an hour later: every block touched
     written(a, 6)
+    time.sleep(0.2)  # and the session's record, written after them
     clock.advance(10)
     assert a.evict(EvictFilter(session="S", older_than=1800, tier="cluster")).blocks == 0
     assert a.evict(EvictFilter(session="S", tenant="someone-else", tier="cluster")).blocks == 0
