@@ -405,7 +405,7 @@ class AdminOps:
                     keys[self._tiers.nvme_t].discard(k)
                     if e is not None and e.tiers & (1 << self._tiers.nvme_t):
                         keys[self._tiers.nvme_t].add(k)
-            problems = self._index.check(keys, self._tiers.names, self._needs_record)
+            problems = self._index.check(keys, self._tiers.names, self._mover.owed)
             for tier in self._tiers:
                 u = tier.usage()
                 if u.used_bytes > u.capacity_bytes:
@@ -473,10 +473,6 @@ class AdminOps:
         with self._lock:
             ns = self._parts.session_namespace(session)
         return None if ns is None else ns.tenant
-
-    def _needs_record(self, e: Entry) -> bool:
-        t = self._tiers.nvme_t
-        return t is not None and not e.tiers & (1 << t)
 
 
 def _with_descendants(entries: list[Entry]) -> list[Entry]:
