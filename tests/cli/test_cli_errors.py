@@ -29,7 +29,7 @@ from kvstore.cli.parser import (
 from kvstore.errors import ConfigError
 from kvstore.wire.errors import RemoteProtocolError
 from kvstore.wire.protocol import PROTOCOL_VERSION
-from tests.cli.test_commands import (
+from tests.cli.harness import (
     LAYOUT_SPEC,
     clean_env,
     kvstore_cmd,
