@@ -295,14 +295,17 @@ class Environment:
                 self._sync()
 
     def close(self) -> None:
-        """Sync, close the environment, release the lock. Idempotent."""
+        """Sync, close the environment, release the lock. Idempotent. A failed sync (TierIOError)
+        is raised after the rest: the store is closed and its lock released all the same."""
         if self._closed:
             return
-        self.sync()
-        with self._wlock, self._gate.exclusive():
-            self._closed = True
-            self.env.close()
-            os.close(self._lock_fd)  # releases the flock
+        try:
+            self.sync()
+        finally:
+            with self._wlock, self._gate.exclusive():
+                self._closed = True
+                self.env.close()
+                os.close(self._lock_fd)  # releases the flock
 
 
 def _lock(path: Path) -> int:
@@ -358,6 +361,10 @@ def open_environment(
     try:
         if path.exists() and not path.is_dir():  # mkdir would say "File exists"
             raise NotADirectoryError(errno.ENOTDIR, "a file, not a directory", str(path))
+        if path.is_symlink() and not path.exists():  # here too
+            raise FileNotFoundError(
+                errno.ENOENT, f"a symbolic link to {os.readlink(path)}, which does not exist", str(path)
+            )
         path.mkdir(parents=True, exist_ok=True)
         fd = _lock(path)
     except OSError as e:  # unwritable, not a directory, read-only or full filesystem
@@ -439,6 +446,11 @@ def _open_dbs(env: lmdb.Environment, path: Path) -> tuple[dict[str, Any], float]
             created = _created(txn.get(b"created", default=b"0", db=meta), path)
     except lmdb.IncompatibleError as e:
         raise StoreFormatError(f"{path} holds an LMDB database that is not a kvstore nvme store: {e}") from e
+    except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:  # a damaged page, not a full disk
+        raise StoreFormatError(
+            f"nvme store {path} is damaged ({e}); move the directory aside (or delete it) to start "
+            "empty, or point [nvme] path elsewhere"
+        ) from None
     except lmdb.Error as e:  # e.g. no space left to write the first transaction
         raise TierIOError(
             f"nvme store {path} cannot be opened: {e}; point [nvme] path at a writable "
@@ -451,8 +463,24 @@ def _open_dbs(env: lmdb.Environment, path: Path) -> tuple[dict[str, Any], float]
     return dbs, created
 
 
+def check_whole(path: Path, env: lmdb.Environment) -> None:
+    """StoreFormatError when ``path``'s data.mdb is shorter than the pages its meta page says the
+    store has (a copy or restore cut short, a filesystem that lost the file's tail): LMDB maps them
+    anyway, and the first read of a missing one kills the process with SIGBUS instead of raising.
+    Reads the meta page only; call it before any transaction."""
+    have = (path / "data.mdb").stat().st_size
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    if have < need:
+        raise StoreFormatError(
+            f"nvme store {path}: data.mdb is truncated ({have} of its {need} bytes); it cannot be "
+            "read. Move the directory aside (or delete it) to start empty, or point [nvme] path "
+            "elsewhere"
+        )
+
+
 def _check_clean(path: Path, map_size: int) -> str | None:
-    """Wipe a ``fast`` store that went down with the machine while it had unsynced commits."""
+    """Wipe a ``fast`` store that went down with the machine while it had unsynced commits.
+    StoreFormatError for a truncated data.mdb (``check_whole``)."""
     if not (path / "data.mdb").exists():
         return None
     try:
@@ -460,6 +488,7 @@ def _check_clean(path: Path, map_size: int) -> str | None:
     except lmdb.Error:
         return None  # _open_lmdb reports what is wrong with it
     try:
+        check_whole(path, env)
         with env.begin() as txn:
             if txn.get(b"meta") is None:
                 return None

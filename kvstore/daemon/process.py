@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import logging
 import os
 import signal
@@ -52,6 +53,9 @@ def serve(config: Config) -> int:
     ``starting``; the lock is released last, after the socket file is gone.
     """
     _setup_logging(config.server.log_level)
+    # a fatal signal in native code (a SIGBUS from a damaged LMDB page, which LMDB cannot check)
+    # leaves its cause and every thread's stack in the log, not a log that just stops
+    faulthandler.enable(sys.stderr, all_threads=True)
     _share_cores(config.server.workers)
     keep_scratch()  # codec temporaries reused from the heap, not mapped afresh per block (heap.py)
     try:  # what the config alone says is wrong: before anything is claimed or allocated
@@ -131,9 +135,13 @@ def serve(config: Config) -> int:
             code = EXIT_REFUSED
             server.stop("start failed")
     finally:
+        closed = server.store is not None
         try:
             if server.store is not None:
                 server.store.close()  # flushes the write-through queue and closes LMDB
+        except Exception as e:  # e.g. the final sync failed: the rest of the clean-up still runs
+            log.error("closing the store failed: %s; blocks written since the last flush may be lost", e)
+            closed, code = False, EXIT_REFUSED
         finally:
             if server.plane is not None:
                 server.plane.close()  # moves every page's generation, removes the shared segments
@@ -145,7 +153,7 @@ def serve(config: Config) -> int:
         "stopped (%s); %d requests served%s",
         server._stop_reason or "loop ended",
         server.requests,
-        ", store flushed and closed" if server.store is not None else "",
+        ", store flushed and closed" if closed else "",
     )
     return code
 

@@ -61,8 +61,11 @@ def stored_blocks(path: Path) -> int | None:
     try:
         import lmdb
 
+        from kvstore.tiers.lmdb_env import check_whole
+
         env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=8, subdir=True)
         try:
+            check_whole(path, env)  # a truncated file: no read, which would be a SIGBUS
             db = env.open_db(RECORDS_DB, create=False)
             with env.begin(db=db) as txn:
                 return int(txn.stat(db)["entries"])

@@ -115,6 +115,16 @@ def test_a_killed_daemon_leaves_a_stale_socket_that_the_next_one_replaces(
 
 
 @pytest.mark.slow
+def test_a_daemon_killed_by_a_fatal_signal_leaves_the_cause_in_its_log(start_daemon: StartDaemon) -> None:
+    # as a damaged LMDB page read in native code would (LMDB has no page checksums): the log names
+    # the signal and where each thread was, instead of ending at the last line before it
+    d = start_daemon()
+    assert d.stop(signal.SIGBUS) == -signal.SIGBUS
+    log = d.output()
+    assert "Fatal Python error: Bus error" in log and "kvstore" in log.split("Fatal Python error")[1], log
+
+
+@pytest.mark.slow
 def test_refuses_a_second_daemon_on_the_same_endpoint_or_store(
     start_daemon: StartDaemon, tmp_path: Path
 ) -> None:

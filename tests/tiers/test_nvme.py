@@ -692,3 +692,82 @@ def test_a_path_that_is_a_file_is_refused_as_such(tmp_path: Path) -> None:
     f.write_text("")
     with pytest.raises(TierIOError, match="cannot be opened: a file, not a directory"):
         NvmeTier(f, 1 << 22, get_codec("raw"))
+
+
+def test_a_dangling_symlink_is_named_as_such(tmp_path: Path) -> None:
+    link = tmp_path / "nvme"
+    link.symlink_to(tmp_path / "gone")  # mkdir would say "File exists"
+    with pytest.raises(
+        TierIOError, match=r"a symbolic link to .*gone, which does not exist; point \[nvme\] path"
+    ):
+        open_tier(link)
+
+
+def stored_store(path: Path, blocks: int = 40) -> int:
+    """A closed store of ``blocks`` blocks at ``path``; returns its data.mdb's size."""
+    t = open_tier(path)
+    for i in range(blocks):
+        t.put(key(i), block(i), record(i))
+    t.close()
+    return (path / "data.mdb").stat().st_size
+
+
+TRUNCATED = """
+import sys
+from pathlib import Path
+from kvstore.codecs import get_codec
+from kvstore.daemon.startup import stored_blocks
+from kvstore.errors import StoreFormatError
+from kvstore.tiers import NvmeTier
+path = Path(sys.argv[1])
+print("blocks", stored_blocks(path), flush=True)  # what start-up reports before the store opens
+try:
+    NvmeTier(path, 8 << 20, get_codec("raw"))
+except StoreFormatError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_truncated_store_is_refused_not_a_crash(tmp_path: Path) -> None:
+    # a copy or restore cut short: LMDB maps the missing pages, and reading one is a SIGBUS (the
+    # process dies, nothing said); so in a child process, whose death the test can see
+    path = tmp_path / "nvme"
+    size = stored_store(path)
+    os.truncate(path / "data.mdb", size // 2)
+    p = subprocess.run(
+        [sys.executable, "-c", TRUNCATED, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr)
+    assert "blocks None" in p.stdout
+    assert f"refused: nvme store {path}: data.mdb is truncated ({size // 2} of its" in p.stdout, p.stdout
+    assert "start empty" in p.stdout
+
+
+def test_a_damaged_page_is_refused_as_damage_not_as_a_full_disk(tmp_path: Path) -> None:
+    path = tmp_path / "nvme"
+    size = stored_store(path)
+    with open(path / "data.mdb", "r+b") as f:  # every page but the two meta pages lost (zeroed)
+        f.seek(2 * 4096)
+        f.write(bytes(size - 2 * 4096))
+    with pytest.raises(StoreFormatError, match="is damaged .*; move the directory aside") as e:
+        open_tier(path)
+    assert "free space" not in str(e.value)
+
+
+def test_a_close_whose_sync_fails_says_so_and_still_lets_the_store_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a disk that fails fsync cannot be had here: the sync is made to fail as LMDB's would
+    t = open_tier(tmp_path / "nvme")
+    t.put(key(0), block(0), record(0))
+
+    def failing() -> None:
+        raise TierIOError("nvme store: sync failed: mdb_env_sync: Input/output error; check the disk")
+
+    monkeypatch.setattr(t._env, "_sync", failing)
+    with pytest.raises(TierIOError, match="sync failed"):
+        t.close()
+    t.close()  # closed: a second close is a no-op, not a second failure
+    again = open_tier(tmp_path / "nvme")  # the lock went with it
+    assert key(0) in again
+    again.close()
