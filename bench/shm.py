@@ -48,178 +48,48 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import platform
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.args import bounded_int  # noqa: E402
+from bench.shm_gpu import gpu_section  # noqa: E402
+from bench.shm_rig import (  # noqa: E402
+    AIM_GBS,
+    AIM_GET,
+    AIM_PUT,
+    AIM_RAM,
+    GB,
+    LAYOUT,
+    LMCACHE_GBS,
+    MODEL,
+    PREFIX,
+    VLLM_BLOCK,
+    VOCAB,
+    Figure,
+    block_slots,
+    daemon,
+    interleaved,
+    machine,
+    print_rates,
+    shm_mount,
+    summary,
+    tiers_of,
+    touched,
+)
 from kvstore.client import KVStoreClient  # noqa: E402
-from kvstore.codecs import decode_frame, decode_frames, get_codec  # noqa: E402
-from kvstore.daemon.endpoint import probe  # noqa: E402
+from kvstore.codecs import decode_frame, get_codec  # noqa: E402
 from kvstore.kvbuffers import PagedKV  # noqa: E402
-from kvstore.layout import KVLayout  # noqa: E402
-
-LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=64)
-MODEL = "smollm2-135m-instruct"
-PREFIX = 4096
-VOCAB = 49152
-VLLM_BLOCK = 16  # vLLM's default block_size
-LMCACHE_GBS = (2.8, 3.3)  # LMCache 0.5.6, shared-memory path, same 94 MB request: quoted, not measured here
-AIM_GBS = 6.5  # about twice LMCACHE_GBS
-AIM_GET, AIM_RAM, AIM_PUT, AIM_GPU = 0.5, 0.8, 0.4, 0.5
-GB = 1e9
-SHM_DIR: Path | None = None  # --shm-dir: where the daemon's segments (and the bench's own shm file) live
-
-
-# -- the daemon -------------------------------------------------------------------------------
-
-
-@contextmanager
-def daemon(root: Path, *, device: str) -> Iterator[str]:
-    """A daemon subprocess with its hbm pool on ``device``; yields its ipc endpoint, SIGTERM at the end."""
-    endpoint = f"ipc://{root / 'run' / 'kv.sock'}"
-    config = root / "kvstore.toml"
-    config.write_text(
-        "\n".join(
-            [
-                "[server]",
-                f'endpoint = "{endpoint}"',
-                "workers = 2",
-                'log_level = "warning"',
-                'shared_memory = "auto"',
-                'shm_staging = "256MiB"',
-                'shm_staging_per_client = "128MiB"',
-                *([f'shm_dir = "{SHM_DIR}"'] if SHM_DIR is not None else []),
-                "[hbm]",
-                f'device = "{device}"',
-                'capacity = "512MiB"',
-                "[ram]",
-                'capacity = "512MiB"',
-                'codec = "fp8"',
-                "[nvme]",
-                "enabled = false",
-                "[policy]",
-                "promote_on_hit = false",
-            ]
-        )
-        + "\n"
-    )
-    log = root / "daemon.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.daemon", "--config", str(config)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        ctx = zmq.Context()
-        try:
-            deadline = time.monotonic() + 120
-            while probe(ctx, endpoint, 300) is None:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the daemon did not start:\n{log.read_text(errors='replace')}")
-                time.sleep(0.1)
-        finally:
-            ctx.destroy(linger=0)
-        yield endpoint
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-# -- timing -------------------------------------------------------------------------------------
-
-
-def interleaved(
-    runs: dict[str, Callable[[], object]],
-    repeat: int,
-    *,
-    before: Mapping[str, Callable[[], object]] | None = None,
-    threads: Mapping[str, int] | None = None,
-    sync: Callable[[], None] | None = None,
-) -> dict[str, float]:
-    """Median seconds of each of ``runs``, all timed in the same rounds (one warm-up round first, not
-    counted), so that a noisy moment on the machine hits every figure alike. ``before[name]`` runs
-    untimed ahead of each run of ``name``; ``threads[name]`` is the torch thread count for ``name``
-    (the others keep the current one); ``sync`` waits for a device before the clock is read."""
-    before, threads = before or {}, threads or {}
-    base = torch.get_num_threads()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for rnd in range(repeat + 1):
-        for name, fn in runs.items():
-            if name in before:
-                before[name]()
-            torch.set_num_threads(threads.get(name, base))
-            if sync is not None:
-                sync()
-            t0 = time.perf_counter()
-            fn()
-            if sync is not None:
-                sync()
-            if rnd:
-                times[name].append(time.perf_counter() - t0)
-    torch.set_num_threads(base)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-@dataclass(frozen=True)
-class Figure:
-    """One line of the summary: our figure, the limit or peer it is read against, and the aim."""
-
-    name: str
-    gbs: float
-    against: str
-    ratio: float
-    aim: str = "-"
-    met: bool | None = None
-
-
-def verdict(met: bool | None) -> str:
-    return "-" if met is None else ("yes" if met else "NO")
-
-
-def print_rates(rates: dict[str, float], ref: str) -> None:
-    """GB/s of each figure and its ratio to ``rates[ref]``."""
-    for name, gbs in rates.items():
-        print(f"  {name:<52} {gbs:7.2f} GB/s  {gbs / rates[ref]:6.2f} of {ref}")
-
-
-# -- pieces of K/V ------------------------------------------------------------------------------
-
-
-def block_slots(out: torch.Tensor) -> list[torch.Tensor]:
-    """``out`` ([L, 2, PREFIX, H, D]) as one strided view per block, as the client writes blocks."""
-    T = LAYOUT.block_tokens
-    return [out[:, :, i * T : (i + 1) * T] for i in range(PREFIX // T)]
-
-
-def touched(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    """A destination whose memory is already faulted in (as an engine's buffers are)."""
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def vllm_destination(gen: torch.Generator) -> PagedKV:
@@ -238,8 +108,8 @@ class ShmFile:
     """A file in /dev/shm mapped read-write holding a copy of some bytes: the kind of memory a shared
     pool is, to copy out of."""
 
-    def __init__(self, data: np.ndarray) -> None:
-        self._file = tempfile.TemporaryFile(dir=SHM_DIR or "/dev/shm")
+    def __init__(self, data: np.ndarray, shm_dir: Path | None) -> None:
+        self._file = tempfile.TemporaryFile(dir=shm_dir or "/dev/shm")
         self._file.truncate(data.nbytes)
         self._map = mmap.mmap(self._file.fileno(), data.nbytes, flags=mmap.MAP_SHARED)
         self._map.madvise(mmap.MADV_HUGEPAGE)  # as kvstore's segments are mapped (kvstore.shm.segment)
@@ -252,48 +122,9 @@ class ShmFile:
         self._file.close()
 
 
-def shm_mount(path: Path) -> str:
-    """The filesystem ``path`` is on and its mount options (huge=... says whether pages may be 2 MiB)."""
-    best = ("?", "?", "")
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            _, where, kind, options, *_ = line.split()
-            if str(path.resolve()).startswith(where) and len(where) >= len(best[0]):
-                best = (where, kind, options)
-    except OSError:
-        pass
-    return f"{path} on {best[0]} ({best[1]}, {best[2]})"
-
-
-def machine() -> str:
-    model = platform.processor() or "unknown cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{model}; {os.cpu_count()} cores; torch {torch.__version__} ({torch.get_num_threads()} threads); "
-        f"numpy {np.__version__}; python {platform.python_version()}; load average "
-        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}"
-    )
-
-
 def fresh_tokens(base: list[int], i: int) -> list[int]:
     """A prefix no put stored before: its first token differs, so every chained key does."""
     return [VOCAB + i, *base[1:]]
-
-
-def tiers_of(client: KVStoreClient, tokens: list[int]) -> set[str]:
-    r = client.lookup(tokens)
-    if r.matched_tokens != len(tokens):
-        raise SystemExit(f"the daemon holds {r.matched_tokens} of the prefix's {len(tokens)} tokens")
-    return set(r.tiers)
-
-
-# -- the CPU sections ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -306,6 +137,7 @@ class Rig:
     tokens: list[int]
     repeat: int
     default_threads: int  # torch's own choice in this process (the figures use the current setting)
+    shm_dir: Path | None  # the daemon's segments (and the memcpy figure's shm file) live here; None: /dev/shm
 
     def __post_init__(self) -> None:
         self.src = self.kv.view(-1).view(torch.uint8)
@@ -390,7 +222,7 @@ def hbm_section(rig: Rig) -> list[Figure]:
     assert sock.get_into(tokens, out_sock).matched_tokens == PREFIX and torch.equal(out_sock, kv)
     assert c.get_into(tokens, paged).matched_tokens == PREFIX
     assert torch.equal(paged.read(0, touched(LAYOUT.shape(PREFIX), LAYOUT.torch_dtype)), kv)
-    shm_src = ShmFile(rig.src.numpy())
+    shm_src = ShmFile(rig.src.numpy(), rig.shm_dir)
     n = torch.get_num_threads()
     many = rig.default_threads
     runs = {
@@ -554,11 +386,14 @@ def put_section(rig: Rig) -> list[Figure]:
     ]
 
 
-def cpu_sections(repeat: int, default_threads: int) -> list[Figure]:
+def cpu_sections(repeat: int, default_threads: int, shm_dir: Path | None) -> list[Figure]:
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(LAYOUT.shape(PREFIX), generator=gen).to(LAYOUT.torch_dtype)
     tokens = torch.randint(0, VOCAB, (PREFIX,), generator=gen).tolist()
-    with tempfile.TemporaryDirectory(prefix="kvbench-shm-") as tmp, daemon(Path(tmp), device="cpu") as ep:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvbench-shm-") as tmp,
+        daemon(Path(tmp), device="cpu", shm_dir=shm_dir) as ep,
+    ):
         c = KVStoreClient(ep, model=MODEL, layout=LAYOUT, timeout=120)
         sock = KVStoreClient(ep, model=MODEL, layout=LAYOUT, timeout=120, shared_memory=False)
         try:
@@ -572,169 +407,11 @@ def cpu_sections(repeat: int, default_threads: int) -> list[Figure]:
             r = c.put(tokens, kv)
             assert r.stored == PREFIX // LAYOUT.block_tokens, r
             print(f"\nprefix stored; blocks in {sorted(tiers_of(c, tokens))}")
-            rig = Rig(c, sock, kv, tokens, repeat, default_threads)
+            rig = Rig(c, sock, kv, tokens, repeat, default_threads, shm_dir)
             return hbm_section(rig) + ram_section(rig) + put_section(rig)
         finally:
             c.close()
             sock.close()
-
-
-# -- the GPU section ----------------------------------------------------------------------------
-
-
-def gpu_section(repeat: int) -> list[Figure]:
-    """hbm on cuda:0 read through CUDA IPC, ram (fp8) decoded on the GPU, the fp8 codec on the GPU."""
-    print("\n-- GPU: hbm on cuda:0 (CUDA IPC), ram fp8 decoded on the GPU --")
-    if not torch.cuda.is_available():
-        print("  skipped: no CUDA")
-        return []
-    try:
-        import cupy  # noqa: F401 - the daemon's GPU pool and this client's IPC mapping need it
-    except ImportError:
-        print(
-            "  skipped: cupy is not installed (cupy-cuda12x or -cuda13x, as torch's CUDA); CUDA IPC needs it"
-        )
-        return []
-    dev = "cuda:0"
-    sync = torch.cuda.synchronize
-    print(f"  {torch.cuda.get_device_name(0)}; CUDA {torch.version.cuda}")
-    nbytes = PREFIX * LAYOUT.bytes_per_token
-    gb = nbytes / GB
-    T = LAYOUT.block_tokens
-    gen = torch.Generator().manual_seed(1)
-    kv = torch.randn(LAYOUT.shape(PREFIX), generator=gen).to(LAYOUT.torch_dtype)
-    tokens = torch.randint(0, VOCAB, (PREFIX,), generator=gen).tolist()
-    kv_gpu = kv.to(dev)
-    d2d_src = kv_gpu.view(-1).view(torch.uint8)
-    d2d_dst = touched((nbytes,), torch.uint8, dev)
-    pinned = kv.view(-1).view(torch.uint8).pin_memory()
-    h2d_dst = touched((nbytes,), torch.uint8, dev)
-    out = touched(LAYOUT.shape(PREFIX), LAYOUT.torch_dtype, dev)
-    figures: list[Figure] = []
-
-    def get_into() -> None:
-        if c.get_into(tokens, out).matched_tokens != PREFIX:
-            raise SystemExit("a get_into came back short")
-
-    with tempfile.TemporaryDirectory(prefix="kvbench-shm-gpu-") as tmp, daemon(Path(tmp), device=dev) as ep:
-        c = KVStoreClient(ep, model=MODEL, layout=LAYOUT, timeout=120)
-        try:
-            c.ping()
-            if not c.shared_memory:
-                raise SystemExit("the daemon offers no shared memory here (see its log)")
-            r = c.put(tokens, kv)
-            assert r.stored == PREFIX // T, r
-            where = tiers_of(c, tokens)
-            # The route measured: the pools this client reads in place; without "hbm" its blocks would
-            # come through host staging, and the figure would not be CUDA IPC's.
-            mapping = c._shm.mapping()
-            in_place = [] if mapping is None else mapping.tiers
-            print(f"  prefix stored in {sorted(where)}; pools read in place: {in_place}")
-            if "hbm" not in in_place:
-                raise SystemExit("the hbm pool on the GPU is not mapped through CUDA IPC in this client")
-
-            assert c.get_into(tokens, out).matched_tokens == PREFIX and torch.equal(out.cpu(), kv)
-            t = interleaved(
-                {
-                    "device-to-device copy": lambda: d2d_dst.copy_(d2d_src),
-                    "hbm get_into (CUDA IPC)": get_into,
-                },
-                repeat,
-                sync=sync,
-            )
-            hbm = {k: gb / v for k, v in t.items()}
-            print_rates(hbm, "device-to-device copy")
-            g = hbm["hbm get_into (CUDA IPC)"] / hbm["device-to-device copy"]
-            figures.append(
-                Figure(
-                    "GPU hbm get_into (CUDA IPC)",
-                    hbm["hbm get_into (CUDA IPC)"],
-                    "D2D copy",
-                    g,
-                    f">= {AIM_GPU:.0%}",
-                    g >= AIM_GPU,
-                )
-            )
-
-            c.evict(tier="hbm")
-            where = tiers_of(c, tokens)
-            if where != {"ram"}:
-                raise SystemExit(f"after evict --tier hbm the blocks are in {sorted(where)}, not ram")
-            assert c.get_into(tokens, out).matched_tokens == PREFIX
-            t = interleaved(
-                {
-                    "pinned host-to-device copy": lambda: h2d_dst.copy_(pinned, non_blocking=True),
-                    "ram fp8 get_into a GPU tensor": get_into,
-                },
-                repeat,
-                sync=sync,
-            )
-            ram = {k: gb / v for k, v in t.items()}
-            print_rates(ram, "pinned host-to-device copy")
-            g = ram["ram fp8 get_into a GPU tensor"] / ram["pinned host-to-device copy"]
-            figures.append(
-                Figure(
-                    "GPU ram fp8 get_into",
-                    ram["ram fp8 get_into a GPU tensor"],
-                    "pinned H2D copy",
-                    g,
-                    f">= {AIM_GPU:.0%}",
-                    g >= AIM_GPU,
-                )
-            )
-        finally:
-            c.close()
-
-    codec = get_codec("fp8")
-    blocks = [kv_gpu[:, :, i * T : (i + 1) * T].contiguous() for i in range(PREFIX // T)]
-    frames = [codec.encode(b) for b in blocks]
-    slots = block_slots(out)
-
-    def encode_all() -> None:
-        for b in blocks:
-            codec.encode(b)
-
-    def decode_all() -> None:
-        for f, s in zip(frames, slots, strict=True):
-            codec.decode(f, layout=LAYOUT, device=dev, out=s)
-
-    def decode_batch() -> None:
-        if decode_frames(frames, layout=LAYOUT, device=dev)[1] != len(frames):
-            raise SystemExit("a batch of frames came back short")
-
-    t = interleaved(
-        {
-            "device-to-device copy": lambda: d2d_dst.copy_(d2d_src),
-            "fp8 encode": encode_all,
-            "fp8 decode": decode_all,
-            "fp8 decode, one batch": decode_batch,
-        },
-        repeat,
-        sync=sync,
-    )
-    codec_rates = {k: gb / v for k, v in t.items()}
-    print("  fp8 codec on the GPU (encode returns a host frame; decode takes one, or all 64 at once):")
-    print_rates(codec_rates, "device-to-device copy")
-    for name in ("fp8 encode", "fp8 decode", "fp8 decode, one batch"):
-        figures.append(
-            Figure(
-                f"GPU {name}",
-                codec_rates[name],
-                "D2D copy",
-                codec_rates[name] / codec_rates["device-to-device copy"],
-            )
-        )
-    return figures
-
-
-# -- main ---------------------------------------------------------------------------------------
-
-
-def summary(figures: list[Figure]) -> None:
-    print("\n-- summary (GB/s of bfloat16 K/V; ratio to the figure it is read against) --")
-    print(f"{'figure':<38} {'GB/s':>7}  {'against':<20} {'ratio':>6}  {'aim':<20} {'met':>4}")
-    for f in figures:
-        print(f"{f.name:<38} {f.gbs:7.2f}  {f.against:<20} {f.ratio:6.2f}  {f.aim:<20} {verdict(f.met):>4}")
 
 
 def main() -> int:
@@ -759,8 +436,6 @@ def main() -> int:
         "mounted with huge=advise, where the segments are made of 2 MiB pages",
     )
     args = ap.parse_args()
-    global SHM_DIR
-    SHM_DIR = args.shm_dir
     repeat = 3 if args.quick else max(1, args.repeat)
     default_threads = torch.get_num_threads()
     if args.threads:
@@ -771,9 +446,9 @@ def main() -> int:
         f"{LAYOUT.head_dim}D bf16, {LAYOUT.block_tokens}-token blocks); median of {repeat} rounds"
     )
     print(f"machine: {machine()}")
-    print(f"shared memory: {shm_mount(SHM_DIR or Path('/dev/shm'))}")
-    figures = [] if args.gpu_only else cpu_sections(repeat, default_threads)
-    figures += gpu_section(repeat)
+    print(f"shared memory: {shm_mount(args.shm_dir or Path('/dev/shm'))}")
+    figures = [] if args.gpu_only else cpu_sections(repeat, default_threads, args.shm_dir)
+    figures += gpu_section(repeat, args.shm_dir)
     if figures:
         summary(figures)
     print(f"\nload average after: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

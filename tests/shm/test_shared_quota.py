@@ -29,7 +29,7 @@ from tests.hardening.conftest import (
     wait_until,
     write_config,
 )
-from tests.shm.test_shared_daemon import SHM, attached, shm_stats
+from tests.shm.clients import SHM, attached, shm_stats
 
 
 def test_a_locate_s_pins_count_in_the_tenant_s_pin_quota(daemons: Any, tmp_path: Path) -> None:

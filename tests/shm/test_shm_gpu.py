@@ -25,7 +25,7 @@ from tests.hardening.conftest import (
     random_tokens,
     write_config,
 )
-from tests.shm.test_shared_daemon import SHM, attached, socket_client, vllm_buffers
+from tests.shm.clients import SHM, attached, socket_client, vllm_buffers
 
 
 def _cupy_works() -> bool:
