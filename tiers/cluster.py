@@ -38,7 +38,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import msgpack
@@ -102,6 +102,9 @@ class ClusterTier:
         self._clock = clock
         self._lock = threading.Lock()  # guards the client, the state and the counters
         self._client: Any = None
+        # nodes the last client learnt from the cluster (replicas promoted since the config was
+        # written among them): a reconnect asks them after the seeds, which may all have died
+        self._learnt: tuple[tuple[str, int], ...] = ()
         self._down_until = 0.0
         self._closed = False
         self._stop = threading.Event()  # set by close: the reconnector ends
@@ -134,8 +137,11 @@ class ClusterTier:
         return not self._reconnecting and self._clock() >= self._down_until
 
     def _open(self) -> Any:
-        """A new client, answering a PING; raises redis-py's error (or ClusterUnavailable)."""
-        client = self._factory(self.nodes, self.timeout)
+        """A new client, answering a PING; raises redis-py's error (or ClusterUnavailable). It starts
+        from the configured seeds, then the nodes the last client learnt."""
+        learnt = tuple(h for h in self._learnt if h not in self.nodes.hosts)
+        nodes = replace(self.nodes, hosts=(*self.nodes.hosts, *learnt)) if learnt else self.nodes
+        client = self._factory(nodes, self.timeout)
         try:
             client.ping()
         except BaseException:
@@ -187,10 +193,12 @@ class ClusterTier:
         that failed on ``client``, a client replaced since (a reconnect happened meanwhile), only
         counts its error: the new client is not thrown away for the old one's failure."""
         why = reason(err)
+        learnt = _nodes_of(client)
         with self._lock:
             self.counters.errors += 1
             if client is not None and client is not self._client:
                 return
+            self._learnt = learnt or self._learnt
             was = self.state
             self.state, self.last_error = "down", why
             self._down_until = self._clock() + self.retry_after
@@ -431,7 +439,9 @@ class ClusterTier:
 
     def refresh_sessions(self, names: Sequence[str]) -> None:
         """Set the TTL of the records of sessions ``names`` anew (absent ones are left absent), and
-        their expiry in the sorted set with it. ClusterUnavailable on an outage."""
+        their expiry in the sorted set with it. A cluster at its maxmemory refuses the sorted set's
+        update (counted in ``write_refused``; the records' TTL is set all the same): not an outage.
+        ClusterUnavailable on an outage."""
         px = _px(self.ttl)
         if not names or px is None:
             return
@@ -445,7 +455,14 @@ class ClusterTier:
             live = [k for k, f in zip(keys, found, strict=True) if f is True or f == 1]
             if live:  # only members still there: one whose record went leaves the set as it should
                 expires = time.time() + px / 1000
-                c.zadd(self.sessions_key(), dict.fromkeys(live, expires), xx=True)
+                pipe = c.pipeline(transaction=False)
+                pipe.zadd(self.sessions_key(), dict.fromkeys(live, expires), xx=True)
+                (result,) = pipe.execute(raise_on_error=False)
+                if out_of_memory(result):  # even ZADD XX: refused, and counted, as a write
+                    with self._lock:
+                        self.counters.write_refused += 1
+                elif isinstance(result, Exception):  # a node down or moving: as any failed call
+                    raise result
 
         self._call("session refresh", run)
 
@@ -509,6 +526,15 @@ class ClusterTier:
                 "last_error": self.last_error,
                 **asdict(self.counters),
             }
+
+
+def _nodes_of(client: Any) -> tuple[tuple[str, int], ...]:
+    """The nodes ``client`` (a RedisCluster) knows, from its map of the cluster (no round trip);
+    () for any other client."""
+    try:
+        return tuple((str(n.host), int(n.port)) for n in client.get_nodes())
+    except Exception:  # noqa: BLE001 - not a RedisCluster, or no map: nothing learnt
+        return ()
 
 
 def _close_quietly(client: Any) -> None:

@@ -268,6 +268,29 @@ def test_an_unreachable_cluster_costs_one_timeout_then_none_until_the_retry(
     assert not c.available() and c.status()["errors"] == 1
 
 
+def test_a_tier_whose_seeds_all_died_reconnects_through_the_nodes_it_learnt(
+    tmp_path: Path, cluster_tier: ClusterFactory
+) -> None:
+    # one seed, a master, killed: its replica takes over, and the cluster is whole again without it.
+    # A reconnect from the configured seeds alone never got back (local-only until a restart)
+    with LocalCluster(tmp_path / "own") as own:
+        seed = next(iter(own.live_masters()))
+        c = cluster_tier(urls=[f"redis://127.0.0.1:{seed}"], timeout=0.5, retry_after=0.2)
+        c.connect()
+        items = [(rec(i).key, pack_value(rec(i), b"x" * 100)) for i in range(16)]  # every master's slots
+        assert c.store(items) == 16
+        own.kill(seed)
+        own.wait_ok()
+        deadline, stored = time.monotonic() + 20, 0
+        while stored < 16 and time.monotonic() < deadline:
+            try:
+                stored = c.store(items)
+            except ClusterUnavailable:
+                time.sleep(0.2)
+        assert stored == 16, c.status()
+        assert c.status()["state"] == "up" and c.status()["errors"] >= 1
+
+
 def test_seeds_that_refuse_are_asked_once_each_without_backoff() -> None:
     # redis-py's default retry (3 tries, backoff up to 10 s) would make this take seconds
     nodes = ClusterNodes.parse([f"redis://127.0.0.1:{p}" for p in (1, 2, 3)], None, None)
@@ -317,6 +340,7 @@ def test_a_full_cluster_refuses_writes_counted_not_fatal(
     c = cluster_tier()
     c.connect()
     masters = list(rc.live_masters())
+    assert c.put_session("before", {"ns": {}, "keys": b"", "tokens": None, "updated": 0.0})
     try:
         for p in masters:
             rc.node(p).config_set("maxmemory", "1")
@@ -327,6 +351,10 @@ def test_a_full_cluster_refuses_writes_counted_not_fatal(
         # a session record too (it marked the tier down: every lookup missed for retry_after)
         assert c.put_session("S", {"ns": {}, "keys": b"", "tokens": None, "updated": 0.0}) is False
         assert c.counters.write_refused == 4 and c.available() and c.counters.errors == 0
+        # and a record's refresh, whose sorted set update (ZADD XX) a full node refuses too
+        c.refresh_sessions(["before"])
+        assert c.counters.write_refused == 5 and c.available() and c.counters.errors == 0
+        assert c.get_session("before") is not None
     finally:
         for p in masters:
             rc.node(p).config_set("maxmemory", "0")
