@@ -452,7 +452,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _plan_save(self, saves: list[Transfer], t: Tracked, computed: int) -> None:
         """Save what ``t`` computed up to token ``computed`` that is not saved yet (whole blocks)."""
         end = self._save_end(t, computed)
-        if end <= t.saved:
+        if end <= t.saved or self._clients.adapter_changed(t.variant):  # see Clients.adapter_changed
             return
         tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
         rid = t.request.request_id

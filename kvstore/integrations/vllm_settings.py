@@ -7,7 +7,6 @@ and pipeline-parallel ranks, the LoRA adapter and vLLM's ``cache_salt`` (hashed)
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -16,13 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvstore.client import KVStoreClient
 from kvstore.config import check_endpoint
 from kvstore.errors import ConfigError, KVStoreError, LayoutError
 from kvstore.integrations.backoff import Backoff
+from kvstore.integrations.weights import files_id, weights_id
 from kvstore.layout import KVLayout, dtype_name
 from kvstore.wire.protocol import Limits
 
@@ -144,35 +143,20 @@ class Variant:
 
     @classmethod
     def of(cls, request: Any) -> Variant:
+        """The variant of ``request``. A LoRA adapter is named by its files as they are now
+        (``weights.files_id``, read on each call): vLLM's adapter id is its load order, and a name
+        may come back with retrained weights, after a restart or reloaded in place."""
         lora = getattr(request, "lora_request", None)
         salt = getattr(request, "cache_salt", None)
         return cls(
-            lora=""
-            if lora is None
-            else f"{lora.lora_name}@{adapter_id(str(getattr(lora, 'lora_path', '')))}",
+            lora="" if lora is None else f"{lora.lora_name}@{files_id(str(getattr(lora, 'lora_path', '')))}",
             salt="" if not salt else hashlib.sha256(str(salt).encode()).hexdigest()[:32],
         )
 
-
-@functools.lru_cache(maxsize=256)
-def adapter_id(path: str) -> str:
-    """A LoRA adapter's weights, named: its path and, for a local one, the size and time of each file
-    in it. vLLM's adapter id is its load order, and a name may come back after a restart with
-    retrained weights: neither may name K/V on its own. (Read once per path in this process, as
-    vLLM loads an adapter once.)"""
-    h = hashlib.sha256(path.encode())
-    p = Path(path).expanduser()
-    try:
-        files = sorted(p.rglob("*")) if p.is_dir() else [p] if p.is_file() else []
-        for f in files:
-            if f.is_file():
-                st = f.stat()
-                h.update(
-                    f"\0{f.relative_to(p) if p.is_dir() else f.name}:{st.st_size}:{st.st_mtime_ns}".encode()
-                )
-    except (OSError, RuntimeError, ValueError):  # unreadable: the path alone names it
-        pass
-    return h.hexdigest()[:16]
+    @property
+    def adapter(self) -> str:
+        """The LoRA adapter's name ("" for none)."""
+        return self.lora.rpartition("@")[0]
 
 
 def model_layout(vllm_config: Any, block_tokens: int) -> KVLayout:
@@ -236,12 +220,14 @@ def check_attention(vllm_config: Any, kv_cache_config: Any) -> None:
         )
 
 
-def namespace_revision(vllm_config: Any, ranks: tuple[int, int], variant: Variant) -> str:
+def namespace_revision(vllm_config: Any, ranks: tuple[int, int], variant: Variant, weights: str = "") -> str:
     """The namespace's revision field: the model's revision and everything else that changes its K/V
-    for the same weights' name (this shard, the weights' quantization, ``hf_overrides``, the variant)."""
+    for the same weights' name (the weights themselves, as ``weights.weights_id`` names them, this
+    shard, the weights' quantization, ``hf_overrides``, the variant)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     parts = [
         f"rev={mc.revision or ''}",
+        *([weights] if weights else []),
         f"tp={ranks[0]}/{pc.tensor_parallel_size}",
         f"pp={ranks[1]}/{pc.pipeline_parallel_size}",
     ]
@@ -302,6 +288,11 @@ class Clients:
         self, vllm_config: Any, settings: Settings, layout: KVLayout, ranks: tuple[int, int]
     ) -> None:
         self._cfg, self._settings, self._layout, self._ranks = vllm_config, settings, layout, ranks
+        # the weights vLLM loaded at start, named once: files rewritten while it runs are not what it serves
+        mc = vllm_config.model_config
+        self._weights = weights_id(str(mc.model), mc.revision)
+        self._adapters: dict[str, str] = {}  # each LoRA adapter's name -> its variant as first seen here
+        self._changed: set[str] = set()  # adapters whose files changed since: no namespace until restart
         self._clients: dict[tuple[Variant, str], KVStoreClient] = {}
         self._variants: set[Variant] = {Variant()}  # variants whose namespace the daemon took
         self._quota_until = 0.0  # the daemon refused a namespace: no new variant until then
@@ -369,7 +360,7 @@ class Clients:
             layout=self._layout,
             tenant=s.tenant,
             timeout=s.timeout,
-            revision=namespace_revision(self._cfg, self._ranks, variant),
+            revision=namespace_revision(self._cfg, self._ranks, variant, self._weights),
             shared_memory=s.shared_memory,
             # on the scheduler's and workers' critical path a busy daemon is a miss (recomputed),
             # not a wait; saves run on their own thread and may wait, within the timeout
@@ -395,8 +386,35 @@ class Clients:
             raise
         return c
 
+    def adapter_changed(self, variant: Variant) -> bool:
+        """Whether ``variant``'s LoRA adapter is one whose files changed since this process first saw
+        it: vLLM serves the weights it loaded until it reloads them (in place, or after a restart),
+        and nothing here says when it did, so neither set of files may name what it computes. Such
+        an adapter's requests are computed without kvstore until a restart (logged once)."""
+        with self._lock:
+            return self._adapter_changed(variant)
+
+    def _adapter_changed(self, variant: Variant) -> bool:
+        """(Lock held.) ``adapter_changed``."""
+        name = variant.adapter
+        if not name:
+            return False
+        if name in self._changed:
+            return True
+        if self._adapters.setdefault(name, variant.lora) == variant.lora:
+            return False
+        self._changed.add(name)
+        log.warning(
+            "kvstore: the files of LoRA adapter %r changed while vLLM serves it; its requests are "
+            "computed without kvstore until vLLM restarts (its K/V is named by the files it loads)",
+            name,
+        )
+        return True
+
     def _admit(self, variant: Variant) -> None:
-        """Take ``variant`` into the variants this process uses, or raise VariantRefused."""
+        """(Lock held.) Take ``variant`` into the variants this process uses, or raise VariantRefused."""
+        if self._adapter_changed(variant):
+            raise VariantRefused(f"LoRA adapter {variant.adapter!r} changed since it was loaded")
         if variant in self._variants:
             return
         over = len(self._variants) > self._settings.max_variants  # the plain variant is not counted

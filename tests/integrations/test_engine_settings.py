@@ -4,6 +4,7 @@ critical path (kvstore.connection)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -316,23 +317,79 @@ def test_a_busy_daemon_is_asked_again_with_backoff_within_the_timeout_by_a_save(
         conn.close()
 
 
+def lora_request(adapter: Path, int_id: int = 1, name: str = "sql") -> Any:
+    lora = SimpleNamespace(lora_name=name, lora_int_id=int_id, lora_path=str(adapter))
+    return SimpleNamespace(lora_request=lora, cache_salt=None)
+
+
+def retrain(adapter: Path) -> None:
+    """New weights under the adapter's old path and name (a time of their own: the test is fast)."""
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights v2, retrained")
+    os.utime(adapter / "adapter_model.safetensors", ns=(1, 1))
+
+
 def test_a_lora_adapter_is_named_by_its_weights_not_its_load_order(tmp_path: Path) -> None:
-    import os
-
-    from kvstore.integrations.vllm_settings import adapter_id
-
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_model.safetensors").write_bytes(b"weights v1")
+    first = Variant.of(lora_request(adapter, 1)).lora
+    assert Variant.of(lora_request(adapter, 7)).lora == first  # loaded in another order: the same K/V
+    retrain(adapter)
+    assert Variant.of(lora_request(adapter, 1)).lora != first  # the same name with other weights: other K/V
+    assert Variant.of(lora_request(adapter, 1)).lora.startswith("sql@")
+    assert Variant.of(lora_request(adapter, 1)).adapter == "sql"
 
-    def variant(int_id: int) -> str:
-        lora = SimpleNamespace(lora_name="sql", lora_int_id=int_id, lora_path=str(adapter))
-        return Variant.of(SimpleNamespace(lora_request=lora, cache_salt=None)).lora
 
-    first = variant(1)
-    assert variant(7) == first  # loaded in another order after a restart: the same K/V
-    adapter_id.cache_clear()  # a new process
-    (adapter / "adapter_model.safetensors").write_bytes(b"weights v2, retrained")
-    os.utime(adapter / "adapter_model.safetensors", ns=(1, 1))
-    assert variant(1) != first  # the same name with other weights: other K/V
-    assert variant(1).startswith("sql@")
+def test_an_adapter_whose_files_change_while_vllm_serves_it_gets_no_namespace(
+    daemon: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # vLLM keeps the weights it loaded until it reloads them (load_inplace) or restarts, and nothing
+    # says when: the new files may not name what it computes, nor the old ones what it computes next
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights v1")
+    clients = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, timeout=10.0), LAYOUT, (0, 0))
+    try:
+        before = Variant.of(lora_request(adapter))
+        tokens, kv = prefix(8, 3)
+        assert clients.get(before, "save").put(tokens, kv).stored == 2
+        assert not clients.adapter_changed(before)
+        retrain(adapter)
+        after = Variant.of(lora_request(adapter))
+        assert clients.adapter_changed(after) and clients.adapter_changed(before)
+        for v in (after, before):  # the old name too: vLLM may have reloaded the new files by now
+            with pytest.raises(VariantRefused, match="'sql' changed"):
+                clients.get(v, "lookup")
+        assert caplog.text.count("files of LoRA adapter 'sql' changed") == 1
+    finally:
+        clients.close()
+    again = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, timeout=10.0), LAYOUT, (0, 0))
+    try:  # a restart loads the new files, under their own name: nothing of the old weights is found
+        assert not again.adapter_changed(after)
+        assert again.get(after, "lookup").lookup(tokens).matched_tokens == 0
+    finally:
+        again.close()
+
+
+def test_a_local_model_rewritten_between_restarts_does_not_share_the_old_weights_blocks(
+    daemon: Any, tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"base weights v1")
+    settings = Settings(endpoint=daemon.endpoint, timeout=10.0)
+    tokens, kv = prefix(8, 4)
+    old = Clients(vllm_config(model=str(model)), settings, LAYOUT, (0, 0))
+    try:
+        assert old.get(Variant(), "save").put(tokens, kv).stored == 2
+        (model / "model.safetensors").write_bytes(b"base weights v2")  # rewritten while it serves:
+        os.utime(model / "model.safetensors", ns=(1, 1))
+        assert old.get(Variant(), "lookup").lookup(tokens).matched_tokens == 8  # it serves v1 still
+    finally:
+        old.close()
+    new = Clients(vllm_config(model=str(model)), settings, LAYOUT, (0, 0))  # restarted on v2
+    try:
+        assert new.get(Variant(), "lookup").lookup(tokens).matched_tokens == 0
+    finally:
+        new.close()
