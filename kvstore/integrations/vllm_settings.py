@@ -288,9 +288,10 @@ class Clients:
         self, vllm_config: Any, settings: Settings, layout: KVLayout, ranks: tuple[int, int]
     ) -> None:
         self._cfg, self._settings, self._layout, self._ranks = vllm_config, settings, layout, ranks
-        # the weights vLLM loaded at start, named once: files rewritten while it runs are not what it serves
-        mc = vllm_config.model_config
-        self._weights = weights_id(str(mc.model), mc.revision)
+        # the weights vLLM loaded, named once, at the first connect: after the model is loaded (a
+        # worker's connector is made before, and a hub model may be downloading), and files
+        # rewritten while vLLM runs are not what it serves
+        self._weights: str | None = None
         self._adapters: dict[str, str] = {}  # each LoRA adapter's name -> its variant as first seen here
         self._changed: set[str] = set()  # adapters whose files changed since: no namespace until restart
         self._clients: dict[tuple[Variant, str], KVStoreClient] = {}
@@ -360,7 +361,7 @@ class Clients:
             layout=self._layout,
             tenant=s.tenant,
             timeout=s.timeout,
-            revision=namespace_revision(self._cfg, self._ranks, variant, self._weights),
+            revision=namespace_revision(self._cfg, self._ranks, variant, self._weights_name()),
             shared_memory=s.shared_memory,
             # on the scheduler's and workers' critical path a busy daemon is a miss (recomputed),
             # not a wait; saves run on their own thread and may wait, within the timeout
@@ -385,6 +386,13 @@ class Clients:
                 raise VariantRefused(str(e)) from e
             raise
         return c
+
+    def _weights_name(self) -> str:
+        with self._lock:
+            if self._weights is None:
+                mc = self._cfg.model_config
+                self._weights = weights_id(str(mc.model), mc.revision)
+            return self._weights
 
     def adapter_changed(self, variant: Variant) -> bool:
         """Whether ``variant``'s LoRA adapter is one whose files changed since this process first saw
