@@ -10,7 +10,9 @@
 
 SGLang names each page by its own chained page hash (64 hex digits); kvstore
 stores the page under that key (kvstore.chains.KeyChain), namespaced by the
-model, this rank's shard (tp, pp, attention-cp and dcp rank and size), the
+model SGLang serves (its model path, not the served name, an alias) and its
+weights (revision, content, quantization, config overrides: see
+kvstore.integrations.weights), this rank's shard (tp, pp, attention-cp and dcp rank and size), the
 host pool's layout (layers, kv heads, head_dim, dtype, page size) and the
 tenant. Pages move between the store and SGLang's host pool in place: the
 pool's ``kv_buffer`` is viewed per layer as K and V pages ``[pages,
@@ -32,6 +34,7 @@ never holds a lookup up.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -50,6 +53,7 @@ from kvstore.config import check_connect_endpoint, check_endpoint
 from kvstore.errors import ConfigError, LayoutError
 from kvstore.integrations.backoff import Backoff
 from kvstore.integrations.vllm_settings import ClientsClosed, seconds
+from kvstore.integrations.weights import weights_id
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout, dtype_name
 from kvstore.results import MISSING_PARENT
@@ -66,9 +70,10 @@ class KVStoreHiCache(HiCacheStorage):
     ``client``, stores on a client of their own."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
-        """Reads ``endpoint``, ``tenant``, ``model`` (default: the config's model_name), ``revision``
-        and ``timeout`` (seconds, default 10) from the config's ``extra_config``. Raises ValueError
-        for an MLA model or a setting kvstore cannot use (naming the key)."""
+        """Reads ``endpoint``, ``tenant``, ``model`` (default: the model path SGLang's server args
+        name, else the config's model_name), ``revision`` and ``timeout`` (seconds, default 10) from
+        the config's ``extra_config``. Raises ValueError for an MLA model or a setting kvstore cannot
+        use (naming the key)."""
         if storage_config.is_mla_model:
             raise ValueError(
                 "kvstore's SGLang backend does not support MLA models (one latent per token, replicated "
@@ -84,13 +89,24 @@ class KVStoreHiCache(HiCacheStorage):
                     f"kvstore: unknown extra_config key {key!r} (did you mean {close[0]!r}?); "
                     f"kvstore reads {', '.join(sorted(_OPTIONS))}"
                 )
-        model = _option(extra, "model", _name, None) or storage_config.model_name
+        # SGLang's model_name is --served-model-name: an alias an operator picks ("chat"), which names
+        # no weights; two servers of other weights under one alias must not share pages
+        served = _server_args()
+        path = str(getattr(served, "model_path", None) or "")
+        model = _option(extra, "model", _name, None) or path or storage_config.model_name
         if not model:
             raise ValueError(
                 "kvstore: no model name; SGLang passes model_name, or set 'model' in extra_config"
             )
+        if served is None and "model" not in extra:
+            log.warning(
+                "kvstore: SGLang's server arguments cannot be read here; pages are namespaced by its "
+                "model_name %r, which may be an alias (--served-model-name) that names no weights: "
+                "set 'model' (and 'revision') in extra_config",
+                model,
+            )
         self.config = storage_config
-        self.model = str(model)
+        self.model = str(model) if len(str(model).encode()) <= 200 else "sha256:" + _sha(str(model), 64)
         self.tenant: str = _option(extra, "tenant", _name, "default")
         self.endpoint: str | None = _option(extra, "endpoint", _endpoint, None)
         self.timeout: float = _option(extra, "timeout", seconds, 10.0)
@@ -99,7 +115,8 @@ class KVStoreHiCache(HiCacheStorage):
         if c.dcp_size > 1:
             shard += f"/dcp{c.dcp_rank}of{c.dcp_size}"
         rev: str = _option(extra, "revision", _revision, "")
-        self.revision = f"{rev}/{shard}" if rev else shard
+        weights = "" if served is None else _weights(served, path)
+        self.revision = "/".join(part for part in (rev, weights, shard) if part)
         self.client: KVStoreClient | None = None  # lookups and loads: a busy daemon is a miss
         self._saver: KVStoreClient | None = None  # stores: made on the first, waits out busy
         self._saver_lock = threading.Lock()
@@ -153,11 +170,17 @@ class KVStoreHiCache(HiCacheStorage):
         """How many leading pages of ``keys`` the store holds."""
         if not keys or not self.backoff.available():
             return 0
+        n = 0
         try:
-            return self._client().lookup_keys(keys).matched_blocks
+            client = self._client()
+            for part in self._parts(client, len(keys)):  # a page held names all before it
+                got = client.lookup_keys(keys[part]).matched_blocks
+                n += got
+                if got < len(keys[part]):
+                    break
         except Exception as e:  # a store that fails is a miss, never SGLang's failure
             self.backoff.failed(f"batch_exists of {len(keys)} pages", e)
-            return 0
+        return n
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
@@ -169,8 +192,15 @@ class KVStoreHiCache(HiCacheStorage):
         got = 0
         if self.backoff.available():
             try:
-                dst = self._host().paged(host_indices, len(keys))
-                got = self._client().get_into(KeyChain.of(keys), dst).matched_blocks
+                host, client = self._host(), self._client()
+                host.paged(host_indices, len(keys))  # whole pages, or nothing is read
+                ps = host.page_size
+                for part in self._parts(client, len(keys)):
+                    dst = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
+                    n = client.get_into(KeyChain.of(keys[part]), dst).matched_blocks
+                    got += n
+                    if n < len(keys[part]):
+                        break
             except Exception as e:  # the pages are recomputed, never read as garbage
                 self.backoff.failed(f"batch_get_v1 of {len(keys)} pages", e)
         return [i < got for i in range(len(keys))]
@@ -185,20 +215,26 @@ class KVStoreHiCache(HiCacheStorage):
             return []
         if not self.backoff.available():
             return [False] * len(keys)
-        prefix = (extra_info.prefix_keys if extra_info is not None else None) or ()
+        prefix = list((extra_info.prefix_keys if extra_info is not None else None) or ())
+        stored = [False] * len(keys)
         try:
-            src = self._host().paged(host_indices, len(keys))
-            saver = self._saving_client()
-            r = saver.put_from(KeyChain.of(keys, prefix), src)
-            if prefix and r.failed and r.failed[0].block == 0 and r.failed[0].code == MISSING_PARENT:
-                # the prefix pages are not in the store (evicted, or never written): the pages are
-                # still findable by their keys, which name their whole prefix; store them as a chain
-                r = saver.put_from(KeyChain.of(keys), src)
-        except Exception as e:  # the pages are simply not stored
+            host = self._host()
+            host.paged(host_indices, len(keys))  # whole pages, or nothing is stored
+            ps, saver = host.page_size, self._saving_client()
+            for part in self._parts(saver, len(keys)):
+                src = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
+                before = [*prefix, *keys[: part.start]]
+                r = saver.put_from(KeyChain.of(keys[part], before), src)
+                if before and r.failed and r.failed[0].block == 0 and r.failed[0].code == MISSING_PARENT:
+                    # the prefix pages are not in the store (evicted, or never written): the pages are
+                    # still findable by their keys, which name their whole prefix; store them as a chain
+                    r = saver.put_from(KeyChain.of(keys[part]), src)
+                failed = {f.block for f in r.failed}
+                for i in range(len(keys[part])):
+                    stored[part.start + i] = i not in failed
+        except Exception as e:  # the pages not stored yet are simply not stored
             self.backoff.failed(f"batch_set_v1 of {len(keys)} pages", e)
-            return [False] * len(keys)
-        failed = {f.block for f in r.failed}
-        return [i not in failed for i in range(len(keys))]
+        return stored
 
     # -- the legacy interface ------------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -226,6 +262,21 @@ class KVStoreHiCache(HiCacheStorage):
             client.evict(namespace=ns.id)
 
     # -- internals -----------------------------------------------------------------------------
+    def _parts(self, client: KVStoreClient, n: int) -> list[slice]:
+        """``n`` pages in runs one call may carry: SGLang sends up to 128 pages at once, and a call
+        naming more tokens than the daemon's max_tokens_per_request would be refused whole. Says
+        hello first if ``client`` has not yet (the hello carries the limit)."""
+        limit = client.max_tokens
+        if limit is None:
+            client.ping()
+            limit = client.max_tokens
+        per = (limit or n * self._host().page_size) // self._host().page_size
+        if per < 1:
+            raise LayoutError(
+                f"a page of {self._host().page_size} tokens is over the daemon's max_tokens_per_request {limit}"
+            )
+        return [slice(i, min(i + per, n)) for i in range(0, n, per)]
+
     def _client(self) -> KVStoreClient:
         if self.client is None:
             raise LayoutError("kvstore: register_mem_pool_host was not called; SGLang calls it on attach")
@@ -244,6 +295,44 @@ class KVStoreHiCache(HiCacheStorage):
         if self._pages is None:
             raise LayoutError("kvstore: register_mem_pool_host was not called; SGLang calls it on attach")
         return self._pages
+
+
+def _server_args() -> Any | None:
+    """The ServerArgs of the SGLang process this backend runs in, or None where it publishes none
+    (a backend made outside a scheduler)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except Exception:  # noqa: BLE001 - not published, or an SGLang before runtime_context
+        pass
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        return get_global_server_args()
+    except Exception:  # noqa: BLE001 - retired (it raises), or not published either
+        return None
+
+
+def _weights(served: Any, path: str) -> str:
+    """What besides the model's path changes its K/V, from SGLang's server args: its revision, its
+    weights (``weights.weights_id``), their quantization and the config overrides (hashed)."""
+    revision = getattr(served, "revision", None)
+    parts = [f"rev={revision}"] if revision else []
+    named = weights_id(path, revision) if path else ""
+    if named:
+        parts.append(named)
+    quantization = getattr(served, "quantization", None)
+    if quantization:
+        parts.append(f"q={quantization}")
+    overrides = getattr(served, "json_model_override_args", None)
+    if overrides and overrides != "{}":
+        parts.append(f"ov={_sha(str(overrides), 16)}")
+    return ";".join(parts)
+
+
+def _sha(text: str, n: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
 def _option(extra: dict[str, Any], key: str, check: Callable[[Any], Any], default: Any) -> Any:

@@ -208,7 +208,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             hit = 0
             if tokens is not None and len(tokens) > self._T and self._clients.available():
                 try:
-                    client = self._clients.get(Variant.of(request), "lookup")
+                    client = self._clients.get(Variant.of(request, self._clients.weights), "lookup")
                     # the last prompt token is always computed: its logits start the answer; past the
                     # daemon's max_tokens_per_request only the first ones are asked for (still a hit)
                     ask = tokens[: min(len(tokens) - 1, self._clients.token_limit(client))]
@@ -259,7 +259,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 own = -(-local // bs)
             t = Tracked(
                 request,
-                Variant.of(request),
+                Variant.of(request, self._clients.weights),
                 list(nr.block_ids[0]),
                 saved=self._hits.get(rid, (0, 0))[0],
                 session=_session(request),

@@ -21,7 +21,7 @@ from kvstore.client import KVStoreClient
 from kvstore.config import check_endpoint
 from kvstore.errors import ConfigError, KVStoreError, LayoutError
 from kvstore.integrations.backoff import Backoff
-from kvstore.integrations.weights import files_id, weights_id
+from kvstore.integrations.weights import Weights, weights_id
 from kvstore.layout import KVLayout, dtype_name
 from kvstore.wire.protocol import Limits
 
@@ -142,14 +142,16 @@ class Variant:
     salt: str = ""  # sha256 of vLLM's cache_salt: the salt itself is never sent nor logged
 
     @classmethod
-    def of(cls, request: Any) -> Variant:
-        """The variant of ``request``. A LoRA adapter is named by its files as they are now
-        (``weights.files_id``, read on each call): vLLM's adapter id is its load order, and a name
-        may come back with retrained weights, after a restart or reloaded in place."""
+    def of(cls, request: Any, weights: Weights) -> Variant:
+        """The variant of ``request``. A LoRA adapter is named by its weights as its files are now
+        (``weights.name``): vLLM's adapter id is its load order, and a name may come back with
+        retrained weights, after a restart or reloaded in place."""
         lora = getattr(request, "lora_request", None)
         salt = getattr(request, "cache_salt", None)
         return cls(
-            lora="" if lora is None else f"{lora.lora_name}@{files_id(str(getattr(lora, 'lora_path', '')))}",
+            lora=""
+            if lora is None
+            else f"{lora.lora_name}@{weights.name(str(getattr(lora, 'lora_path', '')))}",
             salt="" if not salt else hashlib.sha256(str(salt).encode()).hexdigest()[:32],
         )
 
@@ -292,6 +294,7 @@ class Clients:
         # worker's connector is made before, and a hub model may be downloading), and files
         # rewritten while vLLM runs are not what it serves
         self._weights: str | None = None
+        self.weights = Weights()  # LoRA adapters' names (Variant.of)
         self._adapters: dict[str, str] = {}  # each LoRA adapter's name -> its variant as first seen here
         self._changed: set[str] = set()  # adapters whose files changed since: no namespace until restart
         self._clients: dict[tuple[Variant, str], KVStoreClient] = {}

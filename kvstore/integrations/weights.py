@@ -5,49 +5,110 @@ rewritten in place, an adapter retrained under its old name, a hub model whose
 ``main`` moved on, or a fine-tune served under the base model's alias all
 compute other K/V for the same tokens, and a namespace that named only the
 model would serve one's blocks to the other. The engine connectors put
-``weights_id`` of the base model into the namespace's revision, and
-``files_id`` of a LoRA adapter into its variant.
+``weights_id`` of the base model into the namespace's revision, and a LoRA
+adapter's ``Weights.name`` into its variant.
 
-Weights are named by their files' names, sizes and modification times (stats,
-no reads of the files' contents): a rewrite changes them, a copy with ``cp -p``
-or a restore from backup may not, and a hub snapshot by its commit.
+Local weights are named by their content, so that hosts holding the same files
+(each its own copy, written at its own time) share blocks through the cluster
+tier: each file's relative name and size, and its bytes where it is small; of a
+large file, ``SAMPLES`` pieces spread over it (its header, with every tensor's
+name, dtype and shape, among them). A rewrite that changes no sampled byte of
+any file is not seen: one training only a small part of the weights might not be;
+give such weights a ``revision`` of their own. A hub model is named by the
+commit of its snapshot in the Hugging Face cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 _MAX_FILES = 10_000  # a model directory holds tens; a path that is not one stops being walked here
+SMALL = 1 << 20  # files up to this size are hashed whole (configs, tokenizers, most adapters' weights)
+SAMPLES = 64  # pieces of each larger file hashed, evenly spread, the first and last among them
+PIECE = 4096
+
+Signature = tuple[tuple[str, int, int], ...]  # (relative name, size, mtime_ns) of each file
 
 
-def files_id(path: str) -> str:
-    """``path`` named by itself and, for a local file or directory, by each file's relative name, size
-    and modification time (16 hex digits of a sha256); a path that is not local (a hub id) by the
-    path alone. Walks the tree on each call: callers that must name what an engine loaded at start
-    keep the first answer."""
-    h = hashlib.sha256(path.encode())
+def signature(path: str) -> Signature:
+    """The files under ``path`` (a file, or a directory's tree, hidden entries left out), each with
+    its size and modification time: what changes when they are rewritten. () when not local."""
     p = Path(path).expanduser()
+    out = []
     try:
-        files = sorted(p.rglob("*")) if p.is_dir() else [p] if p.is_file() else []
-        for f in files[:_MAX_FILES]:
-            if f.is_file():
-                st = f.stat()
-                h.update(
-                    f"\0{f.relative_to(p) if p.is_dir() else f.name}:{st.st_size}:{st.st_mtime_ns}".encode()
-                )
-    except (OSError, RuntimeError, ValueError):  # unreadable: the path alone names it
+        if p.is_file():
+            st = p.stat()
+            return ((p.name, st.st_size, st.st_mtime_ns),)
+        if not p.is_dir():
+            return ()
+        for f in sorted(p.rglob("*"))[:_MAX_FILES]:
+            rel = f.relative_to(p)
+            if any(part.startswith(".") for part in rel.parts) or not f.is_file():
+                continue
+            st = f.stat()
+            out.append((str(rel), st.st_size, st.st_mtime_ns))
+    except (OSError, RuntimeError, ValueError):  # unreadable: what was read names it
         pass
+    return tuple(out)
+
+
+def content_id(path: str, files: Signature | None = None) -> str:
+    """``path``'s weights named by their content (16 hex digits of a sha256; see the module): the same
+    on every host holding the same files, wherever and whenever they were written. A path that is
+    not local (a hub id, a remote adapter) is named by the path itself."""
+    files = signature(path) if files is None else files
+    if not files:
+        return hashlib.sha256(f"path\0{path}".encode()).hexdigest()[:16]
+    p = Path(path).expanduser()
+    h = hashlib.sha256(b"content")
+    for rel, size, _ in files:
+        h.update(f"\0{rel}:{size}\0".encode())
+        try:
+            with open(p if p.is_file() else p / rel, "rb") as f:
+                if size <= SMALL:
+                    h.update(f.read())
+                    continue
+                for i in range(SAMPLES):
+                    f.seek((size - PIECE) * i // (SAMPLES - 1))
+                    h.update(f.read(PIECE))
+        except OSError:  # unreadable now: its name and size stand for it
+            h.update(b"\0unreadable")
     return h.hexdigest()[:16]
+
+
+class Weights:
+    """``content_id`` of each path asked about, read again only when its files' sizes or times
+    change (a walk and a stat per file on each call): adapters are named on every request. Thread-safe."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._known: dict[str, tuple[Signature, str]] = {}
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def name(self, path: str) -> str:
+        files = signature(path)
+        with self._lock:
+            known = self._known.get(path)
+        if known is not None and known[0] == files:
+            return known[1]
+        name = content_id(path, files)
+        with self._lock:
+            self._known.pop(path, None)
+            if len(self._known) >= self._capacity:
+                self._known.pop(next(iter(self._known)))
+            self._known[path] = (files, name)
+        return name
 
 
 def weights_id(model: str, revision: str | None = None) -> str:
     """The weights an engine serves as ``model`` (a local path, or a hub id at ``revision``), named:
-    ``files=`` and ``files_id`` for a local path, ``hub=`` and the snapshot's commit where the
-    Hugging Face cache resolves the hub id (what the engine loaded from it), "" otherwise."""
+    ``files=`` and their ``content_id`` for a local path, ``hub=`` and the snapshot's commit where
+    the Hugging Face cache resolves the hub id (what the engine loaded from it), "" otherwise."""
     if os.path.exists(os.path.expanduser(model)):
-        return f"files={files_id(model)}"
+        return f"files={content_id(model)}"
     commit = _hub_commit(model, revision or "main")
     return f"hub={commit[:16]}" if commit else ""
 

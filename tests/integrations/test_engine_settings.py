@@ -27,6 +27,7 @@ from kvstore.integrations.vllm_settings import (
     VariantRefused,
     namespace_revision,
 )
+from kvstore.integrations.weights import Weights
 from kvstore.layout import KVLayout
 from kvstore.wire.errors import ServerError
 from kvstore.wire.messages import Ping
@@ -332,12 +333,17 @@ def test_a_lora_adapter_is_named_by_its_weights_not_its_load_order(tmp_path: Pat
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_model.safetensors").write_bytes(b"weights v1")
-    first = Variant.of(lora_request(adapter, 1)).lora
-    assert Variant.of(lora_request(adapter, 7)).lora == first  # loaded in another order: the same K/V
+    weights = Weights()
+    first = Variant.of(lora_request(adapter, 1), weights).lora
+    assert (
+        Variant.of(lora_request(adapter, 7), weights).lora == first
+    )  # loaded in another order: the same K/V
     retrain(adapter)
-    assert Variant.of(lora_request(adapter, 1)).lora != first  # the same name with other weights: other K/V
-    assert Variant.of(lora_request(adapter, 1)).lora.startswith("sql@")
-    assert Variant.of(lora_request(adapter, 1)).adapter == "sql"
+    assert (
+        Variant.of(lora_request(adapter, 1), weights).lora != first
+    )  # the same name with other weights: other K/V
+    assert Variant.of(lora_request(adapter, 1), weights).lora.startswith("sql@")
+    assert Variant.of(lora_request(adapter, 1), weights).adapter == "sql"
 
 
 def test_an_adapter_whose_files_change_while_vllm_serves_it_gets_no_namespace(
@@ -350,12 +356,12 @@ def test_an_adapter_whose_files_change_while_vllm_serves_it_gets_no_namespace(
     (adapter / "adapter_model.safetensors").write_bytes(b"weights v1")
     clients = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, timeout=10.0), LAYOUT, (0, 0))
     try:
-        before = Variant.of(lora_request(adapter))
+        before = Variant.of(lora_request(adapter), clients.weights)
         tokens, kv = prefix(8, 3)
         assert clients.get(before, "save").put(tokens, kv).stored == 2
         assert not clients.adapter_changed(before)
         retrain(adapter)
-        after = Variant.of(lora_request(adapter))
+        after = Variant.of(lora_request(adapter), clients.weights)
         assert clients.adapter_changed(after) and clients.adapter_changed(before)
         for v in (after, before):  # the old name too: vLLM may have reloaded the new files by now
             with pytest.raises(VariantRefused, match="'sql' changed"):

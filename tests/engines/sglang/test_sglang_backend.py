@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -376,6 +378,7 @@ def test_bad_arguments_are_a_miss_never_an_exception(daemon: Any, caplog: Any) -
     store = backend(daemon.endpoint, pool)
     keys = page_hashes(2, salt=12)
     fill(pool, [0, 1], seed=12)
+    caplog.clear()  # what building it said: a test builds it outside SGLang's scheduler
     with caplog.at_level(logging.WARNING, logger=SGLANG_LOG):
         # host indices that are not whole pages (a LayoutError inside): nothing read, nothing stored
         torn = torch.arange(1, 2 * PAGE + 1, dtype=torch.int64)
@@ -567,3 +570,71 @@ def test_a_store_full_of_pinned_blocks_sets_pages_false_and_takes_them_once_the_
                 pool.get_data_page(p * PAGE, flat=False).view(torch.int16), w.view(torch.int16)
             )
         assert c.lookup(filler).matched_blocks < 16
+
+
+def test_servers_of_other_weights_under_one_served_name_share_no_pages(
+    daemon: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    # SGLang's model_name is --served-model-name: "chat" for a base model and for its fine-tune alike.
+    # The scheduler's server args say which weights stand behind it (a backend built outside one
+    # reads none: stood in for here)
+    import sglang.srt.runtime_context as runtime
+
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    for d, weights in ((base, b"base weights"), (tuned, b"fine-tuned weights")):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(weights)
+
+    def serving(path: Path, **args: Any) -> None:
+        served = SimpleNamespace(
+            model_path=str(path), revision=None, quantization=None, json_model_override_args="{}"
+        )
+        monkeypatch.setattr(runtime, "get_server_args", lambda: SimpleNamespace(**{**vars(served), **args}))
+
+    pool = host_pool("page_first")
+    keys = page_hashes(3, salt=9)
+    fill(pool, [0, 1, 2], seed=9)
+    serving(base)
+    a = backend(daemon.endpoint, pool, model="chat")
+    assert a.model == str(base) and all(a.batch_set_v1(keys, slots([0, 1, 2])))
+    assert backend(daemon.endpoint, pool, model="chat").batch_exists(keys) == 3  # the same server again
+    for other in ({}, {"quantization": "fp8"}, {"json_model_override_args": '{"rope_scaling": 2}'}):
+        serving(tuned if not other else base, **other)
+        b = backend(daemon.endpoint, pool, model="chat")
+        assert b.batch_exists(keys) == 0, other
+        assert b.batch_get_v1(keys, slots([4, 5, 6])) == [False] * 3
+    (base / "model.safetensors").write_bytes(b"base weights, rewritten in place")
+    serving(base)
+    assert backend(daemon.endpoint, pool, model="chat").batch_exists(keys) == 0
+
+
+def test_batches_over_the_daemons_token_limit_go_in_runs_it_takes(daemons: Any, tmp_path: Path) -> None:
+    # SGLang sends up to 128 pages a call; a daemon whose max_tokens_per_request is under that many
+    # pages' tokens refused every call whole: no page found, none stored, a warning per call
+    from tests.hardening.conftest import write_config
+
+    cfg = write_config(
+        tmp_path,
+        server={"shm_staging": "4MiB", "shm_staging_per_client": "2MiB", "max_tokens_per_request": 2 * PAGE},
+        hbm={"device": "cpu", "capacity": "4MiB"},
+        ram={"capacity": "4MiB", "codec": "raw"},
+        policy={"page_bytes": "1KiB"},
+    )
+    d = daemons(cfg)
+    pool = host_pool("page_first")
+    store = backend(d.endpoint, pool)
+    keys = page_hashes(7, salt=13)
+    want = fill(pool, list(range(7)), seed=13)
+    assert (
+        store.batch_set_v1(keys[:5], slots([0, 1, 2, 3, 4]), HiCacheStorageExtraInfo(prefix_keys=[]))
+        == [True] * 5
+    )
+    info = HiCacheStorageExtraInfo(prefix_keys=keys[:5])
+    assert store.batch_set_v1(keys[5:], slots([5, 6]), info) == [True, True]
+    assert store.batch_exists(keys) == 7
+    dst = [15, 9, 8, 14, 10, 12, 11]
+    assert store.batch_get_v1(keys, slots(dst)) == [True] * 7
+    for p, w in zip(dst, want, strict=True):
+        assert torch.equal(pool.get_data_page(p * PAGE, flat=False).view(torch.int16), w.view(torch.int16))
+    # a miss in a later run stops the count there, as in one call
+    assert store.batch_exists([*keys[:3], page_hashes(1, salt=14)[0], *keys[4:]]) == 3

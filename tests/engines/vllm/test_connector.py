@@ -321,7 +321,8 @@ def test_prompts_saved_by_one_engine_load_into_another_where_the_kernels_read_th
     e2.sched.reset_prefix_cache()
     e2.run()
     assert [x for x in e2.worker.loads if x[0] == "salted"] == []
-    salted = e2.worker.c._clients.get(connector.Variant.of(request(U, a, "s", salt="tenant-x")), "check")
+    clients = e2.worker.c._clients
+    salted = clients.get(connector.Variant.of(request(U, a, "s", salt="tenant-x"), clients.weights), "check")
     assert wait_until(lambda: salted.lookup(a).matched_tokens == 128, 10)
     e1.worker.c.shutdown()
     e2.worker.c.shutdown()
