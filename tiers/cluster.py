@@ -318,15 +318,15 @@ class ClusterTier:
         values = self._call("get", lambda c: self._pipeline(c, "getex", keys, **expiry))
         return [v if isinstance(v, bytes) else None for v in values]
 
-    def refresh(self, keys: Sequence[bytes]) -> int:
+    def refresh(self, keys: Sequence[bytes]) -> list[bytes]:
         """Set the TTL of the values of ``keys`` anew (PEXPIRE; absent keys are left absent): blocks
-        served from a host's own tiers, whose cluster copies no read refreshes. Returns how many were
-        there. ClusterUnavailable on an outage."""
+        served from a host's own tiers, whose cluster copies no read refreshes. Returns the keys
+        that were absent. ClusterUnavailable on an outage."""
         px = _px(self.ttl)
         if not keys or px is None:
-            return 0
+            return []
         found = self._call("refresh", lambda c: self._pipeline(c, "pexpire", keys, time=px))
-        return sum(1 for f in found if f is True or f == 1)
+        return [k for k, f in zip(keys, found, strict=True) if not (f is True or f == 1)]
 
     def store(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         """SET each ``(key, value)`` with the TTL; returns how many were stored. A refusal for

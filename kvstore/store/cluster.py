@@ -211,11 +211,29 @@ class ClusterLink:
                         pass
                 return
             try:
-                self.cluster.refresh(batch)
+                absent = self.cluster.refresh(batch)
             except ClusterUnavailable:  # refreshed at a later touch instead
                 with self._unsent_lock:
                     for k in batch:
                         self._refreshed.pop(k, None)
+                continue
+            if absent:  # the cluster lost them (its maxmemory, a failover, an operator) while this
+                self._write_again(absent)  # host serves them: the blocks after them are unreachable
+
+    def _write_again(self, keys: Sequence[bytes]) -> None:
+        """(The cluster thread.) Queue for the cluster those of ``keys`` this host still holds: lookups
+        are prefix-closed, so a block the cluster lost hides every block after it from other hosts,
+        and no put of this host sends a block it holds. Not those never written (dropped, or refused
+        for memory): they go with the next put of them, as before. Dropped (and counted) when the
+        queue is full, to go with the next put of them."""
+        with self._unsent_lock:
+            lost = [k for k in keys if k not in self._unsent]
+        with self._lock:
+            held = [k for k in lost if self._index.get(k) is not None]
+        if held:
+            refused = self._writer.submit(held, 0.0)
+            if refused:
+                self._dropped(refused)
 
     def _ancestors(self, key: bytes) -> list[bytes]:
         """The keys of the blocks before ``key`` in its chain, root first."""

@@ -457,6 +457,24 @@ def test_blocks_served_from_a_host_s_own_tiers_keep_their_cluster_copies_alive(h
     assert host("c").lookup(NS, toks).matched_blocks == 0
 
 
+def test_a_block_the_cluster_lost_while_a_host_serves_it_is_written_again(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # the cluster lost block 0 (its maxmemory, a failover, an operator) while host A serves the
+    # prefix from its own tiers: A never sent it again, and every block after it was out of reach
+    a = host("a", ttl=2.0)
+    toks, x = tokens(4), kv(16, seed=8)
+    a.put(NS, toks, x)
+    written(a, 4)
+    key = a._cluster.cluster.block_key(_keys(toks)[0])  # type: ignore[union-attr]
+    assert rc.node(rc.master_of(key)).delete(key) == 1
+    assert host("b").lookup(NS, toks).matched_blocks == 0
+    time.sleep(0.6)  # past a quarter of the TTL: A's next hit refreshes the copies' TTL, and finds it gone
+    assert a.get(NS, toks).tiers == ["hbm"] * 4
+    written(a, 5)
+    assert host("c").lookup(NS, toks).tiers == ["cluster"] * 4
+
+
 def test_a_session_served_from_a_host_s_own_tiers_keeps_its_cluster_record_alive(host: HostFactory) -> None:
     # the blocks' TTL was refreshed, the session's record not: other hosts could no longer inspect or
     # prefetch a conversation whose blocks were all still there
