@@ -164,14 +164,20 @@ class LocalCluster:
         raise RuntimeError(f"redis-server on port {port} did not start; see {self.root / str(port)}")
 
     def wait_ok(self, timeout: float = 60.0) -> None:
-        """Until every live node says the cluster is ok and every slot is served by a live master."""
+        """Until every live node says the cluster is ok, every slot is served by a live master, and
+        every live replica is in sync with its master (a replica still loading its first copy, some
+        seconds after the start, would lose everything if a test failed its master over then)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 live = [p for p in self.ports if self.procs[p].poll() is None]
                 if all(self.node(p).cluster("info")["cluster_state"] == "ok" for p in live):
                     masters = self.live_masters()
-                    if sum(b - a + 1 for r in masters.values() for a, b in r) == 16384:
+                    synced = all(
+                        info.get("role") != "slave" or info.get("master_link_status") == "up"
+                        for info in (self.node(p).info("replication") for p in live)
+                    )
+                    if synced and sum(b - a + 1 for r in masters.values() for a, b in r) == 16384:
                         return
             except (redis.RedisError, KeyError, TypeError):
                 pass
