@@ -217,9 +217,10 @@ class SharedPath:
         if total - first > chunk:
             chunk = max(1, min(chunk, _pages(m.per_client // 2) // nb))
         starts = list(range(first, total, chunk))
+        answered: set[int] = set()  # the chunks whose commit was answered
         try:
             if len(starts) > 1:
-                self._pipelined_commits(m, ns, tokens, src, starts, chunk, total, session, tally)
+                self._pipelined_commits(m, ns, tokens, src, starts, chunk, total, session, tally, answered)
             else:
                 tally.add(self._commit_chunk(m, ns, tokens, src, first, total, session))
         except (ServerError, ShmUnavailable) as err:
@@ -229,8 +230,10 @@ class SharedPath:
             elif err.code not in ("no_staging", "not_found", "too_many_leases"):
                 raise  # no_shared_memory among them: a daemon that restarted, which holds none of it
             # no staging room or lease now, or a range lapsed under a paused client: the rest one way
-            # or another, the chunks stored so far counted as stored
-            s = starts[tally.replies] if tally.replies < len(starts) else total
+            # or another, the chunks stored so far counted as stored. From the first chunk not answered:
+            # replies may come out of order (a commit refused busy is sent again after the next one),
+            # and a later chunk answered before it goes again too (found present)
+            s = next((starts[i] for i in range(len(starts)) if i not in answered), total)
             if s < total and not tally.failed:
                 log.debug("shared-memory put stopped at block %d (%s); the rest goes over the socket", s, err)
                 tally.add(self._socket.put_from(ns, tokens, src, total, session, first=s))
@@ -254,7 +257,10 @@ class SharedPath:
         total: int,
         session: str | None,
         tally: PutTally,
+        answered: set[int],
     ) -> None:
+        """The chunks at ``starts`` staged and committed, two at a time; each answered chunk's index is
+        added to ``answered`` and its reply to ``tally``."""
         ranges = []
         committed = False
         try:
@@ -266,7 +272,6 @@ class SharedPath:
             # the same bytes). Replies may come in another order than the commits went (a commit refused
             # and sent again after the next one): a range is never picked by its turn.
             owner: list[int | None] = [None, None]
-            answered: set[int] = set()
 
             def make(i: int) -> Message:
                 s, e = starts[i], min(starts[i] + chunk, total)
