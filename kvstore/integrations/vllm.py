@@ -152,6 +152,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._hits: dict[str, tuple[int, int]] = {}  # request -> (kvstore's tokens, vLLM's own)
         self._loads: dict[str, tuple[int, int]] = {}  # request -> (start, end) to load this step
         self._requests: dict[str, Any] = {}
+        self._variant_of: dict[str, Variant] = {}  # request -> its variant, named at its lookup
         self._tracked: dict[str, Tracked] = {}
         self._final: list[Transfer] = []  # saves of finished requests, for the next step's workers
         # finished requests sharing blocks of a load not settled: (request, its tokens computed)
@@ -208,7 +209,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             hit = 0
             if tokens is not None and len(tokens) > self._T and self._clients.available():
                 try:
-                    client = self._clients.get(Variant.of(request, self._clients.weights), "lookup")
+                    # named once per request (a walk of its adapter's files): the save uses this name
+                    variant = self._variant_of[rid] = self._clients.variant(request)
+                    client = self._clients.get(variant, "lookup")
                     # the last prompt token is always computed: its logits start the answer; past the
                     # daemon's max_tokens_per_request only the first ones are asked for (still a hit)
                     ask = tokens[: min(len(tokens) - 1, self._clients.token_limit(client))]
@@ -259,7 +262,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 own = -(-local // bs)
             t = Tracked(
                 request,
-                Variant.of(request, self._clients.weights),
+                self._variant_of.pop(rid) if rid in self._variant_of else self._clients.variant(request),
                 list(nr.block_ids[0]),
                 saved=self._hits.get(rid, (0, 0))[0],
                 session=_session(request),
@@ -463,6 +466,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._requests.pop(rid, None)
+        self._variant_of.pop(rid, None)
         self._hits.pop(rid, None)
         self._loads.pop(rid, None)
         t = self._tracked.pop(rid, None)

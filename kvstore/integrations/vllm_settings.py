@@ -136,24 +136,32 @@ def _endpoint(v: Any) -> str:
 
 @dataclass(frozen=True)
 class Variant:
-    """What, besides the model, changes a request's K/V: its LoRA adapter and cache salt."""
+    """What, besides the model's name, changes a request's K/V: the base weights (as the scheduler
+    named them: the workers take the name from it, with each transfer), its LoRA adapter and cache salt."""
 
     lora: str = ""
     salt: str = ""  # sha256 of vLLM's cache_salt: the salt itself is never sent nor logged
+    base: str = ""  # weights.weights_id of the model vLLM loaded
 
     @classmethod
-    def of(cls, request: Any, weights: Weights) -> Variant:
-        """The variant of ``request``. A LoRA adapter is named by its weights as its files are now
-        (``weights.name``): vLLM's adapter id is its load order, and a name may come back with
-        retrained weights, after a restart or reloaded in place."""
+    def of(cls, request: Any, weights: Weights, base: str = "") -> Variant:
+        """The variant of ``request`` on base weights ``base``. A LoRA adapter is named by its weights
+        as its files are now (``weights.name``): vLLM's adapter id is its load order, and a name may
+        come back with retrained weights, after a restart or reloaded in place."""
         lora = getattr(request, "lora_request", None)
         salt = getattr(request, "cache_salt", None)
         return cls(
             lora=""
             if lora is None
-            else f"{lora.lora_name}@{weights.name(str(getattr(lora, 'lora_path', '')))}",
+            else f"{lora.lora_name}@{weights.name(str(getattr(lora, 'lora_path', '') or ''))}",
             salt="" if not salt else hashlib.sha256(str(salt).encode()).hexdigest()[:32],
+            base=base,
         )
+
+    @property
+    def plain(self) -> bool:
+        """No adapter, no salt: the model's own K/V."""
+        return not self.lora and not self.salt
 
     @property
     def adapter(self) -> str:
@@ -222,14 +230,14 @@ def check_attention(vllm_config: Any, kv_cache_config: Any) -> None:
         )
 
 
-def namespace_revision(vllm_config: Any, ranks: tuple[int, int], variant: Variant, weights: str = "") -> str:
+def namespace_revision(vllm_config: Any, ranks: tuple[int, int], variant: Variant) -> str:
     """The namespace's revision field: the model's revision and everything else that changes its K/V
     for the same weights' name (the weights themselves, as ``weights.weights_id`` names them, this
     shard, the weights' quantization, ``hf_overrides``, the variant)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     parts = [
         f"rev={mc.revision or ''}",
-        *([weights] if weights else []),
+        *([variant.base] if variant.base else []),
         f"tp={ranks[0]}/{pc.tensor_parallel_size}",
         f"pp={ranks[1]}/{pc.pipeline_parallel_size}",
     ]
@@ -290,15 +298,17 @@ class Clients:
         self, vllm_config: Any, settings: Settings, layout: KVLayout, ranks: tuple[int, int]
     ) -> None:
         self._cfg, self._settings, self._layout, self._ranks = vllm_config, settings, layout, ranks
-        # the weights vLLM loaded, named once, at the first connect: after the model is loaded (a
-        # worker's connector is made before, and a hub model may be downloading), and files
-        # rewritten while vLLM runs are not what it serves
-        self._weights: str | None = None
-        self.weights = Weights()  # LoRA adapters' names (Variant.of)
+        # the weights vLLM loaded, named once, as the connector starts: the scheduler's is made after
+        # the model is loaded, and its name reaches the workers with each transfer (a worker's
+        # connector is made before: a hub model may be downloading still); files rewritten while
+        # vLLM runs are not what it serves
+        mc = vllm_config.model_config
+        self.base = weights_id(str(mc.model), mc.revision)
+        self.weights = Weights()  # LoRA adapters' names
         self._adapters: dict[str, str] = {}  # each LoRA adapter's name -> its variant as first seen here
         self._changed: set[str] = set()  # adapters whose files changed since: no namespace until restart
         self._clients: dict[tuple[Variant, str], KVStoreClient] = {}
-        self._variants: set[Variant] = {Variant()}  # variants whose namespace the daemon took
+        self._variants: set[Variant] = set()  # variants but the plain one whose namespace the daemon took
         self._quota_until = 0.0  # the daemon refused a namespace: no new variant until then
         self._lock = threading.Lock()
         self._closed = False
@@ -319,6 +329,8 @@ class Clients:
         with self._lock:
             if self._closed:
                 raise ClientsClosed("kvstore's clients are closed (the connector shut down)")
+            if self._adapter_changed(variant):  # a client made before the change must not serve it
+                raise VariantRefused(f"LoRA adapter {variant.adapter!r} changed since it was loaded")
             c = self._clients.pop(key, None)
             if c is not None:
                 self._clients[key] = c  # most recently used last
@@ -364,7 +376,7 @@ class Clients:
             layout=self._layout,
             tenant=s.tenant,
             timeout=s.timeout,
-            revision=namespace_revision(self._cfg, self._ranks, variant, self._weights_name()),
+            revision=namespace_revision(self._cfg, self._ranks, variant),
             shared_memory=s.shared_memory,
             # on the scheduler's and workers' critical path a busy daemon is a miss (recomputed),
             # not a wait; saves run on their own thread and may wait, within the timeout
@@ -390,12 +402,10 @@ class Clients:
             raise
         return c
 
-    def _weights_name(self) -> str:
-        with self._lock:
-            if self._weights is None:
-                mc = self._cfg.model_config
-                self._weights = weights_id(str(mc.model), mc.revision)
-            return self._weights
+    def variant(self, request: Any) -> Variant:
+        """``request``'s variant, on the base weights this process named (the scheduler's: see
+        ``base``). Never raises."""
+        return Variant.of(request, self.weights, self.base)
 
     def adapter_changed(self, variant: Variant) -> bool:
         """Whether ``variant``'s LoRA adapter is one whose files changed since this process first saw
@@ -424,11 +434,9 @@ class Clients:
 
     def _admit(self, variant: Variant) -> None:
         """(Lock held.) Take ``variant`` into the variants this process uses, or raise VariantRefused."""
-        if self._adapter_changed(variant):
-            raise VariantRefused(f"LoRA adapter {variant.adapter!r} changed since it was loaded")
-        if variant in self._variants:
+        if variant.plain or variant in self._variants:
             return
-        over = len(self._variants) > self._settings.max_variants  # the plain variant is not counted
+        over = len(self._variants) >= self._settings.max_variants
         if over or time.monotonic() < self._quota_until:
             self.refused += 1
             if self.refused == 1:
@@ -438,7 +446,7 @@ class Clients:
                     self._settings.max_variants,
                 )
             raise VariantRefused(
-                f"no namespace for another variant ({len(self._variants) - 1} in use, max_variants "
+                f"no namespace for another variant ({len(self._variants)} in use, max_variants "
                 f"{self._settings.max_variants}); raise max_variants in kv_connector_extra_config"
             )
         self._variants.add(variant)

@@ -10,9 +10,10 @@ adapter's ``Weights.name`` into its variant.
 
 Local weights are named by their content, so that hosts holding the same files
 (each its own copy, written at its own time) share blocks through the cluster
-tier: each file's relative name and size, and its bytes where it is small; of a
-large file, ``SAMPLES`` pieces spread over it (its header, with every tensor's
-name, dtype and shape, among them). A rewrite that changes no sampled byte of
+tier (under the same model name: the same path, or the engine's ``model``
+setting): each weight or config file's relative name and size (``WEIGHT_FILES``),
+and its bytes where it is small; of a large file, ``SAMPLES`` pieces spread
+over it (its header, with every tensor's name, dtype and shape, among them). A rewrite that changes no sampled byte of
 any file is not seen: one training only a small part of the weights might not be;
 give such weights a ``revision`` of their own. A hub model is named by the
 commit of its snapshot in the Hugging Face cache.
@@ -29,30 +30,44 @@ _MAX_FILES = 10_000  # a model directory holds tens; a path that is not one stop
 SMALL = 1 << 20  # files up to this size are hashed whole (configs, tokenizers, most adapters' weights)
 SAMPLES = 64  # pieces of each larger file hashed, evenly spread, the first and last among them
 PIECE = 4096
+# the files that hold weights or change what they compute (configs); a README, a tokenizer, a
+# download tool's or an engine's own files beside them are not named (hidden ones neither)
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
 
 Signature = tuple[tuple[str, int, int], ...]  # (relative name, size, mtime_ns) of each file
 
 
 def signature(path: str) -> Signature:
-    """The files under ``path`` (a file, or a directory's tree, hidden entries left out), each with
-    its size and modification time: what changes when they are rewritten. () when not local."""
+    """The weight and config files under ``path`` (a file, or a directory's tree, hidden entries and
+    other files left out), each with its size and modification time: what changes when they are
+    rewritten. () when not local."""
+    if not path:  # an adapter without a path: not the working directory
+        return ()
     p = Path(path).expanduser()
-    out = []
+    out: list[tuple[str, int, int]] = []
     try:
         if p.is_file():
             st = p.stat()
             return ((p.name, st.st_size, st.st_mtime_ns),)
         if not p.is_dir():
             return ()
-        for f in sorted(p.rglob("*"))[:_MAX_FILES]:
-            rel = f.relative_to(p)
-            if any(part.startswith(".") for part in rel.parts) or not f.is_file():
-                continue
-            st = f.stat()
-            out.append((str(rel), st.st_size, st.st_mtime_ns))
-    except (OSError, RuntimeError, ValueError):  # unreadable: what was read names it
+        for root, dirs, files in os.walk(p):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for name in sorted(files):
+                if name.startswith(".") or not name.endswith(WEIGHT_FILES):
+                    continue
+                f = Path(root, name)
+                st = f.stat()
+                out.append((str(f.relative_to(p)), st.st_size, st.st_mtime_ns))
+                if len(out) >= _MAX_FILES:
+                    return tuple(out)
+    except (OSError, ValueError):  # unreadable: what was read names it
         pass
     return tuple(out)
+
+
+def _bytes(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")  # a file name that is not UTF-8 is its own bytes
 
 
 def content_id(path: str, files: Signature | None = None) -> str:
@@ -61,11 +76,11 @@ def content_id(path: str, files: Signature | None = None) -> str:
     not local (a hub id, a remote adapter) is named by the path itself."""
     files = signature(path) if files is None else files
     if not files:
-        return hashlib.sha256(f"path\0{path}".encode()).hexdigest()[:16]
+        return hashlib.sha256(b"path\0" + _bytes(path)).hexdigest()[:16]
     p = Path(path).expanduser()
     h = hashlib.sha256(b"content")
     for rel, size, _ in files:
-        h.update(f"\0{rel}:{size}\0".encode())
+        h.update(b"\0" + _bytes(rel) + f":{size}\0".encode())
         try:
             with open(p if p.is_file() else p / rel, "rb") as f:
                 if size <= SMALL:
@@ -89,6 +104,13 @@ class Weights:
         self._lock = threading.Lock()
 
     def name(self, path: str) -> str:
+        """``content_id(path)``; never raises (an engine's scheduler calls it)."""
+        try:
+            return self._name(path)
+        except Exception:  # noqa: BLE001 - whatever the files hold, the path alone names them
+            return hashlib.sha256(b"path\0" + _bytes(path)).hexdigest()[:16]
+
+    def _name(self, path: str) -> str:
         files = signature(path)
         with self._lock:
             known = self._known.get(path)
@@ -106,9 +128,10 @@ class Weights:
 def weights_id(model: str, revision: str | None = None) -> str:
     """The weights an engine serves as ``model`` (a local path, or a hub id at ``revision``), named:
     ``files=`` and their ``content_id`` for a local path, ``hub=`` and the snapshot's commit where
-    the Hugging Face cache resolves the hub id (what the engine loaded from it), "" otherwise."""
+    the Hugging Face cache resolves the hub id (what the engine loaded from it), "" otherwise.
+    Never raises."""
     if os.path.exists(os.path.expanduser(model)):
-        return f"files={content_id(model)}"
+        return f"files={Weights().name(model)}"
     commit = _hub_commit(model, revision or "main")
     return f"hub={commit[:16]}" if commit else ""
 

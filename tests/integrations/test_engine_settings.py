@@ -356,12 +356,13 @@ def test_an_adapter_whose_files_change_while_vllm_serves_it_gets_no_namespace(
     (adapter / "adapter_model.safetensors").write_bytes(b"weights v1")
     clients = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, timeout=10.0), LAYOUT, (0, 0))
     try:
-        before = Variant.of(lora_request(adapter), clients.weights)
+        before = clients.variant(lora_request(adapter))
         tokens, kv = prefix(8, 3)
         assert clients.get(before, "save").put(tokens, kv).stored == 2
         assert not clients.adapter_changed(before)
+        assert clients.get(before, "lookup").lookup(tokens).matched_tokens == 8  # a client kept for it
         retrain(adapter)
-        after = Variant.of(lora_request(adapter), clients.weights)
+        after = clients.variant(lora_request(adapter))
         assert clients.adapter_changed(after) and clients.adapter_changed(before)
         for v in (after, before):  # the old name too: vLLM may have reloaded the new files by now
             with pytest.raises(VariantRefused, match="'sql' changed"):
@@ -377,6 +378,11 @@ def test_an_adapter_whose_files_change_while_vllm_serves_it_gets_no_namespace(
         again.close()
 
 
+def plain(clients: Clients) -> Variant:
+    """The variant of a request with no adapter and no salt, as the connector names it."""
+    return clients.variant(SimpleNamespace(lora_request=None, cache_salt=None))
+
+
 def test_a_local_model_rewritten_between_restarts_does_not_share_the_old_weights_blocks(
     daemon: Any, tmp_path: Path
 ) -> None:
@@ -388,14 +394,14 @@ def test_a_local_model_rewritten_between_restarts_does_not_share_the_old_weights
     tokens, kv = prefix(8, 4)
     old = Clients(vllm_config(model=str(model)), settings, LAYOUT, (0, 0))
     try:
-        assert old.get(Variant(), "save").put(tokens, kv).stored == 2
+        assert old.get(plain(old), "save").put(tokens, kv).stored == 2
         (model / "model.safetensors").write_bytes(b"base weights v2")  # rewritten while it serves:
         os.utime(model / "model.safetensors", ns=(1, 1))
-        assert old.get(Variant(), "lookup").lookup(tokens).matched_tokens == 8  # it serves v1 still
+        assert old.get(plain(old), "lookup").lookup(tokens).matched_tokens == 8  # it serves v1 still
     finally:
         old.close()
     new = Clients(vllm_config(model=str(model)), settings, LAYOUT, (0, 0))  # restarted on v2
     try:
-        assert new.get(Variant(), "lookup").lookup(tokens).matched_tokens == 0
+        assert new.get(plain(new), "lookup").lookup(tokens).matched_tokens == 0
     finally:
         new.close()

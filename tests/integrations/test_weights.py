@@ -69,3 +69,17 @@ def test_a_hub_model_is_named_by_its_cached_snapshot(tmp_path: Path, monkeypatch
     assert weights_id("org/model") == "hub=" + "b" * 16
     assert weights_id("org/model", "c" * 40) == "hub=" + "c" * 16  # a pinned commit names itself
     assert weights_id("org/other") == ""  # not in the cache: nothing more than its name is known
+
+
+def test_only_weights_and_configs_name_a_model_and_odd_file_names_do_not_break_it(tmp_path: Path) -> None:
+    a = checkpoint(tmp_path / "a")
+    before = content_id(str(a))
+    (a / "README.md").write_text("a model card, edited")  # not weights: the name stands
+    (a / "np").mkdir()
+    (a / "np" / "cache.npy").write_bytes(b"an engine's own cache")
+    assert content_id(str(a)) == before
+    odd = os.fsdecode(b"notes-caf\xe9.json")  # a name that is not UTF-8 (a lone surrogate in Python)
+    (a / odd).write_text("{}")
+    assert content_id(str(a)) != before and Weights().name(str(a)) == content_id(str(a))
+    assert weights_id(str(a)) == f"files={content_id(str(a))}"
+    assert Weights().name("") == Weights().name("")  # an adapter without a path: not the working directory

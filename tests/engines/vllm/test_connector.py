@@ -246,7 +246,8 @@ def operator(ep: str) -> KVStoreClient:
 
 def check_client(e: Engine) -> KVStoreClient:
     """The connector's own client of the engine's namespace, to see what kvstore holds."""
-    return e.worker.c._clients.get(connector.Variant(), "check")
+    clients = e.worker.c._clients
+    return clients.get(connector.Variant(base=clients.base), "check")
 
 
 def assert_holds(check: KVStoreClient, tokens: list[int], n: int) -> None:
@@ -272,7 +273,8 @@ def stored_then_forgotten(U: Any, e: Engine, tokens: list[int]) -> KVStoreClient
 def refuse_loads(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Every load of ``e`` is turned away by the daemon from now on (busy); returns the list that
     records each refusal."""
-    load = e.worker.c._clients.get(connector.Variant(), "load")
+    clients = e.worker.c._clients
+    load = clients.get(connector.Variant(base=clients.base), "load")
     refused: list[bool] = []
 
     def busy(*args: Any, **kw: Any) -> Any:
@@ -322,7 +324,7 @@ def test_prompts_saved_by_one_engine_load_into_another_where_the_kernels_read_th
     e2.run()
     assert [x for x in e2.worker.loads if x[0] == "salted"] == []
     clients = e2.worker.c._clients
-    salted = clients.get(connector.Variant.of(request(U, a, "s", salt="tenant-x"), clients.weights), "check")
+    salted = clients.get(clients.variant(request(U, a, "s", salt="tenant-x")), "check")
     assert wait_until(lambda: salted.lookup(a).matched_tokens == 128, 10)
     e1.worker.c.shutdown()
     e2.worker.c.shutdown()
@@ -659,7 +661,8 @@ def test_a_save_that_failed_is_sent_again_with_the_next_one(
     U, vcfg, ep = setup
     a = prompt(300, 13)
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
-    save = e.worker.c._clients.get(connector.Variant(), "save")
+    clients = e.worker.c._clients
+    save = clients.get(connector.Variant(base=clients.base), "save")
     put_from = save.put_from
     starts: list[int] = []
 

@@ -64,7 +64,7 @@ def test_a_preemption_drops_the_preempted_request_s_queued_saves_and_waits_for_n
     for i, (rid, tokens) in enumerate([("a", a), ("b", b), ("c", c)]):
         blocks = list(range(4 * i, 4 * i + 4))
         w.forward(blocks, tokens, 0, 64)
-        jobs[rid] = Transfer(rid, Variant(), tokens, blocks, 0, 64)
+        jobs[rid] = Transfer(rid, Variant(base=w.c._clients.base), tokens, blocks, 0, 64)
     forwards = {rid: threading.Event() for rid in "bc"}
 
     def after(rid: str) -> Any:  # an event recorded after the forward of ``rid``, not done yet

@@ -117,7 +117,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if conn is not None:
         from kvstore.integrations.vllm import Variant
 
-        client = conn._clients.get(Variant(), "check")
+        client = conn._clients.get(Variant(base=conn._clients.base), "check")
         ns = client.namespace
         result["namespace"] = {"model": ns.model, "revision": ns.revision, "layout": ns.layout.to_dict()}
         from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
