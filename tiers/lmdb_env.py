@@ -373,7 +373,7 @@ def open_environment(
             "writable directory with free space"
         ) from None
     try:
-        reset_reason = _check_clean(path, map_size)
+        reset_reason = _check_clean(path, map_size, durability)
         _check_disk(path)
         env = _open_lmdb(path, durability, map_size, len(DB_NAMES))
         try:
@@ -478,9 +478,11 @@ def check_whole(path: Path, env: lmdb.Environment) -> None:
         )
 
 
-def _check_clean(path: Path, map_size: int) -> str | None:
-    """Wipe a ``fast`` store that went down with the machine while it had unsynced commits.
-    StoreFormatError for a truncated data.mdb (``check_whole``)."""
+def _check_clean(path: Path, map_size: int, durability: Durability) -> str | None:
+    """Wipe a ``fast`` store that went down with the machine while it had unsynced commits. A
+    truncated data.mdb (``check_whole``): a ``fast`` store is wiped too (unsynced pages lost with
+    the machine: its marker cannot be read to say so, the read would be a SIGBUS); another is
+    refused with StoreFormatError."""
     if not (path / "data.mdb").exists():
         return None
     try:
@@ -488,7 +490,12 @@ def _check_clean(path: Path, map_size: int) -> str | None:
     except lmdb.Error:
         return None  # _open_lmdb reports what is wrong with it
     try:
-        check_whole(path, env)
+        try:
+            check_whole(path, env)
+        except StoreFormatError as e:
+            if durability is not Durability.FAST:
+                raise
+            return _wipe(path, f"{e}; with durability 'fast' it is taken for unsynced pages lost, and wiped")
         with env.begin() as txn:
             if txn.get(b"meta") is None:
                 return None
@@ -500,10 +507,15 @@ def _check_clean(path: Path, map_size: int) -> str | None:
     now = boot_id()
     if marker is None or now is None or marker.decode(errors="replace") == now:
         return None
-    reason = (
+    return _wipe(
+        path,
         f"nvme store {path} had unsynced commits (durability 'fast') when the machine went down "
-        f"(boot {marker.decode(errors='replace')}); it may be damaged and was wiped"
+        f"(boot {marker.decode(errors='replace')}); it may be damaged and was wiped",
     )
+
+
+def _wipe(path: Path, reason: str) -> str:
+    """Delete the store at ``path`` (its lock held, its environment closed); returns ``reason``, logged."""
     log.warning(reason)
     for name in ("data.mdb", "lock.mdb"):
         (path / name).unlink(missing_ok=True)
