@@ -129,8 +129,9 @@ def cmd_serve(args: argparse.Namespace, out: IO[str]) -> int:
     config = load_config(args.config)
     if args.endpoint:
         config = with_overrides(config, "server", endpoint=args.endpoint)
-    from kvstore.daemon.process import serve
+    from kvstore.daemon.process import report_crashes, serve
 
+    report_crashes()
     return serve(config)
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import faulthandler
 import logging
@@ -45,6 +46,14 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("kvstore").setLevel(level.upper())
 
 
+def report_crashes() -> None:
+    """A fatal signal in native code (a SIGBUS from a damaged LMDB page, which LMDB cannot check)
+    leaves its cause and every thread's stack in the log, not a log that just stops. For the
+    daemon's own process (its entry points call it); nothing where stderr is closed or no file."""
+    with contextlib.suppress(AttributeError, RuntimeError, ValueError, OSError):
+        faulthandler.enable(sys.stderr, all_threads=True)
+
+
 def serve(config: Config) -> int:
     """Run the daemon until SIGTERM/SIGINT. Returns 0 after a clean stop, 1 when it refuses to start.
 
@@ -53,9 +62,6 @@ def serve(config: Config) -> int:
     ``starting``; the lock is released last, after the socket file is gone.
     """
     _setup_logging(config.server.log_level)
-    # a fatal signal in native code (a SIGBUS from a damaged LMDB page, which LMDB cannot check)
-    # leaves its cause and every thread's stack in the log, not a log that just stops
-    faulthandler.enable(sys.stderr, all_threads=True)
     _share_cores(config.server.workers)
     keep_scratch()  # codec temporaries reused from the heap, not mapped afresh per block (heap.py)
     try:  # what the config alone says is wrong: before anything is claimed or allocated
@@ -220,4 +226,5 @@ def main(argv: list[str] | None = None) -> int:
     except KVStoreError as e:
         print(f"kvstore: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    report_crashes()
     return serve(config)
