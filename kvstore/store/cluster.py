@@ -98,6 +98,9 @@ class ClusterLink:
         # blocks served from this host's tiers, by when their cluster copy's TTL was last set (newest
         # last), and those due a refresh (see ``touch``)
         self._refreshed: OrderedDict[bytes, float] = OrderedDict()
+        # blocks known to have reached the cluster (written, or read from it): a block found absent
+        # there since was lost by it (_write_again), one not yet written is on its way
+        self._there: OrderedDict[bytes, None] = OrderedDict()
         self._refresh_due: OrderedDict[bytes, None] = OrderedDict()
         self._records_due: dict[str, None] = {}  # sessions whose record's TTL is due (see _touch_records)
         self._records_refreshed: OrderedDict[str, float] = OrderedDict()  # when each was last due
@@ -183,6 +186,11 @@ class ClusterLink:
         """``keys``' cluster copies have their TTL from now (written, or read with GETEX)."""
         with self._unsent_lock:
             self._remember(keys, time.monotonic())
+            for k in keys:
+                self._there[k] = None
+                self._there.move_to_end(k)
+            while len(self._there) > REFRESH_MEMORY:
+                self._there.popitem(last=False)
 
     def _remember(self, keys: Sequence[bytes], now: float) -> None:
         """(``_unsent_lock`` held.) ``keys`` had their cluster TTL set at ``now``."""
@@ -223,11 +231,13 @@ class ClusterLink:
     def _write_again(self, keys: Sequence[bytes]) -> None:
         """(The cluster thread.) Queue for the cluster those of ``keys`` this host still holds: lookups
         are prefix-closed, so a block the cluster lost hides every block after it from other hosts,
-        and no put of this host sends a block it holds. Not those never written (dropped, or refused
-        for memory): they go with the next put of them, as before. Dropped (and counted) when the
-        queue is full, to go with the next put of them."""
+        and no put of this host sends a block it holds. Only blocks known to have been there (a block
+        not written yet is on its way; one dropped or refused for memory goes with the next put of
+        it, as before). Dropped (and counted) when the queue is full, to go with the next put of them."""
         with self._unsent_lock:
-            lost = [k for k in keys if k not in self._unsent]
+            lost = [k for k in keys if k in self._there and k not in self._unsent]
+            for k in lost:
+                del self._there[k]
         with self._lock:
             held = [k for k in lost if self._index.get(k) is not None]
         if held:

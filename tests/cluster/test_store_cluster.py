@@ -475,6 +475,18 @@ def test_a_block_the_cluster_lost_while_a_host_serves_it_is_written_again(
     assert host("c").lookup(NS, toks).tiers == ["cluster"] * 4
 
 
+def test_a_block_read_before_its_cluster_write_lands_is_written_once(host: HostFactory) -> None:
+    # read at once after its put: its TTL is due for a refresh before the write reaches the cluster,
+    # and the refresh finds it absent; that is a block on its way, not one the cluster lost
+    a = host("a", ttl=2.0)
+    toks, x = tokens(24), kv(24 * T, seed=9)
+    a.put(NS, toks, x)
+    assert a.get(NS, toks).matched_blocks == 24
+    written(a, 24)
+    time.sleep(0.3)
+    assert a.stats().cluster["written"] == 24  # type: ignore[index]
+
+
 def test_a_session_served_from_a_host_s_own_tiers_keeps_its_cluster_record_alive(host: HostFactory) -> None:
     # the blocks' TTL was refreshed, the session's record not: other hosts could no longer inspect or
     # prefetch a conversation whose blocks were all still there
