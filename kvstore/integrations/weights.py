@@ -94,6 +94,15 @@ def content_id(path: str, files: Signature | None = None) -> str:
     return h.hexdigest()[:16]
 
 
+def named(path: str, files: Signature | None = None) -> str:
+    """``content_id(path, files)``; never raises (an engine's scheduler and SGLang's start call it):
+    weights that cannot be read are named by their path."""
+    try:
+        return content_id(path, files)
+    except Exception:  # noqa: BLE001 - whatever the files hold, the path alone names them
+        return hashlib.sha256(b"path\0" + _bytes(path)).hexdigest()[:16]
+
+
 class Weights:
     """``content_id`` of each path asked about, read again only when its files' sizes or times
     change (a walk and a stat per file on each call): adapters are named on every request. Thread-safe."""
@@ -104,19 +113,13 @@ class Weights:
         self._lock = threading.Lock()
 
     def name(self, path: str) -> str:
-        """``content_id(path)``; never raises (an engine's scheduler calls it)."""
-        try:
-            return self._name(path)
-        except Exception:  # noqa: BLE001 - whatever the files hold, the path alone names them
-            return hashlib.sha256(b"path\0" + _bytes(path)).hexdigest()[:16]
-
-    def _name(self, path: str) -> str:
+        """``named(path)``, from memory while the files' sizes and times stay as they were."""
         files = signature(path)
         with self._lock:
             known = self._known.get(path)
         if known is not None and known[0] == files:
             return known[1]
-        name = content_id(path, files)
+        name = named(path, files)
         with self._lock:
             self._known.pop(path, None)
             if len(self._known) >= self._capacity:
@@ -131,7 +134,7 @@ def weights_id(model: str, revision: str | None = None) -> str:
     the Hugging Face cache resolves the hub id (what the engine loaded from it), "" otherwise.
     Never raises."""
     if os.path.exists(os.path.expanduser(model)):
-        return f"files={Weights().name(model)}"
+        return f"files={named(model)}"
     commit = _hub_commit(model, revision or "main")
     return f"hub={commit[:16]}" if commit else ""
 

@@ -9,10 +9,8 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,30 +87,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A real daemon on an ipc socket with small tiers; yields its config file. Stopped with SIGTERM."""
     root = tmp_path_factory.mktemp("cli")
     cfg = write_daemon_config(root)
-    proc = subprocess.Popen(
-        [*kvstore_cmd(), "serve", "--config", str(cfg)],
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    sock = root / "run" / "kv.sock"
-    deadline = time.monotonic() + 120
-    while not sock.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"daemon did not start: {proc.communicate()[0]}")
-        time.sleep(0.1)
+    proc = serve(cfg)
     try:
         yield cfg
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out = proc.communicate(timeout=60)[0]
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        assert proc.returncode == 0, out
+        stop(proc)
         shutil.rmtree(root, ignore_errors=True)
 
 

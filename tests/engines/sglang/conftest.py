@@ -42,14 +42,18 @@ def backend(endpoint: str, pool: Any, **kw: Any) -> Any:
     return pools.attach(storage_config(endpoint, layout=pool.layout, **kw), pool)
 
 
-@pytest.fixture
-def daemon(daemons: Callable[..., Any], tmp_path: Path) -> Iterator[Any]:
-    """A real kvstore daemon with raw tiers (bit-exact) and shared memory."""
-    cfg = write_config(
+def daemon_config(tmp_path: Path, **server: Any) -> Path:
+    """A daemon config with raw tiers (bit-exact) and shared memory; ``server`` keys added."""
+    return write_config(
         tmp_path,
-        server={"shm_staging": "4MiB", "shm_staging_per_client": "2MiB"},
+        server={"shm_staging": "4MiB", "shm_staging_per_client": "2MiB", **server},
         hbm={"device": "cpu", "capacity": "4MiB"},
         ram={"capacity": "4MiB", "codec": "raw"},
         policy={"page_bytes": "1KiB"},
     )
-    yield daemons(cfg)
+
+
+@pytest.fixture
+def daemon(daemons: Callable[..., Any], tmp_path: Path) -> Iterator[Any]:
+    """A real kvstore daemon with raw tiers (bit-exact) and shared memory."""
+    yield daemons(daemon_config(tmp_path))

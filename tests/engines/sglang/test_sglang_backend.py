@@ -14,7 +14,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.utils import get_hash_str
 
 from kvstore.integrations.sglang import KVStoreHiCache
-from tests.engines.sglang.conftest import PAGE, backend, host_pool, storage_config
+from tests.engines.sglang.conftest import PAGE, backend, daemon_config, host_pool, storage_config
 from tests.engines.sglang.pools import attach
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
@@ -611,16 +611,7 @@ def test_servers_of_other_weights_under_one_served_name_share_no_pages(
 def test_batches_over_the_daemons_token_limit_go_in_runs_it_takes(daemons: Any, tmp_path: Path) -> None:
     # SGLang sends up to 128 pages a call; a daemon whose max_tokens_per_request is under that many
     # pages' tokens refused every call whole: no page found, none stored, a warning per call
-    from tests.hardening.conftest import write_config
-
-    cfg = write_config(
-        tmp_path,
-        server={"shm_staging": "4MiB", "shm_staging_per_client": "2MiB", "max_tokens_per_request": 2 * PAGE},
-        hbm={"device": "cpu", "capacity": "4MiB"},
-        ram={"capacity": "4MiB", "codec": "raw"},
-        policy={"page_bytes": "1KiB"},
-    )
-    d = daemons(cfg)
+    d = daemons(daemon_config(tmp_path, max_tokens_per_request=2 * PAGE))
     pool = host_pool("page_first")
     store = backend(d.endpoint, pool)
     keys = page_hashes(7, salt=13)
