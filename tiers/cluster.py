@@ -308,15 +308,16 @@ class ClusterTier:
             out[i] = v
         return out
 
-    def fetch(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def fetch(self, keys: Sequence[bytes]) -> list[memoryview | bytes | None]:
         """The values of ``keys`` (None where absent), TTL refreshed; one pipelined round trip.
-        ClusterUnavailable when the cluster is down or the call fails."""
+        ClusterUnavailable when the cluster is down or the call fails. A value is bytes or (read
+        straight off a node's socket) a memoryview of memory of its own."""
         if not keys:
             return []
         px = _px(self.ttl)  # None (ttl "never"): made persistent, as a value written now would be
         expiry: dict[str, Any] = {"persist": True} if px is None else {"px": px}
         values = self._call("get", lambda c: self._pipeline(c, "getex", keys, **expiry))
-        return [v if isinstance(v, bytes) else None for v in values]
+        return [v if isinstance(v, (bytes, memoryview)) else None for v in values]
 
     def refresh(self, keys: Sequence[bytes]) -> list[bytes]:
         """Set the TTL of the values of ``keys`` anew (PEXPIRE; absent keys are left absent): blocks
@@ -364,7 +365,7 @@ class ClusterTier:
         else (and reads a node redirected) through redis-py's cluster pipeline."""
         read = _READS.get(op)
         if read is not None:
-            answers = by_node(client, [read(self.block_key(k), **kw) for k in keys])
+            answers = by_node(client, [read(self.block_key(k), **kw) for k in keys], values=op in _VALUES)
             if answers is not None:
                 return answers
         pipe = client.pipeline(transaction=False)
@@ -570,3 +571,6 @@ _READS: dict[str, Callable[..., tuple[Any, ...]]] = {
         ("GETEX", key, "PERSIST") if persist else ("GETEX", key, "PX", px)
     ),
 }
+# those whose values are read off the socket into memory of their own (by_node's ``values``): the
+# blocks a read fetches (operator calls' GETs stay bytes)
+_VALUES = frozenset({"getex"})

@@ -125,7 +125,7 @@ def record_of(key: bytes, value: bytes) -> BlockRecord | None:
 
 
 def unpack_value(
-    key: bytes, value: bytes, namespace: str, parent: bytes | None
+    key: bytes, value: bytes | memoryview, namespace: str, parent: bytes | None
 ) -> tuple[BlockRecord, memoryview]:
     """The record and frame of ``value`` read under ``key``; FrameError unless the value names
     ``key``, its record names ``key``, ``namespace`` and ``parent`` (any parent: None). The frame

@@ -421,7 +421,7 @@ class ClusterLink:
         want = min(len(keys), len(outs))
         batches = [range(b0, min(b0 + FETCH_BATCH, want)) for b0 in range(0, want, FETCH_BATCH)]
 
-        def check_decode(j: int, value: bytes) -> tuple[Any, tuple[str, ...]]:
+        def check_decode(j: int, value: bytes | memoryview) -> tuple[Any, tuple[str, ...]]:
             """Block ``j``: checked against its key, namespace and parent, decoded into ``outs[j]``;
             its frame and the sessions its record names."""
             rec, frame = _unpack(
@@ -577,7 +577,7 @@ def _size(info: dict[str, Any]) -> int:
 
 
 def _unpack(
-    key: bytes, value: bytes, ns_id: str, parents: tuple[bytes, ...] | None
+    key: bytes, value: bytes | memoryview, ns_id: str, parents: tuple[bytes, ...] | None
 ) -> tuple[BlockRecord, Any]:
     if parents is None:
         return unpack_value(key, value, ns_id, None)
