@@ -19,7 +19,7 @@ import torch
 
 from kvstore.codecs.base import Codec, bytes_tensor
 from kvstore.codecs.fp8 import Fp8Codec
-from kvstore.codecs.frame import FrameHeader, check_frame, read_header, verify_checksum
+from kvstore.codecs.frame import FrameHeader, check_frame, read_header, read_split, verify_checksum
 from kvstore.codecs.int4 import Int4Codec
 from kvstore.codecs.int8 import Int8Codec
 from kvstore.codecs.raw import RawCodec
@@ -77,6 +77,17 @@ def decode_frame(
     if codec is None:
         codec = codec_for_frame(header)()
     return codec._decode_checked(frame, header, device, out)
+
+
+def decode_placed(head: Any, payload: Any, *, layout: KVLayout) -> bool:
+    """A frame whose payload was received straight into ``payload`` (the bytes of a contiguous block of
+    ``layout``, where the block goes) and whose header and parameters are ``head``: True when the
+    frame is whole and sound and its payload is the block as it lies (``Codec.payload_is_block``),
+    so ``payload`` holds the block now; False when the two pieces are not the frame cut at its
+    payload, or the payload needs decoding (join them and ``decode_frame`` the whole). FrameError
+    for a damaged frame."""
+    header = read_split(head, payload, expect=layout)
+    return header is not None and codec_for_frame(header).payload_is_block(header)
 
 
 def decode_frames(
@@ -156,6 +167,7 @@ __all__ = [
     "FrameHeader",
     "check_frame",
     "decode_frame",
+    "decode_placed",
     "decode_frames",
     "get_codec",
     "read_header",

@@ -173,6 +173,13 @@ class Codec(ABC):
             return block
         return copy_into(out, block)
 
+    @classmethod
+    def payload_is_block(cls, header: framing.FrameHeader) -> bool:
+        """Whether the payload of a frame with ``header`` is its block's bytes as a contiguous tensor of
+        the layout holds them: such a payload, received straight into the block's place, needs no
+        decoding once its checksum holds (``decode_placed``)."""
+        return False
+
     def _decode_direct(
         self, data: Buffer, layout: KVLayout, params: dict[str, Any], out: torch.Tensor | None
     ) -> torch.Tensor | None:

@@ -137,6 +137,36 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
     LayoutMismatch (when ``expect`` is given and differs).
     """
     mv = memoryview(frame).cast("B")
+    plen, nlen, crc = _sizes(mv)
+    end = HEADER_SIZE + plen + nlen
+    if mv.nbytes < end:
+        raise TruncatedFrame(f"frame of {mv.nbytes} bytes, header says {end}")
+    if verify:
+        _verify(mv, end, crc)
+    return _header(mv, plen, nlen, crc, expect)
+
+
+def read_split(head: Buffer, payload: Buffer, *, expect: KVLayout | None = None) -> FrameHeader | None:
+    """The header of a frame that lies in two pieces: ``head`` (its header and parameters) and
+    ``payload`` (received straight into where the block goes), its checksum checked over both.
+    None when the frame does not end its head where ``head`` ends or its payload is not
+    ``payload``'s length (the pieces were cut elsewhere: join them and read the whole frame).
+    Raises what ``read_header`` raises for a damaged frame."""
+    mv, data = memoryview(head).cast("B"), memoryview(payload).cast("B")
+    try:
+        plen, nlen, crc = _sizes(mv)
+    except TruncatedFrame:  # cut inside the header or the parameters
+        return None
+    if mv.nbytes != HEADER_SIZE + plen or data.nbytes != nlen:
+        return None
+    got = crc32(data, crc32(mv[HEADER_SIZE:], crc32(mv[:_CRC_AT])))
+    if got != crc:
+        raise ChecksumMismatch(f"frame checksum {got:08x} does not match the stored {crc:08x}")
+    return _header(mv, plen, nlen, crc, expect)
+
+
+def _sizes(mv: memoryview) -> tuple[int, int, int]:
+    """A frame header's parameter and payload lengths and CRC, the header's own checks made."""
     if mv.nbytes < HEADER_SIZE:
         raise TruncatedFrame(f"frame of {mv.nbytes} bytes is shorter than its {HEADER_SIZE}-byte header")
     magic, version, plen, nlen, crc, reserved = _SIZES.unpack_from(mv)
@@ -144,16 +174,17 @@ def read_header(frame: Buffer, *, expect: KVLayout | None = None, verify: bool =
         raise BadMagic(f"not a kvstore frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version != VERSION:
         raise UnsupportedVersion(f"frame format version {version}; this build reads version {VERSION}")
-    end = HEADER_SIZE + plen + nlen
-    if plen > MAX_PARAMS or mv.nbytes < end:
-        raise TruncatedFrame(f"frame of {mv.nbytes} bytes, header says {end}")
+    if plen > MAX_PARAMS or mv.nbytes < HEADER_SIZE + plen:
+        raise TruncatedFrame(f"frame of {mv.nbytes} bytes, header says {HEADER_SIZE + plen + nlen}")
     if reserved != _ZEROS:  # reserved bytes sit outside the checksum: they must be 0
         raise ChecksumMismatch(
             f"frame header bytes {_CRC_AT + 4}..{HEADER_SIZE - 1} are reserved and not zero: "
             f"the frame was damaged"
         )
-    if verify:
-        _verify(mv, end, crc)
+    return plen, nlen, crc
+
+
+def _header(mv: memoryview, plen: int, nlen: int, crc: int, expect: KVLayout | None) -> FrameHeader:
     # Frames of one layout and codec share these bytes, so their checks and decode are done once
     # (the checksum above covers them; any damaged byte makes another cache key and a fresh parse).
     codec_id, flags, layout, params = _parse_fixed(

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvstore.codecs.base import Codec, expect_bytes
-from kvstore.codecs.frame import Buffer
+from kvstore.codecs.frame import Buffer, FrameHeader
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
@@ -38,6 +38,14 @@ class RawCodec(Codec):
         if self.shuffle:
             b = b.reshape(-1, block.element_size()).t().contiguous().reshape(-1)
         return {"shuffle": self.shuffle}, [b]
+
+    @classmethod
+    def payload_is_block(cls, header: FrameHeader) -> bool:
+        return (
+            not header.zstd
+            and not header.params.get("shuffle")
+            and header.payload_len == header.layout.block_nbytes
+        )
 
     def _decode_direct(
         self, data: Buffer, layout: KVLayout, params: dict[str, Any], out: torch.Tensor | None

@@ -44,7 +44,14 @@ from typing import Any
 import msgpack
 
 from kvstore.codecs import Codec
-from kvstore.tiers.cluster_client import ClusterUnavailable, by_node, open_client, out_of_memory, reason
+from kvstore.tiers.cluster_client import (
+    ClusterUnavailable,
+    Received,
+    by_node,
+    open_client,
+    out_of_memory,
+    reason,
+)
 from kvstore.tiers.cluster_format import RECORD_READ, SESSION_VERSION, ClusterNodes, record_span, session_of
 
 log = logging.getLogger(__name__)
@@ -308,16 +315,19 @@ class ClusterTier:
             out[i] = v
         return out
 
-    def fetch(self, keys: Sequence[bytes]) -> list[memoryview | bytes | None]:
+    def fetch(
+        self, keys: Sequence[bytes], tails: Sequence[memoryview | None] = ()
+    ) -> list[memoryview | bytes | Received | None]:
         """The values of ``keys`` (None where absent), TTL refreshed; one pipelined round trip.
         ClusterUnavailable when the cluster is down or the call fails. A value is bytes or (read
-        straight off a node's socket) a memoryview of memory of its own."""
+        straight off a node's socket) a memoryview of memory of its own, or Received: its last bytes
+        went into ``tails[i]`` (``by_node``; that memory may be written whatever comes)."""
         if not keys:
             return []
         px = _px(self.ttl)  # None (ttl "never"): made persistent, as a value written now would be
         expiry: dict[str, Any] = {"persist": True} if px is None else {"px": px}
-        values = self._call("get", lambda c: self._pipeline(c, "getex", keys, **expiry))
-        return [v if isinstance(v, (bytes, memoryview)) else None for v in values]
+        values = self._call("get", lambda c: self._pipeline(c, "getex", keys, tails=tails, **expiry))
+        return [v if isinstance(v, (bytes, memoryview, Received)) else None for v in values]
 
     def refresh(self, keys: Sequence[bytes]) -> list[bytes]:
         """Set the TTL of the values of ``keys`` anew (PEXPIRE; absent keys are left absent): blocks
@@ -360,12 +370,16 @@ class ClusterTier:
         found = self._call("delete", lambda c: self._pipeline(c, "delete", keys))
         return sum(int(f) for f in found if isinstance(f, int))
 
-    def _pipeline(self, client: Any, op: str, keys: Sequence[bytes], **kw: Any) -> list[Any]:
-        """``op`` on every key in one round trip: reads straight to the nodes (``by_node``), anything
-        else (and reads a node redirected) through redis-py's cluster pipeline."""
+    def _pipeline(
+        self, client: Any, op: str, keys: Sequence[bytes], tails: Sequence[memoryview | None] = (), **kw: Any
+    ) -> list[Any]:
+        """``op`` on every key in one round trip: reads straight to the nodes (``by_node``, ``tails`` for
+        its values), anything else (and reads a node redirected) through redis-py's cluster pipeline."""
         read = _READS.get(op)
         if read is not None:
-            answers = by_node(client, [read(self.block_key(k), **kw) for k in keys], values=op in _VALUES)
+            answers = by_node(
+                client, [read(self.block_key(k), **kw) for k in keys], values=op in _VALUES, tails=tails
+            )
             if answers is not None:
                 return answers
         pipe = client.pipeline(transaction=False)

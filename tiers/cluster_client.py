@@ -33,6 +33,7 @@ import builtins
 import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -80,7 +81,29 @@ def open_client(nodes: ClusterNodes, timeout: float) -> Any:
         raise _most_telling(_seed_errors(nodes, timeout)) or e from None
 
 
-def by_node(client: Any, commands: Sequence[tuple[Any, ...]], *, values: bool = False) -> list[Any] | None:
+@dataclass(frozen=True)
+class Received:
+    """A value read in two pieces: its last ``tail.nbytes`` bytes straight into ``tail`` (the memory
+    the caller named for them: where the block goes), the bytes before them into ``head``."""
+
+    head: memoryview
+    tail: memoryview
+
+    def joined(self) -> memoryview:
+        """The whole value, in memory of its own (``tail``'s memory may be written again after this)."""
+        whole = np.empty(self.head.nbytes + self.tail.nbytes, dtype=np.uint8).data
+        whole[: self.head.nbytes] = self.head
+        whole[self.head.nbytes :] = self.tail
+        return whole
+
+
+def by_node(
+    client: Any,
+    commands: Sequence[tuple[Any, ...]],
+    *,
+    values: bool = False,
+    tails: Sequence[memoryview | None] = (),
+) -> list[Any] | None:
     """The answers to ``commands`` (each ``(NAME, key, *args)``: a command on one key), in order, in one
     round trip: the commands grouped by the master of each key's slot in ``client``'s map, written to
     every node before any answer is read. None: ``client`` is not a RedisCluster, its map names no
@@ -89,7 +112,10 @@ def by_node(client: Any, commands: Sequence[tuple[Any, ...]], *, values: bool = 
     A connection error or time-out is raised as redis-py raises it (the tier is down).
 
     ``values``: every command answers a value or nil (GET, GETEX); each value comes as a memoryview
-    of memory of its own, read off the socket directly (the module says why).
+    of memory of its own, read off the socket directly (the module says why). ``tails[i]`` (a
+    writable byte view, or None): a value of command ``i`` longer than it comes as ``Received``, its
+    last bytes received into it (a block's payload straight into the block's place); the memory
+    may be written whatever the answer (a shorter value, nil, an error, a failure).
 
     A connection goes back to its pool only with every answer sent on it read, or disconnected:
     one left with an answer unread would hand that answer to the next command sent on it."""
@@ -124,7 +150,7 @@ def by_node(client: Any, commands: Sequence[tuple[Any, ...]], *, values: bool = 
             if sock is not None:
                 reader = _ValueReader(sock)
                 for i in indices:
-                    answer = reader.reply()
+                    answer = reader.reply(tails[i] if i < len(tails) else None)
                     if isinstance(answer, ResponseError):
                         moved = True
                     else:
@@ -203,7 +229,8 @@ class _ValueReader:
                 raise InvalidResponse("an answer's header line runs on past 32 KiB")
             self._more()
 
-    def reply(self) -> memoryview | Exception | None:
+    def reply(self, tail: memoryview | None = None) -> memoryview | Received | Exception | None:
+        """The next answer; a value longer than ``tail`` comes as Received, its last bytes in ``tail``."""
         from redis.exceptions import InvalidResponse, ResponseError
 
         line = self._line()
@@ -215,18 +242,29 @@ class _ValueReader:
         n = int(rest)
         if n < 0:
             return None
-        value = np.empty(n, dtype=np.uint8).data  # not zeroed: every byte is received into it
-        have = min(n, self._end - self._start)
-        value[:have] = self._view[self._start : self._start + have]
-        self._start += have
-        while have < n:
-            have += self._recv(value[have:])
+        value: memoryview | Received
+        if tail is not None and 0 < tail.nbytes < n:
+            head = np.empty(n - tail.nbytes, dtype=np.uint8).data
+            self._receive(head)
+            self._receive(tail)
+            value = Received(head, tail)
+        else:
+            value = np.empty(n, dtype=np.uint8).data  # not zeroed: every byte is received into it
+            self._receive(value)
         while self._end - self._start < 2:
             self._more()
         if self._head[self._start : self._start + 2] != b"\r\n":
             raise InvalidResponse("a value's answer does not end where its length says")
         self._start += 2
         return value
+
+    def _receive(self, into: memoryview) -> None:
+        """Fill ``into``: the bytes already read first, then straight from the socket."""
+        have = min(into.nbytes, self._end - self._start)
+        into[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        while have < into.nbytes:
+            have += self._recv(into[have:])
 
     def finish(self) -> None:
         """Every byte read was an answer: InvalidResponse if more came than the commands asked for."""

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kvstore.chains import Chain, KeyChain
-from kvstore.codecs import decode_frame
+from kvstore.codecs import decode_frame, decode_placed
 from kvstore.errors import FrameError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
@@ -43,6 +43,7 @@ from kvstore.store.adoption import ADOPT_WAIT, Adopter, Adoption
 from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
 from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable
+from kvstore.tiers.cluster_client import Received
 from kvstore.tiers.cluster_format import pack_value, unpack_value
 
 log = logging.getLogger(__name__)
@@ -421,12 +422,23 @@ class ClusterLink:
         want = min(len(keys), len(outs))
         batches = [range(b0, min(b0 + FETCH_BATCH, want)) for b0 in range(0, want, FETCH_BATCH)]
 
-        def check_decode(j: int, value: bytes | memoryview) -> tuple[Any, tuple[str, ...]]:
+        # each value's last block_nbytes go straight into its block's place (where that is host memory
+        # laid out as the block): a raw frame's payload is then the block itself, checked and not copied
+        tails = [_receivable(o) for o in outs[:want]]
+
+        def check_decode(j: int, value: bytes | memoryview | Received) -> tuple[Any, tuple[str, ...]]:
             """Block ``j``: checked against its key, namespace and parent, decoded into ``outs[j]``;
-            its frame and the sessions its record names."""
-            rec, frame = _unpack(
-                keys[j], value, ns.id, parents if parents is None or j == 0 else (keys[j - 1],)
-            )
+            its frame (None: it was received in place, and is not kept) and the sessions its record names."""
+            held_to = parents if parents is None or j == 0 else (keys[j - 1],)
+            if isinstance(value, Received):
+                try:
+                    rec, head = _unpack(keys[j], value.head, ns.id, held_to)
+                except FrameError:  # cut inside the record, or damaged: the whole value says which
+                    rec = None
+                if rec is not None and decode_placed(head, value.tail, layout=ns.layout):
+                    return None, rec.sessions
+                value = value.joined()
+            rec, frame = _unpack(keys[j], value, ns.id, held_to)
             decode_frame(frame, layout=ns.layout, out=outs[j], codecs=codecs)
             return frame, rec.sessions
 
@@ -437,7 +449,9 @@ class ClusterLink:
         # since the read began (what came is served, the rest is a miss).
         fetch = self._pool.submit
         deadline = time.monotonic() + self.cluster.timeout
-        ahead = fetch(self.cluster.fetch, [keys[j] for j in batches[0]]) if batches else None
+        ahead = (
+            fetch(self.cluster.fetch, [keys[j] for j in batches[0]], tails[:FETCH_BATCH]) if batches else None
+        )
         n = 0
         last: tuple[str, ...] = ()  # the sessions the last block served names
         try:
@@ -449,8 +463,12 @@ class ClusterLink:
                 except ClusterUnavailable:
                     return n
                 late = time.monotonic() > deadline
-                nxt = [keys[j] for j in batches[i + 1]] if i + 1 < len(batches) and not late else None
-                ahead = fetch(self.cluster.fetch, nxt) if nxt else None
+                nxt = batches[i + 1] if i + 1 < len(batches) and not late else None
+                ahead = (
+                    fetch(self.cluster.fetch, [keys[j] for j in nxt], tails[nxt.start : nxt.stop])
+                    if nxt
+                    else None
+                )
                 present = [
                     v for v in takewhile(lambda v: v is not None, values) if v is not None
                 ]  # to a miss
@@ -473,7 +491,7 @@ class ClusterLink:
                             pass
                         return n
                     self.cluster.count(hits=1)
-                    if frames is not None:
+                    if frames is not None and frame is not None:
                         frames[keys[j]] = frame
                     n += 1
                 if held < len(values):
@@ -569,6 +587,13 @@ class ClusterLink:
 
     def status(self) -> dict[str, Any]:
         return {**self.cluster.status(), "queue": self.depth()}
+
+
+def _receivable(out: torch.Tensor) -> memoryview | None:
+    """``out``'s bytes as a socket can receive into them: host memory, contiguous; else None."""
+    if out.device.type != "cpu" or not out.is_contiguous():
+        return None
+    return out.view(torch.uint8).reshape(-1).numpy().data
 
 
 def _size(info: dict[str, Any]) -> int:

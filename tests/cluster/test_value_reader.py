@@ -13,7 +13,7 @@ import pytest
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ConnectionError, InvalidResponse, ResponseError, TimeoutError
 
-from kvstore.tiers.cluster_client import HEAD_READ, _ValueReader, by_node, open_client
+from kvstore.tiers.cluster_client import HEAD_READ, Received, _ValueReader, by_node, open_client
 from kvstore.tiers.cluster_format import ClusterNodes
 from tests.cluster.rediscluster import LocalCluster
 
@@ -82,7 +82,7 @@ def test_a_resp3_client_is_read_through_redis_py(
     rc: LocalCluster, filled: tuple[RedisCluster, list[str], list[bytes | None]]
 ) -> None:
     _, names, values = filled
-    seeds = [ClusterNode("127.0.0.1", port) for port in rc.ports[:1]]
+    seeds = [ClusterNode("127.0.0.1", port) for port in rc.ports]  # some may be down after a failover test
     resp3 = RedisCluster(startup_nodes=seeds, protocol=3)
     try:
         got = by_node(resp3, [("GET", n) for n in names], values=True)
@@ -188,3 +188,20 @@ def test_a_node_that_stops_mid_value_times_out_and_one_that_closes_is_a_connecti
             gone.reader.reply()
     finally:
         gone.ours.close()
+
+
+def test_a_value_longer_than_its_tail_has_its_last_bytes_received_into_it(node: Node) -> None:
+    big = os.urandom(HEAD_READ * 2 + 9)
+    answers = b"$%d\r\n%s\r\n$4\r\nabcd\r\n$6\r\nheader\r\n$-1\r\n" % (len(big), big)
+    tails = [memoryview(bytearray(HEAD_READ + 1)), memoryview(bytearray(8)), memoryview(bytearray(2)), None]
+    t = node.send(answers, 4097)
+    got = [node.reader.reply(tail) for tail in (*tails[:3], memoryview(bytearray(4)))]
+    t.join()
+    node.reader.finish()
+    first, short, cut, absent = got
+    assert isinstance(first, Received) and first.tail.obj is tails[0].obj  # type: ignore[union-attr]
+    assert bytes(first.head) == big[: -(HEAD_READ + 1)] and bytes(tails[0]) == big[-(HEAD_READ + 1) :]  # type: ignore[arg-type]
+    assert bytes(first.joined()) == big
+    assert isinstance(short, memoryview) and bytes(short) == b"abcd"  # no longer than its tail: whole
+    assert isinstance(cut, Received) and (bytes(cut.head), bytes(cut.tail)) == (b"head", b"er")
+    assert absent is None

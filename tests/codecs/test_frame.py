@@ -8,8 +8,8 @@ import zlib
 import pytest
 import torch
 
-from kvstore.codecs import decode_frame, get_codec, read_header
-from kvstore.codecs.frame import HEADER_SIZE, MAGIC, MAX_PARAMS, VERSION, pack
+from kvstore.codecs import decode_frame, decode_placed, get_codec, read_header
+from kvstore.codecs.frame import HEADER_SIZE, MAGIC, MAX_PARAMS, VERSION, pack, read_split
 from kvstore.errors import (
     BadMagic,
     ChecksumMismatch,
@@ -153,3 +153,63 @@ def test_codec_ids_are_checked() -> None:
     unknown[5] = 200
     with pytest.raises(FrameError, match="unknown codec id 200"):
         decode_frame(reseal(unknown))
+
+
+def _block() -> torch.Tensor:
+    return torch.randn(LAYOUT.shape()).to(torch.bfloat16)
+
+
+def _cut(frame: bytearray, at: int | None = None) -> tuple[bytes, bytearray]:
+    """A frame in two pieces, as a value received straight into a block's place arrives: the piece
+    before ``at`` (default: where a whole block's bytes from the end begin) and the rest."""
+    at = len(frame) - LAYOUT.block_nbytes if at is None else at
+    return bytes(frame[:at]), bytearray(frame[at:])
+
+
+def test_a_raw_frame_received_in_place_is_checked_and_needs_no_decoding() -> None:
+    block = _block()
+    head, payload = _cut(get_codec("raw").encode(block))
+    assert read_split(head, payload, expect=LAYOUT) is not None
+    assert decode_placed(head, payload, layout=LAYOUT)
+    placed = torch.frombuffer(payload, dtype=torch.bfloat16).view(LAYOUT.shape())
+    assert torch.equal(placed, block)  # the payload is the block, byte for byte
+
+
+@pytest.mark.parametrize("at", [-1, 1])
+def test_a_damaged_piece_fails_the_checksum(at: int) -> None:
+    head, payload = _cut(get_codec("raw").encode(_block()))
+    if at < 0:
+        payload[at] ^= 1  # the last byte of the block
+    else:
+        head = head[:-1] + bytes([head[-1] ^ 1])  # the parameters
+    with pytest.raises(FrameError):
+        decode_placed(head, payload, layout=LAYOUT)
+    with pytest.raises(LayoutMismatch):  # a sound frame of another layout is refused too
+        other = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=4)
+        h, p = _cut(get_codec("raw").encode(torch.zeros(other.shape(), dtype=torch.float16)))
+        decode_placed(h, p, layout=LAYOUT)
+
+
+@pytest.mark.parametrize(
+    ("codec", "params"),
+    [("raw", {"shuffle": True}), ("raw", {"zstd": 1}), ("int8", {}), ("fp8", {})],
+)
+def test_a_frame_whose_payload_is_not_the_block_is_joined_and_decoded(codec: str, params: dict) -> None:
+    block = _block()
+    frame = get_codec(codec, **params).encode(block)
+    for at in (len(frame) - LAYOUT.block_nbytes, HEADER_SIZE + 2, HEADER_SIZE - 5, len(frame) - 7):
+        if not 0 < at < len(frame):
+            continue
+        head, payload = _cut(frame, at)
+        # cut anywhere but at a whole block's payload: not placed (False), never an error
+        assert not decode_placed(head, payload, layout=LAYOUT)
+    whole = decode_frame(bytes(frame), layout=LAYOUT)
+    assert torch.equal(whole, block) or codec != "raw"
+
+
+def test_a_raw_frame_cut_elsewhere_is_not_placed() -> None:
+    frame = get_codec("raw").encode(_block())
+    for at in (HEADER_SIZE - 1, HEADER_SIZE + 1, len(frame) - LAYOUT.block_nbytes + 1):
+        head, payload = _cut(frame, at)
+        assert read_split(head, payload, expect=LAYOUT) is None
+        assert not decode_placed(head, payload, layout=LAYOUT)

@@ -1,0 +1,125 @@
+"""Blocks received straight into their places: a get into contiguous host blocks (as the daemon's
+staging for a same-host client is) has each value's last block_nbytes read off the socket into the
+block itself; a raw frame is then checked there and not copied, any other value is joined and decoded.
+
+host A: put --> cluster (raw frames)        host B: get(out=[block, block, ...]) <-- cluster
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import kvstore.store.cluster as link
+from kvstore.codecs import get_codec
+from kvstore.keys import block_keys
+from kvstore.store.engine import Store
+from kvstore.tiers.cluster_format import pack_value, record_of
+from tests.cluster.conftest import HostFactory
+from tests.cluster.rediscluster import LocalCluster
+from tests.cluster.test_store_cluster import written
+from tests.store.storekit import LAYOUT, NS, T, kv, same, tokens
+
+
+def places(n: int) -> list[torch.Tensor]:
+    """``n`` contiguous blocks, filled with NaN: whatever a read leaves in them shows."""
+    return [torch.full(LAYOUT.shape(T), float("nan"), dtype=LAYOUT.torch_dtype) for _ in range(n)]
+
+
+@pytest.fixture
+def placed(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Each block's verdict as its value is checked: True where it was received in place and taken as it lay."""
+    verdicts: list[bool] = []
+    real = link.decode_placed
+
+    def observed(*args: Any, **kw: Any) -> bool:
+        verdicts.append(real(*args, **kw))
+        return verdicts[-1]
+
+    monkeypatch.setattr(link, "decode_placed", observed)
+    return verdicts
+
+
+def stored(rc: LocalCluster, b: Store, key: bytes) -> tuple[Any, str]:
+    name = b._cluster.cluster.block_key(key)  # type: ignore[union-attr]
+    return rc.node(rc.master_of(name)), name
+
+
+def test_raw_blocks_are_received_in_place_and_stored_on_the_host(
+    host: HostFactory, placed: list[bool]
+) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(4 * T, seed=3)
+    a.put(NS, toks, x)
+    written(a, 4)
+    outs = places(4)
+    r = b.get(NS, toks, out=outs)
+    assert r.matched_blocks == 4 and r.tiers == ["cluster"] * 4
+    assert placed == [True] * 4  # each checked where it landed, none copied
+    for j, o in enumerate(outs):
+        assert same(o, x[:, :, j * T : (j + 1) * T])
+    # B stored them as a put would, and its nvme encodes them from the blocks (no frame was kept)
+    assert b.flush(timeout=10)
+    assert b.lookup(NS, toks).tiers == ["hbm"] * 4
+    nvme = b.tiers.nvme
+    assert nvme is not None and all(nvme.get_frame(k) for k in block_keys(NS, toks))
+    r = b.get(NS, toks)
+    assert r.kv is not None and same(r.kv, x[:, :, : 4 * T])
+
+
+def test_a_block_damaged_in_redis_is_caught_where_it_landed(
+    rc: LocalCluster, host: HostFactory, placed: list[bool]
+) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(4 * T, seed=5)
+    a.put(NS, toks, x)
+    written(a, 4)
+    node, name = stored(rc, b, block_keys(NS, toks)[2])
+    value = bytearray(node.get(name))
+    value[-3] ^= 0x10  # one bit of the block's own bytes: received into its place, then checked
+    node.set(name, bytes(value))
+    outs = places(4)
+    r = b.get(NS, toks, out=outs)
+    assert r.matched_blocks == 2 and r.tiers == ["cluster"] * 2
+    assert all(same(outs[j], x[:, :, j * T : (j + 1) * T]) for j in range(2))
+    assert node.exists(name) == 0  # deleted, counted, and never stored on B
+    assert b.stats().cluster["corrupt"] == 1  # type: ignore[index]
+    assert b.lookup(NS, toks).tiers[:2] == ["hbm"] * 2 and len(b.lookup(NS, toks).tiers) == 2
+
+
+def test_values_whose_last_bytes_are_not_the_block_are_joined_and_decoded(
+    rc: LocalCluster, host: HostFactory, placed: list[bool]
+) -> None:
+    # another host's codec (raw with its bytes shuffled, the same length; raw + zstd of a block zstd
+    # cannot shrink, longer than the block) is read whole; a value cut short is refused, not served
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(4 * T, seed=9)
+    a.put(NS, toks, x)
+    written(a, 4)
+    keys = block_keys(NS, toks)
+    for j, codec in ((1, get_codec("raw", shuffle=True)), (2, get_codec("raw", zstd=1))):
+        node, name = stored(rc, b, keys[j])
+        rec = record_of(keys[j], node.get(name))
+        assert rec is not None
+        node.set(name, pack_value(rec, codec.encode(x[:, :, j * T : (j + 1) * T].contiguous())))
+    node, name = stored(rc, b, keys[3])
+    node.set(name, node.get(name)[:-5])
+    outs = places(4)
+    r = b.get(NS, toks, out=outs)
+    assert r.matched_blocks == 3
+    assert all(same(outs[j], x[:, :, j * T : (j + 1) * T]) for j in range(3))
+    assert placed[:3] == [True, False, False]
+    assert node.exists(name) == 0 and b.stats().cluster["corrupt"] == 1  # type: ignore[index]
+
+
+def test_a_get_into_one_tensor_is_read_as_before(host: HostFactory, placed: list[bool]) -> None:
+    # a block of one [L, 2, tokens, H, D] tensor is not contiguous: nothing is received into it
+    a, b = host("a"), host("b")
+    toks, x = tokens(3), kv(3 * T, seed=4)
+    a.put(NS, toks, x)
+    written(a, 3)
+    out = torch.full(LAYOUT.shape(3 * T), float("nan"), dtype=LAYOUT.torch_dtype)
+    r = b.get(NS, toks, out=out)
+    assert r.matched_blocks == 3 and same(out, x) and placed == []
