@@ -17,14 +17,15 @@ redis-py's ClusterPipeline does), for a third of the pipeline's Python work per 
 EXISTS: 1.0 ms instead of 2.5 ms on loopback). A lookup that the cluster answers is one such round
 trip, and an engine asks one on every request.
 
-``by_node(..., values=True)`` (GET/GETEX answers: the blocks a read fetches) reads each value
-off the socket straight into memory of its own, instead of through redis-py's reply parser: hiredis
-copies a reply three times (the socket read buffer, its own buffer, the bytes object) and the pure-
-Python parser more; here it is the kernel's copy alone. 32 values of 1.47 MB from 3 nodes on
-loopback (tests/cluster/rediscluster.py): 14.6 ms and 11.5 ms of CPU through hiredis, 8.3 ms and
-4.5 ms of CPU this way, which leaves the daemon's cores to checking and decoding the frames. Only
-RESP2 bulk strings and errors are read so (what GET answers); a connection in RESP3, or one whose
-socket redis-py does not expose, is read through redis-py as before.
+``by_node(..., values=True)`` (GETEX answers: the blocks a read fetches) reads each value off the
+socket itself, into memory of its own, instead of through redis-py's reply parser: hiredis copies a
+value three times (the socket read buffer, its own buffer, the bytes object) and the pure-Python
+parser more; here the kernel's copy is the only one. 32 values of 1.47 MB from 3 nodes on loopback
+(tests/cluster/rediscluster.py): 13.5 ms and 10.0 ms of CPU through hiredis, 10.1 ms and 6.0 ms of
+CPU this way, which leaves the daemon's cores to checking the frames. ``tails``: a value's last
+bytes go straight into the caller's memory (where its block goes: kvstore/store/cluster.py). Only
+RESP2 bulk strings, nil and errors are read so (what GETEX answers); a connection in RESP3, or one
+whose socket redis-py does not expose, is read through redis-py.
 """
 
 from __future__ import annotations
@@ -211,7 +212,9 @@ class _ValueReader:
     def _more(self) -> None:
         """Read more bytes after those held (moved to the front first when the buffer's end is reached)."""
         held = self._end - self._start
-        if self._start and self._end == len(self._head):
+        if not held:
+            self._start = self._end = 0
+        elif self._end == len(self._head):
             self._head[:held] = self._head[self._start : self._end]
             self._start, self._end = 0, held
         self._end += self._recv(self._view[self._end :])
@@ -286,7 +289,7 @@ def _connection_kwargs(nodes: ClusterNodes, timeout: float) -> dict[str, Any]:
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "socket_read_size": READ_SIZE,
-        # RESP2, said outright (redis-py 6+ asks for RESP3 by default): what the value reader reads, and
+        # RESP2, said outright (redis-py 8 asks for RESP3 by default): what the value reader reads, and
         # no pushes from the server between the answers (nothing here uses RESP3's additions)
         "protocol": 2,
     }

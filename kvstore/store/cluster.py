@@ -416,7 +416,12 @@ class ClusterLink:
         parent (an engine's page key names its page whatever it was stored after). A value that fails a check (its key,
         record, namespace, parent, CRC or layout) is deleted from the cluster and ends the read.
         ``frames`` (if given) receives each served block's frame, by key (for nvme: WriteBack.offer).
-        Counted per block: ``hits`` those served, ``misses`` the others asked for.
+        Counted per block: ``hits`` those served, ``misses`` the others asked for. ``outs`` past the
+        count may have been written (values are received straight into their places).
+
+        A value received into its place is checked there, in memory others may write (a same-host
+        client maps its staging; two ``outs`` may overlap): one that fails the check there is read
+        again into the daemon's own memory, and that copy decides whether it is damaged.
         """
         codecs = self.cluster.codecs()
         want = min(len(keys), len(outs))
@@ -424,23 +429,40 @@ class ClusterLink:
 
         # each value's last block_nbytes go straight into its block's place (where that is host memory
         # laid out as the block): a raw frame's payload is then the block itself, checked and not copied
-        tails = [_receivable(o) for o in outs[:want]]
+        tails = _receivable(outs[:want])
+
+        def decode(j: int, value: bytes | memoryview) -> tuple[Any, tuple[str, ...]]:
+            rec, frame = _unpack(
+                keys[j], value, ns.id, parents if parents is None or j == 0 else (keys[j - 1],)
+            )
+            decode_frame(frame, layout=ns.layout, out=outs[j], codecs=codecs)
+            return frame, rec.sessions
 
         def check_decode(j: int, value: bytes | memoryview | Received) -> tuple[Any, tuple[str, ...]]:
             """Block ``j``: checked against its key, namespace and parent, decoded into ``outs[j]``;
-            its frame (None: it was received in place, and is not kept) and the sessions its record names."""
-            held_to = parents if parents is None or j == 0 else (keys[j - 1],)
-            if isinstance(value, Received):
+            its frame (None: it was received in place, and is not kept) and the sessions its record
+            names. FrameError: damaged; _Doubted: failed where it landed, and not to be had again."""
+            if not isinstance(value, Received):
+                return decode(j, value)
+            try:
                 try:
-                    rec, head = _unpack(keys[j], value.head, ns.id, held_to)
+                    rec, head = _unpack(
+                        keys[j], value.head, ns.id, parents if parents is None or j == 0 else (keys[j - 1],)
+                    )
                 except FrameError:  # cut inside the record, or damaged: the whole value says which
                     rec = None
                 if rec is not None and decode_placed(head, value.tail, layout=ns.layout):
                     return None, rec.sessions
-                value = value.joined()
-            rec, frame = _unpack(keys[j], value, ns.id, held_to)
-            decode_frame(frame, layout=ns.layout, out=outs[j], codecs=codecs)
-            return frame, rec.sessions
+                return decode(j, value.joined())
+            except FrameError:
+                pass
+            try:  # checked in memory others may write: the daemon's own copy says whether it is damaged
+                own = self.cluster.peek([keys[j]])[0]
+            except ClusterUnavailable:
+                own = None
+            if own is None:
+                raise _Doubted(keys[j])
+            return decode(j, own)
 
         # the next batch is fetched while this one is checked and decoded, two blocks at a time: the
         # round trip hides behind the codec work, which runs outside the GIL for the most part
@@ -479,6 +501,15 @@ class ClusterLink:
                 for j, job in zip(batch, work, strict=False):
                     try:
                         frame, last = job.result()
+                    except _Doubted:
+                        for rest in work:
+                            rest.exception()
+                        log.warning(
+                            "cluster block %s failed its check where it was received and could not be "
+                            "read again; a miss",
+                            keys[j].hex()[:16],
+                        )
+                        return n
                     except FrameError as err:
                         for rest in work:  # wait for the others: none may write into outs after this
                             rest.exception()
@@ -498,14 +529,14 @@ class ClusterLink:
                     return n
             return n
         finally:
-            self.cluster.count(misses=want - n)  # per block: those asked for and not served
-            self._set(keys[:n])  # GETEX set their TTL anew
-            self._touch_records(last)  # and the records of the conversations read to there
-            if ahead is not None:  # a read cut short: its prefetch is waited for, not left running
+            if ahead is not None:  # a read cut short: its prefetch (writing into outs) is waited for first
                 try:
                     ahead.result()
                 except ClusterUnavailable:
                     pass
+            self.cluster.count(misses=want - n)  # per block: those asked for and not served
+            self._set(keys[:n])  # GETEX set their TTL anew
+            self._touch_records(last)  # and the records of the conversations read to there
 
     def fill(
         self,
@@ -589,11 +620,25 @@ class ClusterLink:
         return {**self.cluster.status(), "queue": self.depth()}
 
 
-def _receivable(out: torch.Tensor) -> memoryview | None:
-    """``out``'s bytes as a socket can receive into them: host memory, contiguous; else None."""
-    if out.device.type != "cpu" or not out.is_contiguous():
-        return None
-    return out.view(torch.uint8).reshape(-1).numpy().data
+class _Doubted(Exception):
+    """A value failed its check where it was received, and the daemon's own copy could not be had."""
+
+
+def _receivable(outs: Sequence[torch.Tensor]) -> list[memoryview | None]:
+    """Each of ``outs`` as bytes a socket can receive into (None where it cannot): host memory,
+    contiguous, and overlapping no other of ``outs`` (a value received there would land on another's)."""
+    spans = sorted(
+        (o.data_ptr(), o.data_ptr() + o.nbytes, j)
+        for j, o in enumerate(outs)
+        if o.device.type == "cpu" and o.is_contiguous() and o.nbytes
+    )
+    alone: set[int] = set()
+    for i, (start, end, j) in enumerate(spans):
+        before = i > 0 and spans[i - 1][1] > start
+        after = i + 1 < len(spans) and spans[i + 1][0] < end
+        if not before and not after:
+            alone.add(j)
+    return [o.view(torch.uint8).reshape(-1).numpy().data if j in alone else None for j, o in enumerate(outs)]
 
 
 def _size(info: dict[str, Any]) -> int:

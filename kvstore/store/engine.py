@@ -340,7 +340,8 @@ class Store:
         nothing came from the cluster) ``out`` must stay as it is. A later call of
         ``lookup``, ``get``, ``locate``, ``evict`` and the like waits for those
         blocks to be stored (``settle``). ``lookup``: counted as a lookup (False: the rest of a
-        ``locate``, which counted it).
+        ``locate``, which counted it). Blocks of ``out`` past the result may have been written
+        (values from the cluster are received straight into their places) and hold nothing meaningful.
         """
         later = [] if adopted is None else [adopted]  # fill takes it out; else it is done here
         try:

@@ -35,7 +35,11 @@ def placed(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     real = link.decode_placed
 
     def observed(*args: Any, **kw: Any) -> bool:
-        verdicts.append(real(*args, **kw))
+        try:
+            verdicts.append(real(*args, **kw))
+        except Exception:
+            verdicts.append(False)
+            raise
         return verdicts[-1]
 
     monkeypatch.setattr(link, "decode_placed", observed)
@@ -123,3 +127,63 @@ def test_a_get_into_one_tensor_is_read_as_before(host: HostFactory, placed: list
     out = torch.full(LAYOUT.shape(3 * T), float("nan"), dtype=LAYOUT.torch_dtype)
     r = b.get(NS, toks, out=out)
     assert r.matched_blocks == 3 and same(out, x) and placed == []
+
+
+def test_a_placed_read_spans_batches_and_stops_at_the_damaged_block(
+    rc: LocalCluster, host: HostFactory, placed: list[bool]
+) -> None:
+    # two batches, the next fetched (into its places) while this one is checked (as many blocks as
+    # A's hbm and ram hold: a block A kept only on nvme would reach the cluster as int4 left it)
+    a, b = host("a"), host("b")
+    n = link.FETCH_BATCH + 4
+    toks, x = tokens(n), kv(n * T, seed=12)
+    a.put(NS, toks, x)
+    written(a, n)
+    node, name = stored(rc, b, block_keys(NS, toks)[link.FETCH_BATCH + 2])
+    value = bytearray(node.get(name))
+    value[-1] ^= 0x01
+    node.set(name, bytes(value))
+    outs = places(n)
+    r = b.get(NS, toks, out=outs)
+    assert r.matched_blocks == link.FETCH_BATCH + 2
+    assert all(same(outs[j], x[:, :, j * T : (j + 1) * T]) for j in range(r.matched_blocks))
+    assert node.exists(name) == 0 and b.stats().cluster["corrupt"] == 1  # type: ignore[index]
+
+
+def test_a_block_changed_where_it_landed_is_read_again_and_never_deleted(
+    rc: LocalCluster, host: HostFactory, placed: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a same-host client maps its staging, where blocks land: one that writes there while the daemon
+    # checks them makes a sound block fail its check in place. The daemon's own copy decides: the
+    # block is served from it, and stays in the cluster for every other host
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(4 * T, seed=13)
+    a.put(NS, toks, x)
+    written(a, 4)
+    outs = places(4)
+    tier = b._cluster.cluster  # type: ignore[union-attr]
+    fetch = tier.fetch
+
+    def then_written_over(*args: Any, **kw: Any) -> Any:
+        values = fetch(*args, **kw)
+        outs[1].view(torch.uint8).view(-1)[7] ^= 0xFF  # what the client's write would do
+        return values
+
+    monkeypatch.setattr(tier, "fetch", then_written_over)
+    r = b.get(NS, toks, out=outs)
+    assert r.matched_blocks == 4 and sorted(placed) == [False, True, True, True]
+    assert all(same(outs[j], x[:, :, j * T : (j + 1) * T]) for j in range(4))
+    assert b.stats().cluster["corrupt"] == 0  # type: ignore[index]
+    node, name = stored(rc, b, block_keys(NS, toks)[1])
+    assert node.exists(name) == 1
+
+
+def test_outs_over_one_another_get_nothing_received_into_them(host: HostFactory, placed: list[bool]) -> None:
+    # a caller's mistake (one tensor given twice): each value is read whole, none fails for the other
+    a, b = host("a"), host("b")
+    toks, x = tokens(2), kv(2 * T, seed=14)
+    a.put(NS, toks, x)
+    written(a, 2)
+    one = places(1)[0]
+    r = b.get(NS, toks, out=[one, one])
+    assert r.matched_blocks == 2 and placed == [] and b.stats().cluster["corrupt"] == 0  # type: ignore[index]
