@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from kvstore.chains import Chain, KeyChain
-from kvstore.codecs import decode_frame, decode_placed
+from kvstore.codecs import check_frame, decode_frame, decode_placed
+from kvstore.codecs.frame import Buffer
 from kvstore.errors import FrameError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
@@ -337,7 +338,9 @@ class ClusterLink:
                 t = e.highest()
             try:
                 rec = self._record(key)
-                block = self._tiers[t].get(key)
+                frame = self._frame_as_is(t, key, rec)
+                if frame is None:
+                    frame = self.cluster.codec_for(rec.position).encode(self._tiers[t].get(key))
                 break
             except KeyError:
                 continue
@@ -345,7 +348,6 @@ class ClusterLink:
                 return
         else:
             return
-        frame = self.cluster.codec_for(rec.position).encode(block)
         try:
             stored = self.cluster.store([(key, pack_value(rec, frame))])
         except ClusterUnavailable:
@@ -355,6 +357,20 @@ class ClusterLink:
             self._set([key])
         else:  # refused for memory (counted in write_refused): sent again with the next put
             self._dropped([key], counted, count=False)  # that reaches it, or the blocks after it are lost
+
+    def _frame_as_is(self, t: int, key: bytes, rec: BlockRecord) -> Buffer | None:
+        """nvme's frame of ``key`` when tier ``t`` (its best copy) is nvme and the frame goes to the
+        cluster as it is: in the cluster's codec for the block (decoding and encoding it again would
+        quantize it twice), or the cluster's codec is lossless (the block as it was put is gone: the
+        frame holds all that is left of it, in fewer bytes). Else None (encode the block).
+        FrameError when the frame is damaged; KeyError when it went meanwhile."""
+        nvme = self._tiers.nvme
+        if nvme is None or self._tiers[t] is not nvme:
+            return None
+        frame = nvme.get_frame(key)
+        header = check_frame(frame)
+        codec = self.cluster.codec_for(rec.position)
+        return frame if header.codec_id == codec.codec_id or codec.lossless else None
 
     def _record(self, key: bytes) -> BlockRecord:
         """The block's record: from memory while it has no nvme copy, else nvme's."""

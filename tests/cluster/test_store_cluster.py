@@ -377,6 +377,34 @@ def test_blocks_from_the_cluster_reach_nvme_as_the_cluster_framed_them(
         assert value.endswith(nvme.get_frame(k))
 
 
+@pytest.mark.parametrize("codec", ["int4", "raw"])
+def test_a_block_kept_only_on_nvme_reaches_the_cluster_as_nvme_framed_it(
+    rc: LocalCluster, host: HostFactory, codec: str
+) -> None:
+    # A's hbm and ram let the block go before its cluster write ran: its best copy is nvme's int4
+    # frame. An int4 cluster gets that frame as it is (decoded and encoded again it would be quantized
+    # twice); a raw cluster too (the block as it was put is gone: the frame is all that is left of it,
+    # in fewer bytes than a raw frame of its decoding)
+    a = host("a", codec=codec, connect=False)
+    toks, x = tokens(2), kv(2 * T, seed=21)
+    a.put(NS, toks, x)
+    assert a.flush(timeout=10)
+    for tier in ("hbm", "ram"):
+        a.evict(EvictFilter(all=True, tier=tier))
+    nvme = a.tiers.nvme
+    assert nvme is not None and a.lookup(NS, toks).tiers == ["nvme"] * 2
+    link = a._cluster
+    assert link is not None
+    link.cluster.connect()
+    for k in _keys(toks):
+        link._write(k)
+        name = link.cluster.block_key(k)
+        assert rc.node(rc.master_of(name)).get(name).endswith(nvme.get_frame(k))
+    b = host("b")
+    r = b.get(NS, toks)
+    assert r.tiers == ["cluster"] * 2 and close_to(got(r), x)
+
+
 def test_a_hung_node_costs_one_timeout_then_the_cluster_is_used_again(
     rc: LocalCluster, host: HostFactory
 ) -> None:
