@@ -44,15 +44,9 @@ from typing import Any
 import msgpack
 
 from kvstore.codecs import Codec
-from kvstore.tiers.cluster_client import (
-    ClusterUnavailable,
-    Received,
-    by_node,
-    open_client,
-    out_of_memory,
-    reason,
-)
+from kvstore.tiers.cluster_client import ClusterUnavailable, by_node, open_client, out_of_memory, reason
 from kvstore.tiers.cluster_format import RECORD_READ, SESSION_VERSION, ClusterNodes, record_span, session_of
+from kvstore.tiers.cluster_values import Received
 
 log = logging.getLogger(__name__)
 

@@ -18,36 +18,28 @@ EXISTS: 1.0 ms instead of 2.5 ms on loopback). A lookup that the cluster answers
 trip, and an engine asks one on every request.
 
 ``by_node(..., values=True)`` (GETEX answers: the blocks a read fetches) reads each value off the
-socket itself, into memory of its own, instead of through redis-py's reply parser: hiredis copies a
-value three times (the socket read buffer, its own buffer, the bytes object) and the pure-Python
-parser more; here the kernel's copy is the only one. 32 values of 1.47 MB from 3 nodes on loopback
-(tests/cluster/rediscluster.py): 13.5 ms and 10.0 ms of CPU through hiredis, 10.1 ms and 6.0 ms of
-CPU this way, which leaves the daemon's cores to checking the frames. ``tails``: a value's last
-bytes go straight into the caller's memory (where its block goes: kvstore/store/cluster.py). Only
-RESP2 bulk strings, nil and errors are read so (what GETEX answers); a connection in RESP3, or one
-whose socket redis-py does not expose, is read through redis-py.
+socket itself (cluster_values.py), into memory of its own: 32 values of 1.47 MB from 3 nodes on
+loopback (tests/cluster/rediscluster.py) took 13.5 ms and 10.0 ms of CPU through hiredis, 10.1 ms
+and 6.0 ms of CPU so, which leaves the daemon's cores to checking the frames. ``tails``: a value's
+last bytes go straight into the caller's memory (where its block goes: kvstore/store/cluster.py).
+A connection in RESP3, or one whose socket redis-py does not expose, is read through redis-py.
 """
 
 from __future__ import annotations
 
-import builtins
-import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from kvstore.errors import KVStoreError
 from kvstore.tiers.cluster_format import ClusterNodes
+from kvstore.tiers.cluster_values import ValueReader, raw_socket
 
 # bytes a connection reads from its socket at a time (redis-py's default: 64 KiB): a block's value is
 # ~0.4-1.5 MB, and each read is a trip through redis-py's Python and hiredis's buffer; 32 values of
 # 1.5 MB from one node on loopback: 54 ms at 64 KiB a read, 33-35 ms at 1 MiB (4 MiB: no faster).
 # Each connection holds a buffer this size.
 READ_SIZE = 1 << 20
-HEAD_READ = 1 << 16  # bytes a value reader reads at a time for the replies' header lines
 
 
 class ClusterUnavailable(KVStoreError):
@@ -80,22 +72,6 @@ def open_client(nodes: ClusterNodes, timeout: float) -> Any:
         if len(nodes.hosts) < 2 or "cannot be connected" not in str(e):
             raise
         raise _most_telling(_seed_errors(nodes, timeout)) or e from None
-
-
-@dataclass(frozen=True)
-class Received:
-    """A value read in two pieces: its last ``tail.nbytes`` bytes straight into ``tail`` (the memory
-    the caller named for them: where the block goes), the bytes before them into ``head``."""
-
-    head: memoryview
-    tail: memoryview
-
-    def joined(self) -> memoryview:
-        """The whole value, in memory of its own (``tail``'s memory may be written again after this)."""
-        whole = np.empty(self.head.nbytes + self.tail.nbytes, dtype=np.uint8).data
-        whole[: self.head.nbytes] = self.head
-        whole[self.head.nbytes :] = self.tail
-        return whole
 
 
 def by_node(
@@ -147,9 +123,9 @@ def by_node(
             taken.append((pool, conn, indices))
             conn.send_packed_command(conn.pack_commands([commands[i] for i in indices]), check_health=False)
         for _, conn, indices in taken:
-            sock = _raw_socket(conn) if values else None
+            sock = raw_socket(conn) if values else None
             if sock is not None:
-                reader = _ValueReader(sock)
+                reader = ValueReader(sock)
                 for i in indices:
                     answer = reader.reply(tails[i] if i < len(tails) else None)
                     if isinstance(answer, ResponseError):
@@ -171,110 +147,6 @@ def by_node(
         for pool, conn, _ in taken:
             pool.release(conn)
     return None if moved else out
-
-
-def _raw_socket(conn: Any) -> socket.socket | None:
-    """The socket of a connection that answers in RESP2, for ``_ValueReader``; None: read it through
-    redis-py (RESP3, or a redis-py that keeps its socket elsewhere)."""
-    sock = getattr(conn, "_sock", None)
-    if str(getattr(conn, "protocol", 2) or 2) != "2" or not isinstance(sock, socket.socket):
-        return None
-    return sock
-
-
-class _ValueReader:
-    """RESP2 answers to GET-like commands, read from one connection's socket: a bulk string into a
-    buffer of its own (the bytes already read for the header lines copied in first, the rest
-    received into it), nil as None, an error reply as a ResponseError (returned, not raised: the
-    answers after it are read all the same). Anything else raises InvalidResponse; a socket error,
-    a time-out or a closed connection raise what redis-py raises for them. ``by_node`` disconnects
-    the connection on any raise, so a reader never leaves it out of step."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._head = bytearray(HEAD_READ)
-        self._view = memoryview(self._head)
-        self._start = self._end = 0  # the bytes read and not yet taken: _head[_start:_end]
-
-    def _recv(self, into: memoryview) -> int:
-        from redis.exceptions import ConnectionError, TimeoutError
-
-        try:
-            n = self._sock.recv_into(into)
-        except builtins.TimeoutError as e:
-            raise TimeoutError("Timeout reading from socket") from e
-        except OSError as e:
-            raise ConnectionError(f"Error while reading from socket: {e}") from e
-        if n == 0:
-            raise ConnectionError("Connection closed by server.")
-        return n
-
-    def _more(self) -> None:
-        """Read more bytes after those held (moved to the front first when the buffer's end is reached)."""
-        held = self._end - self._start
-        if not held:
-            self._start = self._end = 0
-        elif self._end == len(self._head):
-            self._head[:held] = self._head[self._start : self._end]
-            self._start, self._end = 0, held
-        self._end += self._recv(self._view[self._end :])
-
-    def _line(self) -> bytes:
-        from redis.exceptions import InvalidResponse
-
-        while True:
-            i = self._head.find(b"\r\n", self._start, self._end)
-            if i >= 0:
-                line = bytes(self._head[self._start : i])
-                self._start = i + 2
-                return line
-            if self._end - self._start >= len(self._head) // 2:
-                raise InvalidResponse("an answer's header line runs on past 32 KiB")
-            self._more()
-
-    def reply(self, tail: memoryview | None = None) -> memoryview | Received | Exception | None:
-        """The next answer; a value longer than ``tail`` comes as Received, its last bytes in ``tail``."""
-        from redis.exceptions import InvalidResponse, ResponseError
-
-        line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            return ResponseError(rest.decode(errors="replace"))
-        if kind != b"$" or not rest.lstrip(b"-").isdigit():
-            raise InvalidResponse(f"an answer to a read that is no value: {line[:40]!r}")
-        n = int(rest)
-        if n < 0:
-            return None
-        value: memoryview | Received
-        if tail is not None and 0 < tail.nbytes < n:
-            head = np.empty(n - tail.nbytes, dtype=np.uint8).data
-            self._receive(head)
-            self._receive(tail)
-            value = Received(head, tail)
-        else:
-            value = np.empty(n, dtype=np.uint8).data  # not zeroed: every byte is received into it
-            self._receive(value)
-        while self._end - self._start < 2:
-            self._more()
-        if self._head[self._start : self._start + 2] != b"\r\n":
-            raise InvalidResponse("a value's answer does not end where its length says")
-        self._start += 2
-        return value
-
-    def _receive(self, into: memoryview) -> None:
-        """Fill ``into``: the bytes already read first, then straight from the socket."""
-        have = min(into.nbytes, self._end - self._start)
-        into[:have] = self._view[self._start : self._start + have]
-        self._start += have
-        while have < into.nbytes:
-            have += self._recv(into[have:])
-
-    def finish(self) -> None:
-        """Every byte read was an answer: InvalidResponse if more came than the commands asked for."""
-        from redis.exceptions import InvalidResponse
-
-        if self._start != self._end:
-            raise InvalidResponse("a node sent more than the answers asked of it")
 
 
 def _connection_kwargs(nodes: ClusterNodes, timeout: float) -> dict[str, Any]:

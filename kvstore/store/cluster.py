@@ -44,8 +44,8 @@ from kvstore.store.adoption import ADOPT_WAIT, Adopter, Adoption
 from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
 from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable
-from kvstore.tiers.cluster_client import Received
 from kvstore.tiers.cluster_format import pack_value, unpack_value
+from kvstore.tiers.cluster_values import Received
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,9 @@ import pytest
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ConnectionError, InvalidResponse, ResponseError, TimeoutError
 
-from kvstore.tiers.cluster_client import HEAD_READ, Received, _ValueReader, by_node, open_client
+from kvstore.tiers.cluster_client import by_node, open_client
 from kvstore.tiers.cluster_format import ClusterNodes
+from kvstore.tiers.cluster_values import HEAD_READ, Received, ValueReader
 from tests.cluster.rediscluster import LocalCluster
 
 SIZES = [0, 1, 100, HEAD_READ - 1, HEAD_READ, HEAD_READ + 5, 3 * 2**20 + 7]
@@ -97,7 +98,7 @@ class Node:
     def __init__(self, timeout: float = 2.0) -> None:
         self.ours, self.node = socket.socketpair()
         self.ours.settimeout(timeout)
-        self.reader = _ValueReader(self.ours)
+        self.reader = ValueReader(self.ours)
 
     def send(self, data: bytes, piece: int | None = None) -> threading.Thread:
         def run() -> None:
