@@ -1,16 +1,14 @@
-"""The store's side of the cluster tier: blocks written through to it, read from it on a local miss.
+"""The store's side of the cluster tier: blocks written through to it; reads from it are
+cluster_reads.py's, which this link holds.
 
 ::
 
     put()    new keys --> [ bounded queue ([cluster] write_queue) ] --> cluster thread: write(key)
-             (full: dropped, counted, remembered:                        read best copy, encode (int4),
-              the next put of the block sends it again; never a wait)    SET key value PX ttl
+             (full: dropped, counted, remembered:                        best copy: nvme's frame as it
+              the next put of the block sends it again; never a wait)    is, or encoded (int4);
+                                                                          SET key value PX ttl
              session --> [ newest record per session, bounded ] -------> SET session record
-    lookup   local walk ends at block i --> leading(keys i..)           one pipelined EXISTS round trip
-    get      local blocks read --> read(keys i.., outs)                 pipelined GETEX in batches,
-                                                                         checked and decoded into ``outs``
-             --> fill(): what came back is put here (hbm; nvme gets the frames as they are),
-                 for the daemon after its client has copied them (adoption.py)
+    served here, or read from the cluster --> TTLs of blocks and session records set anew (batched)
 
 Operator calls on the cluster (sessions of other hosts, evict, prefetch) are in cluster_admin.py.
 
@@ -26,32 +24,25 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from itertools import islice, takewhile
+from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import Any
 
-import torch
-
-from kvstore.chains import Chain, KeyChain
-from kvstore.codecs import check_frame, decode_frame, decode_placed
+from kvstore.codecs import check_frame
 from kvstore.codecs.frame import Buffer
 from kvstore.errors import FrameError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
-from kvstore.results import PutResult, StoreClosed
-from kvstore.store.adoption import ADOPT_WAIT, Adopter, Adoption
+from kvstore.results import PutResult
+from kvstore.store.adoption import ADOPT_WAIT
+from kvstore.store.cluster_reads import ClusterReads
 from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
 from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable
-from kvstore.tiers.cluster_format import pack_value, unpack_value
-from kvstore.tiers.cluster_values import Received
+from kvstore.tiers.cluster_format import pack_value
 
 log = logging.getLogger(__name__)
 
-FETCH_BATCH = 8  # blocks per pipelined GETEX: bounds the memory one read holds in flight
-FETCHERS = 4  # reads fetching their next batch at once
-LOOKUP_LIMIT = 4096  # blocks one lookup asks the cluster about at most
 REFRESH_SHARE = 0.25  # a block served here has its cluster TTL set anew once this share of it has passed
 REFRESH_MEMORY = 1 << 16  # blocks whose last refresh is remembered (~8 MB); the others are refreshed again
 REFRESH_BATCH = 256  # TTLs set in one round trip
@@ -92,11 +83,7 @@ class ClusterLink:
         self._records_bytes = 0
         self._writer = WriteThrough(maxsize=queue, tick=tick, name="kvstore-cluster")
         self._writer.start(self._write, self._idle)
-        # a read's next batch is fetched on one of these while the read decodes the last: one slow read
-        # holds one, the others go on
-        self._pool = ThreadPoolExecutor(FETCHERS, thread_name_prefix="kvstore-cluster-fetch")
-        self._decoders = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-decode")
-        self._adopter = Adopter()
+        self._reads = ClusterReads(cluster, parts.lock, parts.counts, put, offer, self._served)
         # blocks served from this host's tiers, by when their cluster copy's TTL was last set (newest
         # last), and those due a refresh (see ``touch``)
         self._refreshed: OrderedDict[bytes, float] = OrderedDict()
@@ -400,278 +387,40 @@ class ClusterLink:
         """Write what is queued for up to ``timeout`` seconds, then stop (the cluster is a copy): what
         is still queued then is dropped and counted (``write_dropped``, ``session_dropped``); the one
         write under way ends within the tier's time-out."""
-        self._adopter.close()  # what gets read from the cluster is stored first
+        self._reads.close()  # what was read from the cluster is stored first
         if not self._writer.drain(timeout):
             with self._unsent_lock:
                 sessions, self._records, self._records_bytes = len(self._records), {}, 0
             blocks, _ = self._writer.discard()
             self.cluster.count(write_dropped=blocks, session_dropped=sessions)
         self._writer.close(timeout)
-        self._pool.shutdown(wait=True)
-        self._decoders.shutdown(wait=True)
         self.cluster.close()
 
-    # -- reads ------------------------------------------------------------------------
+    # -- reads (cluster_reads.py) ------------------------------------------------------
     def leading(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys`` (the blocks after the local ones) the cluster holds, from the first."""
-        return self.cluster.leading(keys[:LOOKUP_LIMIT])
+        return self._reads.leading(keys)
 
-    def read(
-        self,
-        ns: Namespace,
-        keys: Sequence[bytes],
-        parents: tuple[bytes, ...] | None,
-        outs: Sequence[torch.Tensor],
-        frames: dict[bytes, Any] | None = None,
-    ) -> int:
-        """Fetch blocks ``keys`` from the cluster into ``outs`` (one ``[L, 2, T, H, D]`` tensor each),
-        stopping at the first absent or damaged one; returns how many were written.
-
-        The first block's record must name one of ``parents`` as its parent (the key before it, or the
-        namespace root); each later one the key before it. ``parents`` None: no record is held to a
-        parent (an engine's page key names its page whatever it was stored after). A value that fails a check (its key,
-        record, namespace, parent, CRC or layout) is deleted from the cluster and ends the read.
-        ``frames`` (if given) receives each served block's frame, by key (for nvme: WriteBack.offer).
-        Counted per block: ``hits`` those served, ``misses`` the others asked for. ``outs`` past the
-        count may have been written (values are received straight into their places).
-
-        A value received into its place is checked there, in memory others may write (a same-host
-        client maps its staging; two ``outs`` may overlap): one that fails the check there is read
-        again into the daemon's own memory, and that copy decides whether it is damaged.
-        """
-        codecs = self.cluster.codecs()
-        want = min(len(keys), len(outs))
-        batches = [range(b0, min(b0 + FETCH_BATCH, want)) for b0 in range(0, want, FETCH_BATCH)]
-
-        # each value's last block_nbytes go straight into its block's place (where that is host memory
-        # laid out as the block): a raw frame's payload is then the block itself, checked and not copied
-        tails = _receivable(outs[:want])
-
-        def decode(j: int, value: bytes | memoryview) -> tuple[Any, tuple[str, ...]]:
-            rec, frame = _unpack(
-                keys[j], value, ns.id, parents if parents is None or j == 0 else (keys[j - 1],)
-            )
-            decode_frame(frame, layout=ns.layout, out=outs[j], codecs=codecs)
-            return frame, rec.sessions
-
-        def check_decode(j: int, value: bytes | memoryview | Received) -> tuple[Any, tuple[str, ...]]:
-            """Block ``j``: checked against its key, namespace and parent, decoded into ``outs[j]``;
-            its frame (None: it was received in place, and is not kept) and the sessions its record
-            names. FrameError: damaged; _Doubted: failed where it landed, and not to be had again."""
-            if not isinstance(value, Received):
-                return decode(j, value)
-            try:
-                try:
-                    rec, head = _unpack(
-                        keys[j], value.head, ns.id, parents if parents is None or j == 0 else (keys[j - 1],)
-                    )
-                except FrameError:  # cut inside the record, or damaged: the whole value says which
-                    rec = None
-                if rec is not None and decode_placed(head, value.tail, layout=ns.layout):
-                    return None, rec.sessions
-                return decode(j, value.joined())
-            except FrameError:
-                pass
-            try:  # checked in memory others may write: the daemon's own copy says whether it is damaged
-                own = self.cluster.peek([keys[j]])[0]
-            except ClusterUnavailable:
-                own = None
-            if own is None:
-                raise _Doubted(keys[j])
-            return decode(j, own)
-
-        # the next batch is fetched while this one is checked and decoded, two blocks at a time: the
-        # round trip hides behind the codec work, which runs outside the GIL for the most part
-        # A read takes about one time-out at most: a node slow enough to answer each batch just within
-        # it never marks the cluster down, so no batch is asked for once the time-out has passed
-        # since the read began (what came is served, the rest is a miss).
-        fetch = self._pool.submit
-        deadline = time.monotonic() + self.cluster.timeout
-        ahead = (
-            fetch(self.cluster.fetch, [keys[j] for j in batches[0]], tails[:FETCH_BATCH]) if batches else None
-        )
-        n = 0
-        last: tuple[str, ...] = ()  # the sessions the last block served names
-        try:
-            for i, batch in enumerate(batches):
-                if ahead is None:
-                    return n
-                try:
-                    values = ahead.result()
-                except ClusterUnavailable:
-                    return n
-                late = time.monotonic() > deadline
-                nxt = batches[i + 1] if i + 1 < len(batches) and not late else None
-                ahead = (
-                    fetch(self.cluster.fetch, [keys[j] for j in nxt], tails[nxt.start : nxt.stop])
-                    if nxt
-                    else None
-                )
-                present = [
-                    v for v in takewhile(lambda v: v is not None, values) if v is not None
-                ]  # to a miss
-                held = len(present)
-                work = [
-                    self._decoders.submit(check_decode, j, v) for j, v in zip(batch, present, strict=False)
-                ]
-                for j, job in zip(batch, work, strict=False):
-                    try:
-                        frame, last = job.result()
-                    except _Doubted:
-                        for rest in work:
-                            rest.exception()
-                        log.warning(
-                            "cluster block %s failed its check where it was received and could not be "
-                            "read again; a miss",
-                            keys[j].hex()[:16],
-                        )
-                        return n
-                    except FrameError as err:
-                        for rest in work:  # wait for the others: none may write into outs after this
-                            rest.exception()
-                        k = keys[j]
-                        log.warning("cluster block %s failed its check (%s); deleted", k.hex()[:16], err)
-                        self.cluster.count(corrupt=1)
-                        try:
-                            self.cluster.delete([k])
-                        except ClusterUnavailable:
-                            pass
-                        return n
-                    self.cluster.count(hits=1)
-                    if frames is not None and frame is not None:
-                        frames[keys[j]] = frame
-                    n += 1
-                if held < len(values):
-                    return n
-            return n
-        finally:
-            if ahead is not None:  # a read cut short: its prefetch (writing into outs) is waited for first
-                try:
-                    ahead.result()
-                except ClusterUnavailable:
-                    pass
-            self.cluster.count(misses=want - n)  # per block: those asked for and not served
-            self._set(keys[:n])  # GETEX set their TTL anew
-            self._touch_records(last)  # and the records of the conversations read to there
-
-    def fill(
-        self,
-        ns: Namespace,
-        names: Chain,
-        start: int,
-        local: int,
-        want: int,
-        missed: bytes,
-        keys: Iterator[bytes],
-        out: torch.Tensor | None,
-        blocks_out: Sequence[torch.Tensor] | None,
-        later: Adoption | None = None,
-    ) -> int:
-        """(No lock held.) Blocks ``start + local ..`` (at most ``want - local``; ``missed`` is the first's
-        key, ``keys`` yields the rest) from the cluster into ``out`` or ``blocks_out``, then stored here
-        as a put of them would (best effort: a block before them that went meanwhile stops that), and
-        nvme is offered their frames. Returns how many came.
-
-        ``later``: they are stored here on the link's own thread after this has returned, once
-        ``later.start`` is set (the caller answers its client meanwhile and leaves ``out`` as it is),
-        and ``later.done()`` is called when that is over; ``settle`` waits for it. Without it they
-        are stored before this returns."""
-        T = ns.layout.block_tokens
-        try:
-            first = start + local
-            rest = [missed, *islice(keys, want - local - 1)]
-            parents: tuple[bytes, ...] | None
-            if isinstance(names, KeyChain):
-                # a page key is the engine's hash of the page and all before it: the same page read
-                # on its own, after another run of pages, or after none, is the same block
-                parents = None
-            elif first > 0:
-                parents = (names.keys(ns, first)[-1],)
-            else:
-                root = names.parent_key(ns)
-                parents = (ns.root(),) if root is None else (root, ns.root())
-            if blocks_out is not None:
-                dsts = list(blocks_out[local:want])
-            else:
-                assert out is not None
-                dsts = [out[:, :, j * T : (j + 1) * T] for j in range(local, want)]
-            frames: dict[bytes, Any] = {}
-            n = self.read(ns, rest, parents, dsts, frames)
-        except BaseException:
-            if later is not None:
-                later.done()
-            raise
-        if not n:
-            if later is not None:
-                later.done()
-            return n
-        with self._lock:
-            self._counts.tokens_served += n * T
-        src = out[:, :, local * T : (local + n) * T] if out is not None else dsts[:n]
-
-        def adopt() -> None:
-            try:
-                if self._offer is not None:
-                    self._offer(frames)  # nvme takes the cluster's frames as they are
-                self._put(ns, names, src, start_block=first, _adopted=True)
-            except StoreClosed:
-                pass
-
-        if later is None:
-            adopt()
-        else:
-            self._adopter.submit(adopt, later)
-        return n
+    def fill(self, *args: Any, **kw: Any) -> int:
+        """See ClusterReads.fill."""
+        return self._reads.fill(*args, **kw)
 
     def adopting(self) -> bool:
-        """Whether blocks read from the cluster (``fill(later=...)``) are still to be stored here."""
-        return self._adopter.pending()
+        return self._reads.adopting()
 
     def settle(self, timeout: float | None = ADOPT_WAIT) -> bool:
-        """Store the blocks read from the cluster before this call now (those waiting for their
-        ``start`` too), and wait up to ``timeout`` seconds until they are; False when some still are not."""
-        return self._adopter.settle(timeout)
+        return self._reads.settle(timeout)
+
+    def _served(self, keys: Sequence[bytes], sessions: Sequence[str]) -> None:
+        """Blocks ``keys`` were read from the cluster (GETEX set their TTL anew), the last of them in
+        ``sessions``: their records' TTLs are due too."""
+        self._set(keys)
+        self._touch_records(sessions)
 
     def status(self) -> dict[str, Any]:
         return {**self.cluster.status(), "queue": self.depth()}
 
 
-class _Doubted(Exception):
-    """A value failed its check where it was received, and the daemon's own copy could not be had."""
-
-
-def _receivable(outs: Sequence[torch.Tensor]) -> list[memoryview | None]:
-    """Each of ``outs`` as bytes a socket can receive into (None where it cannot): host memory,
-    contiguous, and overlapping no other of ``outs`` (a value received there would land on another's)."""
-    spans = sorted(
-        (o.data_ptr(), o.data_ptr() + o.nbytes, j)
-        for j, o in enumerate(outs)
-        if o.device.type == "cpu" and o.is_contiguous() and o.nbytes
-    )
-    alone: set[int] = set()
-    for i, (start, end, j) in enumerate(spans):
-        before = i > 0 and spans[i - 1][1] > start
-        after = i + 1 < len(spans) and spans[i + 1][0] < end
-        if not before and not after:
-            alone.add(j)
-    return [o.view(torch.uint8).reshape(-1).numpy().data if j in alone else None for j, o in enumerate(outs)]
-
-
 def _size(info: dict[str, Any]) -> int:
     """The bytes a waiting session record holds: its keys and token ids."""
     return len(info["keys"]) + len(info["tokens"] or b"")
-
-
-def _unpack(
-    key: bytes, value: bytes | memoryview, ns_id: str, parents: tuple[bytes, ...] | None
-) -> tuple[BlockRecord, Any]:
-    if parents is None:
-        return unpack_value(key, value, ns_id, None)
-    err: FrameError | None = None
-    for p in parents:
-        try:
-            return unpack_value(key, value, ns_id, p)
-        except FrameError as e:
-            err = e
-    assert err is not None
-    raise err

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import kvstore.store.cluster as link
+import kvstore.store.cluster_reads as reads
 from kvstore.codecs import get_codec
 from kvstore.keys import block_keys
 from kvstore.store.engine import Store
@@ -32,7 +32,7 @@ def places(n: int) -> list[torch.Tensor]:
 def placed(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Each block's verdict as its value is checked: True where it was received in place and taken as it lay."""
     verdicts: list[bool] = []
-    real = link.decode_placed
+    real = reads.decode_placed
 
     def observed(*args: Any, **kw: Any) -> bool:
         try:
@@ -42,7 +42,7 @@ def placed(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
             raise
         return verdicts[-1]
 
-    monkeypatch.setattr(link, "decode_placed", observed)
+    monkeypatch.setattr(reads, "decode_placed", observed)
     return verdicts
 
 
@@ -135,17 +135,17 @@ def test_a_placed_read_spans_batches_and_stops_at_the_damaged_block(
     # two batches, the next fetched (into its places) while this one is checked (as many blocks as
     # A's hbm and ram hold: a block A kept only on nvme would reach the cluster as int4 left it)
     a, b = host("a"), host("b")
-    n = link.FETCH_BATCH + 4
+    n = reads.FETCH_BATCH + 4
     toks, x = tokens(n), kv(n * T, seed=12)
     a.put(NS, toks, x)
     written(a, n)
-    node, name = stored(rc, b, block_keys(NS, toks)[link.FETCH_BATCH + 2])
+    node, name = stored(rc, b, block_keys(NS, toks)[reads.FETCH_BATCH + 2])
     value = bytearray(node.get(name))
     value[-1] ^= 0x01
     node.set(name, bytes(value))
     outs = places(n)
     r = b.get(NS, toks, out=outs)
-    assert r.matched_blocks == link.FETCH_BATCH + 2
+    assert r.matched_blocks == reads.FETCH_BATCH + 2
     assert all(same(outs[j], x[:, :, j * T : (j + 1) * T]) for j in range(r.matched_blocks))
     assert node.exists(name) == 0 and b.stats().cluster["corrupt"] == 1  # type: ignore[index]
 
