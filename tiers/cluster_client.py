@@ -21,7 +21,7 @@ trip, and an engine asks one on every request.
 socket itself (cluster_values.py), into memory of its own: 32 values of 1.47 MB from 3 nodes on
 loopback (tests/cluster/rediscluster.py) took 13.5 ms and 10.0 ms of CPU through hiredis, 10.1 ms
 and 6.0 ms of CPU so, which leaves the daemon's cores to checking the frames. ``tails``: a value's
-last bytes go straight into the caller's memory (where its block goes: kvstore/store/cluster.py).
+last bytes go straight into the caller's memory (where its block goes: kvstore/store/cluster_reads.py).
 A connection in RESP3, or one whose socket redis-py does not expose, is read through redis-py.
 """
 

@@ -284,6 +284,21 @@ class NvmeTier(Tier):
 
         return self._read(decode, buffers=True)
 
+    def checked_frame(self, key: bytes) -> bytes:
+        """A copy of the frame stored under ``key``, checked as ``get`` checks it before decoding: sound
+        (header, CRC, length) and this block's (the entry written with it under ``key``). KeyError when
+        absent, FrameError when damaged or another block's."""
+
+        def copy(txn: lmdb.Transaction) -> bytes:
+            frame = txn.get(key, db=self._blocks)
+            if frame is None:
+                raise KeyError(key)
+            check_binding(key, txn.get(key, db=self._records), frame)
+            check_frame(frame)
+            return bytes(frame)
+
+        return self._read(copy, buffers=True)
+
     def get_frame(self, key: bytes) -> bytes:
         """A copy of the stored frame, unchecked (the receiver checks it). KeyError when absent."""
 

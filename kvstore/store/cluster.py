@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any
 
-from kvstore.codecs import check_frame
+from kvstore.codecs import read_header
 from kvstore.codecs.frame import Buffer
 from kvstore.errors import FrameError, KVStoreError
 from kvstore.keys import Namespace
@@ -354,10 +354,11 @@ class ClusterLink:
         nvme = self._tiers.nvme
         if nvme is None or self._tiers[t] is not nvme:
             return None
-        frame = nvme.get_frame(key)
-        header = check_frame(frame)
+        frame = nvme.checked_frame(key)  # sound, and this block's: a frame carries no key of its own
         codec = self.cluster.codec_for(rec.position)
-        return frame if header.codec_id == codec.codec_id or codec.lossless else None
+        return (
+            frame if read_header(frame, verify=False).codec_id == codec.codec_id or codec.lossless else None
+        )
 
     def _record(self, key: bytes) -> BlockRecord:
         """The block's record: from memory while it has no nvme copy, else nvme's."""
@@ -387,13 +388,14 @@ class ClusterLink:
         """Write what is queued for up to ``timeout`` seconds, then stop (the cluster is a copy): what
         is still queued then is dropped and counted (``write_dropped``, ``session_dropped``); the one
         write under way ends within the tier's time-out."""
-        self._reads.close()  # what was read from the cluster is stored first
+        self._reads.stop_adopting()  # what was read from the cluster is stored first
         if not self._writer.drain(timeout):
             with self._unsent_lock:
                 sessions, self._records, self._records_bytes = len(self._records), {}, 0
             blocks, _ = self._writer.discard()
             self.cluster.count(write_dropped=blocks, session_dropped=sessions)
         self._writer.close(timeout)
+        self._reads.close()
         self.cluster.close()
 
     # -- reads (cluster_reads.py) ------------------------------------------------------

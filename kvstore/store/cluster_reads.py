@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice, takewhile
 from typing import Any
 
@@ -69,9 +69,12 @@ class ClusterReads:
         self._decoders = ThreadPoolExecutor(2, thread_name_prefix="kvstore-cluster-decode")
         self._adopter = Adopter()
 
-    def close(self) -> None:
-        """Store what was read and waits to be, then stop the fetchers and decoders."""
+    def stop_adopting(self) -> None:
+        """Store what was read and waits to be; nothing read after this is stored here."""
         self._adopter.close()
+
+    def close(self) -> None:
+        """Stop the fetchers and decoders (after ``stop_adopting``)."""
         self._pool.shutdown(wait=True)
         self._decoders.shutdown(wait=True)
 
@@ -120,7 +123,7 @@ class ClusterReads:
         def check_decode(j: int, value: bytes | memoryview | Received) -> tuple[Any, tuple[str, ...]]:
             """Block ``j``: checked against its key, namespace and parent, decoded into ``outs[j]``;
             its frame (None: it was received in place, and is not kept) and the sessions its record
-            names. FrameError: damaged; _Doubted: failed where it landed, and not to be had again."""
+            names. FrameError: damaged; _Landed: failed where it was received (see ``again``)."""
             if not isinstance(value, Received):
                 return decode(j, value)
             try:
@@ -133,9 +136,14 @@ class ClusterReads:
                 if rec is not None and decode_placed(head, value.tail, layout=ns.layout):
                     return None, rec.sessions
                 return decode(j, value.joined())
-            except FrameError:
-                pass
-            try:  # checked in memory others may write: the daemon's own copy says whether it is damaged
+            except FrameError as err:
+                raise _Landed(j) from err
+
+        def again(j: int) -> tuple[Any, tuple[str, ...]]:
+            """Block ``j`` failed its check where it was received, in memory others may write (a
+            same-host client maps its staging): read again into the daemon's own memory (on the read's
+            thread: the decoders do no I/O), that copy decides. _Doubted when it cannot be had."""
+            try:
                 own = self.cluster.peek([keys[j]])[0]
             except ClusterUnavailable:
                 own = None
@@ -155,6 +163,7 @@ class ClusterReads:
         )
         n = 0
         last: tuple[str, ...] = ()  # the sessions the last block served names
+        work: list[Future[tuple[Any, tuple[str, ...]]]] = []  # this batch's checks, as submitted
         try:
             for i, batch in enumerate(batches):
                 if ahead is None:
@@ -174,15 +183,16 @@ class ClusterReads:
                     v for v in takewhile(lambda v: v is not None, values) if v is not None
                 ]  # to a miss
                 held = len(present)
-                work = [
-                    self._decoders.submit(check_decode, j, v) for j, v in zip(batch, present, strict=False)
-                ]
+                work = []
+                for j, v in zip(batch, present, strict=False):
+                    work.append(self._decoders.submit(check_decode, j, v))
                 for j, job in zip(batch, work, strict=False):
                     try:
-                        frame, last = job.result()
+                        try:
+                            frame, last = job.result()
+                        except _Landed:
+                            frame, last = again(j)
                     except _Doubted:
-                        for rest in work:
-                            rest.exception()
                         log.warning(
                             "cluster block %s failed its check where it was received and could not be "
                             "read again; a miss",
@@ -190,8 +200,6 @@ class ClusterReads:
                         )
                         return n
                     except FrameError as err:
-                        for rest in work:  # wait for the others: none may write into outs after this
-                            rest.exception()
                         k = keys[j]
                         log.warning("cluster block %s failed its check (%s); deleted", k.hex()[:16], err)
                         self.cluster.count(corrupt=1)
@@ -208,7 +216,11 @@ class ClusterReads:
                     return n
             return n
         finally:
-            if ahead is not None:  # a read cut short: its prefetch (writing into outs) is waited for first
+            # a read cut short (a damaged block, a failure): nothing it started may write into outs
+            # after it returns, neither this batch's checks nor the next batch's prefetch
+            for job in work:
+                job.exception()
+            if ahead is not None:
                 try:
                     ahead.result()
                 except ClusterUnavailable:
@@ -295,6 +307,10 @@ class ClusterReads:
         return self._adopter.settle(timeout)
 
 
+class _Landed(Exception):
+    """A value failed its check where it was received (ClusterReads.read's ``again`` reads it anew)."""
+
+
 class _Doubted(Exception):
     """A value failed its check where it was received, and the daemon's own copy could not be had."""
 
@@ -307,12 +323,14 @@ def _receivable(outs: Sequence[torch.Tensor]) -> list[memoryview | None]:
         for j, o in enumerate(outs)
         if o.device.type == "cpu" and o.is_contiguous() and o.nbytes
     )
-    alone: set[int] = set()
-    for i, (start, end, j) in enumerate(spans):
-        before = i > 0 and spans[i - 1][1] > start
-        after = i + 1 < len(spans) and spans[i + 1][0] < end
-        if not before and not after:
-            alone.add(j)
+    over: set[int] = set()
+    reach, last = 0, -1  # the furthest end of the spans so far, and whose it is
+    for start, end, j in spans:
+        if start < reach:
+            over.update((j, last))
+        if end > reach:
+            reach, last = end, j
+    alone = {j for _, _, j in spans} - over
     return [o.view(torch.uint8).reshape(-1).numpy().data if j in alone else None for j, o in enumerate(outs)]
 
 

@@ -16,6 +16,7 @@ import kvstore.store.cluster_reads as reads
 from kvstore.codecs import get_codec
 from kvstore.keys import block_keys
 from kvstore.store.engine import Store
+from kvstore.tiers.cluster import ClusterUnavailable
 from kvstore.tiers.cluster_format import pack_value, record_of
 from tests.cluster.conftest import HostFactory
 from tests.cluster.rediscluster import LocalCluster
@@ -175,6 +176,33 @@ def test_a_block_changed_where_it_landed_is_read_again_and_never_deleted(
     assert all(same(outs[j], x[:, :, j * T : (j + 1) * T]) for j in range(4))
     assert b.stats().cluster["corrupt"] == 0  # type: ignore[index]
     node, name = stored(rc, b, block_keys(NS, toks)[1])
+    assert node.exists(name) == 1
+
+
+def test_a_block_changed_where_it_landed_while_the_cluster_is_down_is_a_miss_not_deleted(
+    rc: LocalCluster, host: HostFactory, placed: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(4 * T, seed=15)
+    a.put(NS, toks, x)
+    written(a, 4)
+    outs = places(4)
+    tier = b._cluster.cluster  # type: ignore[union-attr]
+    fetch = tier.fetch
+
+    def then_written_over(*args: Any, **kw: Any) -> Any:
+        values = fetch(*args, **kw)
+        outs[2].view(torch.uint8).view(-1)[9] ^= 0xFF
+        return values
+
+    def down(keys: Any) -> Any:  # the cluster went down between the fetch and the second read
+        raise ClusterUnavailable("the cluster is down")
+
+    monkeypatch.setattr(tier, "fetch", then_written_over)
+    monkeypatch.setattr(tier, "peek", down)
+    r = b.get(NS, toks, out=outs)
+    assert r.matched_blocks == 2 and b.stats().cluster["corrupt"] == 0  # type: ignore[index]
+    node, name = stored(rc, b, block_keys(NS, toks)[2])
     assert node.exists(name) == 1
 
 

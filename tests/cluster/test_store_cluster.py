@@ -377,25 +377,33 @@ def test_blocks_from_the_cluster_reach_nvme_as_the_cluster_framed_them(
         assert value.endswith(nvme.get_frame(k))
 
 
+def _only_on_nvme(
+    rc: LocalCluster, host: HostFactory, codec: str, seed: int
+) -> tuple[Store, list[int], torch.Tensor]:
+    """Host A with 2 blocks whose only copy is nvme's (hbm and ram let them go), and a cluster that
+    has lost them: what A's link writes next is what the cluster gets."""
+    a = host("a", codec=codec)
+    toks, x = tokens(2), kv(2 * T, seed=seed)
+    a.put(NS, toks, x)
+    assert a.flush(timeout=10) and a._cluster is not None and a._cluster.drain(10)
+    for tier in ("hbm", "ram"):
+        a.evict(EvictFilter(all=True, tier=tier))
+    assert a.lookup(NS, toks).tiers == ["nvme"] * 2
+    rc.flushall()
+    return a, toks, x
+
+
 @pytest.mark.parametrize("codec", ["int4", "raw"])
 def test_a_block_kept_only_on_nvme_reaches_the_cluster_as_nvme_framed_it(
     rc: LocalCluster, host: HostFactory, codec: str
 ) -> None:
-    # A's hbm and ram let the block go before its cluster write ran: its best copy is nvme's int4
-    # frame. An int4 cluster gets that frame as it is (decoded and encoded again it would be quantized
+    # the block's best copy is nvme's int4 frame when its cluster write runs (again: the cluster lost
+    # it). An int4 cluster gets that frame as it is (decoded and encoded again it would be quantized
     # twice); a raw cluster too (the block as it was put is gone: the frame is all that is left of it,
     # in fewer bytes than a raw frame of its decoding)
-    a = host("a", codec=codec, connect=False)
-    toks, x = tokens(2), kv(2 * T, seed=21)
-    a.put(NS, toks, x)
-    assert a.flush(timeout=10)
-    for tier in ("hbm", "ram"):
-        a.evict(EvictFilter(all=True, tier=tier))
-    nvme = a.tiers.nvme
-    assert nvme is not None and a.lookup(NS, toks).tiers == ["nvme"] * 2
-    link = a._cluster
-    assert link is not None
-    link.cluster.connect()
+    a, toks, x = _only_on_nvme(rc, host, codec, seed=21)
+    nvme, link = a.tiers.nvme, a._cluster
+    assert nvme is not None and link is not None
     for k in _keys(toks):
         link._write(k)
         name = link.cluster.block_key(k)
@@ -403,6 +411,24 @@ def test_a_block_kept_only_on_nvme_reaches_the_cluster_as_nvme_framed_it(
     b = host("b")
     r = b.get(NS, toks)
     assert r.tiers == ["cluster"] * 2 and close_to(got(r), x)
+
+
+def test_a_frame_nvme_holds_under_another_block_s_key_never_reaches_the_cluster(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # two frames swapped on disk: each is sound in itself, and only nvme's entry under the key says it
+    # is another block's. The cluster must not get it under this key (a frame carries no key: every
+    # host would serve block 1's K/V as block 0's)
+    a, toks, x = _only_on_nvme(rc, host, "int4", seed=22)
+    nvme, link = a.tiers.nvme, a._cluster
+    assert nvme is not None and link is not None
+    k0, k1 = _keys(toks)
+    one, two = nvme.get_frame(k0), nvme.get_frame(k1)
+    nvme._write(lambda txn: (txn.put(k0, two, db=nvme._blocks), txn.put(k1, one, db=nvme._blocks)))
+    for k in (k0, k1):
+        link._write(k)
+    assert rc.keys() == []  # neither went
+    assert host("b").get(NS, toks).matched_blocks == 0
 
 
 def test_a_hung_node_costs_one_timeout_then_the_cluster_is_used_again(

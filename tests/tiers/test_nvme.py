@@ -243,6 +243,8 @@ def test_another_block_s_frame_under_a_key_is_detected_by_its_length(tmp_path: P
     for k in (key(1), key(2)):
         with pytest.raises(FrameError, match="not this block's"):
             tier.get(k)
+        with pytest.raises(FrameError, match="not this block's"):
+            tier.checked_frame(k)  # the frame as it is, for the cluster: checked the same way
     tier.close()
 
 
@@ -263,6 +265,17 @@ def test_another_block_s_frame_of_the_same_length_under_a_key_is_detected(tmp_pa
     for k in (key(1), key(2)):
         with pytest.raises(FrameError, match="not this block's"):
             tier.get(k)
+        with pytest.raises(FrameError, match="not this block's"):
+            tier.checked_frame(k)
+    tier.close()
+    tier = NvmeTier(tmp_path / "nvme", 8 << 20, get_codec("int4"))
+    tier.put(key(3), block(3), record(3))
+    assert tier.checked_frame(key(3)) == tier.get_frame(key(3))
+    tier._debug_corrupt(key(3), 100)
+    with pytest.raises(FrameError):
+        tier.checked_frame(key(3))  # a damaged frame too
+    with pytest.raises(KeyError):
+        tier.checked_frame(key(4))
     tier.close()
 
 
