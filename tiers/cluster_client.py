@@ -175,8 +175,11 @@ def _seed_errors(nodes: ClusterNodes, timeout: float) -> list[Exception]:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    # a PING reads no value: redis.Redis before redis-py 8 takes no socket_read_size (TypeError)
+    kw = {k: v for k, v in _connection_kwargs(nodes, timeout).items() if k != "socket_read_size"}
+
     def ping(host: str, port: int) -> Exception | None:
-        node = redis.Redis(host, port, retry=Retry(NoBackoff(), 0), **_connection_kwargs(nodes, timeout))
+        node = redis.Redis(host, port, retry=Retry(NoBackoff(), 0), **kw)
         try:
             node.ping()
         except Exception as e:  # noqa: BLE001 - every kind is ranked below
