@@ -34,7 +34,6 @@ from kvstore.errors import FrameError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
 from kvstore.results import PutResult
-from kvstore.store.adoption import ADOPT_WAIT
 from kvstore.store.cluster_reads import ClusterReads
 from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
@@ -83,7 +82,7 @@ class ClusterLink:
         self._records_bytes = 0
         self._writer = WriteThrough(maxsize=queue, tick=tick, name="kvstore-cluster")
         self._writer.start(self._write, self._idle)
-        self._reads = ClusterReads(cluster, parts.lock, parts.counts, put, offer, self._served)
+        self.reads = ClusterReads(cluster, parts.lock, parts.counts, put, offer, self._served)
         # blocks served from this host's tiers, by when their cluster copy's TTL was last set (newest
         # last), and those due a refresh (see ``touch``)
         self._refreshed: OrderedDict[bytes, float] = OrderedDict()
@@ -388,30 +387,15 @@ class ClusterLink:
         """Write what is queued for up to ``timeout`` seconds, then stop (the cluster is a copy): what
         is still queued then is dropped and counted (``write_dropped``, ``session_dropped``); the one
         write under way ends within the tier's time-out."""
-        self._reads.stop_adopting()  # what was read from the cluster is stored first
+        self.reads.stop_adopting()  # what was read from the cluster is stored first
         if not self._writer.drain(timeout):
             with self._unsent_lock:
                 sessions, self._records, self._records_bytes = len(self._records), {}, 0
             blocks, _ = self._writer.discard()
             self.cluster.count(write_dropped=blocks, session_dropped=sessions)
         self._writer.close(timeout)
-        self._reads.close()
+        self.reads.close()
         self.cluster.close()
-
-    # -- reads (cluster_reads.py) ------------------------------------------------------
-    def leading(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys`` (the blocks after the local ones) the cluster holds, from the first."""
-        return self._reads.leading(keys)
-
-    def fill(self, *args: Any, **kw: Any) -> int:
-        """See ClusterReads.fill."""
-        return self._reads.fill(*args, **kw)
-
-    def adopting(self) -> bool:
-        return self._reads.adopting()
-
-    def settle(self, timeout: float | None = ADOPT_WAIT) -> bool:
-        return self._reads.settle(timeout)
 
     def _served(self, keys: Sequence[bytes], sessions: Sequence[str]) -> None:
         """Blocks ``keys`` were read from the cluster (GETEX set their TTL anew), the last of them in

@@ -303,7 +303,7 @@ class Store:
         trip, else None (nothing done, nothing counted).
 
         For the daemon's event loop, which must never wait behind a put's tier or codec work."""
-        if self._cluster is not None and self._cluster.adopting():
+        if self._cluster is not None and self._cluster.reads.adopting():
             return None
         if not self._lock.acquire(blocking=False):
             return None
@@ -489,7 +489,7 @@ class Store:
         """Wait (up to ``timeout`` seconds) until the blocks earlier gets read from the cluster with
         ``adopted`` are stored here, so that what follows sees them (every call that reads or changes
         the index does). False when some are still being stored."""
-        return True if self._cluster is None else self._cluster.settle(timeout)
+        return True if self._cluster is None else self._cluster.reads.settle(timeout)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until the blocks queued for nvme are written; not a durability point (nothing else is

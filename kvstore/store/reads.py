@@ -81,7 +81,7 @@ class Reader:
                 if count:
                     self._count(chain.blocks(T) * T, len(tiers) * T)
         if missed is not None and self._cluster is not None:  # no lock held during the round trip
-            held = self._cluster.leading([missed, *islice(keys, chain.blocks(T) - len(tiers) - 1)])
+            held = self._cluster.reads.leading([missed, *islice(keys, chain.blocks(T) - len(tiers) - 1)])
             tiers += ["cluster"] * held
             if count:
                 with self._lock:
@@ -173,7 +173,7 @@ class Reader:
             self._cluster.touch([e.key for e, _, _ in read])
         if remote and missed is not None and len(read) == len(chain):
             assert self._cluster is not None
-            n = self._cluster.fill(
+            n = self._cluster.reads.fill(
                 ns,
                 names,
                 start,
@@ -229,7 +229,7 @@ class Reader:
             handle = self._pins.pin([e.key for e, _ in found], lease, located=True)
         if missed is not None and self._cluster is not None and self._cluster.cluster.available():
             held = len(places) + rest
-            rest += self._cluster.leading([missed, *islice(keys, want - held - 1)])
+            rest += self._cluster.reads.leading([missed, *islice(keys, want - held - 1)])
         # blocks asked for and not held: misses in every tier, counted with the hits by finish
         missing = want - len(places) - rest
         located = Located(ns, start, handle, places, rest, missing)

@@ -47,6 +47,29 @@ def placed(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return verdicts
 
 
+def stored_by_a(host: HostFactory, n: int, seed: int) -> tuple[Store, list[int], torch.Tensor]:
+    """Host B, and ``n`` blocks host A stored that reached the cluster (raw frames)."""
+    a, b = host("a"), host("b")
+    toks, x = tokens(n), kv(n * T, seed=seed)
+    a.put(NS, toks, x)
+    written(a, n)
+    return b, toks, x
+
+
+def written_over(monkeypatch: pytest.MonkeyPatch, b: Store, out: torch.Tensor, at: int) -> None:
+    """After each fetch of B's, byte ``at`` of ``out`` changes: what a same-host client writing into
+    its staging while the daemon checks the blocks there would do."""
+    tier = b._cluster.cluster  # type: ignore[union-attr]
+    fetch = tier.fetch
+
+    def then_written_over(*args: Any, **kw: Any) -> Any:
+        values = fetch(*args, **kw)
+        out.view(torch.uint8).view(-1)[at] ^= 0xFF
+        return values
+
+    monkeypatch.setattr(tier, "fetch", then_written_over)
+
+
 def stored(rc: LocalCluster, b: Store, key: bytes) -> tuple[Any, str]:
     name = b._cluster.cluster.block_key(key)  # type: ignore[union-attr]
     return rc.node(rc.master_of(name)), name
@@ -55,10 +78,7 @@ def stored(rc: LocalCluster, b: Store, key: bytes) -> tuple[Any, str]:
 def test_raw_blocks_are_received_in_place_and_stored_on_the_host(
     host: HostFactory, placed: list[bool]
 ) -> None:
-    a, b = host("a"), host("b")
-    toks, x = tokens(4), kv(4 * T, seed=3)
-    a.put(NS, toks, x)
-    written(a, 4)
+    b, toks, x = stored_by_a(host, 4, seed=3)
     outs = places(4)
     r = b.get(NS, toks, out=outs)
     assert r.matched_blocks == 4 and r.tiers == ["cluster"] * 4
@@ -77,10 +97,7 @@ def test_raw_blocks_are_received_in_place_and_stored_on_the_host(
 def test_a_block_damaged_in_redis_is_caught_where_it_landed(
     rc: LocalCluster, host: HostFactory, placed: list[bool]
 ) -> None:
-    a, b = host("a"), host("b")
-    toks, x = tokens(4), kv(4 * T, seed=5)
-    a.put(NS, toks, x)
-    written(a, 4)
+    b, toks, x = stored_by_a(host, 4, seed=5)
     node, name = stored(rc, b, block_keys(NS, toks)[2])
     value = bytearray(node.get(name))
     value[-3] ^= 0x10  # one bit of the block's own bytes: received into its place, then checked
@@ -99,10 +116,7 @@ def test_values_whose_last_bytes_are_not_the_block_are_joined_and_decoded(
 ) -> None:
     # another host's codec (raw with its bytes shuffled, the same length; raw + zstd of a block zstd
     # cannot shrink, longer than the block) is read whole; a value cut short is refused, not served
-    a, b = host("a"), host("b")
-    toks, x = tokens(4), kv(4 * T, seed=9)
-    a.put(NS, toks, x)
-    written(a, 4)
+    b, toks, x = stored_by_a(host, 4, seed=9)
     keys = block_keys(NS, toks)
     for j, codec in ((1, get_codec("raw", shuffle=True)), (2, get_codec("raw", zstd=1))):
         node, name = stored(rc, b, keys[j])
@@ -121,10 +135,7 @@ def test_values_whose_last_bytes_are_not_the_block_are_joined_and_decoded(
 
 def test_a_get_into_one_tensor_is_read_as_before(host: HostFactory, placed: list[bool]) -> None:
     # a block of one [L, 2, tokens, H, D] tensor is not contiguous: nothing is received into it
-    a, b = host("a"), host("b")
-    toks, x = tokens(3), kv(3 * T, seed=4)
-    a.put(NS, toks, x)
-    written(a, 3)
+    b, toks, x = stored_by_a(host, 3, seed=4)
     out = torch.full(LAYOUT.shape(3 * T), float("nan"), dtype=LAYOUT.torch_dtype)
     r = b.get(NS, toks, out=out)
     assert r.matched_blocks == 3 and same(out, x) and placed == []
@@ -135,11 +146,8 @@ def test_a_placed_read_spans_batches_and_stops_at_the_damaged_block(
 ) -> None:
     # two batches, the next fetched (into its places) while this one is checked (as many blocks as
     # A's hbm and ram hold: a block A kept only on nvme would reach the cluster as int4 left it)
-    a, b = host("a"), host("b")
     n = reads.FETCH_BATCH + 4
-    toks, x = tokens(n), kv(n * T, seed=12)
-    a.put(NS, toks, x)
-    written(a, n)
+    b, toks, x = stored_by_a(host, n, seed=12)
     node, name = stored(rc, b, block_keys(NS, toks)[reads.FETCH_BATCH + 2])
     value = bytearray(node.get(name))
     value[-1] ^= 0x01
@@ -157,20 +165,9 @@ def test_a_block_changed_where_it_landed_is_read_again_and_never_deleted(
     # a same-host client maps its staging, where blocks land: one that writes there while the daemon
     # checks them makes a sound block fail its check in place. The daemon's own copy decides: the
     # block is served from it, and stays in the cluster for every other host
-    a, b = host("a"), host("b")
-    toks, x = tokens(4), kv(4 * T, seed=13)
-    a.put(NS, toks, x)
-    written(a, 4)
+    b, toks, x = stored_by_a(host, 4, seed=13)
     outs = places(4)
-    tier = b._cluster.cluster  # type: ignore[union-attr]
-    fetch = tier.fetch
-
-    def then_written_over(*args: Any, **kw: Any) -> Any:
-        values = fetch(*args, **kw)
-        outs[1].view(torch.uint8).view(-1)[7] ^= 0xFF  # what the client's write would do
-        return values
-
-    monkeypatch.setattr(tier, "fetch", then_written_over)
+    written_over(monkeypatch, b, outs[1], 7)
     r = b.get(NS, toks, out=outs)
     assert r.matched_blocks == 4 and sorted(placed) == [False, True, True, True]
     assert all(same(outs[j], x[:, :, j * T : (j + 1) * T]) for j in range(4))
@@ -182,24 +179,14 @@ def test_a_block_changed_where_it_landed_is_read_again_and_never_deleted(
 def test_a_block_changed_where_it_landed_while_the_cluster_is_down_is_a_miss_not_deleted(
     rc: LocalCluster, host: HostFactory, placed: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a, b = host("a"), host("b")
-    toks, x = tokens(4), kv(4 * T, seed=15)
-    a.put(NS, toks, x)
-    written(a, 4)
+    b, toks, x = stored_by_a(host, 4, seed=15)
     outs = places(4)
-    tier = b._cluster.cluster  # type: ignore[union-attr]
-    fetch = tier.fetch
-
-    def then_written_over(*args: Any, **kw: Any) -> Any:
-        values = fetch(*args, **kw)
-        outs[2].view(torch.uint8).view(-1)[9] ^= 0xFF
-        return values
+    written_over(monkeypatch, b, outs[2], 9)
 
     def down(keys: Any) -> Any:  # the cluster went down between the fetch and the second read
         raise ClusterUnavailable("the cluster is down")
 
-    monkeypatch.setattr(tier, "fetch", then_written_over)
-    monkeypatch.setattr(tier, "peek", down)
+    monkeypatch.setattr(b._cluster.cluster, "peek", down)  # type: ignore[union-attr]
     r = b.get(NS, toks, out=outs)
     assert r.matched_blocks == 2 and b.stats().cluster["corrupt"] == 0  # type: ignore[index]
     node, name = stored(rc, b, block_keys(NS, toks)[2])
@@ -208,10 +195,7 @@ def test_a_block_changed_where_it_landed_while_the_cluster_is_down_is_a_miss_not
 
 def test_outs_over_one_another_get_nothing_received_into_them(host: HostFactory, placed: list[bool]) -> None:
     # a caller's mistake (one tensor given twice): each value is read whole, none fails for the other
-    a, b = host("a"), host("b")
-    toks, x = tokens(2), kv(2 * T, seed=14)
-    a.put(NS, toks, x)
-    written(a, 2)
+    b, toks, x = stored_by_a(host, 2, seed=14)
     one = places(1)[0]
     r = b.get(NS, toks, out=[one, one])
     assert r.matched_blocks == 2 and placed == [] and b.stats().cluster["corrupt"] == 0  # type: ignore[index]
