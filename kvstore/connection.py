@@ -16,6 +16,11 @@ answer, then DaemonStarting is raised (retries are not spent on it). A
 ``busy`` answer (the daemon is over an in-flight budget or a quota; nothing
 was done) is back-pressure: that request is sent again after a pause that
 doubles up to BUSY_WAIT_MAX, for up to ``timeout``, then its error is raised.
+A request sent with ``defer`` (a same-host read's finish, which frees staging) is
+not waited for: its reply is received before the connection's next request
+leaves, so the daemon has done it before anything sent after it, and the
+caller does not spend its round trip.
+
 A connection made with ``wait_when_busy=False`` (an engine's lookups and loads: a
 busy store is a miss, recomputed, never a stalled step) raises it at once instead.
 
@@ -95,6 +100,7 @@ class Connection:
         self.reconnects = 0
         self._greeted = False
         self._closed = False
+        self._deferred: set[int] = set()  # requests sent by ``defer`` whose replies are still due
 
     def _open(self) -> zmq.Socket:
         if self._closed:
@@ -123,6 +129,7 @@ class Connection:
             self._live[0] = None
         self.proto = ClientProtocol()
         self._greeted = False
+        self._deferred.clear()
         self.reconnects += 1
 
     @property
@@ -158,6 +165,33 @@ class Connection:
         except zmq.Again:
             return
         self.proto.forget(rid)
+
+    def defer(self, msg: Message) -> None:
+        """Send ``msg`` and go on; its reply is awaited before this connection sends its next request,
+        so the daemon has done it before anything sent after it (a lease given back, whose staging the
+        next request may need), without the round trip now. The reply's content, an error included,
+        changes nothing for the caller and is dropped; not sent (no connection), or not answered within
+        the time-out, it lapses as ``notify``'s would."""
+        try:
+            rid = self._send(msg)
+        except zmq.Again:
+            return
+        self._deferred.add(rid)
+
+    def _await_deferred(self) -> None:
+        """Receive the replies ``defer`` left due (usually here already): up to ``timeout`` in all."""
+        deadline = time.monotonic() + self.timeout
+        try:
+            while self._deferred:
+                got = self._recv(deadline)
+                if got is None:
+                    break
+                self._deferred.discard(got[0])
+        except RemoteProtocolError:
+            pass  # a garbled reply: the request it answers finds out, not this
+        for rid in self._deferred:
+            self.proto.forget(rid)
+        self._deferred.clear()
 
     def _recv(self, deadline: float) -> tuple[int, Message] | None:
         """The next awaited reply, or None at ``deadline``. Raises RemoteProtocolError for a malformed one."""
@@ -229,6 +263,8 @@ class Connection:
         when retries run out, RemoteProtocolError for a garbled reply that a
         retry did not cure.
         """
+        if self._deferred:
+            self._await_deferred()
         budget = self.retries if retries is None else retries
         todo: deque[int] = deque(range(n))
         inflight: dict[int, int] = {}  # request id -> index
@@ -296,6 +332,9 @@ class Connection:
                     again("timeout", fresh_socket=True)
                     continue
                 rid, reply = got
+                if rid in self._deferred:  # deferred by make or on_reply: due, dropped
+                    self._deferred.discard(rid)
+                    continue
                 i = inflight.pop(rid)
                 if isinstance(reply, ErrorReply):
                     if reply.code == "starting":  # nothing was done: send it again once the daemon is up

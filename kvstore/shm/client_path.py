@@ -183,8 +183,8 @@ class SharedPath:
         return start, tiers
 
     def _finish(self, reply: LocateOk, used: int, *, wait: bool = True) -> None:
-        """Give the lease of ``reply`` back; awaited (``wait``) when it holds staging, which this client's
-        next request may need."""
+        """Give the lease of ``reply`` back; done before this client's next request (``wait``) when it
+        holds staging, which that request may need."""
         _give_back(
             self._conn, Finish(handle=reply.handle, used=used), wait=wait and reply.staging is not None
         )
@@ -369,10 +369,11 @@ def _pages(nbytes: int) -> int:
 
 
 def _give_back(conn: Connection, done: Finish, *, wait: bool) -> None:
-    """Send ``done``: awaited when ``wait`` (the staging it frees is needed next), else not: a lost
-    finish only lets the lease run out, and on the way out of a failure (a daemon that does not
-    answer) an awaited one would cost its own time-outs on top of the failure's."""
+    """Send ``done`` and go on. ``wait``: its reply is awaited before the connection's next request
+    (Connection.defer), so the staging it frees is free for that request; else never: a lost finish
+    only lets the lease run out, and on the way out of a failure (a daemon that does not answer) an
+    awaited one would cost its own time-outs on top of the failure's."""
     if wait:
-        conn.call(done, idempotent=True)
+        conn.defer(done)
     else:
         conn.notify(done)

@@ -1,0 +1,128 @@
+"""Connection.defer: a request sent now whose reply is awaited before the connection's next request.
+
+A scripted ROUTER stands for the daemon: the test decides when (and whether) each request is answered
+and sees when each request arrives.
+
+    client   defer(finish A) ──────────────── call(B): waits for A's reply, then sends B
+    daemon        A arrives ... answers A ──► B arrives ... answers B ──► call(B) returns B's reply
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvstore.connection import Connection
+from kvstore.wire.messages import ErrorReply, Finish, FinishOk, Message
+from kvstore.wire.protocol import encode, read_header
+
+
+class ScriptedDaemon:
+    """A ROUTER on ``endpoint`` that answers only when told (``answer``)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.bind(endpoint)
+
+    def next_request(self, timeout: float) -> tuple[bytes, int, dict] | None:
+        """(peer, request id, header) of the next request, or None when none comes within ``timeout``."""
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        peer, *frames = self.sock.recv_multipart()
+        header, rid = read_header(frames[0], 1 << 20)
+        assert rid is not None
+        return peer, rid, header
+
+    def answer(self, peer: bytes, rid: int, reply: Message) -> None:
+        self.sock.send_multipart([peer, *encode(rid, reply)])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Connection, ScriptedDaemon]]:
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    daemon = ScriptedDaemon(endpoint)
+    conn = Connection(endpoint, timeout=1.5, retries=0, namespace=None)
+    try:
+        yield conn, daemon
+    finally:
+        conn.close()
+        daemon.close()
+
+
+def call_in_thread(conn: Connection, msg: Message) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(conn.call(msg, idempotent=False))
+        except Exception as e:  # reported to the test through ``out``
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_the_next_request_leaves_only_once_the_deferred_one_is_answered(pair) -> None:
+    conn, daemon = pair
+    conn.defer(Finish(handle=7, used=3))
+    peer, rid_a, header = daemon.next_request(2.0)
+    assert header["handle"] == 7
+
+    t, out = call_in_thread(conn, Finish(handle=8, used=0))
+    assert daemon.next_request(0.4) is None  # B waits behind A's reply
+    daemon.answer(peer, rid_a, FinishOk(released=True))
+    got = daemon.next_request(2.0)
+    assert got is not None and got[2]["handle"] == 8
+    daemon.answer(got[0], got[1], FinishOk(released=False))
+    t.join(5)
+    assert out == [FinishOk(released=False)]  # B's reply, not A's
+
+
+def test_a_deferred_request_answered_with_an_error_changes_nothing_for_the_next(pair) -> None:
+    conn, daemon = pair
+    conn.defer(Finish(handle=1, used=0))
+    peer, rid_a, _ = daemon.next_request(2.0)
+    daemon.answer(peer, rid_a, ErrorReply(code="not_found", message="no such lease"))
+    t, out = call_in_thread(conn, Finish(handle=2, used=0))
+    got = daemon.next_request(2.0)
+    assert got is not None and got[2]["handle"] == 2
+    daemon.answer(got[0], got[1], FinishOk(released=True))
+    t.join(5)
+    assert out == [FinishOk(released=True)]
+
+
+def test_a_deferred_request_never_answered_delays_the_next_by_the_timeout_at_most(pair) -> None:
+    conn, daemon = pair
+    conn.defer(Finish(handle=1, used=0))
+    peer, rid_a, _ = daemon.next_request(2.0)
+    t, out = call_in_thread(conn, Finish(handle=2, used=0))
+    got = daemon.next_request(3.0)  # sent once the connection's time-out (1.5 s) has passed
+    assert got is not None and got[2]["handle"] == 2
+    daemon.answer(peer, rid_a, FinishOk(released=True))  # late: dropped, not taken for B's reply
+    daemon.answer(got[0], got[1], FinishOk(released=False))
+    t.join(5)
+    assert out == [FinishOk(released=False)]
+
+
+def test_a_reconnect_drops_what_was_deferred_on_the_old_socket(pair) -> None:
+    conn, daemon = pair
+    conn.defer(Finish(handle=1, used=0))
+    assert daemon.next_request(2.0) is not None
+    conn.reconnect()  # the old socket's replies can never come
+    t, out = call_in_thread(conn, Finish(handle=2, used=0))
+    got = daemon.next_request(0.5)  # at once, not after a time-out
+    assert got is not None and got[2]["handle"] == 2
+    daemon.answer(got[0], got[1], FinishOk(released=True))
+    t.join(5)
+    assert out == [FinishOk(released=True)]
