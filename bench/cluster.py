@@ -15,7 +15,10 @@ and writes it through to the cluster; B has never seen it.
                run): one pipelined round trip per 8 blocks, every frame checked and decoded, and the
                blocks stored on B (after B has answered: not timed, but waited for before the next
                figure); and ``get_into`` an engine's buffer (allocated once, as an engine's
-               paged cache is: no fresh memory to fault in). Beside them, measured in the same rounds
+               paged cache is: no fresh memory to fault in). Timed until the call returns: the
+               blocks are in place and checked; the lease's end it sends then is answered while the
+               caller goes on (its reply is awaited by the client's next call, not timed). Beside
+               them, measured in the same rounds
                (one of each per round, so that a noisy moment hits every figure alike):
       plain    a redis-py RedisCluster pipelined GET of the same keys: the same bytes, nothing done
                with them (what a client of the cluster alone would pay to move them); and the same GET

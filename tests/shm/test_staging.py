@@ -14,7 +14,15 @@ from kvstore.layout import KVLayout
 from kvstore.shm.mapping import SharedMapping
 from kvstore.shm.plane import ALIGN, IDLE, SharedPlane
 from kvstore.shm.segment import Segment, private_dir
-from tests.hardening.conftest import client, endpoint_of, prefix_kv, random_tokens, write_config
+from tests.hardening.conftest import (
+    LAYOUT,
+    assert_exact,
+    client,
+    endpoint_of,
+    prefix_kv,
+    random_tokens,
+    write_config,
+)
 from tests.shm.spy import sent_ops
 
 
@@ -108,3 +116,34 @@ def test_a_put_in_chunks_fits_a_staging_size_that_is_not_whole_pages(
         monkeypatch.undo()
         got = c.get(toks)
         assert got.matched_blocks == 100
+
+
+def test_a_read_through_staging_leaves_it_free_for_the_client_s_next_request(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a read's finish is not waited for where it is sent, but the daemon has done it before the
+    # client's next request: a put right after a read that held most of the client's staging finds
+    # the room for its range, and goes through staging, not over the socket
+    cfg = write_config(
+        tmp_path,
+        server={"shm_staging": "1MiB", "shm_staging_per_client": "64KiB"},
+        policy={"promote_on_hit": False},  # the read stays a read from nvme, through staging
+    )
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(47)
+    held = random_tokens(rng, 40)  # 40 KiB of the client's 64 KiB while it is read
+    with client(ep) as c:
+        assert c.put(held, prefix_kv(held)).stored == 40
+        assert c.flush(30) and c.evict(tier="hbm").blocks == 40 and c.evict(tier="ram").blocks == 40
+        assert c.shared_memory
+        out = torch.zeros(LAYOUT.shape(len(held)), dtype=LAYOUT.torch_dtype)
+        ops = sent_ops(c, monkeypatch)
+        for _ in range(15):
+            r = c.get_into(held, out)
+            assert r.tiers == ["nvme"] * 40
+            new = random_tokens(rng, 30)  # 30 KiB: fits only once the read's 40 KiB are given back
+            assert c.put(new, prefix_kv(new)).stored == 30
+        assert "put" not in ops and "get" not in ops, ops  # every range was there when asked for
+        assert ops.count("reserve") == 15
+        assert_exact(held, out, len(held))
