@@ -22,10 +22,10 @@ import copy
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvstore.errors import LayoutError
+from kvstore.hostmem import host_buffer
 from kvstore.layout import KVLayout
 from kvstore.memcopy import CopyBatch, copy_into, scatter_rows
 from kvstore.results import as_int
@@ -313,11 +313,12 @@ def target_view(target: KVTarget, t0: int, n: int) -> torch.Tensor | None:
 
 
 def empty_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """An uninitialised tensor; on the CPU its memory comes from numpy, which asks the kernel for
-    huge pages for large arrays (madvise): filling a 94 MB get result then takes a third of the
-    time it takes in torch.empty's memory, faulted in 4 KiB at a time."""
+    """An uninitialised tensor (a get's result). On the CPU its memory is kvstore.hostmem's: an
+    earlier result's buffer that nothing refers to any more (its pages already faulted in), or
+    numpy's, in huge pages for large arrays: filling a 94 MB result in torch.empty's memory,
+    faulted in 4 KiB at a time, takes three times as long."""
     device = torch.device(device)
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.from_numpy(host_buffer(nbytes)).view(dtype).view(shape)

@@ -121,7 +121,7 @@ class SocketPath:
                 out = part  # one chunk: the tensor is the received frame, no copy
                 return
             if out is None:
-                out = torch.empty(layout.shape(total * T), dtype=layout.torch_dtype, device=device)
+                out = empty_kv(layout.shape(total * T), layout.torch_dtype, device)
             s = starts[i] * T
             copy_into(out[:, :, s : s + reply.blocks * T], part)
 

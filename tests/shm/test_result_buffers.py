@@ -1,0 +1,50 @@
+"""A same-host client's get results come from kvstore.hostmem: a dropped result's buffer serves the
+next get, and a result the caller keeps is never written by the gets after it (MIN_BYTES and STEP
+lowered for the tests' 1 KiB blocks)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore import hostmem
+from kvstore.hostmem import HostBuffers
+from tests.hardening.conftest import assert_exact, client, endpoint_of, prefix_kv, random_tokens, write_config
+
+
+@pytest.fixture
+def small_buffers(monkeypatch: pytest.MonkeyPatch) -> HostBuffers:
+    """The process's buffers for every result size (the tests' blocks are 1 KiB)."""
+    b = HostBuffers()
+    monkeypatch.setattr(hostmem, "MIN_BYTES", 0)
+    monkeypatch.setattr(hostmem, "STEP", 4096)
+    monkeypatch.setattr(hostmem, "BUFFERS", b)
+    return b
+
+
+def test_gets_reuse_dropped_results_and_never_write_a_kept_one(
+    daemons: Any, tmp_path: Path, small_buffers: HostBuffers
+) -> None:
+    cfg = write_config(tmp_path)
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(5)
+    a, b = random_tokens(rng, 12), random_tokens(rng, 12)
+    with client(ep) as c:
+        c.lookup([])  # the hello, which brings the offer
+        assert c.shared_memory  # each get's result: a fresh tensor the client fills
+        assert c.put(a, prefix_kv(a)).stored == 12 and c.put(b, prefix_kv(b)).stored == 12
+        kept = c.get(a)  # held by the caller
+        assert kept.kv is not None
+        for _ in range(5):
+            r = c.get(b)
+            assert r.kv is not None and r.kv.data_ptr() != kept.kv.data_ptr()
+            assert_exact(b, r.kv, r.matched_tokens)
+            del r
+            gc.collect()
+        assert small_buffers.reused >= 3  # each dropped result's buffer served the next
+        assert_exact(a, kept.kv, kept.matched_tokens)  # never written by the gets after it
