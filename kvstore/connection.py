@@ -18,8 +18,8 @@ was done) is back-pressure: that request is sent again after a pause that
 doubles up to BUSY_WAIT_MAX, for up to ``timeout``, then its error is raised.
 A request sent with ``defer`` (a same-host read's finish, which frees staging) is
 not waited for: its reply is received before the connection's next request
-leaves, so the daemon has done it before anything sent after it, and the
-caller does not spend its round trip.
+leaves (or the connection closes), so the daemon has done it before anything
+sent after it, and the caller does not spend its round trip.
 
 A connection made with ``wait_when_busy=False`` (an engine's lookups and loads: a
 busy store is a miss, recomputed, never a stalled step) raises it at once instead.
@@ -51,6 +51,7 @@ TRANSIENT = frozenset({"shutting_down"})
 BACKOFF = 0.05  # seconds before the first re-send after a transient error; doubles each time
 STARTING_POLL = 0.2  # seconds between re-sends to a daemon that answers "starting"
 BUSY_WAIT_MAX = 1.0  # longest pause between re-sends of a request the daemon answered "busy"
+CLOSE_WAIT = 1.0  # seconds close() waits at most for the replies of deferred requests
 
 
 def _release(live: list[zmq.Socket | None], ctx: zmq.Context | None) -> None:
@@ -100,7 +101,7 @@ class Connection:
         self.reconnects = 0
         self._greeted = False
         self._closed = False
-        self._deferred: set[int] = set()  # requests sent by ``defer`` whose replies are still due
+        self._deferred: dict[int, Message] = {}  # requests sent by ``defer`` whose replies are due
 
     def _open(self) -> zmq.Socket:
         if self._closed:
@@ -137,6 +138,8 @@ class Connection:
         return self._closed
 
     def close(self) -> None:
+        if self._deferred and self.sock is not None:  # sent, maybe not yet gone: linger 0 drops it
+            self._await_deferred(min(self.timeout, CLOSE_WAIT))
         self._closed = True
         self.shm_offer = None  # nothing is mapped from a closed client again
         self._finalizer.detach()
@@ -169,29 +172,38 @@ class Connection:
     def defer(self, msg: Message) -> None:
         """Send ``msg`` and go on; its reply is awaited before this connection sends its next request,
         so the daemon has done it before anything sent after it (a lease given back, whose staging the
-        next request may need), without the round trip now. The reply's content, an error included,
-        changes nothing for the caller and is dropped; not sent (no connection), or not answered within
-        the time-out, it lapses as ``notify``'s would."""
+        next request may need), without the round trip now; ``close`` waits for it too (CLOSE_WAIT at
+        most). Its reply is dropped (an error included: nothing the caller could do), except ``busy``,
+        which sends it again; not sent (no connection), or not answered within the time-out, it
+        lapses as ``notify``'s would."""
         try:
             rid = self._send(msg)
         except zmq.Again:
             return
-        self._deferred.add(rid)
+        self._deferred[rid] = msg
 
-    def _await_deferred(self) -> None:
-        """Receive the replies ``defer`` left due (usually here already): up to ``timeout`` in all."""
-        deadline = time.monotonic() + self.timeout
+    def _await_deferred(self, timeout: float | None = None) -> None:
+        """Receive the replies ``defer`` left due (usually here already), for up to ``timeout`` (default:
+        the connection's) in all. One answered ``busy`` (nothing was done) is sent again after a
+        pause, as ``call`` would. None within the time: the daemon is gone or stuck, and what is sent
+        next goes on a fresh socket (what was deferred lapses)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        pause = BACKOFF
         try:
             while self._deferred:
                 got = self._recv(deadline)
                 if got is None:
-                    break
-                self._deferred.discard(got[0])
-        except RemoteProtocolError:
-            pass  # a garbled reply: the request it answers finds out, not this
-        for rid in self._deferred:
-            self.proto.forget(rid)
-        self._deferred.clear()
+                    self.reconnect()
+                    return
+                rid, reply = got
+                msg = self._deferred.pop(rid, None)
+                busy = isinstance(reply, ErrorReply) and reply.code == "busy"
+                if msg is not None and busy and time.monotonic() + pause < deadline:
+                    time.sleep(pause)
+                    pause = min(BUSY_WAIT_MAX, pause * 2)
+                    self.defer(msg)
+        except RemoteProtocolError:  # garbled: this socket is not trusted further, as in pipeline
+            self.reconnect()
 
     def _recv(self, deadline: float) -> tuple[int, Message] | None:
         """The next awaited reply, or None at ``deadline``. Raises RemoteProtocolError for a malformed one."""
@@ -332,8 +344,7 @@ class Connection:
                     again("timeout", fresh_socket=True)
                     continue
                 rid, reply = got
-                if rid in self._deferred:  # deferred by make or on_reply: due, dropped
-                    self._deferred.discard(rid)
+                if self._deferred.pop(rid, None) is not None:  # deferred by make or on_reply: dropped
                     continue
                 i = inflight.pop(rid)
                 if isinstance(reply, ErrorReply):

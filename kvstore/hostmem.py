@@ -13,7 +13,8 @@ malloc makes of small buffers, and torch's caching allocators of device and pinn
     weakref.finalize: its buffer is kept again (the oldest kept are let go past KEEP_BYTES)
 
 Buffers below MIN_BYTES are malloc's to keep. numpy asks the kernel for huge pages for large
-arrays (madvise): new buffers come from it.
+arrays (madvise): new buffers come from it. A result shorter than asked for (a get sizes its result
+for the whole prefix, then returns the matched part) holds its whole buffer while it lives.
 """
 
 from __future__ import annotations
@@ -41,21 +42,24 @@ class HostBuffers:
         self.reused = 0  # buffers handed out again (for tests and stats)
 
     def get(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of uninitialised uint8 host memory; a view whose buffer is kept for reuse
-        once the view is gone."""
-        if nbytes < MIN_BYTES:
+        """``nbytes`` of uninitialised uint8 host memory: an array whose buffer is kept for reuse once
+        the array is gone, and with it every view of it (numpy's and torch's: each refers to it)."""
+        if nbytes < max(MIN_BYTES, 1):
             return np.empty(nbytes, dtype=np.uint8)
         size = -(-nbytes // STEP) * STEP
         buf = self._take(size)
         if buf is None:
             buf = np.empty(size, dtype=np.uint8)
-        view = buf[:nbytes]
-        weakref.finalize(view, self._give_back, buf)
+        # through a memoryview: a numpy slice of ``view`` then refers to ``view`` (a slice of a plain
+        # slice of ``buf`` would refer to ``buf`` directly, and outlive the finalizer's watch)
+        view = np.frombuffer(buf.data[:nbytes], dtype=np.uint8)
+        done = weakref.finalize(view, self._give_back, buf)
+        done.atexit = False  # at exit live tensors still use it: never handed out again then
         return view
 
     def _take(self, size: int) -> np.ndarray | None:
         with self._lock:
-            for key, buf in self._free.items():
+            for key, buf in list(self._free.items()):  # a finalizer may add to it meanwhile
                 if buf.nbytes == size:
                     del self._free[key]
                     self.kept -= size

@@ -82,3 +82,17 @@ def test_small_buffers_are_malloc_s_to_keep() -> None:
     del x
     gc.collect()
     assert b.kept == 0
+
+
+def test_numpy_slices_of_a_buffer_keep_it_from_reuse() -> None:
+    b = HostBuffers()
+    a = b.get(8 * MB)
+    part = a[:100]  # a slice of a slice: numpy would let it skip to the owner of the memory
+    part[:] = 7
+    where = ptr(a)
+    del a
+    gc.collect()
+    other = b.get(8 * MB)
+    assert ptr(other) != where
+    other.fill(0)
+    assert (part == 7).all()

@@ -121,9 +121,11 @@ def test_a_put_in_chunks_fits_a_staging_size_that_is_not_whole_pages(
 def test_a_read_through_staging_leaves_it_free_for_the_client_s_next_request(
     daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a read's finish is not waited for where it is sent, but the daemon has done it before the
-    # client's next request: a put right after a read that held most of the client's staging finds
-    # the room for its range, and goes through staging, not over the socket
+    # a read's finish is not waited for where it is sent, but it reaches the daemon and frees the
+    # read's range for the client's next request: a put right after a read that held most of the
+    # client's staging finds the room for its range, and goes through staging, not over the socket.
+    # (That the daemon has done it before the next request leaves, whatever its workers' timing,
+    # is tests/wire/test_connection_defer.py's: here the finish nearly always wins that race anyway.)
     cfg = write_config(
         tmp_path,
         server={"shm_staging": "1MiB", "shm_staging_per_client": "64KiB"},

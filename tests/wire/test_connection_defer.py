@@ -10,13 +10,14 @@ and sees when each request arrives.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 
-from kvstore.connection import Connection
+from kvstore.connection import CLOSE_WAIT, Connection
 from kvstore.wire.messages import ErrorReply, Finish, FinishOk, Message
 from kvstore.wire.protocol import encode, read_header
 
@@ -113,6 +114,7 @@ def test_a_deferred_request_never_answered_delays_the_next_by_the_timeout_at_mos
     daemon.answer(got[0], got[1], FinishOk(released=False))
     t.join(5)
     assert out == [FinishOk(released=False)]
+    assert conn.reconnects == 1  # B went on a fresh socket: the old one's daemon did not answer
 
 
 def test_a_reconnect_drops_what_was_deferred_on_the_old_socket(pair) -> None:
@@ -126,3 +128,42 @@ def test_a_reconnect_drops_what_was_deferred_on_the_old_socket(pair) -> None:
     daemon.answer(got[0], got[1], FinishOk(released=True))
     t.join(5)
     assert out == [FinishOk(released=True)]
+
+
+def test_a_deferred_request_answered_busy_is_sent_again(pair) -> None:
+    conn, daemon = pair
+    conn.defer(Finish(handle=5, used=2))
+    peer, rid_a, _ = daemon.next_request(2.0)
+    t, out = call_in_thread(conn, Finish(handle=6, used=0))
+    daemon.answer(peer, rid_a, ErrorReply(code="busy", message="over the in-flight budget"))
+    again = daemon.next_request(2.0)  # nothing was done: the same request, before B
+    assert again is not None and again[2]["handle"] == 5 and again[2]["used"] == 2
+    daemon.answer(again[0], again[1], FinishOk(released=True))
+    got = daemon.next_request(2.0)
+    assert got is not None and got[2]["handle"] == 6
+    daemon.answer(got[0], got[1], FinishOk(released=True))
+    t.join(5)
+    assert out == [FinishOk(released=True)]
+
+
+def test_close_waits_briefly_for_what_was_deferred(pair) -> None:
+    conn, daemon = pair
+    conn.defer(Finish(handle=9, used=1))
+    closing = threading.Thread(target=conn.close, daemon=True)
+    closing.start()
+    peer, rid_a, header = daemon.next_request(2.0)  # it left before the socket closed
+    assert header["handle"] == 9
+    closing.join(0.3)
+    assert closing.is_alive()  # waiting for the answer
+    daemon.answer(peer, rid_a, FinishOk(released=True))
+    closing.join(2.0)
+    assert not closing.is_alive() and conn.closed
+
+
+def test_close_does_not_wait_longer_than_close_wait_for_a_daemon_that_never_answers(pair) -> None:
+    conn, daemon = pair
+    conn.defer(Finish(handle=9, used=1))
+    assert daemon.next_request(2.0) is not None
+    t0 = time.monotonic()
+    conn.close()
+    assert time.monotonic() - t0 < CLOSE_WAIT + 0.5
