@@ -4,10 +4,13 @@
 
     host A  turn 1 of a real SmolLM2 conversation -> hbm, nvme, and (background) the cluster
     host B  empty: turn 2's prefix comes from the cluster (int4, checked), then from B's own tiers
-    a day later: both restarted, B's LMDB wiped -> the conversation still resumes, from the cluster
+            (the same next-token distributions either way, within the int4 gate of recomputing)
+    a day later: both restarted, B's LMDB wiped -> the conversation still resumes, from the cluster,
+            as good as before
 
 Also: a master killed mid-load, a cluster that cannot be used at start (wrong password, none at
-all, required), a full cluster, the CLI and the metrics.
+all, required), a full cluster, the CLI and the metrics, and two tenants' blocks under the same
+tokens on two hosts, each served only its own.
 """
 
 from __future__ import annotations
@@ -116,6 +119,9 @@ def test_a_conversation_moves_between_hosts_and_survives_a_day(
         assert reused == blocks * T and tiers == ["cluster"] * blocks
         assert 0.0 < kl <= GATES["int4"].max_kl
         assert cb.lookup(ids).tiers == ["hbm"] * blocks  # B keeps them now
+        again, reused, tiers = next_token_kl(model, cb, ids)  # and serves them itself
+        assert reused == blocks * T and tiers == ["hbm"] * blocks
+        assert again == pytest.approx(kl, rel=1e-4)  # the same K/V as the cluster's, kept as served
         st = cluster_stats(cb)
         assert st["hits"] == blocks and st["written"] == 0 and st["state"] == "up"
         assert "cluster: up" in cli(b, "stats")
@@ -130,8 +136,11 @@ def test_a_conversation_moves_between_hosts_and_survives_a_day(
         assert cb.stats()["store"]["blocks"] == 0
         shown = cli(b, "inspect", "--session", "garden")
         assert f"cluster {blocks}" in shown, shown
+        resumed, reused, tiers = next_token_kl(model, cb, ids)  # from the cluster again, as good
+        assert reused == blocks * T and tiers == ["cluster"] * blocks
+        assert resumed == pytest.approx(kl, rel=1e-4)
         second = run_turn(model, cb, ids, max_new_tokens=4, store=False)
-        assert second.reused_tokens == blocks * T and second.tiers == ["cluster"] * blocks
+        assert second.reused_tokens == blocks * T and second.tiers == ["hbm"] * blocks
     # the session itself can be warmed up on a host that never saw it
     c = hosts("c", rc.urls)
     assert "moved" in cli(c, "prefetch", "--session", "garden")
@@ -256,3 +265,32 @@ def test_evict_from_the_cli_reaches_the_cluster(rc: LocalCluster, hosts: HostSta
         assert "3" in out, out
         assert rc.keys() == [] or all(not k.startswith(b"kvstore:b:") for k in rc.keys())
         assert c.lookup(toks).tiers == ["hbm"] * 3  # local copies stay
+
+
+def test_a_tenant_s_blocks_never_reach_another_tenant_on_another_host(
+    rc: LocalCluster, hosts: HostStarter
+) -> None:
+    a, b = hosts("a", rc.urls, codec="raw"), hosts("b", rc.urls, codec="raw")
+    n = 3
+    toks = list(range(1000, 1000 + n * LAYOUT.block_tokens))
+    mine = torch.randn(LAYOUT.shape(len(toks)), generator=torch.Generator().manual_seed(2)).half()
+    theirs = torch.randn(LAYOUT.shape(len(toks)), generator=torch.Generator().manual_seed(3)).half()
+
+    def tenant(d: Served, name: str) -> KVStoreClient:
+        return KVStoreClient(d.endpoint, model="m", layout=LAYOUT, tenant=name)
+
+    with tenant(a, "alice") as c:
+        assert c.put(toks, mine, session="plans").stored == n
+        wait_written(c, n)
+    with tenant(b, "bob") as c:  # the same tokens, model and layout on another host: not bob's
+        assert c.lookup(toks).matched_blocks == 0 and c.get(toks).matched_blocks == 0
+        assert c.put(toks, theirs).stored == n  # bob's own blocks, under keys of his own
+        wait_written(c, n)
+    with tenant(b, "alice") as c:
+        shown = c.inspect(session="plans")  # from the cluster's record: this host never had it
+        assert len(shown.blocks) == n and all(blk.tiers == ["cluster"] for blk in shown.blocks)
+        r = c.get(toks)
+        assert r.tiers == ["cluster"] * n and r.kv is not None and torch.equal(r.kv, mine)
+    with tenant(a, "bob") as c:
+        r = c.get(toks)
+        assert r.tiers == ["cluster"] * n and r.kv is not None and torch.equal(r.kv, theirs)
