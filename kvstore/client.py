@@ -51,6 +51,7 @@ from kvstore.chains import Chain, KeyChain, TokenChain, as_chain
 from kvstore.connection import Connection
 from kvstore.daemon.auth import ClientKeys
 from kvstore.errors import ConfigError, InvalidNamespace, LayoutError
+from kvstore.hostmem import HostBuffers
 from kvstore.keys import Namespace, TokenInput
 from kvstore.kvbuffers import KVTarget, PagedKV, check_target, empty_kv, target_tokens
 from kvstore.layout import KVLayout
@@ -215,7 +216,9 @@ class KVStoreClient:
             wait_when_busy=wait_when_busy,
         )
         self._lock = threading.RLock()  # one call at a time: the paths below are not thread-safe
-        self._socket = SocketPath(self._conn, chunk_blocks=chunk_blocks, window=window)
+        # get results' host memory, handed out again once the caller has dropped a result (hostmem.py)
+        self._buffers = HostBuffers()
+        self._socket = SocketPath(self._conn, chunk_blocks=chunk_blocks, window=window, buffers=self._buffers)
         self._shm = SharedPath(self._conn, self._socket)
 
     # ------------------------------------------------------------------ plumbing
@@ -306,7 +309,7 @@ class KVStoreClient:
                 total = tokens.blocks(T) if on_cpu else self._socket.lookup(ns, tokens).matched_blocks
                 if total == 0:
                     return GetResult(0, 0, None, [])
-                out = empty_kv(layout.shape(total * T), layout.torch_dtype, device)
+                out = empty_kv(layout.shape(total * T), layout.torch_dtype, device, self._buffers)
                 read = self._shm.read_into(ns, tokens, out, total)
                 if read is not None:
                     matched, tiers = read

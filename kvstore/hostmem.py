@@ -8,7 +8,7 @@ malloc makes of small buffers, and torch's caching allocators of device and pinn
 
 ::
 
-    host_buffer(n) --> a view of a kept buffer of >= n bytes (rounded up to STEP), or a new one
+    HostBuffers.get(n) --> an array over a kept buffer of n bytes rounded up to STEP, or a new one
     ... the view is gone (the tensor made from it, and every view of that) -->
     weakref.finalize: its buffer is kept again (the oldest kept are let go past KEEP_BYTES)
 
@@ -31,8 +31,9 @@ KEEP_BYTES = 512 << 20  # free buffers kept at most, all sizes together
 
 
 class HostBuffers:
-    """Free buffers by size, oldest first; thread-safe (a finalizer runs on whatever thread drops
-    the last reference, possibly inside another call here: the lock is re-entrant)."""
+    """One client's free buffers (each KVStoreClient owns one), oldest first. Thread-safe: a
+    finalizer runs on whatever thread drops the last reference, possibly inside another call here
+    (the lock is re-entrant)."""
 
     def __init__(self, keep_bytes: int = KEEP_BYTES) -> None:
         self.keep_bytes = keep_bytes
@@ -82,11 +83,3 @@ class HostBuffers:
         with self._lock:
             self._free.clear()
             self.kept = 0
-
-
-BUFFERS = HostBuffers()  # the process's
-
-
-def host_buffer(nbytes: int) -> np.ndarray:
-    """``nbytes`` of uninitialised host memory (uint8) from the process's HostBuffers."""
-    return BUFFERS.get(nbytes)

@@ -22,10 +22,11 @@ import copy
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvstore.errors import LayoutError
-from kvstore.hostmem import host_buffer
+from kvstore.hostmem import HostBuffers
 from kvstore.layout import KVLayout
 from kvstore.memcopy import CopyBatch, copy_into, scatter_rows
 from kvstore.results import as_int
@@ -312,13 +313,16 @@ def target_view(target: KVTarget, t0: int, n: int) -> torch.Tensor | None:
     return None if isinstance(target, PagedKV) else target[:, :, t0 : t0 + n]
 
 
-def empty_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """An uninitialised tensor (a get's result). On the CPU its memory is kvstore.hostmem's: an
-    earlier result's buffer that nothing refers to any more (its pages already faulted in), or
-    numpy's, in huge pages for large arrays: filling a 94 MB result in torch.empty's memory,
-    faulted in 4 KiB at a time, takes three times as long."""
+def empty_kv(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, buffers: HostBuffers | None = None
+) -> torch.Tensor:
+    """An uninitialised tensor (a get's result). On the CPU its memory comes from ``buffers`` (a
+    client's: an earlier result's that nothing refers to any more, its pages already faulted in)
+    or from numpy, which asks the kernel for huge pages for large arrays: filling a 94 MB result in
+    torch.empty's memory, faulted in 4 KiB at a time, takes three times as long."""
     device = torch.device(device)
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(host_buffer(nbytes)).view(dtype).view(shape)
+    mem = np.empty(nbytes, dtype=np.uint8) if buffers is None else buffers.get(nbytes)
+    return torch.from_numpy(mem).view(dtype).view(shape)

@@ -21,6 +21,7 @@ import torch
 
 from kvstore.chains import Chain, TokenChain
 from kvstore.connection import Connection
+from kvstore.hostmem import HostBuffers
 from kvstore.keys import Namespace
 from kvstore.kvbuffers import KVTarget, empty_kv, write_target
 from kvstore.memcopy import copy_into
@@ -75,8 +76,17 @@ def _failed_block(entry: object) -> FailedBlock:
 class SocketPath:
     """Lookups, gets and puts of K/V as message payloads on ``conn``."""
 
-    def __init__(self, conn: Connection, *, chunk_blocks: int | None = None, window: int = WINDOW) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        *,
+        chunk_blocks: int | None = None,
+        window: int = WINDOW,
+        buffers: HostBuffers | None = None,
+    ) -> None:
+        """``buffers``: where a result received in chunks is put together (None: fresh memory)."""
         self._conn = conn
+        self._buffers = buffers
         self.chunk_blocks = chunk_blocks if chunk_blocks is None else max(1, chunk_blocks)
         self.window = max(1, window)
 
@@ -121,7 +131,7 @@ class SocketPath:
                 out = part  # one chunk: the tensor is the received frame, no copy
                 return
             if out is None:
-                out = empty_kv(layout.shape(total * T), layout.torch_dtype, device)
+                out = empty_kv(layout.shape(total * T), layout.torch_dtype, device, self._buffers)
             s = starts[i] * T
             copy_into(out[:, :, s : s + reply.blocks * T], part)
 

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvstore import hostmem
 from kvstore.config import Config, check_pools, load_config, runtime_dir
 from kvstore.daemon.auth import ServerAuth
 from kvstore.daemon.endpoint import claim
@@ -65,9 +64,6 @@ def serve(config: Config) -> int:
     _setup_logging(config.server.log_level)
     _share_cores(config.server.workers)
     keep_scratch()  # codec temporaries reused from the heap, not mapped afresh per block (heap.py)
-    # a socket get's result leaves with its reply: none is kept for reuse, which would hold memory
-    # beyond the capacities and in-flight budget the daemon's memory is bounded by
-    hostmem.BUFFERS.keep_bytes = 0
     try:  # what the config alone says is wrong: before anything is claimed or allocated
         check_pools(config)
         if config.cluster.enabled:

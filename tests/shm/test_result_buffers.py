@@ -1,4 +1,4 @@
-"""A same-host client's get results come from kvstore.hostmem: a dropped result's buffer serves the
+"""A same-host client's get results come from its kvstore.hostmem.HostBuffers: a dropped result's buffer serves the
 next get, and a result the caller keeps is never written by the gets after it (MIN_BYTES and STEP
 lowered for the tests' 1 KiB blocks)."""
 
@@ -12,22 +12,18 @@ import numpy as np
 import pytest
 
 from kvstore import hostmem
-from kvstore.hostmem import HostBuffers
 from tests.hardening.conftest import assert_exact, client, endpoint_of, prefix_kv, random_tokens, write_config
 
 
 @pytest.fixture
-def small_buffers(monkeypatch: pytest.MonkeyPatch) -> HostBuffers:
-    """The process's buffers for every result size (the tests' blocks are 1 KiB)."""
-    b = HostBuffers()
+def small_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers kept for every result size (the tests' blocks are 1 KiB)."""
     monkeypatch.setattr(hostmem, "MIN_BYTES", 0)
     monkeypatch.setattr(hostmem, "STEP", 4096)
-    monkeypatch.setattr(hostmem, "BUFFERS", b)
-    return b
 
 
 def test_gets_reuse_dropped_results_and_never_write_a_kept_one(
-    daemons: Any, tmp_path: Path, small_buffers: HostBuffers
+    daemons: Any, tmp_path: Path, small_buffers: None
 ) -> None:
     cfg = write_config(tmp_path)
     ep = endpoint_of(cfg)
@@ -46,5 +42,5 @@ def test_gets_reuse_dropped_results_and_never_write_a_kept_one(
             assert_exact(b, r.kv, r.matched_tokens)
             del r
             gc.collect()
-        assert small_buffers.reused >= 3  # each dropped result's buffer served the next
+        assert c._buffers.reused >= 3  # each dropped result's buffer served the next
         assert_exact(a, kept.kv, kept.matched_tokens)  # never written by the gets after it
