@@ -31,6 +31,7 @@ shows up as a RequestTimeout (its message says to check the allow-list).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections import deque
@@ -139,7 +140,8 @@ class Connection:
 
     def close(self) -> None:
         if self._deferred and self.sock is not None:  # sent, maybe not yet gone: linger 0 drops it
-            self._await_deferred(min(self.timeout, CLOSE_WAIT))
+            with contextlib.suppress(Exception):  # closing goes on whatever the socket does
+                self._await_deferred(min(self.timeout, CLOSE_WAIT))
         self._closed = True
         self.shm_offer = None  # nothing is mapped from a closed client again
         self._finalizer.detach()
