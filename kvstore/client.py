@@ -233,6 +233,7 @@ class KVStoreClient:
         with self._lock:
             self._conn.close()
             self._shm.close()
+            self._buffers.close()
 
     @property
     def shared_memory(self) -> bool:

@@ -78,8 +78,9 @@ class HostBuffers:
             self._free[id(buf)] = buf
             self.kept += buf.nbytes
 
-    def clear(self) -> None:
-        """Let every kept buffer go."""
+    def close(self) -> None:
+        """Let every kept buffer go, and keep none from now on (results still held are the caller's)."""
         with self._lock:
+            self.keep_bytes = 0
             self._free.clear()
             self.kept = 0

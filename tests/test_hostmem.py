@@ -96,3 +96,16 @@ def test_numpy_slices_of_a_buffer_keep_it_from_reuse() -> None:
     assert ptr(other) != where
     other.fill(0)
     assert (part == 7).all()
+
+
+def test_closed_buffers_keep_nothing_more() -> None:
+    b = HostBuffers()
+    x, y = b.get(8 * MB), b.get(8 * MB)
+    del x
+    gc.collect()
+    assert b.kept == 8 * MB
+    b.close()  # its client closed
+    assert b.kept == 0
+    del y  # a result the caller still held, dropped after
+    gc.collect()
+    assert b.kept == 0

@@ -44,3 +44,20 @@ def test_gets_reuse_dropped_results_and_never_write_a_kept_one(
             gc.collect()
         assert c._buffers.reused >= 3  # each dropped result's buffer served the next
         assert_exact(a, kept.kv, kept.matched_tokens)  # never written by the gets after it
+
+
+def test_a_closed_client_keeps_no_result_memory(daemons: Any, tmp_path: Path, small_buffers: None) -> None:
+    cfg = write_config(tmp_path)
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    a = random_tokens(np.random.default_rng(6), 12)
+    with client(ep) as c:
+        assert c.put(a, prefix_kv(a)).stored == 12
+        kept = c.get(a)
+        assert c.get(a).matched_blocks == 12  # a result dropped at once: its buffer kept for the next
+        gc.collect()
+        assert c._buffers.kept > 0
+    assert c._buffers.kept == 0  # closing let it go
+    del kept
+    gc.collect()
+    assert c._buffers.kept == 0  # and a result dropped after the close is not kept either
