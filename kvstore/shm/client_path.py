@@ -183,11 +183,10 @@ class SharedPath:
         return start, tiers
 
     def _finish(self, reply: LocateOk, used: int, *, wait: bool = True) -> None:
-        """Give the lease of ``reply`` back; done before this client's next request (``wait``) when it
-        holds staging, which that request may need."""
-        _give_back(
-            self._conn, Finish(handle=reply.handle, used=used), wait=wait and reply.staging is not None
-        )
+        """Give the lease of ``reply`` back; done before this client's next request (``wait``): the
+        staging it frees may be needed there, and a finish the daemon turned away busy goes again
+        (sent and forgotten, its pins would stay until the lease's end)."""
+        _give_back(self._conn, Finish(handle=reply.handle, used=used), wait=wait)
 
     # -- puts ---------------------------------------------------------------------------
     def put(

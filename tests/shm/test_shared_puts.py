@@ -205,3 +205,34 @@ def test_a_put_interrupted_while_staging_gives_its_range_back_at_once(
         assert wait_until(lambda: shm_stats(c)["staging_used"] == 0, 5)  # not in 60 s, at the lease's end
         monkeypatch.undo()
         assert c.put_from(toks, prefix_kv(toks)).stored == 3
+
+
+def test_a_read_s_finish_turned_away_busy_is_sent_again(daemons: Any, tmp_path: Path) -> None:
+    # reads of pool blocks (no staging): each ends with a finish that gives the pins back. The daemon
+    # turns requests away busy while other clients keep its one queue place; a finish turned away must
+    # go again, or the pins stay until the lease runs out (30 s) and count against the client
+    cfg = write_config(tmp_path, server={**SHM, "workers": 1, "max_queued_requests": 1})
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(15)
+    toks = random_tokens(rng, 8)
+    with attached(ep) as c:
+        assert c.put(toks, prefix_kv(toks)).stored == 8
+
+        def flood(stop: Any) -> int:
+            n = 0
+            with socket_client(ep) as s:
+                while not stop.is_set():
+                    s.stats()
+                    n += 1
+            return n
+
+        floods = [Background(flood) for _ in range(3)]
+        try:
+            for _ in range(40):
+                assert c.get(toks).matched_blocks == 8
+        finally:
+            assert all(f.join() for f in floods)
+        c.ping()  # the last read's finish is answered before this goes
+        shm = shm_stats(c)
+        assert shm["leases"] == 0 and c.stats()["store"]["pinned"] == 0, shm
