@@ -36,13 +36,14 @@ from tests.hardening.conftest import (
     write_config,
 )
 from tests.shm.clients import SHM, attached, shm_stats, socket_client, vllm_buffers
+from tests.shm.spy import sent_ops
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("ram_codec", ["fp8", "int8"])
 def test_shared_memory_and_socket_serve_the_same_bytes_from_every_tier(
-    daemons: Any, tmp_path: Path, ram_codec: str
+    daemons: Any, tmp_path: Path, ram_codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = write_config(
         tmp_path,
@@ -61,6 +62,9 @@ def test_shared_memory_and_socket_serve_the_same_bytes_from_every_tier(
 
     def compare(tier: str, exact: bool) -> None:
         with attached(ep) as shm, socket_client(ep) as sock:
+            # each client's own path, every time: a shared-memory read that fell back to the socket
+            # would compare the socket with itself
+            shm_ops, sock_ops = sent_ops(shm, monkeypatch), sent_ops(sock, monkeypatch)
             for toks, blocks in ((a, 9), (tail, 9), (fork, 4)):
                 got, ref = shm.get(toks), sock.get(toks)
                 assert got.matched_blocks == ref.matched_blocks == blocks
@@ -79,6 +83,8 @@ def test_shared_memory_and_socket_serve_the_same_bytes_from_every_tier(
                 back = paged.read(0, torch.empty(LAYOUT.shape(blocks * T), dtype=torch.float16))
                 assert torch.equal(back, ref.kv)
             assert wait_until(lambda: shm_stats(shm)["leases"] == 0, 5)  # finishes are not awaited
+            assert "locate" in shm_ops and "get" not in shm_ops and shm.shared_memory, (tier, shm_ops)
+            assert "get" in sock_ops and "locate" not in sock_ops, (tier, sock_ops)
 
     with attached(ep) as c:
         assert c.put(a, want, session="a").stored == 9
@@ -235,16 +241,18 @@ def test_reads_racing_evictions_and_reused_pages_are_exact_or_short(daemons: Any
     bg = Background(churn)
     served = short = 0
     with attached(ep) as c:
-        deadline = time.monotonic() + 4.0
-        while time.monotonic() < deadline:
+        m = c._shm.mapping()
+        assert m is not None
+        start = time.monotonic()
+        # 4 s at least, and until the race was run: a page found moved (or torn) after its copy
+        while time.monotonic() < start + 4.0 or (not m.moved + m.torn and time.monotonic() < start + 60):
             for p in prompts:
                 got = c.get(p)
                 assert_exact(p, got.kv, got.matched_tokens)  # a wrong byte fails here
                 served += got.matched_blocks
                 short += got.matched_blocks < 8
-        m = c._shm.mapping()
-        assert m is not None
         print(f"served {served} blocks, {short} short reads, {m.moved} moved, {m.torn} torn")
+        assert m.moved + m.torn > 0, "no page was reused under a read: the race this test is for never ran"
     assert bg.join() > 10
     assert served > 0
 

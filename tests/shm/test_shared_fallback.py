@@ -99,7 +99,7 @@ def test_clients_survive_a_restart_and_a_kill_and_dead_segments_are_removed(
         for toks in (a, b):
             got = c.get(toks)
             assert got.matched_blocks == 5
-        assert_exact(toks, got.kv, got.matched_tokens)
+            assert_exact(toks, got.kv, got.matched_tokens)
         assert c.shared_memory
 
 

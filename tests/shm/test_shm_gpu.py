@@ -26,6 +26,7 @@ from tests.hardening.conftest import (
     write_config,
 )
 from tests.shm.clients import SHM, attached, socket_client, vllm_buffers
+from tests.shm.spy import sent_ops
 
 
 def _cupy_works() -> bool:
@@ -60,7 +61,7 @@ def gpu_config(tmp_path: Path, **policy: Any) -> Path:
 
 
 def test_hbm_on_a_gpu_is_read_through_cuda_ipc_into_gpu_and_cpu_destinations(
-    daemons: Any, tmp_path: Path
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = gpu_config(tmp_path)
     ep = endpoint_of(cfg)
@@ -71,6 +72,7 @@ def test_hbm_on_a_gpu_is_read_through_cuda_ipc_into_gpu_and_cpu_destinations(
     with attached(ep) as c:
         m = c._shm.mapping()
         assert m is not None and m.tiers == ["hbm", "ram"]  # the hbm pool is mapped by IPC
+        ops = sent_ops(c, monkeypatch)  # every read below through the mapping, none over the socket
         assert c.put_from(a, want.cuda()).stored == 6
         out = torch.zeros(LAYOUT.shape(6 * T), dtype=torch.float16, device="cuda")
         r = c.get_into(a, out)
@@ -84,9 +86,12 @@ def test_hbm_on_a_gpu_is_read_through_cuda_ipc_into_gpu_and_cpu_destinations(
         assert c.get_into(a, paged).matched_blocks == 6
         back = paged.read(0, torch.empty(LAYOUT.shape(6 * T), dtype=torch.float16, device="cuda"))
         assert torch.equal(back.cpu(), want)
+        assert "locate" in ops and "get" not in ops, ops
 
 
-def test_ram_frames_are_decoded_on_the_gpu_as_the_socket_decodes_them(daemons: Any, tmp_path: Path) -> None:
+def test_ram_frames_are_decoded_on_the_gpu_as_the_socket_decodes_them(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg = gpu_config(tmp_path)
     ep = endpoint_of(cfg)
     daemons(cfg)
@@ -98,8 +103,10 @@ def test_ram_frames_are_decoded_on_the_gpu_as_the_socket_decodes_them(daemons: A
         ref = s.get(a)
         assert ref.tiers == ["ram"] * 6 and ref.kv is not None
         out = torch.zeros(LAYOUT.shape(6 * T), dtype=torch.float16, device="cuda")
+        ops = sent_ops(c, monkeypatch)
         r = c.get_into(a, out)
         assert r.tiers == ["ram"] * 6
+        assert "locate" in ops and "get" not in ops, ops  # decoded here, on the GPU, not by the daemon
         torch.testing.assert_close(out.cpu(), ref.kv, rtol=0, atol=0)
 
 
