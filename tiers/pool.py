@@ -20,6 +20,8 @@ outside the daemon (a client that mapped the arena, kvstore.shm) notes the
 generations of a block's pages when it is told where the block is and checks
 them after copying: a page freed meanwhile (and perhaps reused) shows as a
 changed generation, and the block is treated as missing, never served.
+Generations start at 1, never 0: shared memory given back after its daemon
+stopped (kvstore.shm.segment) reads as zeros, which match no located block.
 
 The free list is a preallocated stack of page numbers: alloc pops, free pushes;
 an entry gets only its page tuple and its index tensor, nothing else. Pages are
@@ -161,6 +163,7 @@ class PagePool:
                     f"({str(e).splitlines()[0][:200]}); lower the tier's capacity"
                 ) from None
             self.gens = np.zeros(self.num_pages, dtype=np.uint64)
+        self.gens[:] = 1  # never 0 (see above)
         self._pages = self._arena[: self.num_pages * page_bytes].view(self.num_pages, page_bytes)
         self._flat = self._arena[: self.num_pages * page_bytes]
         # Stack of free page numbers; the top is at _top - 1. Highest pages at the bottom.

@@ -149,8 +149,8 @@ def serve(config: Config) -> int:
             log.error("closing the store failed: %s; blocks written since the last flush may be lost", e)
             closed, code = False, EXIT_REFUSED
         finally:
-            if server.plane is not None:
-                server.plane.close()  # moves every page's generation, removes the shared segments
+            if server.plane is not None:  # moves every page's generation, removes the shared segments
+                server.plane.close(free=closed or server.store is None)  # and frees them, unless read
             copier.close()
         ctx.destroy(linger=1000)
         if held is not None:

@@ -546,13 +546,17 @@ class SharedPlane:
                 "lapsed": self.lapsed,
             }
 
-    def close(self) -> None:
-        """Remove the segments (clients that mapped them keep their mappings until they let go).
+    def close(self, *, free: bool = True) -> None:
+        """Remove the segments, and with ``free`` give their memory back now, whoever maps them.
 
         Every page's generation moves first: a client still copying (a get located just before the
-        stop) reads its blocks as missing. Host pages would keep their bytes in its mapping, but a
-        GPU arena is freed with this process while clients still hold its IPC handle, and what they
-        would copy from it then is anyone's."""
+        stop) reads its blocks as missing. A GPU arena is freed with this process while clients
+        still hold its IPC handle, and what they would copy from it then is anyone's. Host segments
+        are removed, then freed (read as zeros in clients' mappings: no generation is 0), so that an
+        idle client's mapping does not hold a pool's memory past the stop, where the next daemon
+        needs it (a host's page-locked mapping, on a GPU host, holds it until the client lets go).
+        Not ``free`` where the tiers may still read the pools (their close failed): a block encoded
+        from freed memory would be zeros."""
         for p in self._pools:
             p.gens_segment.array(p.gens_offset, 8 * p.num_pages).view(np.uint64)[:] += 1
         with self._lock:
@@ -563,6 +567,6 @@ class SharedPlane:
             self._clients.clear()
         for p in self._pools:
             if p.segment is not None:
-                p.segment.close()
+                p.segment.close(free=free)
             if p.gens_segment is not p.segment:
-                p.gens_segment.close()
+                p.gens_segment.close(free=free)

@@ -13,6 +13,8 @@ refused at start, not met by SIGBUS under load) and holds an exclusive
 ``flock`` on it for its lifetime. The kernel drops the lock when the daemon
 dies, so the next daemon's ``sweep`` removes exactly the segments whose owner
 is gone (a pid alone could have been reused). A clean stop unlinks its own.
+Either way the memory is freed once the file is removed: a client that still
+maps it (idle since) would otherwise hold it, and the next daemon may need it.
 
 A client opens a segment by the path the hello reply names, refusing one that
 is not a regular file owned by its own user with mode 0600, and maps pool
@@ -105,11 +107,21 @@ def sweep(path: Path) -> int:
         try:
             os.unlink(entry.path)
             removed += 1
+            _give_back(fd)  # clients that still map it (idle since the crash) hold none of its memory
         except OSError:
             pass
         finally:
             os.close(fd)
     return removed
+
+
+def _give_back(fd: int) -> None:
+    """Free the memory of the (removed) segment open as ``fd``: every mapping of it reads zeros from
+    then on (a pool's page generations too, which are never 0: its blocks read as moved)."""
+    size = os.fstat(fd).st_size
+    if size:
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
+            m.madvise(mmap.MADV_REMOVE)
 
 
 class Segment:

@@ -434,11 +434,11 @@ def test_freeing_a_page_bumps_its_generation() -> None:
     pool = PagePool(8 * 1024, page_bytes=1024)
     a = pool.alloc(2500)
     gens = pool.generations(a)
-    assert list(gens) == [0, 0, 0]
+    assert list(gens) == [1, 1, 1]  # never 0: memory given back reads 0
     pool.free(a)
     b = pool.alloc(1024)  # reuses a page of a
     assert b.pages[0] in a.pages
-    assert pool.gens[b.pages[0]] == 1 and not np.array_equal(pool.generations(a), gens)
+    assert pool.gens[b.pages[0]] == 2 and not np.array_equal(pool.generations(a), gens)
 
 
 def test_a_stopping_daemon_moves_every_page_s_generation(shm_dir: Path) -> None:
@@ -453,9 +453,59 @@ def test_a_stopping_daemon_moves_every_page_s_generation(shm_dir: Path) -> None:
     client = Segment.open(gens["gens_path"], gens["gens_size"], writable=False)
     seen = client.array(gens["gens_offset"], 8 * gens["num_pages"]).view(np.uint64)
     before = seen.copy()
-    plane.close()  # even where the tiers were not closed first (their own close failed)
+    plane.close(free=False)  # even where the tiers were not closed first (their own close failed)
     assert (seen == before + 1).all()
     client.close()
+
+
+def test_a_stopped_daemon_s_pools_are_freed_under_a_client_s_mapping(shm_dir: Path) -> None:
+    # an idle client keeps its mappings of the pools: their memory is given back all the same, and
+    # what the client would read there now (zeros) matches no block it was told of
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
+    hbm = HbmTier(64 * 1024, page_bytes=1024, memory=plane.pool_memory("hbm", "raw"))
+    hbm.put(b"x" * 32, kv(4)[:, :, :4].contiguous())
+    place = hbm.locate(b"x" * 32)
+    offer = plane.offer()
+    assert offer is not None
+    seg = offer["segments"][0]
+    client = Segment.open(seg["gens_path"], seg["gens_size"], writable=False)
+    mapped = client.array()
+    assert mapped.any() and resident(client) > 0
+    plane.close()
+    assert not Path(seg["gens_path"]).exists()
+    assert resident(client) == 0  # freed: no page of it is held any more
+    gens = client.array(seg["gens_offset"], 8 * seg["num_pages"]).view(np.uint64)
+    assert not gens[list(place.pages)].any() and all(g >= 1 for g in place.gens)
+    assert not mapped.any()
+    client.close()
+
+
+def test_the_next_daemon_frees_a_killed_daemon_s_segments_under_a_client_s_mapping(shm_dir: Path) -> None:
+    # the segment a killed daemon left (no lock held on it), mapped by a client: the sweep removes it
+    # and gives its memory back
+    path = shm_dir / "kvs-1-0123456789abcdef01234567-ram"
+    path.write_bytes(b"\x07" * (64 * 1024))
+    path.chmod(0o600)
+    client = Segment.open(path, 64 * 1024, writable=False)
+    assert client.array().all() and resident(client) > 0
+    plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
+    try:
+        assert not path.exists() and resident(client) == 0 and not client.array().any()
+    finally:
+        plane.close()
+        client.close()
+
+
+def resident(seg: Segment) -> int:
+    """How many of ``seg``'s pages are in memory, as this process maps them (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    pages = -(-seg.size // 4096)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(seg.array().ctypes.data, seg.size, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
 
 
 def test_a_located_block_reads_back_from_its_extents(shm_dir: Path) -> None:

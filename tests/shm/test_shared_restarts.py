@@ -6,6 +6,7 @@ ipc endpoint, restarted under the same client.
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -169,3 +170,44 @@ def test_a_client_at_its_lease_bound_uses_the_socket_at_once(
         assert time.monotonic() - t0 < c._conn.timeout
         assert ops.count("locate") == 1 and ops.count("reserve") == 1  # refused once each: the socket
         assert c.stats()["store"]["pinned"] == pinned  # the refused locate pinned nothing
+
+
+def segments_resident() -> int:
+    """KiB of kvstore segments (removed or not) this process's mappings hold in memory (smaps' Rss)."""
+    held, ours = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+            ours = "/kvs-" in line
+        elif ours and head[:1] == ["Rss:"]:
+            held += int(head[1])
+    return held
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_an_idle_client_s_mappings_hold_no_memory_once_the_daemon_is_gone(
+    daemons: Any, tmp_path: Path, stop: str
+) -> None:
+    # the client reads, then sleeps through a restart: its mappings of the old pools stay until its
+    # next call, but their memory is given back (by the stopping daemon, or by the next one's sweep
+    # after a crash), where the next daemon needs it; that next call then reads exactly
+    cfg = write_config(tmp_path, server=SHM, hbm={"capacity": "4MiB"}, ram={"capacity": "4MiB"})
+    ep = endpoint_of(cfg)
+    d = daemons(cfg)
+    rng = np.random.default_rng(25)
+    a = random_tokens(rng, 64)
+    with attached(ep) as c:
+        assert c.put(a, prefix_kv(a)).stored == 64
+        assert c.flush(30)
+        assert c.get(a).matched_blocks == 64  # every page of it read through this client's mapping
+        assert segments_resident() >= 64  # KiB: the blocks' pages, at least
+        d.stop(getattr(signal, stop))
+        if stop == "SIGTERM":
+            assert segments_resident() == 0  # freed by the daemon as it stopped
+        else:
+            assert segments_resident() >= 64  # a killed daemon frees nothing ...
+        d = daemons(cfg)
+        assert segments_resident() == 0  # ... the next one's sweep does
+        got = c.get(a)
+        assert got.matched_blocks == 64 and c.shared_memory
+        assert_exact(a, got.kv, got.matched_tokens)

@@ -170,7 +170,7 @@ def test_locate_many_places_each_block_where_it_is_in_the_order_asked() -> None:
     for i in range(4):
         hbm.put(key(i), block(i))
     hbm.drop(key(1))
-    hbm.put(key(4), block(4))  # takes key 1's freed pages: generation 1 there
+    hbm.put(key(4), block(4))  # takes key 1's freed pages: generation 2 there (they start at 1)
     places = hbm.locate_many([key(4), key(0), key(3)])
     arena = hbm.pool._flat
     for i, place in zip([4, 0, 3], places, strict=True):
@@ -178,7 +178,7 @@ def test_locate_many_places_each_block_where_it_is_in_the_order_asked() -> None:
         assert torch.equal(data.view(torch.bfloat16).view(SHAPE), block(i))
         assert place.nbytes == 512 and len(place.pages) == 2
         assert list(place.gens) == list(hbm.pool.gens[place.pages])
-    assert list(places[0].gens) == [1, 1] and list(places[1].gens) == [0, 0]
+    assert list(places[0].gens) == [2, 2] and list(places[1].gens) == [1, 1]
     assert [p.extents for p in places] == [hbm.locate(key(i)).extents for i in (4, 0, 3)]
     with pytest.raises(KeyError):  # one absent: none located
         hbm.locate_many([key(0), key(1)])
