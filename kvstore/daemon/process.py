@@ -117,8 +117,6 @@ def serve(config: Config) -> int:
         except NoRoom as e:
             assert plane is not None
             plane.close()
-            if config.server.shm_dir is not None:  # a directory the operator named must hold them
-                raise
             log.warning("shared memory off: %s; clients use the socket", e)
             plane = None
             store = Store.from_config(config, copier=copier)

@@ -297,22 +297,3 @@ def test_a_block_larger_than_a_client_s_staging_is_put_over_the_socket(daemons: 
         assert c.shared_memory and (r.stored, r.failed) == (3, [])
         got = c.get(toks)
         assert got.matched_blocks == 3 and got.kv is not None and torch.equal(got.kv, kv)
-
-
-def test_a_shm_dir_set_that_cannot_hold_the_pools_refuses_the_start(daemons: Any, tmp_path: Path) -> None:
-    # set by the operator, it must work: no quiet fall back to the socket (the default directory,
-    # one a container may make too small, does fall back); a pool larger than its filesystem's room
-    shm = tmp_path / "shm"
-    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
-    cfg = write_config(
-        tmp_path, server={**SHM, "shm_dir": str(shm)}, hbm={"capacity": f"{2 * free // 2**30 + 1}GiB"}
-    )
-    d = daemons(cfg, ready=False)
-    assert d.wait_exit(60) == 1, d.output()
-    out = d.output()
-    # refused for the segment, not after running on with shared memory off (where a smaller pool
-    # than this one, past the directory's room but not the host's, would have been served privately)
-    assert "shared memory off" not in out, out
-    refusal = next(line for line in out.splitlines() if "refusing to start" in line)
-    assert f"segment cannot be allocated in {shm} (no room)" in refusal, refusal
-    assert not [p for p in shm.iterdir() if p.name.startswith("kvs-")]  # nothing left behind
