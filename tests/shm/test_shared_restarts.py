@@ -211,3 +211,33 @@ def test_an_idle_client_s_mappings_hold_no_memory_once_the_daemon_is_gone(
         got = c.get(a)
         assert got.matched_blocks == 64 and c.shared_memory
         assert_exact(a, got.kv, got.matched_tokens)
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_a_restart_under_an_idle_client_needs_room_for_one_daemon_s_pools(
+    daemons: Any, tmp_path: Path, stop: str
+) -> None:
+    # a filesystem that holds one daemon's pools and a staging segment, not two daemons' pools: the
+    # old pools an idle client still maps must not keep the next daemon off shared memory
+    from tests.hardening.conftest import mounted
+
+    small = tmp_path / "small"
+    with mounted(small, "size=800k", "mode=0700") as ok:
+        if not ok:
+            pytest.skip("needs root to mount a small tmpfs")
+        server = {"shm_staging": "256KiB", "shm_staging_per_client": "64KiB", "shm_dir": str(small)}
+        cfg = write_config(tmp_path, server=server)  # pools of 256 KiB each
+        ep = endpoint_of(cfg)
+        d = daemons(cfg)
+        rng = np.random.default_rng(26)
+        a = random_tokens(rng, 16)
+        with attached(ep) as c:
+            assert c.put(a, prefix_kv(a)).stored == 16 and c.flush(30)
+            assert c.get(a).matched_blocks == 16
+            d.stop(getattr(signal, stop))
+            d = daemons(cfg)
+            got = c.get(a)
+            assert got.matched_blocks == 16
+            assert_exact(a, got.kv, got.matched_tokens)
+            assert c.shared_memory and c.stats()["server"]["shm"] is not None, d.output()
+        d.stop()
