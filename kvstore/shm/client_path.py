@@ -41,11 +41,6 @@ from kvstore.wire.messages import Commit, Finish, Locate, LocateOk, Message, Res
 log = logging.getLogger("kvstore.client")
 
 STALE_RETRIES = 2  # times a shared-memory call starts over on a restarted daemon's new segments
-# A put's chunks are at most this many bytes, so that the daemon copies one into its pools while the
-# client writes the next into staging. A 94 MB put, one client thread, caches cold (as an engine's
-# put finds them): 20.1 ms as one chunk, 16.7-16.9 ms in chunks of 16-22 blocks (24-32 MB), 17.8 ms
-# in chunks of 11, where each commit's own cost starts to show
-PUT_CHUNK_BYTES = 24 * 2**20
 
 _T = TypeVar("_T")
 
@@ -217,7 +212,7 @@ class SharedPath:
             tally.add(self._socket.put_from(ns, tokens, src, total, session, first=first))
             return tally.result()
         # a range takes whole pages (RangeAllocator): sized so that one, or two taken in turn, fit
-        chunk = max(1, min(self._socket.chunk(ns, tokens), _pages(m.per_client) // nb, PUT_CHUNK_BYTES // nb))
+        chunk = max(1, min(self._socket.chunk(ns, tokens), _pages(m.per_client) // nb))
         if total - first > chunk:
             chunk = max(1, min(chunk, _pages(m.per_client // 2) // nb))
         starts = list(range(first, total, chunk))
