@@ -176,7 +176,8 @@ class Connection:
         so the daemon has done it before anything sent after it (a lease given back, whose staging the
         next request may need), without the round trip now; ``close`` waits for it too (CLOSE_WAIT at
         most). Its reply is dropped (an error included: nothing the caller could do), except ``busy``,
-        which sends it again; not sent (no connection), or not answered within the time-out, it
+        which sends it again (not on a connection that does not wait when busy: an engine's step is
+        never held up; it lapses); not sent (no connection), or not answered within the time-out, it
         lapses as ``notify``'s would."""
         try:
             rid = self._send(msg)
@@ -200,7 +201,7 @@ class Connection:
                 rid, reply = got
                 msg = self._deferred.pop(rid, None)
                 busy = isinstance(reply, ErrorReply) and reply.code == "busy"
-                if msg is not None and busy and time.monotonic() + pause < deadline:
+                if msg is not None and busy and self.wait_when_busy and time.monotonic() + pause < deadline:
                     time.sleep(pause)
                     pause = min(BUSY_WAIT_MAX, pause * 2)
                     self.defer(msg)

@@ -11,7 +11,9 @@ reply leaves the daemon, and one client's commits run one at a time, in the orde
 A client's commits each need the blocks of the one before it, so the next chunk's commit, sent
 before this one's answer, must not run ahead of it. A commit is taken past a spent budget (its K/V
 is in the client's staging already, bounded by ``shm_staging``); only a client with
-MAX_WAITING_COMMITS commits already waiting is told to wait.
+MAX_WAITING_COMMITS commits already waiting is told to wait. A finish is taken past a spent budget
+too: it gives pins and staging back, which turning it away would hold (an engine's client does not
+wait to send it again); a client with MAX_QUEUED_FINISHES (its leases' bound) not yet answered waits.
 
 Not thread-safe: the loop thread alone calls it (a worker only carries its request's number).
 """
@@ -25,10 +27,12 @@ from typing import Any
 from kvstore.daemon.auth import OPERATOR
 from kvstore.daemon.budget import Charge, InflightBudget
 from kvstore.daemon.outbox import Sent
-from kvstore.wire.messages import Commit, Get
+from kvstore.shm.plane import MAX_LEASES_PER_CLIENT
+from kvstore.wire.messages import Commit, Finish, Get
 from kvstore.wire.protocol import Request, ServerProtocol, nbytes
 
 MAX_WAITING_COMMITS = 8  # commits of one client queued behind its running one, taken past a spent budget
+MAX_QUEUED_FINISHES = MAX_LEASES_PER_CLIENT  # finishes of one client taken and not yet answered
 
 # runs a taken request on a worker: (request, when it arrived, its number)
 Submit = Callable[[Request, float, int], Any]
@@ -47,6 +51,8 @@ class Dispatch:
         self._number = 0
         self._waiting: dict[bytes, deque[tuple[Request, float, int]]] = {}  # peer -> commits behind
         self._running: dict[int, bytes] = {}  # number of a running commit -> its peer
+        self._finishing: dict[int, bytes] = {}  # number of a finish taken -> its peer
+        self._finishes: dict[bytes, int] = {}  # peer -> its finishes taken and not yet answered
 
     def take(self, peer: bytes, request: Request, frames: list, arrived: float) -> str | None:
         """Charge ``request`` and submit it (or queue it behind its client's running commit); or,
@@ -61,12 +67,18 @@ class Dispatch:
                 refusal = (
                     f"{len(waiting)} commits of this client wait for the one running; send it again shortly"
                 )
+        finish = isinstance(request.msg, Finish)
+        if refusal is not None and finish and self._finishes.get(peer, 0) < MAX_QUEUED_FINISHES:
+            refusal = None
         if refusal is not None:
             return refusal
         self._number += 1
         number = self._number
         self._charges[number] = self.budget.take(tenant, cost)
         self.outstanding += 1
+        if finish:
+            self._finishing[number] = peer
+            self._finishes[peer] = self._finishes.get(peer, 0) + 1
         if commit:
             waiting = self._waiting.get(peer)
             if waiting is not None:  # another commit of this client runs: after it
@@ -79,6 +91,7 @@ class Dispatch:
         except BaseException:  # the workers are gone (the daemon is stopping): as if never taken
             if commit:
                 del self._running[number], self._waiting[peer]
+            self._finished(number)
             self.budget.release(self._charges.pop(number))
             self.outstanding -= 1
             raise
@@ -104,6 +117,7 @@ class Dispatch:
         self.outstanding -= 1
         if parked:
             self.budget.park(self._charges[number])
+        self._finished(number)
         peer = self._running.pop(number, None)
         while peer is not None:
             waiting = self._waiting[peer]
@@ -120,6 +134,16 @@ class Dispatch:
                 self.budget.release(self._charges.pop(number))
                 self.proto.done(request.peer)
                 self.outstanding -= 1
+
+    def _finished(self, number: int) -> None:
+        """Request ``number`` is answered (or was never run): if a finish, its client's count drops."""
+        peer = self._finishing.pop(number, None)
+        if peer is not None:
+            left = self._finishes[peer] - 1
+            if left:
+                self._finishes[peer] = left
+            else:
+                del self._finishes[peer]
 
 
 def cost_of(request: Request, frames: list) -> tuple[str, int]:

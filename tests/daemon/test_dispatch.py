@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvstore.daemon.budget import InflightBudget
-from kvstore.daemon.dispatch import MAX_WAITING_COMMITS, Dispatch
-from kvstore.wire.messages import Commit, Stats
+from kvstore.daemon.dispatch import MAX_QUEUED_FINISHES, MAX_WAITING_COMMITS, Dispatch
+from kvstore.wire.messages import Commit, Finish, Stats
 from kvstore.wire.protocol import Limits, Request, ServerProtocol
 
 
@@ -33,6 +33,10 @@ def commit(peer: bytes, rid: int) -> Request:
 
 def stats(peer: bytes, rid: int) -> Request:
     return Request(peer=peer, id=rid, msg=Stats(), tenant="t")
+
+
+def finish(peer: bytes, rid: int) -> Request:
+    return Request(peer=peer, id=rid, msg=Finish(handle=rid, used=0), tenant="t")
 
 
 def dispatch(total: int = 1000) -> tuple[Dispatch, InflightBudget, Workers]:
@@ -127,3 +131,21 @@ def test_a_request_the_workers_refuse_leaves_nothing_charged_or_queued() -> None
     w.shut = False
     assert d.take(b"a", commit(b"a", 3), [b"x" * 10], 0.0) is None
     assert [(p, r) for p, r, _ in w.ran] == [(b"a", 3)]
+
+
+def test_past_a_spent_budget_finishes_are_taken_up_to_a_bound_per_client() -> None:
+    # a finish gives pins and staging back: turned away, they would stay held (an engine's client
+    # does not send it again); one client's finishes not yet answered are bounded by its leases'
+    d, budget, w = dispatch(total=100)
+    assert d.take(b"a", stats(b"a", 1), [b"x" * 100], 0.0) is None  # the budget is spent
+    assert d.take(b"a", stats(b"a", 2), [b"x"], 0.0) is not None
+    for rid in range(10, 10 + MAX_QUEUED_FINISHES):
+        assert d.take(b"a", finish(b"a", rid), [b"x"], 0.0) is None
+    assert d.take(b"a", finish(b"a", 99), [b"x"], 0.0) is not None  # past the bound: busy
+    assert d.take(b"b", finish(b"b", 1), [b"x"], 0.0) is None  # another client's own bound
+    # one of a's is answered: the next is taken
+    n = w.ran[1][2]
+    d.sent(n, b"a")(False)
+    d.answered(n, parked=False)
+    assert d.take(b"a", finish(b"a", 100), [b"x"], 0.0) is None
+    assert d.outstanding == 2 + MAX_QUEUED_FINISHES

@@ -207,10 +207,11 @@ def test_a_put_interrupted_while_staging_gives_its_range_back_at_once(
         assert c.put_from(toks, prefix_kv(toks)).stored == 3
 
 
-def test_a_read_s_finish_turned_away_busy_is_sent_again(daemons: Any, tmp_path: Path) -> None:
+def test_a_read_s_finish_gets_through_a_busy_daemon(daemons: Any, tmp_path: Path) -> None:
     # reads of pool blocks (no staging): each ends with a finish that gives the pins back. The daemon
-    # turns requests away busy while other clients keep its one queue place; a finish turned away must
-    # go again, or the pins stay until the lease runs out (30 s) and count against the client
+    # turns requests away busy while other clients keep its one queue place; a finish must get
+    # through (taken past the budget; else sent again), or the pins stay until the lease runs out
+    # (30 s) and count against the client
     cfg = write_config(tmp_path, server={**SHM, "workers": 1, "max_queued_requests": 1})
     ep = endpoint_of(cfg)
     daemons(cfg)

@@ -167,3 +167,29 @@ def test_close_does_not_wait_longer_than_close_wait_for_a_daemon_that_never_answ
     t0 = time.monotonic()
     conn.close()
     assert time.monotonic() - t0 < CLOSE_WAIT + 0.5
+
+
+def test_a_connection_that_does_not_wait_when_busy_lets_a_busy_deferred_request_lapse(
+    tmp_path: Path,
+) -> None:
+    # an engine's connection: its next request is not held up behind a deferred finish turned away
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    daemon = ScriptedDaemon(endpoint)
+    conn = Connection(endpoint, timeout=3.0, retries=0, namespace=None, wait_when_busy=False)
+    try:
+        conn.defer(Finish(handle=5, used=2))
+        first = daemon.next_request(2.0)
+        assert first is not None
+        peer, rid_a, _ = first
+        t0 = time.monotonic()
+        t, out = call_in_thread(conn, Finish(handle=6, used=0))
+        daemon.answer(peer, rid_a, ErrorReply(code="busy", message="over the in-flight budget"))
+        got = daemon.next_request(2.0)
+        assert got is not None and got[2]["handle"] == 6  # B, not A sent again
+        daemon.answer(got[0], got[1], FinishOk(released=True))
+        t.join(5)
+        assert out == [FinishOk(released=True)] and time.monotonic() - t0 < 1.0
+        assert daemon.next_request(0.3) is None  # A lapses: never sent again
+    finally:
+        conn.close()
+        daemon.close()
