@@ -69,9 +69,9 @@ class HostBuffers:
         return None
 
     def _give_back(self, buf: np.ndarray) -> None:
-        if buf.nbytes > self.keep_bytes:
-            return
-        with self._lock:
+        with self._lock:  # the bound read under the lock: a close meanwhile keeps none after it
+            if buf.nbytes > self.keep_bytes:
+                return
             while self._free and self.kept + buf.nbytes > self.keep_bytes:
                 _, old = self._free.popitem(last=False)
                 self.kept -= old.nbytes

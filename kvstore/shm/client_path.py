@@ -273,6 +273,9 @@ class SharedPath:
             owner: list[int | None] = [None, None]
 
             def make(i: int) -> Message:
+                offer = self._conn.shm_offer  # this call's hello (a reconnect's) came from another
+                if offer is None or offer.get("instance") != m.instance:  # daemon: these ranges are
+                    raise _Stale  # gone with the old one, and written now they would only take memory
                 s, e = starts[i], min(starts[i] + chunk, total)
                 r = next((r for r in (0, 1) if owner[r] == i), None)
                 if r is None:  # free: with two commits at most in flight, one range's commit is answered

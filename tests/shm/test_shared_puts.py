@@ -237,3 +237,37 @@ def test_a_read_s_finish_gets_through_a_busy_daemon(daemons: Any, tmp_path: Path
         c.ping()  # the last read's finish is answered before this goes
         shm = shm_stats(c)
         assert shm["leases"] == 0 and c.stats()["store"]["pinned"] == 0, shm
+
+
+def test_a_pipelined_put_writes_no_staging_once_a_hello_names_another_daemon(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a put's next chunk, after a reconnect whose hello came from a restarted daemon: the ranges it
+    # reserved were the old daemon's (removed, their memory freed); written now, they would take
+    # memory back in a file no daemon counts. The put goes on against the new daemon's segments
+    cfg = write_config(tmp_path, server=CHUNKED)
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    toks = random_tokens(np.random.default_rng(16), 100)  # four chunks, two staging ranges
+    with attached(ep) as c:
+        conn, stage = c._conn, c._shm._stage
+        written_stale: list[int] = []
+        restarted: list[bool] = []
+
+        def write(m: Any, r: Any, *args: Any, **kw: Any) -> Any:
+            offer = conn.shm_offer
+            assert offer is not None
+            if offer["instance"] == "restarted":
+                written_stale.append(args[3])  # the chunk's first block
+            out = stage(m, r, *args, **kw)
+            if not restarted:  # after the first chunk: a hello from another daemon, as a reconnect's
+                restarted.append(True)
+                conn.shm_offer = {**offer, "instance": "restarted"}
+            return out
+
+        monkeypatch.setattr(c._shm, "_stage", write)
+        r = c.put(toks, prefix_kv(toks))
+        assert not written_stale, f"chunks from blocks {written_stale} written into the old daemon's staging"
+        assert r.stored + r.present == 100 and not r.failed, r
+        monkeypatch.undo()
+        assert_served(c, toks)
