@@ -83,6 +83,11 @@ class Tier(ABC):
         """Whether ``put(key, block)`` would succeed now without evicting anything. Changes nothing."""
 
     @abstractmethod
+    def could_hold(self, block: torch.Tensor) -> bool:
+        """Whether ``block`` would fit in this tier were it empty: where not, evicting makes no room
+        for it. Changes nothing."""
+
+    @abstractmethod
     def put(self, key: bytes, block: torch.Tensor) -> int:
         """Store ``block`` (``[L, 2, T, H, D]``, native dtype, any device) under ``key``.
 
@@ -143,6 +148,10 @@ class FrameTier(Tier):
     @abstractmethod
     def can_put_frame(self, frame_bytes: int) -> bool:
         """Whether ``put_frame`` of a ``frame_bytes``-byte frame would succeed now. Changes nothing."""
+
+    @abstractmethod
+    def could_hold_frame(self, frame_bytes: int) -> bool:
+        """Whether a ``frame_bytes``-byte frame would fit in this tier were it empty. Changes nothing."""
 
     @abstractmethod
     def put_frame(self, key: bytes, frame: Buffer) -> int:

@@ -60,6 +60,9 @@ class HbmTier(PagedTier):
     def can_put(self, block: torch.Tensor) -> bool:
         return self._pool.can_alloc(block.numel() * block.element_size())
 
+    def could_hold(self, block: torch.Tensor) -> bool:
+        return self._pool.pages_for(block.numel() * block.element_size()) <= self._pool.num_pages
+
     def put(self, key: bytes, block: torch.Tensor) -> int:
         """Copy ``block`` (any shape, any device) into the pool under ``key``. TierFull: nothing changed."""
         # the block as it is (a strided slice of a put's K/V): one copy into the pool, not two

@@ -196,13 +196,24 @@ class NvmeTier(Tier):
     def can_put(self, block: torch.Tensor, position: int | None = None) -> bool:
         """Whether ``put`` of ``block`` at ``position`` in its prefix would fit now; with no position,
         whether a block of either codec would. Changes nothing."""
+        need, reserve = self._need(block, position)
+        room = min(self.capacity_bytes, self._env.disk_room())  # a full disk is as full as the capacity
+        return self.usage().used_bytes + need <= room - reserve
+
+    def could_hold(self, block: torch.Tensor, position: int | None = None) -> bool:
+        """Whether ``block`` would fit in an empty store of this capacity (its reserve kept). Changes
+        nothing."""
+        need, reserve = self._need(block, position)
+        return need <= self.capacity_bytes - reserve
+
+    def _need(self, block: torch.Tensor, position: int | None) -> tuple[int, int]:
+        """(the entry's estimated bytes, the room kept free beside it) for ``block`` at ``position``."""
         layout = KVLayout.of_block(block)
         heads = (False, True) if position is None else (self.codec_for(position) is not self.codec,)
         frame = max(self._frame_hint(layout, h) for h in heads if not h or self.head_codec is not None)
-        need = self._entry_cost(frame, _RECORD_GUESS)
-        reserve = 64 * self._psize + 2 * max(self._largest, self._value_cost(frame))
-        room = min(self.capacity_bytes, self._env.disk_room())  # a full disk is as full as the capacity
-        return self.usage().used_bytes + need <= room - reserve
+        return self._entry_cost(frame, _RECORD_GUESS), 64 * self._psize + 2 * max(
+            self._largest, self._value_cost(frame)
+        )
 
     def put(self, key: bytes, block: torch.Tensor, record: BlockRecord | None = None) -> int:
         """Encode ``block`` with ``codec_for(record.position)`` and store frame and ``record`` in one

@@ -71,6 +71,15 @@ class RamTier(PagedTier, FrameTier):
         seen = None if self.codec.zstd_level else self._frame_bytes.get(layout)
         return self._pool.can_alloc(seen if seen is not None else self.codec.max_frame_bytes(layout))
 
+    def could_hold(self, block: torch.Tensor) -> bool:
+        """Judged as ``can_put`` is, on an empty pool."""
+        layout = KVLayout.of_block(block)
+        seen = None if self.codec.zstd_level else self._frame_bytes.get(layout)
+        return self.could_hold_frame(seen if seen is not None else self.codec.max_frame_bytes(layout))
+
+    def could_hold_frame(self, frame_bytes: int) -> bool:
+        return self._pool.pages_for(frame_bytes) <= self._pool.num_pages
+
     def block_cost(self, layout: KVLayout) -> int:
         """A frame of ``layout`` rounded up to whole pages: the size seen, else header and payload
         (zstd's gain unknown)."""

@@ -97,6 +97,7 @@ class Putter:
             for b in kv:
                 ns.layout.check_tensor(b, tokens=T, what="put block")
             n = len(kv)
+        self._tiers.check_holds(ns.layout)
         if start + n > chain.blocks(T):
             raise LayoutError(
                 f"kv holds {n * T} tokens for blocks from {start}, but the request names only "

@@ -15,6 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 
+import torch
+
+from kvstore.errors import LayoutError
+from kvstore.layout import KVLayout
 from kvstore.results import InvalidRequest
 from kvstore.tiers.base import FrameTier, Tier
 from kvstore.tiers.hbm import HbmTier
@@ -41,6 +45,19 @@ class TierSet:
 
     def __iter__(self) -> Iterator[Tier]:
         return iter(self.all)
+
+    def check_holds(self, layout: KVLayout) -> None:
+        """LayoutError unless some tier could hold a block of ``layout`` were it empty (a block larger
+        than every tier would only push every block out, and then not be stored). Changes nothing."""
+        block = torch.empty(layout.shape(), dtype=layout.torch_dtype, device="meta")
+        if any(t.could_hold(block) for t in self.all):
+            return
+        sizes = ", ".join(f"{t.name.value} {t.usage().capacity_bytes}" for t in self.all)
+        raise LayoutError(
+            f"a block of {layout.block_nbytes} bytes ({layout.block_tokens} tokens of this layout) is larger "
+            f"than any tier can hold (capacity in bytes: {sizes}); raise a tier's capacity, or use fewer "
+            "tokens per block"
+        )
 
     def batched_writes(self) -> AbstractContextManager[None]:
         """A block within which the blocks put into hbm (on the host) are copied together, on every
