@@ -158,7 +158,10 @@ def render_stats(data: Mapping[str, Any]) -> str:
         f"blocks {format_count(c('blocks'))}  sessions {format_count(c('sessions'))}  "
         f"namespaces {format_count(c('namespaces'))}  pinned {format_count(c('pinned'))}",
         f"write-through: queued {format_count(c('write_queue'))}  written {format_count(c('written'))}  "
-        f"deferred {format_count(c('write_deferred'))}  expired {format_count(c('expired'))}",
+        f"deferred {format_count(c('write_deferred'))}  expired {format_count(c('expired'))}  "
+        f"failed {format_count(c('write_failures'))}",
+        # blocks a tier's codec refused on their way down (K/V holding inf or NaN): gone, not stored
+        f"unencodable (inf or NaN, dropped) {format_count(c('unencodable'))}",
         # a lookup adds to matched, a get to served, both to asked (the ratio the metrics export)
         f"lookups {format_count(c('lookups'))}: tokens asked {format_count(c('tokens_asked'))}, "
         f"matched {format_count(c('tokens_matched'))}, served {format_count(c('tokens_served'))} "

@@ -90,6 +90,8 @@ STATS = {
         "write_deferred": 0,
         "written": 5,
         "expired": 0,
+        "write_failures": 3,
+        "unencodable": 1,
         "lookups": 4,
         "tokens_asked": 200,  # a lookup and a get of 100 tokens each
         "tokens_matched": 64,
@@ -106,6 +108,8 @@ def test_render_stats() -> None:
     assert any(line.startswith("nvme") and line.endswith("2") for line in out)  # corrupt column
     assert not any(line.startswith("ram") for line in out)  # a tier the daemon did not report
     assert "matched 64, served 64 (hit rate 64.0%)" in out[-1]  # what the metrics export
+    assert any(line.endswith("failed 3") for line in out)  # write-through attempts that failed
+    assert "unencodable (inf or NaN, dropped) 1" in out
     # a daemon that sends fewer counters still renders
     assert "blocks -" in display.render_stats({"store": {}, "server": {}})
     # same-host clients' shared memory: on, or off
