@@ -24,6 +24,11 @@ sent after it, and the caller does not spend its round trip.
 A connection made with ``wait_when_busy=False`` (an engine's lookups and loads: a
 busy store is a miss, recomputed, never a stalled step) raises it at once instead.
 
+On an ``ipc://`` endpoint a wait for a reply looks, once a second has passed, whether anything
+listens on the socket file; nothing there for ABSENT_GRACE seconds (no daemon, or a killed one's
+file) ends the call with RequestTimeout at once, its retries unspent, saying no daemon runs there,
+not after ``timeout`` times each attempt. A daemon restarting within that grace is waited for.
+
 With ``curve`` (kvstore.daemon.auth.ClientKeys) every socket is a CURVE client of the
 daemon. A daemon that refuses the key sends nothing at all, so a refused key
 shows up as a RequestTimeout (its message says to check the allow-list).
@@ -32,6 +37,7 @@ shows up as a RequestTimeout (its message says to check the allow-list).
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 import weakref
 from collections import deque
@@ -40,6 +46,7 @@ from typing import Any
 
 import zmq
 
+from kvstore.config_values import ipc_socket_path
 from kvstore.daemon.auth import ClientKeys
 from kvstore.errors import ClientClosed, DaemonStarting
 from kvstore.keys import Namespace
@@ -53,6 +60,9 @@ BACKOFF = 0.05  # seconds before the first re-send after a transient error; doub
 STARTING_POLL = 0.2  # seconds between re-sends to a daemon that answers "starting"
 BUSY_WAIT_MAX = 1.0  # longest pause between re-sends of a request the daemon answered "busy"
 CLOSE_WAIT = 1.0  # seconds close() waits at most for the replies of deferred requests
+ABSENT_AFTER = 1.0  # seconds a reply is waited for before looking whether a daemon listens (ipc)
+ABSENT_POLL = 0.25  # seconds between those looks
+ABSENT_GRACE = 5.0  # seconds nothing listens before a call ends (a restart binds again sooner)
 
 
 def _release(live: list[zmq.Socket | None], ctx: zmq.Context | None) -> None:
@@ -103,6 +113,8 @@ class Connection:
         self._greeted = False
         self._closed = False
         self._deferred: dict[int, Message] = {}  # requests sent by ``defer`` whose replies are due
+        self._socket_file = ipc_socket_path(endpoint)
+        self._absent = False  # the last wait ended because nothing listened on the socket file
 
     def _open(self) -> zmq.Socket:
         if self._closed:
@@ -209,22 +221,52 @@ class Connection:
             self.reconnect()
 
     def _recv(self, deadline: float) -> tuple[int, Message] | None:
-        """The next awaited reply, or None at ``deadline``. Raises RemoteProtocolError for a malformed one."""
+        """The next awaited reply, or None at ``deadline`` (or once nothing has listened on an ipc
+        socket file for ABSENT_GRACE: ``_absent``). Raises RemoteProtocolError for a malformed one."""
         sock = self._open()
+        self._absent = False
+        look_at = time.monotonic() + ABSENT_AFTER if self._socket_file is not None else None
+        absent_since: float | None = None
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 return None
-            sock.rcvtimeo = _ms(left)
+            if look_at is not None and now >= look_at:
+                look_at = now + ABSENT_POLL
+                if not self._listened():
+                    absent_since = now if absent_since is None else absent_since
+                    if now - absent_since >= ABSENT_GRACE:
+                        self._absent = True
+                        return None
+                else:
+                    absent_since = None
+            sock.rcvtimeo = _ms(left if look_at is None else min(left, max(0.0, look_at - now)))
             try:
                 frames: list[Any] = [sock.recv()]  # the header: small, copying is cheapest
             except zmq.Again:
-                return None
+                continue
             while sock.rcvmore:
                 frames.append(sock.recv(copy=False))  # payloads: kept as zmq frames, never copied
             got = self.proto.receive(frames)
             if got is not None:
                 return got
+
+    def _listened(self) -> bool:
+        """Whether something accepts connections on the ipc socket file (a unix-socket connect: no
+        file, or a file nobody listens on, is refused)."""
+        assert self._socket_file is not None
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(ABSENT_POLL)
+            probe.connect(str(self._socket_file))
+            return True
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        except OSError:  # anything else (a permission, a full backlog): not known to be absent
+            return True
+        finally:
+            probe.close()
 
     def ensure_hello(self, retries: int | None = None) -> int:
         """Register the namespace (once per socket); a no-op for a client without one. ``retries``: at most
@@ -293,6 +335,13 @@ class Connection:
             reason: str, *, fresh_socket: bool, backoff: bool = False, cause: Exception | None = None
         ) -> None:
             nonlocal attempts, inflight
+            if self._absent:  # nothing listens on the socket file: no retry can be answered
+                for rid in inflight:
+                    self.proto.forget(rid)
+                raise RequestTimeout(
+                    f"no kvstore daemon is running at {self.endpoint}: nothing has listened on "
+                    f"{self._socket_file} for {ABSENT_GRACE:g}s; start one (kvstore serve --config FILE)"
+                )
             if not idempotent or attempts >= budget:
                 for rid in inflight:
                     self.proto.forget(rid)
