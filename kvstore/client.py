@@ -336,7 +336,7 @@ class KVStoreClient:
         socket chunk by chunk, each written into ``out`` as it arrives."""
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
-        check_target(out, layout, "get_into out")
+        check_target(out, layout, "get_into out", written=True)
         start = _start(start)
         if start % T and not isinstance(out, PagedKV):
             raise LayoutError(f"start {start} must be a multiple of {T} for a tensor out")

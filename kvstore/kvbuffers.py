@@ -289,7 +289,10 @@ def target_tokens(target: KVTarget) -> int:
     return target.shape[2] if isinstance(target, torch.Tensor) else target.tokens
 
 
-def check_target(target: KVTarget, layout: KVLayout, what: str) -> None:
+def check_target(target: KVTarget, layout: KVLayout, what: str, *, written: bool = False) -> None:
+    """LayoutError unless ``target`` is a tensor of ``layout`` with data (not on torch's meta device)
+    or a PagedKV of it; ``written`` (a destination): nor one that requires grad, which torch will not
+    let be written in place."""
     if isinstance(target, PagedKV):
         target.check(layout)
         return
@@ -298,6 +301,12 @@ def check_target(target: KVTarget, layout: KVLayout, what: str) -> None:
             f"{what} must be a tensor [L, 2, T, H, D] or a PagedKV, got {type(target).__name__}"
         )
     layout.check_tensor(target, what=what)
+    if target.is_meta:
+        raise LayoutError(f"{what} is on the meta device: it holds no data; pass a tensor on cpu or cuda")
+    if written and target.requires_grad:
+        raise LayoutError(
+            f"{what} requires grad, and is written in place: pass one that does not (its .detach())"
+        )
 
 
 def write_target(target: KVTarget, t0: int, src: torch.Tensor) -> None:

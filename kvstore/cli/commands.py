@@ -63,6 +63,8 @@ def resolve_endpoint(args: argparse.Namespace) -> str:
 
     Raises ConfigError for an endpoint only a daemon can use (``tcp://*:5555``, where it listens)."""
     if args.endpoint:
+        if args.config is not None:  # named, so read: a file that is wrong is said so, not skipped
+            load_config(args.config)
         return check_connect_endpoint(str(args.endpoint))
     return check_connect_endpoint(load_config(args.config).server.endpoint)
 

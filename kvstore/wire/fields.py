@@ -24,7 +24,11 @@ Check = Callable[[str, Any], Any]
 
 
 def bad(name: str, want: str, got: Any) -> RemoteProtocolError:
-    return RemoteProtocolError("bad_header", f"field {name!r} must be {want}, got {type(got).__name__}")
+    """The error for field ``name``: what it must be, and what it was (a number's value, else its type)."""
+    shown = type(got).__name__
+    if isinstance(got, (int, float)) and not isinstance(got, bool):
+        shown = f"{got!r}"[:40]
+    return RemoteProtocolError("bad_header", f"field {name!r} must be {want}, got {shown}")
 
 
 def nonneg_int(name: str, v: Any) -> int:

@@ -18,6 +18,7 @@ import pytest
 
 from kvstore.cli.commands import plain, resolve_endpoint
 from kvstore.cli.parser import parse_args, parse_layout
+from kvstore.errors import ConfigError
 from kvstore.results import EvictResult
 from tests.cli.harness import LAYOUT_SPEC, clean_env, kvstore_cmd, run_cli, serve, stop, write_daemon_config
 
@@ -35,6 +36,14 @@ def test_endpoint_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         resolve_endpoint(parse_args(["stats", "--endpoint", "ipc:///tmp/flag.sock"]))
         == "ipc:///tmp/flag.sock"
     )
+    # --endpoint wins, but a --config named beside it is still read: a wrong one is said so
+    both = ["stats", "--endpoint", "ipc:///tmp/flag.sock", "--config"]
+    assert resolve_endpoint(parse_args([*both, str(cfg)])) == "ipc:///tmp/flag.sock"
+    with pytest.raises(ConfigError):
+        resolve_endpoint(parse_args([*both, str(tmp_path / "missing.toml")]))
+    (tmp_path / "bad.toml").write_text("[server]\nendpoint = 5\n")
+    with pytest.raises(ConfigError):
+        resolve_endpoint(parse_args([*both, str(tmp_path / "bad.toml")]))
 
 
 def test_plain_makes_results_json_ready() -> None:

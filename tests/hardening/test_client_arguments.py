@@ -71,6 +71,14 @@ def test_positions_devices_and_ids_that_make_no_sense_are_refused(daemons: Any, 
         for device in ("meta", "gpu", "cuda" if not torch.cuda.is_available() else "xla"):
             with pytest.raises(InvalidRequest, match="device"):
                 c.get(tokens, device=device)
+        # a meta tensor (no data: it was reported filled) and one torch will not write in place
+        with pytest.raises(LayoutError, match="meta device"):
+            c.get_into(tokens, torch.zeros_like(kv, device="meta"))
+        with pytest.raises(LayoutError, match="meta device"):
+            c.put_from(tokens, torch.zeros_like(kv, device="meta"))
+        with pytest.raises(LayoutError, match="requires grad"):
+            c.get_into(tokens, torch.zeros(kv.shape, dtype=torch.float32).to(kv.dtype).requires_grad_())
+        assert c.put_from(tokens, kv.clone().requires_grad_()).present == 2  # a source may: it is read
         k = [torch.zeros(4, T, *kv.shape[3:], dtype=kv.dtype) for _ in range(LAYOUT.num_layers)]
         with pytest.raises(LayoutError, match="block ids must be integers"):
             PagedKV.blocks(k, k, [0.0, 1.7], 2 * T)  # type: ignore[list-item]  # they were truncated to 0 and 1
