@@ -132,7 +132,8 @@ def run_demo(
             out.write(f"\nturn {i}: {question}\n  {answer.strip()}\n")
             out.write(
                 f"  {result.prompt_tokens:,} prompt tokens, {result.reused_tokens:,} reused "
-                f"({tier_summary(result.tiers)}); stored {turn.stored_blocks} new blocks\n"
+                f"({tier_summary(result.tiers)}); stored {turn.stored_blocks} new "
+                f"block{'' if turn.stored_blocks == 1 else 's'}\n"
             )
             out.write(
                 f"  time to first token: {result.ttft_cached_s:.3f} s with kvstore, "

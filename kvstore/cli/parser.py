@@ -401,7 +401,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             )
         given = [f"--{f}" for f in ("model", "layout", "tenant", "revision") if getattr(args, f) is not None]
         if args.tokens is None and given:
-            parser.error(f"inspect: {' and '.join(given)} only go with --tokens")
+            parser.error(
+                f"inspect: {' and '.join(given)} only go{'es' if len(given) == 1 else ''} with --tokens"
+            )
         args.tenant = "default" if args.tenant is None else args.tenant
         args.revision = "" if args.revision is None else args.revision
         if args.tokens is not None and args.session is not None:

@@ -50,6 +50,8 @@ log = logging.getLogger("kvstore.daemon.auth")
 ZAP_DOMAIN = b"kvstore"
 OPERATOR = "*"  # allow-list tenant of keys whose connections span every tenant
 KEY_CHARS = 40  # a 32-byte curve25519 key in Z85
+KEY_SUFFIXES = (".key", ".key_secret")  # the files `kvstore keygen` writes
+SECRET_MARK = "CURVE secret key"  # the comment above the key in a secret file keygen wrote
 TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 ENV_SERVER_KEY, ENV_SECRET_KEY, ENV_PUBLIC_KEY = (
     "KVSTORE_CURVE_SERVER_KEY",
@@ -101,15 +103,34 @@ def load_key(value: str | bytes, what: str, *, secret: bool) -> bytes:
     """The Z85 key ``value`` holds: read from the file it names (checked private when ``secret``), else itself."""
     if isinstance(value, str) and value.strip() and os.path.isfile(os.path.expanduser(value.strip())):
         path = Path(os.path.expanduser(value.strip()))
+        if secret and path.name.endswith(".key"):  # keygen's public half: said so, not "chmod 600 it"
+            raise ConfigError(
+                f"{what} {path} is a public key file; give the secret one ({path.name}_secret, as "
+                "`kvstore keygen` writes it)"
+            )
         if secret:
             check_private(path, what)
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{what} file {path} cannot be read: {e}") from None
+        if not secret and SECRET_MARK in text:
+            raise ConfigError(
+                f"{what} {path} is a secret key file; give the public one (the same name without "
+                "'_secret'), and keep the secret one to its owner"
+            )
         # the key is the last line: keygen writes a comment above it, and a Z85 key may itself start with '#'
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         return parse_key(lines[-1] if lines else "", f"{what} file {path}")
+    if (
+        isinstance(value, str)
+        and not _is_key(value)
+        and ("/" in value or value.strip().endswith(KEY_SUFFIXES))
+    ):
+        raise ConfigError(
+            f"{what} {value.strip()} names no file (it does not exist); give the path of a key file "
+            "(`kvstore keygen` writes them) or the 40-character key itself"
+        )
     return parse_key(value, what)
 
 
@@ -144,7 +165,7 @@ def write_keypair(directory: Path, name: str, *, force: bool = False) -> KeyFile
         secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
     )  # never readable by others, not even briefly
     with os.fdopen(fd, "w") as out:
-        out.write(f"# kvstore CURVE secret key (the last line); never share it\n{secret.decode()}\n")
+        out.write(f"# kvstore {SECRET_MARK} (the last line); never share it\n{secret.decode()}\n")
     public_file.write_text(f"{public.decode()}\n")
     return KeyFiles(public.decode(), public_file, secret_file)
 

@@ -66,9 +66,9 @@ def test_mistyped_flag_gets_a_suggestion(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_inspect_tokens_needs_the_namespace(capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs --model and --layout" in usage_error(["inspect", "--tokens", "f"], capsys)
-    assert "only go with --tokens" in usage_error(["inspect", "--model", "m"], capsys)
+    assert "--model only goes with --tokens" in usage_error(["inspect", "--model", "m"], capsys)
     # --tenant and --revision name the tokens' namespace too: alone they were ignored, every tenant listed
-    assert "inspect: --tenant only go with --tokens" in usage_error(["inspect", "--tenant", "t"], capsys)
+    assert "inspect: --tenant only goes with --tokens" in usage_error(["inspect", "--tenant", "t"], capsys)
     assert "--revision only go" in usage_error(["inspect", "--revision", "r"], capsys)
     args = parse_args(["inspect", "--tokens", "f", "--model", "m", "--layout", "L=2,H=1,D=8"])
     assert (args.tenant, args.revision) == ("default", "")

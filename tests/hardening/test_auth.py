@@ -194,6 +194,9 @@ def test_client_keys_from_arguments_files_or_environment(tmp_path: Path) -> None
         ("secret alone", "without curve_server_key"),
         ("public key of another pair", "does not belong to"),
         ("secret readable by others", "chmod 600"),
+        ("the public file given as the secret", "is a public key file"),
+        ("the secret file given as the server's key", "is a secret key file"),
+        ("a key file that is not there", "names no file"),
     ],
 )
 def test_client_keys_refuse_incomplete_or_exposed_pairs(tmp_path: Path, case: str, complaint: str) -> None:
@@ -205,6 +208,12 @@ def test_client_keys_refuse_incomplete_or_exposed_pairs(tmp_path: Path, case: st
         args["server_key"] = None
     elif case == "public key of another pair":
         args["public_key"] = other.public_key
+    elif case == "the public file given as the secret":
+        args["secret_key"] = str(me.public_file)
+    elif case == "the secret file given as the server's key":
+        args["server_key"] = str(server.secret_file)
+    elif case == "a key file that is not there":
+        args["secret_key"] = str(tmp_path / "keys" / "me.key_secret")
     else:
         os.chmod(me.secret_file, 0o640)
     with pytest.raises(ConfigError) as e:
