@@ -226,6 +226,9 @@ class Connection:
         sock = self._open()
         self._absent = False
         look_at = time.monotonic() + ABSENT_AFTER if self._socket_file is not None else None
+        # a file removed during the wait may be a live daemon's (a tmp cleaner): its connection is
+        # open still, and its reply awaited to the time-out as before; one never there is no daemon
+        missing_before = self._socket_file is not None and not self._socket_file.exists()
         absent_since: float | None = None
         while True:
             now = time.monotonic()
@@ -234,7 +237,7 @@ class Connection:
                 return None
             if look_at is not None and now >= look_at:
                 look_at = now + ABSENT_POLL
-                if not self._listened():
+                if not self._listened(missing_before):
                     absent_since = now if absent_since is None else absent_since
                     if now - absent_since >= ABSENT_GRACE:
                         self._absent = True
@@ -252,16 +255,19 @@ class Connection:
             if got is not None:
                 return got
 
-    def _listened(self) -> bool:
-        """Whether something accepts connections on the ipc socket file (a unix-socket connect: no
-        file, or a file nobody listens on, is refused)."""
+    def _listened(self, missing_before: bool) -> bool:
+        """Whether something accepts connections on the ipc socket file (a unix-socket connect: a file
+        nobody listens on is refused); a missing file counts as nobody only if it was missing when
+        the wait began (``missing_before``)."""
         assert self._socket_file is not None
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.settimeout(ABSENT_POLL)
             probe.connect(str(self._socket_file))
             return True
-        except (FileNotFoundError, ConnectionRefusedError):
+        except FileNotFoundError:
+            return not missing_before
+        except ConnectionRefusedError:
             return False
         except OSError:  # anything else (a permission, a full backlog): not known to be absent
             return True
@@ -336,8 +342,10 @@ class Connection:
         ) -> None:
             nonlocal attempts, inflight
             if self._absent:  # nothing listens on the socket file: no retry can be answered
+                self._absent = False
                 for rid in inflight:
                     self.proto.forget(rid)
+                self.reconnect()  # what is queued on the socket is dropped: never run by a daemon started later
                 raise RequestTimeout(
                     f"no kvstore daemon is running at {self.endpoint}: nothing has listened on "
                     f"{self._socket_file} for {ABSENT_GRACE:g}s; start one (kvstore serve --config FILE)"

@@ -183,10 +183,13 @@ class SharedPath:
         return start, tiers
 
     def _finish(self, reply: LocateOk, used: int, *, wait: bool = True) -> None:
-        """Give the lease of ``reply`` back; done before this client's next request (``wait``): the
-        staging it frees may be needed there, and a finish the daemon turned away busy goes again
-        (sent and forgotten, its pins would stay until the lease's end)."""
-        _give_back(self._conn, Finish(handle=reply.handle, used=used), wait=wait)
+        """Give the lease of ``reply`` back; done before this client's next request (``wait``) when it
+        holds staging, which that request may need. A finish of pool blocks only is sent and
+        forgotten: awaited, it would hold the next request up behind other clients' work on the
+        daemon's workers (the daemon takes finishes past a spent budget, so none is turned away)."""
+        _give_back(
+            self._conn, Finish(handle=reply.handle, used=used), wait=wait and reply.staging is not None
+        )
 
     # -- puts ---------------------------------------------------------------------------
     def put(

@@ -97,7 +97,7 @@ class Putter:
             for b in kv:
                 ns.layout.check_tensor(b, tokens=T, what="put block")
             n = len(kv)
-        self._tiers.check_holds(ns.layout)
+        self._tiers.check_holds(ns.layout, position=start)  # the put's first block: the largest frame
         if start + n > chain.blocks(T):
             raise LayoutError(
                 f"kv holds {n * T} tokens for blocks from {start}, but the request names only "

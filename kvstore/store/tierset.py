@@ -46,11 +46,12 @@ class TierSet:
     def __iter__(self) -> Iterator[Tier]:
         return iter(self.all)
 
-    def check_holds(self, layout: KVLayout) -> None:
-        """LayoutError unless some tier could hold a block of ``layout`` were it empty (a block larger
-        than every tier would only push every block out, and then not be stored). Changes nothing."""
+    def check_holds(self, layout: KVLayout, position: int | None = None) -> None:
+        """LayoutError unless some tier could hold a block of ``layout`` (at ``position`` in its
+        prefix, which picks nvme's codec; None: either) were it empty: a block larger than every
+        tier would only push every block out, and then not be stored. Changes nothing."""
         block = torch.empty(layout.shape(), dtype=layout.torch_dtype, device="meta")
-        if any(t.could_hold(block) for t in self.all):
+        if any(t.could_hold(block, position) if t is self.nvme else t.could_hold(block) for t in self.all):
             return
         sizes = ", ".join(f"{t.name.value} {t.usage().capacity_bytes}" for t in self.all)
         raise LayoutError(

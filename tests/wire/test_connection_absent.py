@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from kvstore import connection
 from kvstore.client import KVStoreClient
-from kvstore.connection import ABSENT_AFTER, ABSENT_GRACE
+from kvstore.connection import ABSENT_AFTER, ABSENT_GRACE, Connection
 from kvstore.wire.errors import RequestTimeout
+from kvstore.wire.messages import Finish, FinishOk
 from tests.daemon.conftest import Daemon
 from tests.hardening.conftest import LAYOUT, MODEL, endpoint_of, write_config
+from tests.wire.test_connection_defer import ScriptedDaemon, call_in_thread
 
 SOON = ABSENT_AFTER + ABSENT_GRACE + 2.0  # seconds: told well before one time-out of 60 s
 
@@ -60,3 +63,53 @@ def test_a_daemon_that_comes_up_within_the_grace_is_waited_for(tmp_path: Path) -
         for d in started:
             d.proc.terminate()
             d.wait_exit()
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The looks sooner and the grace shorter, so that these stories take a second or two."""
+    monkeypatch.setattr(connection, "ABSENT_AFTER", 0.2)
+    monkeypatch.setattr(connection, "ABSENT_POLL", 0.05)
+    monkeypatch.setattr(connection, "ABSENT_GRACE", 0.5)
+
+
+def test_a_live_daemon_whose_socket_file_goes_away_is_still_waited_for(tmp_path: Path, quick: None) -> None:
+    # a tmp cleaner removes the file while a reply is awaited: the connection is open, the reply comes
+    path = tmp_path / "d.sock"
+    daemon = ScriptedDaemon(f"ipc://{path}")
+    conn = Connection(f"ipc://{path}", timeout=10.0, retries=0, namespace=None)
+    try:
+        t, out = call_in_thread(conn, Finish(handle=1, used=0))
+        got = daemon.next_request(2.0)
+        assert got is not None
+        path.unlink()
+        time.sleep(1.5)  # three graces
+        daemon.answer(got[0], got[1], FinishOk(released=True))
+        t.join(5)
+        assert out == [FinishOk(released=True)]
+    finally:
+        conn.close()
+        daemon.close()
+
+
+def test_a_request_nobody_answered_is_not_run_by_a_daemon_started_later(tmp_path: Path, quick: None) -> None:
+    # told no daemon runs there, the operator starts one: the request queued on the old socket must
+    # not reach it (an evict, a put: its answer would be dropped, its effect not)
+    path = tmp_path / "d.sock"
+    conn = Connection(f"ipc://{path}", timeout=10.0, retries=2, namespace=None)
+    try:
+        with pytest.raises(RequestTimeout, match="no kvstore daemon is running"):
+            conn.call(Finish(handle=1, used=0), idempotent=False)
+        daemon = ScriptedDaemon(f"ipc://{path}")
+        try:
+            t, out = call_in_thread(conn, Finish(handle=2, used=0))
+            got = daemon.next_request(3.0)
+            assert got is not None and got[2]["handle"] == 2  # the new one, not the one told about
+            daemon.answer(got[0], got[1], FinishOk(released=False))
+            t.join(5)
+            assert out == [FinishOk(released=False)]
+            assert daemon.next_request(0.3) is None
+        finally:
+            daemon.close()
+    finally:
+        conn.close()
