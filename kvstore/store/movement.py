@@ -160,7 +160,7 @@ class Mover:
         tier) fits. ``position``: the block's index in its prefix, which picks the nvme tier's codec (a
         head block's frame is larger). ``ready``: frames encoded for the blocks pushed down. False when
         only pinned blocks are left."""
-        if not self._could_fit(t, block, frame_bytes, position):
+        if not self._fits(t, block, frame_bytes, position, empty=True):
             return False  # larger than the tier itself: nothing is pushed out for it
         tried: set[bytes] = set()
         while not self._fits(t, block, frame_bytes, position):
@@ -171,21 +171,24 @@ class Mover:
             self.evict_from(t, e, ready)
         return True
 
-    def _fits(self, t: int, block: torch.Tensor | None, frame_bytes: int, position: int | None) -> bool:
+    def _fits(
+        self,
+        t: int,
+        block: torch.Tensor | None,
+        frame_bytes: int,
+        position: int | None,
+        *,
+        empty: bool = False,
+    ) -> bool:
+        """Whether ``block`` (or a ``frame_bytes`` frame) fits in tier ``t`` now; ``empty``: were it empty."""
         frames, nvme = self.tiers.frames(t), self.tiers.nvme
         if block is None:
-            return frames is not None and frames.can_put_frame(frame_bytes)
+            if frames is None:
+                return False
+            return frames.could_hold_frame(frame_bytes) if empty else frames.can_put_frame(frame_bytes)
         if t == self.tiers.nvme_t and nvme is not None:
-            return nvme.can_put(block, position)
-        return self.tiers[t].can_put(block)
-
-    def _could_fit(self, t: int, block: torch.Tensor | None, frame_bytes: int, position: int | None) -> bool:
-        frames, nvme = self.tiers.frames(t), self.tiers.nvme
-        if block is None:
-            return frames is not None and frames.could_hold_frame(frame_bytes)
-        if t == self.tiers.nvme_t and nvme is not None:
-            return nvme.could_hold(block, position)
-        return self.tiers[t].could_hold(block)
+            return nvme.could_hold(block, position) if empty else nvme.can_put(block, position)
+        return self.tiers[t].could_hold(block) if empty else self.tiers[t].can_put(block)
 
     def evict_from(self, t: int, e: Entry, ready: Frames = NO_FRAMES) -> bool:
         """Make tier ``t`` let go of ``e`` (see the module sketch). True when ``t`` no longer holds it."""

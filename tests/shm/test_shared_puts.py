@@ -30,6 +30,17 @@ from tests.shm.clients import SHM, assert_served, attached, shm_stats, socket_cl
 CHUNKED = {**SHM, "shm_staging_per_client": "64KiB"}
 
 
+def flood(ep: str, stop: Any) -> int:
+    """Stats from a socket client of ``ep`` as fast as answered, until ``stop``: the daemon's queue
+    kept full. Returns how many were answered."""
+    n = 0
+    with socket_client(ep) as s:
+        while not stop.is_set():
+            s.stats()
+            n += 1
+    return n
+
+
 def test_a_put_in_many_chunks_is_stored_whole_while_the_daemon_turns_requests_away(
     daemons: Any, tmp_path: Path
 ) -> None:
@@ -43,17 +54,9 @@ def test_a_put_in_many_chunks_is_stored_whole_while_the_daemon_turns_requests_aw
     ep = endpoint_of(cfg)
     daemons(cfg)
 
-    def flood(stop: Any) -> int:
-        n = 0
-        with socket_client(ep) as s:
-            while not stop.is_set():
-                s.stats()
-                n += 1
-        return n
-
     rng = np.random.default_rng(12)
     with attached(ep) as c:
-        floods = [Background(flood) for _ in range(3)]
+        floods = [Background(lambda stop: flood(ep, stop)) for _ in range(3)]
         try:
             for _ in range(4):
                 toks = random_tokens(rng, 100)  # 100 KiB: four chunks of 32 blocks in 64 KiB of staging
@@ -220,15 +223,7 @@ def test_a_read_s_finish_gets_through_a_busy_daemon(daemons: Any, tmp_path: Path
     with attached(ep) as c:
         assert c.put(toks, prefix_kv(toks)).stored == 8
 
-        def flood(stop: Any) -> int:
-            n = 0
-            with socket_client(ep) as s:
-                while not stop.is_set():
-                    s.stats()
-                    n += 1
-            return n
-
-        floods = [Background(flood) for _ in range(3)]
+        floods = [Background(lambda stop: flood(ep, stop)) for _ in range(3)]
         try:
             for _ in range(40):
                 assert c.get(toks).matched_blocks == 8
