@@ -9,6 +9,7 @@ still prints.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,14 +68,30 @@ def format_ratio(part: float | None, whole: float | None) -> str:
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
     """A plain-text table; ``align`` has one ``l``/``r`` per column (default: first left, rest right)."""
     cells = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    widths = [max([columns(h)] + [columns(r[i]) for r in cells]) for i, h in enumerate(headers)]
     align = align or "l" + "r" * (len(headers) - 1)
 
     def line(values: Sequence[str]) -> str:
-        out = [v.ljust(w) if a == "l" else v.rjust(w) for v, w, a in zip(values, widths, align, strict=True)]
+        out = []
+        for v, w, a in zip(values, widths, align, strict=True):
+            pad = " " * (w - columns(v))
+            out.append(v + pad if a == "l" else pad + v)
         return "  ".join(out).rstrip()
 
     return "\n".join([line(list(headers))] + [line(r) for r in cells])
+
+
+def columns(text: str) -> int:
+    """The terminal columns ``text`` takes: a wide character (CJK, most emoji) two, a combining mark
+    or zero-width character none, every other one."""
+    return sum(
+        0
+        if unicodedata.combining(c) or unicodedata.category(c) in ("Mn", "Me", "Cf")
+        else 2
+        if unicodedata.east_asian_width(c) in ("W", "F")
+        else 1
+        for c in text
+    )
 
 
 def printable(value: Any) -> str:

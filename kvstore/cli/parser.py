@@ -85,11 +85,11 @@ def _at_most(limit: int, why: str) -> Callable[[str], int]:
 
 
 def _namespace_arg(text: str) -> str:
-    if not re.fullmatch(r"[0-9a-f]{16}", text):
+    if not re.fullmatch(r"[0-9a-fA-F]{16}", text.strip()):
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a namespace id: 16 hex digits, as `kvstore inspect` shows them"
         )
-    return text
+    return text.strip().lower()
 
 
 def _nonempty_arg(text: str) -> str:
@@ -136,6 +136,8 @@ def parse_layout(text: str) -> Any:
                 f"layout part {part!r} is not key=value; write e.g. L=30,H=3,D=64,dtype=bfloat16,T=64"
             )
         name = _LAYOUT_ALIASES.get(name.strip(), name.strip())
+        if name in fields:  # L=30,...,L=32 (or L= and num_layers=): which one was meant is a guess
+            raise argparse.ArgumentTypeError(f"layout {name} is given twice in {text!r}; give it once")
         fields[name] = value.strip() if name == "dtype" else _int_field(name, value)
     try:
         return KVLayout.from_dict(fields)

@@ -16,6 +16,8 @@ evicted, not even on request; they are left out.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import replace
 
 import torch
@@ -77,14 +79,16 @@ class AdminOps:
         With ``dry_run`` nothing changes and the result lists what would go
         and the bytes it would free per tier. ``flt.session`` selects the
         blocks that session stored, and drops only those no other session
-        builds on (a shared system prompt stays). Raises InvalidFilter for a
-        filter without criteria or with an unknown tier.
+        builds on (a shared system prompt stays). Raises InvalidFilter
+        (nothing changed) for a filter without criteria, with an unknown tier, a namespace that is
+        not a namespace id, or an ``older_than`` that is not a finite number of seconds >= 0.
         """
         if not flt.selects_anything():
             raise InvalidFilter(
                 "the filter selects nothing; give session, older_than, tier, namespace, "
                 "model or tenant, or all=True to evict everything"
             )
+        flt = _checked(flt)
         names = (*self._tiers.names, *(("cluster",) if self._cluster is not None else ()))
         if flt.tier is not None and flt.tier not in names:
             off = " (the cluster tier is off: [cluster] enabled = false)" if flt.tier == "cluster" else ""
@@ -489,3 +493,21 @@ def _with_descendants(entries: list[Entry]) -> list[Entry]:
             out.append(d)
             stack.extend(d.child_list())
     return out
+
+
+def _checked(flt: EvictFilter) -> EvictFilter:
+    """``flt`` with its namespace id in lower case; InvalidFilter for criteria that could only
+    select by accident (a NaN age selects every block, a mistyped namespace id none)."""
+    age = flt.older_than
+    if age is not None and (
+        isinstance(age, bool) or not isinstance(age, (int, float)) or not math.isfinite(age) or age < 0
+    ):
+        raise InvalidFilter(f"older_than must be a finite number of seconds >= 0, got {age!r}")
+    ns = flt.namespace
+    if ns is not None:
+        if not isinstance(ns, str) or not re.fullmatch(r"[0-9a-fA-F]{16}", ns):
+            raise InvalidFilter(
+                f"namespace {ns!r} is not a namespace id: 16 hex digits, as stats and inspect show them"
+            )
+        flt = replace(flt, namespace=ns.lower())
+    return flt

@@ -55,6 +55,18 @@ def test_table_aligns_columns() -> None:
     assert out.splitlines() == ["name          n", "a             1", "long-name  1000"]
 
 
+def test_table_aligns_wide_and_combining_characters_by_the_columns_they_take() -> None:
+    # session names are any text: a CJK name takes two columns a character, an accent none
+    out = display.table(["session", "blocks"], [["会話", 3], ["cafe\u0301", 12], ["abc", 100]])
+    assert out.splitlines() == [
+        "session  blocks",
+        "会話          3",
+        "cafe\u0301         12",
+        "abc         100",
+    ]
+    assert [display.columns(line) for line in out.splitlines()] == [15, 15, 15, 15]
+
+
 STATS = {
     "server": {"endpoint": "ipc:///x.sock", "pid": 42, "uptime": 3725.0, "requests": 1200, "errors": 1},
     "store": {

@@ -3,6 +3,7 @@ named, and given a hint."""
 
 from __future__ import annotations
 
+import argparse
 import io
 from pathlib import Path
 
@@ -83,6 +84,7 @@ def test_evict_filters_are_checked_before_anything_is_asked(capsys: pytest.Captu
     assert "must not be empty" in usage_error(["evict", "--model", ""], capsys)
     assert "must not be empty" in usage_error(["evict", "--tenant", " "], capsys)
     assert parse_args(["evict", "--namespace", "0123456789abcdef"]).namespace == "0123456789abcdef"
+    assert parse_args(["evict", "--namespace", "0123456789ABCDEF"]).namespace == "0123456789abcdef"
     assert "not both" in usage_error(
         ["inspect", "--session", "s", "--tokens", "f", "--model", "m", "--layout", "L=2,H=1,D=8"], capsys
     )
@@ -105,6 +107,9 @@ def test_parse_layout_short_and_long_names() -> None:
         64,
     )
     assert parse_layout("num_layers=2, num_kv_heads=1, head_dim=8") == parse_layout("L=2,H=1,D=8")
+    for twice in ("L=2,H=1,D=8,L=3", "L=2,num_layers=2,H=1,D=8"):  # the last one won, silently
+        with pytest.raises(argparse.ArgumentTypeError, match="layout num_layers is given twice"):
+            parse_layout(twice)
 
 
 def test_read_tokens(tmp_path: Path) -> None:

@@ -121,6 +121,22 @@ def test_evict_by_model_and_tenant_and_all(make_store) -> None:
         s.evict(EvictFilter(tier="cluster"))
 
 
+def test_evict_refuses_criteria_that_select_by_accident_and_changes_nothing(make_store) -> None:
+    # a NaN or negative age selected every block; a mistyped namespace id none, said as "0 evicted"
+    s = make_store(hbm_blocks=8, ram_blocks=8)
+    s.put(NS, tokens(2), kv(2 * T))
+    for age in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(InvalidFilter, match="older_than must be a finite number of seconds >= 0"):
+            s.evict(EvictFilter(older_than=age))
+    for ns_id in ("zz", NS.id + "0", ""):
+        with pytest.raises(InvalidFilter, match="is not a namespace id: 16 hex digits"):
+            s.evict(EvictFilter(namespace=ns_id))
+    assert s.stats().blocks == 2
+    # the id as an operator may copy it, upper case: the same namespace
+    assert s.evict(EvictFilter(namespace=NS.id.upper()), dry_run=True).blocks == 2
+    assert s.evict(EvictFilter(older_than=0.0, namespace=NS.id)).blocks == 2
+
+
 def test_evict_leaves_pinned_blocks_alone(make_store) -> None:
     s = make_store(nvme=False)
     toks = tokens(2)
