@@ -4,6 +4,11 @@ vLLM 0.32+ gives each layer one ``[num_blocks, H, block_size, 2*D]`` tensor. Fla
 FlashInfer, Triton and FlexAttention keep K and V side by side in the last dimension; the CPU
 backend's "vec" kernels keep, per block and head, K transposed (``[D, block_size]``) then V
 (``[block_size, D]``). The older ``[2, num_blocks, block_size, H, D]`` is read as it is.
+
+A shape alone does not say which: B12X and ROCm's backends keep a page as two head slots, all
+K heads then all V heads (``[num_blocks, 2, block_size, H*D]``), which for 2 KV heads has the
+shape of FlashAttention's. So the 4-dimensional caches are read only for the backends named in
+SIDE_BY_SIDE (each checked against its ``forward``'s layout), and the CPU backend's "vec".
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from kvstore.errors import LayoutError
 log = logging.getLogger(__name__)
 
 CPU_LAYOUTS = ("vec",)  # vLLM CPU attention flavours whose block interior kvstore reads (checked against HF)
+# the backends whose [num_blocks, H, block_size, 2*D] cache holds K then V in its last dimension
+SIDE_BY_SIDE = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
 
 
 def split_kv(
@@ -35,6 +42,13 @@ def split_kv(
         return cache[0], cache[1]
     if cache.dim() == 5 and shape[1] == 2 and shape[3:] == (H, D):  # [nb, 2, bs, H, D]
         return cache[:, 0], cache[:, 1]
+    if cache.dim() == 4 and not backend.upper().startswith("CPU") and backend.upper() not in SIDE_BY_SIDE:
+        raise LayoutError(
+            f"vLLM's {backend or 'unnamed'} attention backend keeps K and V in a {shape} cache whose "
+            "layout kvstore has not been checked against (B12X and ROCm's keep all K heads, then all "
+            f"V heads); kvstore reads the caches of {', '.join(SIDE_BY_SIDE)} and CPU_ATTN: pick one "
+            "with --attention-backend"
+        )
     if cache.dim() == 4 and shape[1] == H and shape[3] == 2 * D:  # [nb, H, bs, 2D]
         if backend.upper().startswith("CPU"):
             if cpu_isa not in CPU_LAYOUTS:

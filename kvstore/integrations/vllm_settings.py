@@ -213,11 +213,22 @@ def check_attention(vllm_config: Any, kv_cache_config: Any) -> None:
             f"has {len(groups)} groups ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}); "
             "it is not supported"
         )
-    kinds: set[str] = set()
-    for group in groups:
-        spec = group.kv_cache_spec
-        members = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one kind, per layer
-        kinds.update(type(s).__name__ for s in (members.values() if isinstance(members, dict) else [spec]))
+    kinds = {type(s).__name__ for group in groups for s in _members(group.kv_cache_spec)}
+    packed = [
+        s
+        for group in groups
+        for s in _members(group.kv_cache_spec)
+        if getattr(s, "num_head_slots", None) is not None
+        or getattr(s, "state_content_bytes", None) is not None
+    ]
+    if packed:  # B12X, ROCm's, quantized caches: K and V are not one head's side by side
+        raise LayoutError(
+            "this model's attention backend packs its KV cache pages "
+            f"({getattr(packed[0], 'num_head_slots', None) or 'per head'} head slots of "
+            f"{getattr(packed[0], 'state_content_bytes', None) or 'dense'} bytes); kvstore's vLLM "
+            "connector reads unpacked caches only (FlashAttention, FlashInfer, Triton, FlexAttention "
+            "or the CPU backend, without a quantized KV cache)"
+        )
     other = sorted(kinds - set(_WHOLE_ATTENTION))
     window = getattr(mc, "get_sliding_window", lambda: None)() if kv_cache_config is None else None
     chunk = getattr(mc, "attention_chunk_size", None) if kv_cache_config is None else None
@@ -228,6 +239,12 @@ def check_attention(vllm_config: Any, kv_cache_config: Any) -> None:
             "has vLLM free the blocks behind its window while a request runs; it is not supported "
             "(a model of full attention only, or one vLLM runs with --disable-sliding-window)"
         )
+
+
+def _members(spec: Any) -> list[Any]:
+    """The specs of a group's layers: UniformTypeKVCacheSpecs holds one kind per layer."""
+    members = getattr(spec, "kv_cache_specs", None)
+    return list(members.values()) if isinstance(members, dict) else [spec]
 
 
 def namespace_revision(vllm_config: Any, ranks: tuple[int, int], variant: Variant) -> str:

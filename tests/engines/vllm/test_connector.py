@@ -520,6 +520,21 @@ def test_attention_that_frees_blocks_behind_a_window_is_refused_at_start(
         )
     full = vllm_utils.make_kv_cache_config(BS)  # full attention, one group: taken
     connector.KVStoreConnector(vcfg, connector.KVConnectorRole.SCHEDULER, full).shutdown()
+    # B12X and ROCm's backends publish their pages as two head slots (all K heads, then all V heads)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    packed = FullAttentionSpec(
+        block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, num_head_slots=2,
+        state_content_bytes=2 * 64 * 2,
+    )  # fmt: skip
+    two_slots = KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], packed)]
+    )
+    for role in (connector.KVConnectorRole.SCHEDULER, connector.KVConnectorRole.WORKER):
+        with pytest.raises(
+            connector.LayoutError, match="packs its KV cache pages .2 head slots of 256 bytes"
+        ):
+            connector.KVStoreConnector(vcfg, role, two_slots)
     vcfg.parallel_config.decode_context_parallel_size = 2
     with pytest.raises(connector.LayoutError, match="decode-context-parallel"):
         connector.KVStoreConnector(vcfg, connector.KVConnectorRole.SCHEDULER, full)
@@ -535,6 +550,20 @@ def test_cpu_kernels_that_pack_k_otherwise_are_refused_at_start(
         connector.split_kv(torch.zeros(4, 3, 16, 128), "CPU_ATTN", 3, 64, "neon")
     with pytest.raises(connector.LayoutError, match="cannot find K and V"):
         connector.split_kv(torch.zeros(4, 5, 16, 128), "FLASH_ATTN", 3, 64)
+
+
+@pytest.mark.parametrize("backend", ["B12X", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", ""])
+def test_a_cache_shaped_like_flash_attention_by_another_backend_is_refused(backend: str) -> None:
+    # B12X keeps a page as [K heads | V heads]: for 2 KV heads [nb, 2, bs, 2*D], FlashAttention's
+    # shape. Read by its shape, kvstore's K head 1 was the engine's V head 0
+    nb, bs, H, D = 4, 16, 2, 8
+    K, V = torch.randn(nb, bs, H, D), torch.randn(nb, bs, H, D)
+    b12x = torch.stack([K.flatten(2), V.flatten(2)], dim=1)
+    with pytest.raises(connector.LayoutError, match="has not been checked against"):
+        connector.split_kv(b12x, backend, H, D)
+    flash = torch.cat([K, V], dim=-1).permute(0, 2, 1, 3)  # [nb, H, bs, 2D]: each head's K then V
+    k, v = connector.split_kv(flash, "FLASH_ATTN", H, D)
+    assert torch.equal(k, K) and torch.equal(v, V)
 
 
 @pytest.mark.parametrize(
