@@ -470,7 +470,8 @@ class Store:
 
         With write-through off or admission on second use, the blocks not yet on nvme are written now
         (parents first). False when ``timeout`` passed first or a block, or a session's or namespace's
-        row, could not be written (it stays queued: a later flush goes on)."""
+        row, could not be written (it stays queued: a later flush goes on), or when a block memory
+        holds lost its nvme copy for room (a disk smaller than what memory holds; Mover.displaced)."""
         deadline = None if timeout is None else time.monotonic() + timeout
 
         def left() -> float | None:
@@ -505,9 +506,10 @@ class Store:
             self._closing = True  # before the last flush: a put accepted after it would not be written
         if not self.flush() and self._writeback is not None:  # (settle: cluster reads are stored first)
             log.warning(
-                "closing with %d block(s) not written to nvme (the disk refused them; see write_failures): "
+                "closing with %d block(s) not written to nvme (no room for them, or the disk refused them; "
+                "see write_failures): "
                 "they are lost with this process",
-                len(self._writeback.deferred),
+                self._writeback.unwritten(),
             )
         with self._lock:
             self._closed = True

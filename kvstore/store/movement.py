@@ -58,6 +58,9 @@ class Mover:
         self.unencodable = 0  # copies a tier's codec refused (inf or NaN that got in): not moved there
         self.disk_refused_at = -math.inf  # when nvme last refused a block (I/O error, no pages left)
         self._refusal_logged = False  # since it last took one
+        # blocks held in memory whose nvme copy went (for room, or evict --tier nvme): not on disk, so
+        # a flush is not durable while one of them is indexed without an nvme copy (``displaced``)
+        self._displaced: set[bytes] = set()
 
     # -- checks -----------------------------------------------------------------------
     def pinned(self, e: Entry) -> bool:
@@ -110,9 +113,22 @@ class Mover:
         subtree goes too) a leaf is preferred and a pinned descendant rules it
         out; elsewhere a block none of whose children is in ``t`` or above is
         preferred (a prefix's tail goes down before its head).
+
+        On nvme, the disk copy of a block a memory tier also holds whose parent
+        is not on nvme goes first (no restart could serve it); other blocks a
+        memory tier also holds go only when no block nvme alone holds can
+        (among the oldest _SCAN * 16): dropping the only copy of a cold block
+        is an eviction, while dropping the disk copy of one in memory breaks
+        what a flush promised. Among those, one with no child on nvme goes
+        first, and never an ancestor of a block being written: the disk keeps
+        the heads of prefixes, not their tails.
         """
         bit, upto = 1 << t, (2 << t) - 1
+        disk = t == self.tiers.nvme_t
         fallback: Entry | None = None
+        displace: Entry | None = None  # nvme: the oldest block a memory tier also holds
+        better: Entry | None = None  # and the oldest of those with no parent or no child on nvme
+        heads = self._written_above() if disk else set()
         scanned = 0
         refusing = self.disk_refusing()
         for e in self.index.lru(t):
@@ -123,17 +139,43 @@ class Mover:
                     return e
                 if fallback is None and not self.subtree_pinned(e) and not (refusing and self._owes_below(e)):
                     fallback = e
+            elif disk:
+                if e.key in heads:
+                    continue
+                if e.parent is not None and not e.parent.tiers & bit:
+                    return e  # a disk copy no restart could serve: dropping it loses nothing
+                displace = displace or e
+                if better is None and not any(c.tiers & bit for c in e.child_list()):
+                    better = e
             else:
                 if not any(c.tiers & upto for c in e.child_list()):
                     return e
                 if fallback is None:
                     fallback = e
             scanned += 1
-            if scanned >= _SCAN and fallback is not None:
+            if scanned >= _SCAN and fallback is not None or scanned >= _SCAN * 16 and displace is not None:
                 break
         if fallback is not None and t == self.tiers.last and fallback.tiers & TIER_MASK == bit:
             return self._tail(fallback, bit, exclude)
+        if fallback is None and displace is not None:
+            return better or self._tail(displace, bit, exclude | heads | self._pinned_below(displace, bit))
         return fallback
+
+    def _written_above(self) -> set[bytes]:
+        """The ancestors of the blocks being moved or written (``busy``): a block's disk copy is
+        worth nothing after a restart without theirs."""
+        above: set[bytes] = set()
+        for k in self.busy:
+            e = self.index.get(k)
+            p = e.parent if e is not None else None
+            while p is not None and p.key not in above:
+                above.add(p.key)
+                p = p.parent
+        return above
+
+    def _pinned_below(self, e: Entry, bit: int) -> set[bytes]:
+        """The pinned blocks on the tier of ``bit`` in ``e``'s subtree: a tail walk stops above them."""
+        return {d.key for d in self.index.subtree(e) if d.tiers & bit and self.pinned(d)}
 
     @staticmethod
     def _tail(e: Entry, bit: int, exclude: set[bytes]) -> Entry:
@@ -206,11 +248,34 @@ class Mover:
                 self.drop_block(e)
                 return True
             self.drop_copy(e, t)
+            if t == self.tiers.nvme_t:
+                self._displace(e)
             return True
         if self.subtree_pinned(e):
             return False
         self.drop_block(e)
         return True
+
+    def _displace(self, e: Entry) -> None:
+        """``e``'s nvme copy went while a memory tier keeps it: it is on no disk now."""
+        if not self.displaced():
+            log.warning(
+                "nvme dropped the disk copy of a block still held in memory (block %s): a flush is not "
+                "durable until it is written again; nvme is full of blocks also in memory, raise "
+                "[nvme] capacity to keep them all",
+                e.key.hex()[:16],
+            )
+        self._displaced.add(e.key)
+
+    def displaced(self) -> set[bytes]:
+        """(Lock held.) The indexed blocks that lost their nvme copy while held in memory and have not
+        been written to nvme again (a put of them, or their demotion, does). Do not change it."""
+        bit = 0 if self.tiers.nvme_t is None else 1 << self.tiers.nvme_t
+        for k in list(self._displaced):
+            e = self.index.get(k)
+            if e is None or e.tiers & bit:
+                self._displaced.discard(k)
+        return self._displaced
 
     def demote(self, e: Entry, t: int, ready: Frames = NO_FRAMES) -> bool:
         """Move ``e`` from ``t`` to ``t+1``, re-encoded from ``t``'s copy (the best one left), or

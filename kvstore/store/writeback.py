@@ -90,6 +90,9 @@ class WriteBack:
         # keys to write that the queue refused or that failed -> the earliest queue number they owe
         self.deferred: dict[bytes, int] = {}
         self._requeued: set[bytes] = set()  # deferred keys queued again, not yet through ``write``
+        # deferred keys nvme had no room for -> its evictions count then: the ticks retry them only
+        # once nvme has let go of something since (a flush, always), not with a full encode each tick
+        self._roomless: dict[bytes, int] = {}
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
         self._waiting: Counter[bytes] = Counter()  # times queued by ``submit``, not yet taken by ``write``
@@ -210,7 +213,7 @@ class WriteBack:
         if not self._writer.drain(left(), upto=mark):
             return False
         with self._lock:
-            if any(n <= mark for n in self.deferred.values()):
+            if any(n <= mark for n in self.deferred.values()) or self._mover.displaced():
                 return False
         self._nvme.sync()
         return True
@@ -251,6 +254,8 @@ class WriteBack:
                 e = self._index.get(key)
                 if e is None or e.tiers & (1 << self._t) or e.pending is None or self._closed:
                     self.deferred.pop(key, None)  # written, or nothing left to write (or to write it from)
+                if key not in self.deferred:
+                    self._roomless.pop(key, None)
 
     def _write(self, key: bytes) -> None:
         t_n, nvme = self._t, self._nvme
@@ -300,7 +305,7 @@ class WriteBack:
                     finally:
                         self._mover.busy.discard(key)
                     if not room:
-                        self._failed(key)
+                        self._no_room(key, ever=nvme.could_hold(block, rec.position))
                         return
             except CodecError as err:  # inf or NaN in the block: it never reaches the disk
                 with self._lock:
@@ -317,7 +322,7 @@ class WriteBack:
                 return
         else:
             with self._lock:
-                self._failed(key)
+                self._no_room(key)
             return
         self._written(key, rec)
 
@@ -365,7 +370,12 @@ class WriteBack:
         """Queue (up to ``most`` of) the deferred keys that are not queued already; they stay deferred
         until written."""
         with self._lock:
-            keys = [k for k in self.deferred if k not in self._requeued][:most]
+            drops = self._drops()
+            keys = [
+                k
+                for k in self.deferred
+                if k not in self._requeued and (most is None or self._roomless.get(k, -1) != drops)
+            ][:most]
             self._requeued.update(keys)
         refused = self._writer.submit(keys, wait) if keys else []
         if refused:
@@ -378,6 +388,38 @@ class WriteBack:
         self._counts.write_failures += 1
         if key in self._index:
             self._owe([key], self._writer.running)
+
+    def unwritten(self) -> int:
+        """The blocks a flush would find not on nvme: deferred, or whose disk copy went for room."""
+        with self._lock:
+            return len(self.deferred.keys() | self._mover.displaced())
+
+    def _no_room(self, key: bytes, *, ever: bool = True) -> None:
+        """(Lock held.) nvme could not make room for ``key`` (full of pinned blocks or of blocks it
+        keeps, or, not ``ever``, smaller than the block's frame): failed, and not tried again until
+        nvme lets go of a block (or a flush asks). The first of a run is logged."""
+        self._failed(key)
+        if key not in self.deferred:
+            return
+        if not self._roomless:
+            usage = self._nvme.usage()
+            why = (
+                f"{usage.used_bytes} of {usage.capacity_bytes} bytes are used, by blocks it keeps"
+                if ever
+                else f"its frame is larger than an empty nvme of {usage.capacity_bytes} bytes holds"
+            )
+            log.warning(
+                "nvme has no room for block %s (%s): it stays in memory only, and a flush is not "
+                "durable, until nvme has room; raise [nvme] capacity to keep every block on disk. "
+                "Later ones are not logged",
+                key.hex()[:16],
+                why,
+            )
+        self._roomless[key] = self._drops()
+
+    def _drops(self) -> int:
+        """(Lock held.) How many blocks (or copies) nvme has let go of so far."""
+        return self._mover.counters[self._t].evictions
 
     def _unwritable(self, key: bytes, err: CodecError) -> None:
         """(Lock held.) nvme's codec refuses block ``key`` (inf or NaN in it). Write-through promises

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -447,3 +448,67 @@ def test_a_block_whose_nvme_copy_went_is_written_again_when_put_again(make_store
     before = s.stats().written
     s.put(NS, toks, kv(4 * T, 5))
     assert s.flush(10) and s.stats().written == before
+
+
+def test_a_disk_smaller_than_memory_keeps_the_head_of_a_conversation_and_flush_says_not_durable(
+    tmp_path: Path,
+) -> None:
+    # nvme holds a few dozen blocks, memory all 300 of one conversation. Each new block's write made
+    # room by dropping the disk copy of the oldest block still in memory: the head went first, flush
+    # answered durable, and a restart found orphans only: nothing. Now the disk keeps the head (no
+    # ancestor of the block being written goes for it), flush says not durable, the blocks left out
+    # are not written again every tick (an int4 encode each), and a restart serves the head
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16", block_tokens=16)
+    ns, n, nb = Namespace("m", layout), 300, layout.block_nbytes
+
+    def store() -> Store:
+        hbm = HbmTier((n + 8) * nb, page_bytes=nb)
+        ram = RamTier(4 * (nb + 8192), get_codec("raw"), page_bytes=nb + 8192, pin_memory=False)
+        return Store(hbm, ram, NvmeTier(tmp_path / "lmdb", 1 << 20, get_codec("int4")), tick=0.02)
+
+    toks = list(range(n * 16))
+    data = torch.randn(layout.shape(n * 16), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    s = store()
+    assert s.put(ns, toks, data, session="long").stored == n
+    assert not s.flush(30)
+    keys = block_keys(ns, toks)
+    on_disk = [i for i, k in enumerate(keys) if k in nvme_keys(s)]
+    assert 10 < len(on_disk) < n and on_disk == list(range(len(on_disk)))
+    failures = s.stats().write_failures
+    time.sleep(0.5)  # 25 ticks: nvme let go of nothing meanwhile, so nothing is tried again
+    assert s.stats().write_failures == failures and not s.flush(5)
+    assert s.check_integrity() == []
+    s.close()
+    s = store()
+    assert s.lookup(ns, toks).matched_blocks == len(on_disk)
+    got = s.get(ns, toks[: len(on_disk) * 16])
+    assert got.kv is not None and close_to(got.kv, data[:, :, : len(on_disk) * 16])
+    assert [(i.name, i.tokens) for i in s.sessions()] == [("long", len(on_disk) * 16)]
+    s.close()
+
+
+def test_a_disk_too_small_for_one_block_is_said_once_and_not_retried_every_tick(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a 2 MiB block's int4 frame does not fit an nvme of 1 MiB: its write was encoded again every
+    # tick (1024 a second at most), forever, with nothing logged but "the disk refused them" at close
+    layout = KVLayout(num_layers=16, num_kv_heads=4, head_dim=128, dtype="bfloat16", block_tokens=64)
+    ns, nb = Namespace("m", layout), layout.block_nbytes
+    s = Store(
+        HbmTier(8 * nb, page_bytes=nb),
+        RamTier(4 * (nb + 8192), get_codec("raw"), page_bytes=nb + 8192, pin_memory=False),
+        NvmeTier(tmp_path / "lmdb", 1 << 20, get_codec("int4")),
+        tick=0.02,
+    )
+    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        assert (
+            s.put(ns, list(range(4 * 64)), torch.randn(layout.shape(4 * 64)).to(torch.bfloat16)).stored == 4
+        )
+        assert not s.flush(10)
+        failures = s.stats().write_failures
+        time.sleep(0.5)
+        assert s.stats().write_failures == failures
+    said = [r.getMessage() for r in caplog.records if "no room for block" in r.getMessage()]
+    assert len(said) == 1 and "its frame is larger than an empty nvme of 1048576 bytes" in said[0]
+    assert "raise [nvme] capacity" in said[0]
+    s.close()
