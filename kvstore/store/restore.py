@@ -221,21 +221,24 @@ def _rows_of(keys: list[bytes], wanted: np.ndarray) -> np.ndarray:
 
 
 def _orphaned(prow: np.ndarray, orphans: np.ndarray) -> np.ndarray:
-    """Rows that are orphans or descend from one (``prow``: each row's parent row, -1 for none).
+    """Rows that are orphans or descend from one, or whose parents never reach a row without one
+    (records whose parents name each other: a cycle no lookup from a root reaches, and which a
+    walk of the subtree, as evict and expiry make, would never leave). ``prow``: each row's parent
+    row, -1 for none.
 
     Pointer doubling: after step k each row has looked at its ancestors up to 2^k - 1 away and
-    points at the one 2^k away, so a chain of depth d takes log2(d) steps of numpy work.
+    points at the one 2^k away, so a chain of depth d takes log2(d) steps of numpy work; a row
+    still pointing somewhere after 64 steps (2^64 blocks deep cannot exist) is on or below a cycle.
     """
     marked = orphans.copy()
-    if not marked.any():
-        return marked
     up = prow.copy()
-    for _ in range(64):  # 2^64 blocks deep cannot exist; a cycle (damaged records) stops here too
+    for _ in range(64):
         live = np.flatnonzero(up >= 0)
         if not live.size:
             break
         marked[live] |= marked[up[live]]
         up[live] = up[up[live]]
+    marked |= up >= 0
     return marked
 
 

@@ -128,3 +128,33 @@ def test_orphaned_marks_whole_subtrees() -> None:
     prow = np.array([-1, -1, 1, 2, 3, -1, 5])
     orphans = np.array([False, True, False, False, False, False, False])
     assert _orphaned(prow, orphans).tolist() == [False, True, True, True, True, False, False]
+
+
+def test_orphaned_marks_parent_cycles_and_what_hangs_below_them() -> None:
+    # 0 <- 1 (rooted); 2 <-> 3 name each other (damaged records that pass their CRC), 4 below 3:
+    # indexed, no lookup from a root reached them, and evict --all walked their subtree forever
+    prow = np.array([-1, 0, 3, 2, 3])
+    orphans = np.zeros(5, dtype=bool)
+    assert _orphaned(prow, orphans).tolist() == [False, False, True, True, True]
+
+
+def test_restore_drops_records_whose_parents_name_each_other(tmp_path: Path) -> None:
+    tier = NvmeTier(tmp_path / "nvme", 8 << 20, get_codec("raw"))
+    for name, parent in (("x1", "y1"), ("y1", "x1"), ("a0", None)):
+        rec = BlockRecord(
+            key=k(name),
+            parent=b"R" * 32 if parent is None else k(parent),
+            namespace="ns",
+            position=0 if parent is None else 1,
+            tokens=bytes(16),
+            sessions=(),
+            created=1.0,
+            last_access=1.0,
+        )
+        tier.put_frame(k(name), FRAME, rec)
+    index, namespaces = BlockIndex(3), NamespaceTable()
+    report = restore(index, tier, 2, namespaces)
+    on_disk = sorted(tier.keys())
+    tier.close()
+    assert [e[0] for e in snapshot(index)] == ["a0"] and report.orphans == 2
+    assert on_disk == [k("a0")]
