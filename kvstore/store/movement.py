@@ -470,7 +470,10 @@ class Mover:
         """Tier ``t``'s copy of ``e`` failed its checks (``damaged``, counted) or was not there: delete
         it; no copy left -> drop the block and its descendants."""
         self.counters[t].corrupt += damaged
-        if self.index.get(e.key) is not e or not e.tiers & (1 << t):
+        now = self.index.get(e.key)
+        if now is not None and now is not e:
+            return  # dropped and put again meanwhile: the copy there now is the new block's, checked when read
+        if now is None or not e.tiers & (1 << t):
             self.tiers[t].drop(e.key)
             return
         if t == self.tiers.nvme_t and e.tiers & TIER_MASK & ~(1 << t) and not self.keep_record(e):

@@ -8,6 +8,7 @@ from pathlib import Path
 import lmdb
 
 from kvstore.keys import block_keys
+from kvstore.results import EvictFilter
 from tests.store.storekit import NS, T, close_to, kv, same, served_right, tokens
 
 
@@ -144,3 +145,21 @@ def test_many_threads_at_once_keep_the_store_sound(make_store) -> None:
     st = s.stats()
     assert all(ts.used <= ts.capacity for ts in st.tiers.values())
     assert st.pinned == 0
+
+
+def test_a_damaged_copy_reported_for_a_block_put_again_since_deletes_nothing(make_store) -> None:
+    # a reader found block 0's copy damaged, and before it said so the block was evicted and put
+    # again: the copy under that key now is the new block's. Deleting it left the index naming a
+    # copy that was gone
+    s = make_store(nvme=False)
+    toks, data = tokens(2), kv(2 * T)
+    s.put(NS, toks, data)
+    key = block_keys(NS, toks)[0]
+    stale = s._index.get(key)
+    s.evict(EvictFilter(all=True))
+    s.put(NS, toks, data)
+    with s._lock:
+        s._mover.corrupt(stale, 0)
+    assert s.check_integrity() == []
+    got = s.get(NS, toks)
+    assert got.matched_blocks == 2 and same(got.kv, data)
