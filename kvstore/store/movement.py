@@ -451,20 +451,36 @@ class Mover:
         copies go first: when the disk refuses (TierIOError, TierFull), the index still names every
         block the disk holds, and nothing else has changed."""
         gone = self.index.subtree(e)
-        nvme_t = self.tiers.nvme_t
+        nvme_t, nvme = self.tiers.nvme_t, self.tiers.nvme
         on_disk = [d.key for d in gone if nvme_t is not None and d.tiers & (1 << nvme_t)]
-        if on_disk and self.tiers.nvme is not None:
-            self.tiers.nvme.drop_many(on_disk)
+        if on_disk and nvme is not None:
+            try:
+                nvme.drop_many(on_disk)
+            except BaseException:
+                # the batches before the failure are gone from the disk, the rest are not: the blocks
+                # up to the last one gone leave the index too (``gone`` lists descendants first, so
+                # they are whole subtrees), the rest stay as they were
+                kept = next((i for i, k in enumerate(on_disk) if k in nvme), len(on_disk))
+                if kept:
+                    last = on_disk[kept - 1]
+                    cut = next(i for i, d in enumerate(gone) if d.key == last) + 1
+                    for d in gone[:cut]:
+                        self._forget(d, nvme_t)
+                raise
         for d in gone:
-            for t in d.tier_list():
-                if t != nvme_t:
-                    self.tiers[t].drop(d.key)
-                self.counters[t].evictions += 1
-            self.index.remove(d)
-            step = self.namespaces.block_tokens(d.ns)
-            for s in self.sessions.tail_gone(d.key, d.parent.key if d.parent is not None else None, step):
-                self.persist_session(s)
+            self._forget(d, nvme_t)
         return gone
+
+    def _forget(self, d: Entry, nvme_t: int | None) -> None:
+        """``d``'s copies above nvme go (its nvme copy is gone already), and ``d`` leaves the index."""
+        for t in d.tier_list():
+            if t != nvme_t:
+                self.tiers[t].drop(d.key)
+            self.counters[t].evictions += 1
+        self.index.remove(d)
+        step = self.namespaces.block_tokens(d.ns)
+        for s in self.sessions.tail_gone(d.key, d.parent.key if d.parent is not None else None, step):
+            self.persist_session(s)
 
     def corrupt(self, e: Entry, t: int, *, damaged: bool = True) -> None:
         """Tier ``t``'s copy of ``e`` failed its checks (``damaged``, counted) or was not there: delete

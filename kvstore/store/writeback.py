@@ -93,6 +93,7 @@ class WriteBack:
         # deferred keys nvme had no room for -> its evictions count then: the ticks retry them only
         # once nvme has let go of something since (a flush, always), not with a full encode each tick
         self._roomless: dict[bytes, int] = {}
+        self._records_failing = False  # the last update of block records failed (logged once a run)
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
         self._waiting: Counter[bytes] = Counter()  # times queued by ``submit``, not yet taken by ``write``
@@ -214,6 +215,8 @@ class WriteBack:
             return False
         with self._lock:
             if any(n <= mark for n in self.deferred.values()) or self._mover.displaced():
+                return False
+            if self._records_failing:  # session tags or access times that are not on disk
                 return False
         self._nvme.sync()
         return True
@@ -510,10 +513,22 @@ class WriteBack:
             if records:
                 try:
                     nvme.update_records(records)
-                except (TierFull, TierIOError):
+                except (TierFull, TierIOError) as err:
                     with self._lock:  # written again next time: an access time lost would expire
                         self._dirty.update(k for k, _, _ in items)  # the block early after a restart
-                    raise
+                        if not self._records_failing:
+                            log.warning(
+                                "nvme refused the records of %d blocks (their session tags and access "
+                                "times): %s; retried every tick, a flush is not durable meanwhile",
+                                len(records),
+                                err,
+                            )
+                        self._records_failing = True
+                    return
+                with self._lock:
+                    if self._records_failing:
+                        log.warning("nvme takes block records again")
+                    self._records_failing = False
 
 
 def _size(frame: Buffer) -> int:

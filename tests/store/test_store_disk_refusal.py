@@ -16,6 +16,7 @@ replaced), the one thing here that is not as it runs.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -26,7 +27,7 @@ from kvstore.results import EvictFilter
 from kvstore.store.engine import Store
 from kvstore.tiers.base import TierIOError
 from tests.store.conftest import StoreFactory
-from tests.store.storekit import NS, T, close_to, kv, tokens
+from tests.store.storekit import NS, Clock, T, close_to, kv, tokens
 
 
 class Disk:
@@ -223,3 +224,67 @@ def test_one_refused_write_is_logged_once_and_forgotten_when_the_disk_takes_the_
     for i in range(6, 14):
         assert s.put(NS, tokens(1, seed=i), kv(T, i)).stored == 1
         assert where(s, tokens(1, seed=i))[0][0] == "h"
+
+
+def test_records_the_disk_refuses_are_said_once_and_flush_is_not_durable_until_they_are_written(
+    make_store: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a read moves blocks' access times to another slot: their nvme records are rewritten at the
+    # next tick. A disk that refused them logged a traceback every tick, and flush said durable with
+    # the access times (which decide what expires after a restart) not on disk
+    clock = Clock()
+    s = make_store(clock=clock)
+    toks = tokens(3, seed=4)
+    s.put(NS, toks, kv(3 * T, 4))
+    assert s.flush(10)
+    nvme = s.tiers.nvme
+    assert nvme is not None
+    update = nvme.update_records
+
+    def refusing(*a: Any, **kw: Any) -> Any:
+        raise TierIOError("injected: the disk refuses every write")
+
+    nvme.update_records = refusing  # type: ignore[method-assign]
+    clock.advance(3600)
+    with caplog.at_level(logging.WARNING):
+        assert s.get(NS, toks).matched_blocks == 3
+        assert not s.flush(10)
+        time.sleep(0.3)  # six ticks
+        assert not s.flush(10)
+    said = [r for r in caplog.records if "refused the records of" in r.getMessage()]
+    assert len(said) == 1 and not any(r.exc_info for r in caplog.records)
+    nvme.update_records = update  # type: ignore[method-assign]
+    assert s.flush(10)
+    assert nvme.record(block_keys(NS, toks)[2]).last_access >= clock.now - 600
+
+
+def test_a_delete_the_disk_refuses_halfway_leaves_the_index_naming_only_what_is_on_disk(
+    make_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a long prefix leaves nvme in batches of deletes; the second batch refused: the first batch's
+    # blocks were gone from the disk while the index still said nvme held them (flush: durable)
+    import kvstore.tiers.nvme as nvme_module
+
+    monkeypatch.setattr(nvme_module, "DROP_BATCH", 2)
+    s = make_store(hbm_blocks=8, ram_blocks=8)
+    toks = tokens(6, seed=9)
+    s.put(NS, toks, kv(6 * T, 9))
+    assert s.flush(10)
+    nvme = s.tiers.nvme
+    assert nvme is not None
+    write, calls = nvme._write, []
+
+    def second_refused(fn: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise TierIOError("injected: the disk refuses this delete")
+        return write(fn, **kw)
+
+    nvme._write = second_refused
+    with pytest.raises(TierIOError):
+        s.evict(EvictFilter(all=True))
+    nvme._write = write
+    held = s.lookup(NS, toks).matched_blocks
+    assert held == 4  # the last two blocks (the first batch: leaves first) went whole
+    assert set(block_keys(NS, toks)[:held]) <= nvme_keys(s) and s.check_integrity() == []
+    assert s.flush(10)
