@@ -89,6 +89,11 @@ from kvstore.wire.messages import (
 )
 from kvstore.wire.reply_data import as_list, as_map, build, is_a, malformed
 
+# a same-host get into a fresh host tensor reserves the whole prompt's K/V without asking first (the
+# pages are touched only where written); past this many bytes it asks how much is held, then reserves
+# that: a 128K-token prompt of a 70B model is 40 GiB, of which one block may be stored
+SIZE_BY_LOOKUP = 1 << 30
+
 
 def _endpoint(endpoint: str | None) -> str:
     """``endpoint`` (default: $KVSTORE_ENDPOINT or $KVSTORE_SERVER_ENDPOINT, else the default
@@ -305,9 +310,11 @@ class KVStoreClient:
             self._conn.ensure_hello()
             tokens = self._names(token_ids)
             if self._shm.mapping() is not None:
-                # host memory is reserved, not touched, until written: no lookup needed to size it
-                on_cpu = device.type == "cpu"
-                total = tokens.blocks(T) if on_cpu else self._socket.lookup(ns, tokens).matched_blocks
+                # host memory is reserved, not touched, until written: no lookup needed to size it,
+                # unless the whole prompt's K/V is more than a host could reserve for one result
+                total = tokens.blocks(T)
+                if device.type != "cpu" or total * layout.block_nbytes > SIZE_BY_LOOKUP:
+                    total = self._socket.lookup(ns, tokens).matched_blocks
                 if total == 0:
                     return GetResult(0, 0, None, [])
                 out = empty_kv(layout.shape(total * T), layout.torch_dtype, device, self._buffers)

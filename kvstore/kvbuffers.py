@@ -104,6 +104,10 @@ class PagedKV:
                     raise LayoutError(
                         f"PagedKV {name}[{i}] is {tuple(b.shape)}; block buffers are [num_blocks, block_size, H, D]"
                     )
+        if not k or not v:
+            raise LayoutError(
+                f"PagedKV needs a K and a V buffer per layer (at least one), got {len(k)} and {len(v)}"
+            )
         self = cls.__new__(cls)
         ids = _indices(block_ids, "block ids")
         if ids.dim() != 1:
@@ -126,6 +130,8 @@ class PagedKV:
         request's block ids, for its first ``num_tokens`` tokens. Later vLLM layouts (one tensor
         ``[num_blocks, H, block_size, 2*D]`` per layer, read per attention backend) are mapped onto
         ``blocks`` by ``kvstore.integrations.vllm``."""
+        if not kv_caches:
+            raise LayoutError("PagedKV.vllm needs one KV cache per layer (at least one), got none")
         c0 = kv_caches[0]
         if c0.dim() != 5 or c0.shape[0] != 2:
             raise LayoutError(f"a vLLM KV cache is [2, num_blocks, block_size, H, D], got {tuple(c0.shape)}")
@@ -162,9 +168,23 @@ class PagedKV:
                         f"PagedKV {name}[{i}] is {tuple(b.shape)} {b.dtype} on {b.device}; every buffer must be "
                         f"[.., {', '.join(map(str, first.shape[1:]))}] {first.dtype} on {first.device}"
                     )
+        if first.is_meta:
+            raise LayoutError(
+                "PagedKV buffers are on the meta device: they hold no data; pass cpu or cuda ones"
+            )
+        if len({b.data_ptr() for b in (*k, *v)}) != len(k) + len(v):
+            raise LayoutError(
+                "PagedKV got one buffer twice (as K and V, or for two layers): each layer's K and V are "
+                "buffers of their own"
+            )
         size = min(b.shape[0] for b in (*k, *v))
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= size):
             raise LayoutError(f"{what} must lie in 0..{size - 1}, got {int(ids.min())}..{int(ids.max())}")
+        if len(ids) > 1 and int(torch.unique(ids).numel()) != len(ids):
+            twice = next(int(i) for i, c in zip(*torch.unique(ids, return_counts=True), strict=True) if c > 1)
+            raise LayoutError(
+                f"{what} name {twice} more than once: each of the sequence's tokens has a place of its own"
+            )
         self.k, self.v = k, v
         self.kv = None if kv is None else list(kv)
         self.block_size = int(first.shape[1])
@@ -295,6 +315,14 @@ def check_target(target: KVTarget, layout: KVLayout, what: str, *, written: bool
     let be written in place."""
     if isinstance(target, PagedKV):
         target.check(layout)
+        if written and any(b.requires_grad for b in (*target.k, *target.v)):
+            raise LayoutError(
+                f"{what}'s buffers require grad, and are written in place: pass ones that do not"
+            )
+        if written and any(_overlapping(b) for b in (*target.k, *target.v)):
+            raise LayoutError(
+                f"{what}'s buffers have elements that share memory (expanded?): they cannot be written"
+            )
         return
     if not isinstance(target, torch.Tensor):
         raise LayoutError(
@@ -307,6 +335,24 @@ def check_target(target: KVTarget, layout: KVLayout, what: str, *, written: bool
         raise LayoutError(
             f"{what} requires grad, and is written in place: pass one that does not (its .detach())"
         )
+    if written and _overlapping(target):
+        raise LayoutError(
+            f"{what} has elements that share memory (an expand, or overlapping strides): a get cannot "
+            "write into it; pass a tensor of its own (torch.empty, or .contiguous())"
+        )
+
+
+def _overlapping(t: torch.Tensor) -> bool:
+    """Whether ``t`` may have elements that share memory: with its dimensions of more than one element
+    sorted by stride, each stride must be positive and reach past the span of the dimensions before it
+    (what every tensor built by slicing, permuting or viewing a whole one keeps)."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    span = 1
+    for stride, n in dims:
+        if stride < span:
+            return True
+        span = stride * n
+    return False
 
 
 def write_target(target: KVTarget, t0: int, src: torch.Tensor) -> None:

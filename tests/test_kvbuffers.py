@@ -160,7 +160,7 @@ def test_an_empty_sequence_of_slots_or_block_ids_is_no_tokens() -> None:
     # torch makes [] a float32 tensor: it was refused as float ids
     from kvstore.kvbuffers import PagedKV
 
-    k = [torch.zeros(4, 2, 1, 8)]
-    assert PagedKV.blocks(k, k, [], 0).num_tokens == 0
-    assert PagedKV.blocks(k, k, (), 0).num_tokens == 0
-    assert PagedKV([b[:, 0] for b in k], [b[:, 0] for b in k], []).num_tokens == 0
+    k, v = [torch.zeros(4, 2, 1, 8)], [torch.zeros(4, 2, 1, 8)]
+    assert PagedKV.blocks(k, v, [], 0).num_tokens == 0
+    assert PagedKV.blocks(k, v, (), 0).num_tokens == 0
+    assert PagedKV([b[:, 0] for b in k], [b[:, 0] for b in v], []).num_tokens == 0

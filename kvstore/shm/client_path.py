@@ -323,6 +323,11 @@ class SharedPath:
                 return self._conn.call(commit, idempotent=True)
             except ServerError as err:
                 if err.code != "not_found" or attempt == STALE_RETRIES:
+                    # a commit refused before the daemon took its range back (one it could not read):
+                    # the range goes back now, not at its lease's end
+                    if err.code != "not_found":
+                        with contextlib.suppress(Exception):
+                            _give_back(self._conn, Finish(handle=r.handle, used=0), wait=False)
                     raise
         raise AssertionError("unreachable")
 

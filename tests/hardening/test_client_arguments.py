@@ -91,6 +91,27 @@ def test_positions_devices_and_ids_that_make_no_sense_are_refused(daemons: Any, 
         got = c.get_into(tokens, paged, start=np.int64(0))  # type: ignore[arg-type]
         assert got.matched_tokens == 2 * T
         assert torch.equal(k[0][3], kv[0, 0, :T]) and torch.equal(v[1][1], kv[1, 1, T:])
+        # one engine block named twice: the prefix's block 1 landed over block 0's page, and the get
+        # said 2 blocks matched; one buffer as K and V: V over K
+        with pytest.raises(LayoutError, match="block ids name 3 more than once"):
+            PagedKV.blocks(k, v, [3, 3], 2 * T)
+        with pytest.raises(LayoutError, match="slots name 2 more than once"):
+            PagedKV([b[:, 0] for b in k], [b[:, 0] for b in v], [2, 0, 2])
+        with pytest.raises(LayoutError, match="one buffer twice"):
+            PagedKV.blocks(k, k, [3, 1], 2 * T)
+        with pytest.raises(LayoutError, match="needs one KV cache per layer"):
+            PagedKV.vllm([], [0], 0)
+        with pytest.raises(LayoutError, match="a K and a V buffer per layer"):
+            PagedKV.blocks([], [], [0], T)
+        # paged buffers are held to what a tensor is held to: data, written in place, no shared elements
+        with pytest.raises(LayoutError, match="meta device"):
+            PagedKV.blocks([b.to("meta") for b in k], [b.to("meta") for b in v], [3, 1], 2 * T)
+        with pytest.raises(LayoutError, match="require grad"):
+            c.get_into(tokens, PagedKV.blocks([b.clone().requires_grad_() for b in k], v, [3, 1], 2 * T))
+        one_token = torch.zeros((*kv.shape[:2], 1, *kv.shape[3:]), dtype=kv.dtype)
+        with pytest.raises(LayoutError, match="share memory"):
+            c.get_into(tokens, one_token.expand(kv.shape))
+        assert c.get_into(tokens, out).matched_blocks == 2 and torch.equal(out, kv)  # nothing else changed
 
 
 def test_arguments_msgpack_cannot_carry_are_refused_before_anything_is_sent(

@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 
 from kvstore import hostmem
-from tests.hardening.conftest import assert_exact, client, endpoint_of, prefix_kv, random_tokens, write_config
+from tests.hardening.conftest import (
+    LAYOUT,
+    assert_exact,
+    client,
+    endpoint_of,
+    prefix_kv,
+    random_tokens,
+    write_config,
+)
 
 
 @pytest.fixture
@@ -61,3 +69,28 @@ def test_a_closed_client_keeps_no_result_memory(daemons: Any, tmp_path: Path, sm
     del kept
     gc.collect()
     assert c._buffers.kept == 0  # and a result dropped after the close is not kept either
+
+
+def test_a_get_of_a_prompt_larger_than_a_host_reserves_only_what_is_held(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the result was sized for the whole prompt before anything was asked: a 128K-token prompt of a
+    # 70B model (40 GiB) with one block stored raised MemoryError where the socket served the block
+    from kvstore import client as client_module
+    from tests.shm.spy import sent_ops
+
+    cfg = write_config(tmp_path)
+    daemons(cfg)
+    rng = np.random.default_rng(8)
+    prompt = random_tokens(rng, 40)
+    with client(endpoint_of(cfg)) as c:
+        assert c.put(prompt[: 3 * 4], prefix_kv(prompt[: 3 * 4])).stored == 3
+        block = LAYOUT.block_nbytes
+        monkeypatch.setattr(client_module, "SIZE_BY_LOOKUP", 10 * block)  # the prompt's 40 blocks are past it
+        ops = sent_ops(c, monkeypatch)
+        r = c.get(prompt)
+        assert ops[:2] == ["lookup", "locate"] and r.kv is not None and r.kv.shape[2] == 3 * 4
+        assert_exact(prompt, r.kv, r.matched_tokens)
+        ops.clear()
+        r = c.get(prompt[:32])  # 8 blocks: reserved whole, nothing asked first
+        assert ops[0] == "locate" and r.matched_blocks == 3

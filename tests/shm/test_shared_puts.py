@@ -210,6 +210,33 @@ def test_a_put_interrupted_while_staging_gives_its_range_back_at_once(
         assert c.put_from(toks, prefix_kv(toks)).stored == 3
 
 
+def test_a_commit_the_daemon_cannot_read_gives_its_range_back_at_once(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a commit refused as it is parsed never reaches the code that takes the range back: the client
+    # gives it back, or the range stayed taken until its lease's end
+    import dataclasses
+
+    from kvstore.shm import client_path
+    from kvstore.wire.errors import ServerError
+
+    cfg = write_config(tmp_path, server=SHM, policy={"pin_lease": "60s"})
+    daemons(cfg)
+    toks = random_tokens(np.random.default_rng(12), 3)
+    stage = client_path.SharedPath._stage
+    with attached(endpoint_of(cfg)) as c:
+
+        def unreadable(*a: Any, **kw: Any) -> Commit:
+            return dataclasses.replace(stage(*a, **kw), dtype="no-such-dtype")
+
+        monkeypatch.setattr(client_path.SharedPath, "_stage", unreadable)
+        with pytest.raises(ServerError):
+            c.put_from(toks, prefix_kv(toks))
+        assert wait_until(lambda: shm_stats(c)["staging_used"] == 0, 5)  # not in 60 s, at the lease's end
+        monkeypatch.undo()
+        assert c.put_from(toks, prefix_kv(toks)).stored == 3
+
+
 def test_a_read_s_finish_gets_through_a_busy_daemon(daemons: Any, tmp_path: Path) -> None:
     # reads of pool blocks (no staging): each ends with a finish that gives the pins back. The daemon
     # turns requests away busy while other clients keep its one queue place; a finish must get
