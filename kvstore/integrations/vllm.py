@@ -16,9 +16,11 @@ it shares). A block that vanished between the lookup and the load is reported th
 ``get_block_ids_with_load_errors``; with ``kv_load_failure_policy = "recompute"`` vLLM recomputes
 it, and what every running request holding it computed over it in that step (what one computed over
 it in a later step scheduled before vLLM heard of it, with async scheduling, is kept: such a request
-saves nothing from the block on). A loader aborted or preempted before
-vLLM heard of it recomputes nothing, and vLLM's prefix cache keeps the block: a request that takes it
-from there saves nothing from it on, until a request computes it again. Saves are queued after the
+saves nothing from the block on). A loader aborted or preempted before vLLM heard of it recomputes
+nothing: the connector drops the block, and those computed over it, from vLLM's prefix cache (vLLM
+0.33 lends it the cache manager), so no later request computes over it; with vLLM 0.32 they stay,
+and a request that takes them from there saves nothing from them on, until a request computes them
+again. Saves are queued after the
 step and run on a thread (vllm_saver.py: a copy out of vLLM's blocks into shared staging, then the daemon stores
 them); a finished request's blocks are kept until its saves are done (``request_finished`` returns
 True, ``get_finished`` reports it), and its last save may wait for a load it shares to settle.
@@ -114,6 +116,11 @@ def _token_ids(request: Any) -> list[int] | None:
     return getattr(request, "prompt_token_ids", None)
 
 
+def _running(request: Any) -> bool:
+    """Whether vLLM has ``request`` running (holding its blocks): not waiting, preempted or done."""
+    return getattr(getattr(request, "status", None), "name", "") == "RUNNING"
+
+
 def _session(request: Any) -> str | None:
     params = getattr(request, "kv_transfer_params", None) or {}
     s = params.get("kvstore_session") if isinstance(params, dict) else None
@@ -161,7 +168,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._dropped: list[str] = []  # deferred requests whose shared load failed: nothing saved
         self._step = 0  # steps scheduled (build_connector_meta calls)
         self._unsettled = Unsettled()  # loads of the last ``depth`` steps (see _shares_unsettled)
-        self._poison = Poisoned(self._bs)
+        self._poison = Poisoned(self._bs, evict=self._uncache)
         # block tables of requests that finished while a load they hold was not settled, by step: a
         # failed load poisons the blocks they computed over it (see update_connector_output)
         self._gone: deque[tuple[int, list[int]]] = deque()
@@ -370,9 +377,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         request waiting for such a load (see request_finished) was not rolled back: what it computed
         over the failed blocks is never saved, and its blocks go back with the next step.
 
-        vLLM leaves the failed blocks, and those computed over them, in its prefix cache: they are
-        poisoned until a request computes them again (see Poisoned), which a request rolled back
-        does, and an aborted or preempted one does not.
+        vLLM (with ``kv_load_failure_policy = "recompute"``) leaves the failed blocks, and those
+        computed over them, in its prefix cache: they are poisoned until a request computes them
+        again (see Poisoned), which a request rolled back does, and an aborted or preempted one does
+        not; the connector drops them from vLLM's prefix cache (0.33), so no later request takes them.
 
         With steps in flight (async scheduling) a request sharing a failed block is not rolled back
         all the way (see _keeps_wrong_kv): it is tainted at that block, as if it had taken a
@@ -380,9 +388,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return
-        self._poison.blocks |= invalid
+        # a block a running request holds is computed again by it (vLLM rolls it back): kept in
+        # vLLM's prefix cache; one no running request holds (its loader aborted, or preempted: vLLM
+        # freed its blocks) is dropped from there
+        held = {b for t in self._tracked.values() if _running(t.request) for b in t.block_ids}
+        self._poison.poison(invalid, held)
         for t in self._tracked.values():
-            first = self._poison.failed(t.block_ids, invalid)
+            first = self._poison.failed(t.block_ids, invalid, held)
             if first is None:
                 continue
             t.saved = min(t.saved, first * self._bs // self._T * self._T)
@@ -397,11 +409,19 @@ class KVStoreConnector(KVConnectorBase_V1):
                 # it again: looked at when it is next scheduled (see Poisoned.scheduled)
                 t.relies_at = first if t.relies_at is None else min(t.relies_at, first)
         for rid, (t, _) in list(self._deferred.items()):
-            if self._poison.failed(t.block_ids, invalid) is not None:
+            if self._poison.failed(t.block_ids, invalid, held) is not None:
                 del self._deferred[rid]
                 self._dropped.append(rid)
         for _, block_ids in self._gone:
-            self._poison.failed(block_ids, invalid)
+            self._poison.failed(block_ids, invalid, held)
+
+    def _uncache(self, block_ids: set[int]) -> None:
+        """Drop ``block_ids`` from vLLM's prefix cache (their hashes; whoever holds them keeps them):
+        their K/V is wrong, and no later request may take them from there. vLLM 0.33 lends the
+        connector its KV cache manager for this; 0.32 does not, and they stay (see Poisoned)."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is not None:
+            manager.evict_blocks(block_ids)
 
     def _keeps_wrong_kv(self, t: Tracked, first: int) -> bool:
         """Whether vLLM keeps what ``t`` computed over its failed block at position ``first``.

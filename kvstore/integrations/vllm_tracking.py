@@ -8,7 +8,8 @@ cache may still hand them out. kvstore.integrations.vllm decides from these what
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,25 +124,43 @@ class Poisoned:
         failed load, loader gone      [ a | X | Y ]          X failed, Y computed over it: poisoned
         later request, prefix hit     [ a | X | Y | c | d ]  tainted at X: saves stop before it, c, d poisoned
 
+    Where vLLM lends the connector its KV cache manager (0.33), a block nobody will compute again
+    (no running request holds it) is dropped from vLLM's prefix cache as it is poisoned (``evict``:
+    its hash goes, the block stays with whoever holds it): no later request takes it from there.
+    With vLLM 0.32 the blocks stay in the prefix cache, and a request that takes one is tainted.
+
     A block stops being poisoned once a clean request writes all of it itself (computed, or loaded
     from kvstore): vLLM handed it out afresh (its old hash dropped), or the loader, rolled back,
     computes it again. The set holds vLLM block ids, so it never outgrows vLLM's block pool; it is
     usually empty, and then costs nothing a step."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, evict: Callable[[set[int]], None] | None = None) -> None:
         self._bs = block_size
+        self._evict = evict
         self.blocks: set[int] = set()
         self.tainted: set[str] = set()  # requests with poisoned_at set
+
+    def poison(self, block_ids: Iterable[int], recomputed: AbstractSet[int] = frozenset()) -> None:
+        """``block_ids`` hold wrong K/V: poisoned, and dropped from vLLM's prefix cache, but for those
+        in ``recomputed`` (a running request holds them: vLLM rolls it back to compute them again)."""
+        new = set(block_ids) - self.blocks
+        if new:
+            self.blocks |= new
+            if self._evict is not None and new - recomputed:
+                self._evict(new - recomputed)
 
     def active(self) -> bool:
         return bool(self.blocks or self.tainted)
 
-    def failed(self, block_ids: Sequence[int], invalid: set[int]) -> int | None:
+    def failed(
+        self, block_ids: Sequence[int], invalid: set[int], recomputed: AbstractSet[int] = frozenset()
+    ) -> int | None:
         """The loads into ``invalid`` failed: poison them, and the blocks after the first of them in a
-        request's ``block_ids`` (computed over it). Returns that first position, or None."""
+        request's ``block_ids`` (computed over it; see ``poison`` for ``recomputed``). Returns that
+        first position, or None."""
         first = next((i for i, b in enumerate(block_ids) if b in invalid), None)
         if first is not None:
-            self.blocks.update(block_ids[first:])
+            self.poison(block_ids[first:], recomputed)
         return first
 
     def scheduled(self, steps: list[tuple[Tracked, int, int, bool]]) -> None:
@@ -161,7 +180,7 @@ class Poisoned:
             if t.poisoned_at is None:
                 self.blocks.difference_update(done)
             else:
-                self.blocks.update(done)
+                self.poison(done)
         for t, own, after, fresh in steps:
             if fresh:
                 held = 0
@@ -178,7 +197,7 @@ class Poisoned:
             if hit is not None:
                 t.poisoned_at = hit * bs
                 self.tainted.add(t.request.request_id)
-                self.blocks.update(t.block_ids[own : after // bs])
+                self.poison(t.block_ids[own : after // bs])
 
     def finished(self, t: Tracked) -> None:
         if t.poisoned_at is not None:

@@ -1,5 +1,5 @@
 """Blocks whose load failed and that nobody recomputes, under vLLM 0.33's real Scheduler with a real
-daemon: vLLM keeps them in its prefix cache, and the connector never saves what is computed over
+daemon: the connector drops them from vLLM's prefix cache, and never saves what is computed over
 them. See test_connector.py for the engine these tests step."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from tests.engines.vllm.test_connector import (
-    BS,
     Engine,
+    assert_holds,
     check_client,
     operator,
     prompt,
@@ -57,16 +57,17 @@ def lose_the_loader(e: Engine, fate: str) -> None:
 
 
 @pytest.mark.parametrize("fate", ["aborted", "preempted"])
-def test_blocks_of_a_failed_load_nobody_recomputes_are_never_saved_from_vllms_prefix_cache(
+def test_blocks_of_a_failed_load_nobody_recomputes_leave_vllms_prefix_cache(
     setup: Any,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
     fate: str,
 ) -> None:
     """ "again" counts on kvstore for 128 tokens; [64, 128) are evicted before the load, so vLLM's
     blocks 4..7 are not loaded. The loader is aborted or preempted before vLLM hears of it: vLLM
-    rolls back no request, and keeps those blocks (and block 8, computed over them) in its prefix
-    cache. b takes all of them from there and computes over them: kvstore keeps b up to 64, never
-    past it. Once vLLM dropped them and a request computed them again, saves resume."""
+    rolls back no request, and kept those blocks (and block 8, computed over them) in its prefix
+    cache, where b took them and computed over garbage. The connector drops them from there (vLLM
+    0.33 lends it the cache manager): b takes [0, 64) and computes the rest itself, right, and what
+    it saves is what the model computes."""
     U, vcfg, ep = setup
     a = prompt(150, 31)
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
@@ -78,36 +79,18 @@ def test_blocks_of_a_failed_load_nobody_recomputes_are_never_saved_from_vllms_pr
         e.run()
         e.before_load = e.before_output = None
     assert e.worker.loads[0] == ("again", 0, 128)
-    assert check.lookup(a).matched_tokens == 64
+    connector = e.sched.connector
+    pool = e.sched.kv_cache_manager.block_pool
+    gone = set(connector._poison.blocks)
+    assert gone and not any(pool.blocks[b].block_hash for b in gone)  # out of the prefix cache
 
-    # b: [0, 144) from vLLM's prefix cache (again's blocks), kvstore holds [0, 64): nothing loaded
     b = a[:144] + prompt(40, 32)
     e.add(request(U, b, "b"))
     e.run()
-    time.sleep(0.5)  # a save would have landed by now
-    assert check.lookup(b).matched_tokens == 64
-    assert check.lookup(a).matched_tokens == 64  # the preempted loader, resumed, saved nothing more
-
-    # vLLM drops its prefix cache; c (b and a long tail) takes every block vLLM hands out up to the
-    # last poisoned one, and computes them itself: they are good again
-    assert e.sched.reset_prefix_cache()
-    connector = e.sched.connector
-    poisoned = set(connector._poison.blocks)
-    assert poisoned
-    free = [
-        blk.block_id for blk in e.sched.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()
-    ]
-    c = b + prompt((max(free.index(x) for x in poisoned) + 1) * BS - len(b), 33)
-    e.add(request(U, c, "c", max_tokens=20))  # a token a step: 20 outlast its prefill
-    e.run()
-    assert not connector._poison.blocks and not connector._poison.tainted
-    assert wait_until(lambda: check.lookup(c).matched_tokens == len(c) // 32 * 32, 10)
-    # d takes c's prompt from vLLM's prefix cache, the blocks poisoned before among them, and
-    # computes 24 tokens more: saved (kvstore held [0, 1440) of it)
-    d = c + prompt(24, 34)
-    e.add(request(U, d, "d"))
-    e.run()
-    assert wait_until(lambda: check.lookup(d).matched_tokens == (len(d) + 2) // 32 * 32, 10)
+    assert not connector._poison.tainted
+    assert wait_until(lambda: check.lookup(b).matched_tokens >= 128, 10)
+    time.sleep(0.5)  # every save has landed by now
+    assert_holds(check, b, check.lookup(b).matched_tokens)  # as the model computes it: nothing over garbage
     e.worker.c.shutdown()
 
 
