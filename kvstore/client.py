@@ -235,10 +235,17 @@ class KVStoreClient:
         self.close()
 
     def close(self) -> None:
-        with self._lock:
+        """Close the connection and unmap shared memory. A call another thread runs on this client
+        now ends first (it raises ClientClosed), not after its time-outs and retries."""
+        if not self._lock.acquire(blocking=False):
+            self._conn.abort()
+            self._lock.acquire()
+        try:
             self._conn.close()
             self._shm.close()
             self._buffers.close()
+        finally:
+            self._lock.release()
 
     @property
     def shared_memory(self) -> bool:

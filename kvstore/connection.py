@@ -63,6 +63,7 @@ CLOSE_WAIT = 1.0  # seconds close() waits at most for the replies of deferred re
 ABSENT_AFTER = 1.0  # seconds a reply is waited for before looking whether a daemon listens (ipc)
 ABSENT_POLL = 0.25  # seconds between those looks
 ABSENT_GRACE = 5.0  # seconds nothing listens before a call ends (a restart binds again sooner)
+ABORT_POLL = 0.1  # seconds a wait for a reply goes without looking whether another thread aborted it
 
 
 def _release(live: list[zmq.Socket | None], ctx: zmq.Context | None) -> None:
@@ -115,6 +116,7 @@ class Connection:
         self._deferred: dict[int, Message] = {}  # requests sent by ``defer`` whose replies are due
         self._socket_file = ipc_socket_path(endpoint)
         self._absent = False  # the last wait ended because nothing listened on the socket file
+        self._aborting = False  # set by another thread (``abort``): the wait under way ends
 
     def _open(self) -> zmq.Socket:
         if self._closed:
@@ -150,7 +152,13 @@ class Connection:
     def closed(self) -> bool:
         return self._closed
 
+    def abort(self) -> None:
+        """(From another thread.) End the wait for a reply that this connection's call runs now, if
+        any, within ABORT_POLL seconds: that call raises ClientClosed. The caller closes it next."""
+        self._aborting = True
+
     def close(self) -> None:
+        self._aborting = False  # the aborted call is over: close's own wait for deferred replies runs
         if self._deferred and self.sock is not None:  # sent, maybe not yet gone: linger 0 drops it
             with contextlib.suppress(Exception):  # closing goes on whatever the socket does
                 self._await_deferred(min(self.timeout, CLOSE_WAIT))
@@ -231,6 +239,8 @@ class Connection:
         missing_before = self._socket_file is not None and not self._socket_file.exists()
         absent_since: float | None = None
         while True:
+            if self._aborting:
+                raise ClientClosed(f"this client of {self.endpoint} was closed while it waited for a reply")
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
@@ -244,7 +254,10 @@ class Connection:
                         return None
                 else:
                     absent_since = None
-            sock.rcvtimeo = _ms(left if look_at is None else min(left, max(0.0, look_at - now)))
+            wait = (
+                min(left, ABORT_POLL) if look_at is None else min(left, ABORT_POLL, max(0.0, look_at - now))
+            )
+            sock.rcvtimeo = _ms(wait)
             try:
                 frames: list[Any] = [sock.recv()]  # the header: small, copying is cheapest
             except zmq.Again:

@@ -637,13 +637,16 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._saver.close()
             log.info(
                 "kvstore connector: loaded %d tokens, saved %d blocks, %d saves failed, %d dropped "
-                "for preemptions",
+                "for preemptions, %d dropped behind a daemon that did not keep up",
                 self.loaded_tokens,
                 self._saver.saved_blocks,
                 self._saver.failed_saves,
                 self._saver.cancelled_saves,
+                self._saver.dropped_saves,
             )
-        self._clients.close()
+        self._clients.close()  # a save still waiting on the daemon ends with its client
+        if self._saver is not None:
+            self._saver.join()
 
 
 __all__: Sequence[str] = ["KVStoreConnector", "KVStoreMetadata", "Settings", "Transfer", "split_kv"]

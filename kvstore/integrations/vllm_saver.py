@@ -4,17 +4,27 @@ another (``Saver``)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.integrations.vllm_settings import Clients, Variant, VariantRefused
+from kvstore.errors import ClientClosed
+from kvstore.integrations.vllm_settings import Clients, ClientsClosed, Variant, VariantRefused
 from kvstore.kvbuffers import PagedKV
 from kvstore.results import MISSING_PARENT
 
 log = logging.getLogger("kvstore.integrations.vllm")
+
+MAX_QUEUED = 256  # saves waiting at most: past it a save is dropped (the request's blocks go back sooner)
+CLOSE_WAIT = 10.0  # seconds shutdown waits for the queued saves, then drops the rest
+
+
+class _Cancelled(Exception):
+    """The save's request was preempted: its blocks are no longer its own to read."""
 
 
 @dataclass
@@ -41,6 +51,10 @@ class Saver:
         planned    [0 ....... 128)[128 ... 192)[192 ... 256)
         outcome       in kvstore      failed
         sent                                   [128 ........ 256)   <- from the last block stored
+
+    The engine never waits on the daemon here: at most MAX_QUEUED saves wait (one past it is
+    dropped, as a failed one is: a gap the request's next save fills), a preemption waits only
+    for a copy out of vLLM's blocks under way (``cancel``), and shutdown for CLOSE_WAIT seconds.
     """
 
     def __init__(self, clients: Clients) -> None:
@@ -49,11 +63,14 @@ class Saver:
         self._pending: dict[str, int] = {}
         self._stored: dict[str, int] = {}  # request -> its tokens [0, n) known to be in kvstore
         self._running: str | None = None  # the request whose save the thread runs
+        self._reading = False  # and that save is copying out of vLLM's blocks now
+        self._cancelled: set[str] = set()  # the running save's request, preempted: it reads no more
         self._cv = threading.Condition()
         self._stop = False
         self.saved_blocks = 0
         self.failed_saves = 0
         self.cancelled_saves = 0
+        self.dropped_saves = 0
         self._thread = threading.Thread(target=self._run, name="kvstore-save", daemon=True)
         self._thread.start()
 
@@ -62,6 +79,15 @@ class Saver:
         after its forward pass was queued, waited for before the blocks are read (that stream runs
         apart from this thread's: without it the copy may read blocks the forward has not written)."""
         with self._cv:
+            if len(self._jobs) >= MAX_QUEUED:  # the daemon is not keeping up: this one is not cached
+                if not self.dropped_saves:
+                    log.warning(
+                        "kvstore saves are %d behind; dropping the newest (later ones are counted, "
+                        "not logged): their blocks are recomputed, not fetched, next time",
+                        len(self._jobs),
+                    )
+                self.dropped_saves += 1
+                return
             self._jobs.append((t, paged, ready))
             self._pending[t.req_id] = self._pending.get(t.req_id, 0) + 1
             self._cv.notify_all()
@@ -75,14 +101,17 @@ class Saver:
         with self._cv:
             self._stored.pop(req_id, None)
 
-    def drain(self) -> None:
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no save is queued or running; False when ``timeout`` passed first."""
         with self._cv:
-            self._cv.wait_for(lambda: not self._pending)
+            return self._cv.wait_for(lambda: not self._pending, timeout)
 
     def cancel(self, req_ids: set[str]) -> None:
-        """Drop the queued saves of ``req_ids`` (preempted: vLLM gives their blocks to others) and
-        wait for the one the thread runs, if it is theirs; the saves of other requests run on. The
-        request's next save, once resumed, is sent from the last block stored (see the class)."""
+        """Drop the queued saves of ``req_ids`` (preempted: vLLM gives their blocks to others); the
+        one the thread runs, if it is theirs, reads none of their blocks after this returns (a copy
+        out of them under way is waited for, the daemon's calls are not). The saves of other
+        requests run on. The request's next save, once resumed, is sent from the last block stored
+        (see the class)."""
         with self._cv:
             kept = deque(job for job in self._jobs if job[0].req_id not in req_ids)
             self.cancelled_saves += len(self._jobs) - len(kept)
@@ -91,14 +120,44 @@ class Saver:
                 self._pending.pop(rid, None)
             if self._running in req_ids:
                 self._pending[self._running] = 1
-            self._cv.wait_for(lambda: self._running not in req_ids)
+                self._cancelled.add(self._running)
+            self._cv.wait_for(lambda: self._running not in req_ids or not self._reading)
 
     def close(self) -> None:
-        self.drain()
+        """Stop, once the queued saves are done or CLOSE_WAIT seconds have passed (the rest dropped).
+        A save still waiting on the daemon then ends as its client is closed (Clients.close, which
+        the connector calls next), and ``join`` waits for that."""
+        if not self.drain(CLOSE_WAIT):
+            with self._cv:
+                self.dropped_saves += len(self._jobs)
+                log.warning("kvstore: %d saves not done at shutdown are dropped", sum(self._pending.values()))
+                self._jobs.clear()
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
+
+    def join(self, timeout: float = CLOSE_WAIT) -> None:
+        self._thread.join(timeout)
+
+    def _guarded(self, req_id: str, paged: PagedKV) -> PagedKV:
+        """``paged`` whose reads of vLLM's blocks say so (``_reading``), and stop once ``req_id`` was
+        preempted (``_Cancelled``): what was read before goes on to the daemon, nothing after."""
+        guarded = copy.copy(paged)
+
+        def read(t0: int, out: Any) -> Any:
+            with self._cv:
+                if req_id in self._cancelled:
+                    raise _Cancelled(req_id)
+                self._reading = True
+            try:
+                return paged.read(t0, out)
+            finally:
+                with self._cv:
+                    self._reading = False
+                    self._cv.notify_all()
+
+        guarded.read = read  # type: ignore[method-assign]
+        return guarded
 
     def _run(self) -> None:
         while True:
@@ -107,6 +166,7 @@ class Saver:
                 if not self._jobs:
                     return
                 t, paged, ready = self._jobs.popleft()
+                began: float | None = None
                 self._running = t.req_id
                 # the first save of a request starts where kvstore's lookup said its prefix ends
                 start = min(t.start, self._stored.setdefault(t.req_id, t.start))
@@ -123,7 +183,8 @@ class Saver:
                 end = min(t.end, self._clients.token_limit(client) // T * T)
                 if end <= start:
                     continue
-                r = client.put_from(t.tokens[:end], paged, t.session, start=start)
+                began = time.monotonic()
+                r = client.put_from(t.tokens[:end], self._guarded(t.req_id, paged), t.session, start=start)
                 self.saved_blocks += r.stored
                 stored = end
                 if r.failed:
@@ -138,12 +199,19 @@ class Saver:
                     self._stored[t.req_id] = stored
             except VariantRefused:
                 pass  # logged once by Clients
+            except _Cancelled:
+                self.cancelled_saves += 1
+            except (ClientClosed, ClientsClosed):  # shutting down: the save is dropped, quietly
+                self.dropped_saves += 1
             except Exception as e:  # never the engine's problem: the blocks are simply not cached
                 self.failed_saves += 1
-                self._clients.failed(f"save of {t.req_id}", e)
+                # a save waits on a busy daemon up to its time-out: one that waited it out backs off
+                waited = began is not None and time.monotonic() - began >= self._clients.timeout
+                self._clients.failed(f"save of {t.req_id}", e, waited=waited)
             finally:
                 with self._cv:
                     self._running = None
+                    self._cancelled.discard(t.req_id)
                     n = self._pending.get(t.req_id, 0) - 1
                     if n > 0:
                         self._pending[t.req_id] = n

@@ -333,6 +333,7 @@ class Clients:
         self.backoff = Backoff(log)
         self.available, self.failed = self.backoff.available, self.backoff.failed
         self.refused = 0  # calls of variants that got no namespace
+        self.timeout = settings.timeout  # each client's, a call's wait for a reply
 
     def get(self, variant: Variant, purpose: str) -> KVStoreClient:
         """The client of ``variant`` for ``purpose`` ("lookup" and "load" never wait on a busy
@@ -475,13 +476,13 @@ class Clients:
         return n if n is not None else Limits().max_tokens
 
     def close(self) -> None:
-        """Close every client (each after the call it runs, if any); a client made after this is
-        closed at once, and ``get`` raises ClientsClosed."""
+        """Close every client (a call one runs on another thread ends first: KVStoreClient.close);
+        a client made after this is closed at once, and ``get`` raises ClientsClosed."""
         with self._lock:
             self._closed = True
             clients = list(self._clients.values())
             self._clients.clear()
-        for c in clients:  # outside the lock: each waits for the call it runs
+        for c in clients:  # outside the lock
             c.close()
 
 

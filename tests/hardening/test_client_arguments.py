@@ -172,6 +172,43 @@ def test_a_closed_client_maps_no_shared_memory_again(daemons: Any, tmp_path: Pat
     assert mapped() == 0
 
 
+def test_closing_a_client_ends_the_call_another_thread_waits_on(daemons: Any, tmp_path: Path) -> None:
+    # an engine shutting down closes its clients while its save thread waits on a daemon that does
+    # not answer (stopped here): close waited for that call's time-outs and retries, 30 s here
+    import signal
+    import threading
+    import time
+
+    from kvstore.errors import ClientClosed
+
+    d = daemons(write_config(tmp_path))
+    tokens = random_tokens(np.random.default_rng(13), 2)
+    c = client(d.endpoint, timeout=10.0, retries=2)
+    assert c.put(tokens, prefix_kv(tokens)).stored == 2
+    raised: list[BaseException] = []
+
+    def lookup() -> None:
+        try:
+            c.lookup(tokens)
+        except BaseException as e:
+            raised.append(e)
+
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        waiting = threading.Thread(target=lookup)
+        waiting.start()
+        time.sleep(0.3)  # sent, unanswered
+        t0 = time.monotonic()
+        c.close()
+        waiting.join(5)
+        assert time.monotonic() - t0 < 2.0 and not waiting.is_alive()
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    assert len(raised) == 1 and isinstance(raised[0], ClientClosed)
+    with client(d.endpoint) as other:  # the daemon is as it was
+        assert other.lookup(tokens).matched_blocks == 2
+
+
 def test_a_call_after_the_daemon_died_takes_no_longer_than_its_retries(daemons: Any, tmp_path: Path) -> None:
     """The hello a reconnect needs spends the call's retries: the first call after the daemon died took
     one timeout more than (retries + 1) x timeout (a hello with retries of its own)."""

@@ -4,19 +4,24 @@ test_connector.py for the engine these tests step."""
 
 from __future__ import annotations
 
+import dataclasses
+import signal
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from kvstore.integrations import vllm_saver
 from kvstore.integrations.vllm_saver import Transfer
 from kvstore.integrations.vllm_settings import Variant
 from tests.engines.vllm.test_connector import (
     Engine,
     assert_holds,
     check_client,
+    engine_setup,
     prompt,
     request,
     setup,  # noqa: F401  (a fixture)
@@ -81,15 +86,70 @@ def test_a_preemption_drops_the_preempted_request_s_queued_saves_and_waits_for_n
     assert_holds(check, b, 64)
     assert check.lookup(a).matched_tokens == 0
 
-    # preempted while its own save runs: that save still reads its blocks, and is waited for
+    # preempted while its own save waits for its forward: the save reads none of its blocks after
+    # that (vLLM hands them to others), and the step is not held up for it
     saver.submit(jobs["c"], w.c._paged(jobs["c"]), after("c"))
     assert wait_until(lambda: saver._running == "c", 10)
-    handled = threading.Thread(target=w.c.handle_preemptions, args=(SimpleNamespace(preempted=["c"]),))
-    handled.start()
-    handled.join(0.5)
-    assert handled.is_alive()
+    t0 = time.monotonic()
+    w.c.handle_preemptions(SimpleNamespace(preempted=["c"]))
+    assert time.monotonic() - t0 < 1.0
     forwards["c"].set()
-    handled.join(10)
-    assert not handled.is_alive() and saver.pending("c") == 0
-    assert_holds(check, c, 64)
+    assert wait_until(lambda: saver.pending("c") == 0, 10) and saver.cancelled_saves == 2
+    assert check.lookup(c).matched_tokens == 0
     w.c.shutdown()
+
+
+def test_a_preemption_waits_for_no_call_of_a_daemon_that_does_not_answer(
+    daemons: Any, tmp_path: Path, vllm_utils: Any, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save of the preempted request waiting on the daemon (stopped here: SIGSTOP) has read none of
+    its blocks, or read them already: handle_preemptions returned only once the whole save was
+    done, its retries of a daemon that does not answer included, with the engine's step held up."""
+    started: list[Any] = []
+
+    def start(config: Path, **kw: Any) -> Any:
+        started.append(daemons(config, **kw))
+        return started[-1]
+
+    U, vcfg, ep = engine_setup(start, tmp_path, vllm_utils, model_dir)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    w, saver = e.worker, e.worker.c._saver
+    assert saver is not None
+    a, b = prompt(64, 51), prompt(64, 52)
+    jobs = {}
+    for i, (rid, tokens) in enumerate([("a", a), ("b", b)]):
+        blocks = list(range(4 * i, 4 * i + 4))
+        w.forward(blocks, tokens, 0, 64)
+        jobs[rid] = Transfer(rid, Variant(base=w.c._clients.base), tokens, blocks, 0, 64)
+    check = check_client(e)
+    saver.submit(jobs["a"], w.c._paged(jobs["a"]))  # the save client says hello, and a is stored
+    assert_holds(check, a, 64)
+    daemon = started[0].proc
+    daemon.send_signal(signal.SIGSTOP)
+    try:
+        saver.submit(jobs["b"], w.c._paged(jobs["b"]))
+        assert wait_until(lambda: saver._running == "b", 10)
+        time.sleep(0.3)  # its first call sent, unanswered
+        t0 = time.monotonic()
+        w.c.handle_preemptions(SimpleNamespace(preempted=["b"]))
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        daemon.send_signal(signal.SIGCONT)
+    assert wait_until(lambda: saver.pending("b") == 0, 60)
+    assert check.lookup(b).matched_tokens == 0  # nothing of b read after its preemption
+
+    # the daemon stopped again: saves queue up to MAX_QUEUED (the rest are dropped, the requests'
+    # blocks not held for them), and shutdown waits CLOSE_WAIT for them, not each save's time-outs
+    monkeypatch.setattr(vllm_saver, "MAX_QUEUED", 2)
+    monkeypatch.setattr(vllm_saver, "CLOSE_WAIT", 0.5)
+    daemon.send_signal(signal.SIGSTOP)
+    try:
+        for i in range(5):
+            t = dataclasses.replace(jobs["b"], req_id=f"q{i}")
+            saver.submit(t, w.c._paged(t))
+        assert saver.dropped_saves >= 2 and sum(saver.pending(f"q{i}") for i in range(5)) <= 3
+        t0 = time.monotonic()
+        w.c.shutdown()
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        daemon.send_signal(signal.SIGCONT)

@@ -1,0 +1,44 @@
+"""kvstore.integrations.backoff: engine hooks leave a daemon that does not answer, or answers busy,
+alone for a while instead of each waiting out its own time-out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from kvstore.integrations import backoff
+from kvstore.integrations.backoff import Backoff
+from kvstore.wire.errors import RequestTimeout, ServerError
+
+
+def test_a_busy_daemon_is_left_alone_a_moment_and_said_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every queued save asked a daemon over its budget again, each waiting out its own time-out
+    monkeypatch.setattr(backoff, "BUSY_BACKOFF", 0.2)
+    b = Backoff(logging.getLogger("t"), seconds=5.0)
+    with caplog.at_level(logging.WARNING, logger="t"):
+        b.failed("lookup", ServerError("busy", "the daemon is over its budget"))  # turned away at once
+        assert b.available()
+        b.failed("save of r1", ServerError("busy", "the daemon is over its budget"), waited=True)
+        b.failed("save of r2", ServerError("busy", "the daemon is over its budget"), waited=True)
+    assert not b.available() and b.timeouts == 0
+    assert [r.getMessage()[:16] for r in caplog.records] == ["kvstore lookup f", "kvstore is busy "]
+    time.sleep(0.25)
+    assert b.available()  # asked again after a moment, not after a time-out's back-off
+
+
+def test_a_time_out_backs_off_longer_and_other_failures_not_at_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(backoff, "BUSY_BACKOFF", 0.05)
+    b = Backoff(logging.getLogger("t"), seconds=0.3)
+    b.failed("lookup", ServerError("forbidden", "not yours"))
+    assert b.available()
+    b.failed("lookup", RequestTimeout("no reply in 5 s"))
+    assert not b.available() and b.timeouts == 1
+    b.failed("save", ServerError("busy", "over its budget"), waited=True)  # does not shorten the time-out's
+    time.sleep(0.2)
+    assert not b.available()
+    time.sleep(0.15)
+    assert b.available()
