@@ -403,6 +403,12 @@ class _HostPages:
         self.k = [x[0] for x in per_layer]
         self.v = [x[1] for x in per_layer]
         self.page_size = ps
+        if kv.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
+            raise LayoutError(
+                f"SGLang keeps this KV cache in {kv.dtype} (--kv-cache-dtype fp8): kvstore keeps K/V in "
+                "the model's dtype, and an fp8 KV cache is not supported; run SGLang with "
+                "--kv-cache-dtype auto"
+            )
         self.layout = KVLayout(
             num_layers=n_layers,
             num_kv_heads=H,

@@ -175,6 +175,13 @@ def model_layout(vllm_config: Any, block_tokens: int) -> KVLayout:
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if getattr(mc, "use_mla", False):
         raise LayoutError("kvstore's vLLM connector keeps per-head K and V; MLA models are not supported")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        # a drafter's attention layers (EAGLE, MTP, a draft model) share the target's KV cache: their
+        # K/V is no function of the target's layers kvstore keeps, and vLLM registers them beside
+        raise LayoutError(
+            "kvstore's vLLM connector keeps the target model's layers; speculative decoding "
+            "(--speculative-config) is not supported with it"
+        )
     cache_dtype = str(getattr(cc, "cache_dtype", "auto"))
     if cache_dtype not in ("auto", str(mc.dtype).removeprefix("torch.")):
         raise LayoutError(
@@ -334,6 +341,7 @@ class Clients:
         self.available, self.failed = self.backoff.available, self.backoff.failed
         self.refused = 0  # calls of variants that got no namespace
         self.timeout = settings.timeout  # each client's, a call's wait for a reply
+        self._short_limit_logged = False
 
     def get(self, variant: Variant, purpose: str) -> KVStoreClient:
         """The client of ``variant`` for ``purpose`` ("lookup" and "load" never wait on a busy
@@ -469,11 +477,22 @@ class Clients:
             )
         self._variants.add(variant)
 
-    @staticmethod
-    def token_limit(client: KVStoreClient) -> int:
-        """The daemon's max_tokens_per_request, as its hello to ``client`` said (get() says hello)."""
+    def token_limit(self, client: KVStoreClient) -> int:
+        """The daemon's max_tokens_per_request, as its hello to ``client`` said (get() says hello).
+        One below a block of the namespace (nothing could ever be stored or found) is logged once."""
         n = client.max_tokens
-        return n if n is not None else Limits().max_tokens
+        limit = n if n is not None else Limits().max_tokens
+        T = self._layout.block_tokens
+        if limit < T and not self._short_limit_logged:
+            self._short_limit_logged = True
+            log.warning(
+                "the kvstore daemon takes %d token ids a request, fewer than one block of %d "
+                "(block_tokens): nothing is saved or loaded; raise its [server] "
+                "max_tokens_per_request or lower block_tokens in kv_connector_extra_config",
+                limit,
+                T,
+            )
+        return limit
 
     def close(self) -> None:
         """Close every client (a call one runs on another thread ends first: KVStoreClient.close);

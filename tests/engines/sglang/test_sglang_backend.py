@@ -115,6 +115,13 @@ def test_evicted_or_corrupt_pages_are_false_never_wrong_data(daemon: Any) -> Non
     assert store.batch_get_v1(forged, slots([8])) == [False]
 
 
+def test_an_fp8_kv_cache_is_refused_naming_the_setting(daemon: Any) -> None:
+    # "dtype torch.uint8 is not supported", raised from inside SGLang's attach, said nothing of why
+    pool = host_pool("page_first", dtype=torch.float8_e4m3fn)
+    with pytest.raises(Exception, match="--kv-cache-dtype fp8.*not supported"):
+        backend(daemon.endpoint, pool)
+
+
 def test_legacy_calls_say_to_set_interface_v1_and_mla_is_refused(daemon: Any) -> None:
     pool = host_pool("page_first")
     store = backend(daemon.endpoint, pool)

@@ -5,6 +5,7 @@ loaded token is checked where the kernels read it, and what kvstore holds is che
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -538,6 +539,12 @@ def test_attention_that_frees_blocks_behind_a_window_is_refused_at_start(
     vcfg.parallel_config.decode_context_parallel_size = 2
     with pytest.raises(connector.LayoutError, match="decode-context-parallel"):
         connector.KVStoreConnector(vcfg, connector.KVConnectorRole.SCHEDULER, full)
+    # a drafter's layers share the KV cache: the worker died at start on "registered 33 KV caches"
+    vcfg.parallel_config.decode_context_parallel_size = 1
+    vcfg.speculative_config = SimpleNamespace(method="eagle")
+    for role in (connector.KVConnectorRole.SCHEDULER, connector.KVConnectorRole.WORKER):
+        with pytest.raises(connector.LayoutError, match="speculative decoding"):
+            connector.KVStoreConnector(vcfg, role, full)
 
 
 def test_cpu_kernels_that_pack_k_otherwise_are_refused_at_start(
@@ -706,6 +713,28 @@ def test_a_save_that_failed_is_sent_again_with_the_next_one(
     e.run()
     assert starts[:3] == [0, 96, 96]
     assert_holds(check_client(e), a, 288)
+    e.worker.c.shutdown()
+
+
+def test_a_daemon_limit_below_one_block_is_said_once(
+    daemons: Any,
+    tmp_path: Path,
+    vllm_utils: Any,
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The daemon takes 16 token ids a request, kvstore's blocks are 32 tokens: nothing can be saved
+    or found, and the engine ran at a 0% hit rate with nothing said."""
+    U, vcfg, ep = engine_setup(daemons, tmp_path, vllm_utils, model_dir, max_tokens_per_request=16)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="kvstore.integrations.vllm"):
+        for i in range(2):
+            e.add(request(U, prompt(100, 60 + i), f"r{i}"))
+            e.run()
+    said = [r.getMessage() for r in caplog.records if "fewer than one block" in r.getMessage()]
+    # once by the scheduler's connector, once by the worker's (one process each in vLLM)
+    assert len(said) == 2 and "max_tokens_per_request" in said[0] and "16" in said[0]
     e.worker.c.shutdown()
 
 
