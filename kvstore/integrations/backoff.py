@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import time
 
-BACKOFF = 10.0  # seconds
-
-
+BACKOFF = 10.0  # seconds, after a call timed out
+MAX_BACKOFF = 60.0  # seconds: the back-off doubles with each time-out in a row, up to this
 BUSY_BACKOFF = 1.0  # seconds, after a call waited out its time-out on a daemon answering busy
 
 
 class Backoff:
-    """``available()`` is False for ``seconds`` after a call timed out (``failed``), and for
+    """``available()`` is False for ``seconds`` after a call timed out (``failed``), twice as long
+    after each time-out in a row (the call after a back-off timed out again: a daemon that stays
+    away costs the engine one time-out a minute at most, not one every ``seconds``), and for
     BUSY_BACKOFF after one ``waited`` its time-out on a daemon answering busy (a call that does not
     wait is turned away at once, and costs nothing); each is logged once per outage, other failures
     every time."""
@@ -21,7 +22,13 @@ class Backoff:
         self._log = log
         self.seconds = seconds
         self._until = 0.0
+        self._span = 0.0  # the last time-out's back-off; 0 after a while without one
         self.timeouts = 0
+
+    @property
+    def span(self) -> float:
+        """How long the back-off after the last time-out lasts (0 before any)."""
+        return self._span
 
     def available(self) -> bool:
         return time.monotonic() >= self._until
@@ -29,11 +36,21 @@ class Backoff:
     def failed(self, what: str, err: Exception, *, waited: bool = False) -> None:
         if isinstance(err, TimeoutError):
             self.timeouts += 1
-            if self.available():
+            now = time.monotonic()
+            if not self.available():  # another call's time-out of the same outage
+                return
+            # the first call after the last back-off timed out again: the daemon is still away
+            again = self._span > 0 and now - self._until < self._span + MAX_BACKOFF
+            self._span = min(MAX_BACKOFF, 2 * self._span) if again else self.seconds
+            if not again:
                 self._log.warning(
-                    "kvstore did not answer a %s (%s); not asked again for %.0f s", what, err, self.seconds
+                    "kvstore did not answer a %s (%s); not asked again for %.0f s (longer while it "
+                    "stays away)",
+                    what,
+                    err,
+                    self._span,
                 )
-            self._until = time.monotonic() + self.seconds
+            self._until = now + self._span
         elif waited and getattr(err, "code", None) == "busy":  # each after it would wait as long
             if self.available():
                 self._log.warning("kvstore is busy (%s); not asked again for %.0f s", err, BUSY_BACKOFF)

@@ -42,3 +42,22 @@ def test_a_time_out_backs_off_longer_and_other_failures_not_at_all(monkeypatch: 
     assert not b.available()
     time.sleep(0.15)
     assert b.available()
+
+
+def test_a_daemon_that_stays_away_is_asked_ever_less_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every 10 s back-off ended in another 5 s time-out on the scheduler's thread: a third of the
+    # engine's time stalled while the daemon was down. Each time-out in a row doubles the back-off
+    monkeypatch.setattr(backoff, "MAX_BACKOFF", 0.4)
+    b = Backoff(logging.getLogger("t"), seconds=0.1)
+    spans = []
+    for _ in range(4):
+        b.failed("lookup", RequestTimeout("no reply"))
+        b.failed("load", RequestTimeout("no reply"))  # the same outage, another call: no longer
+        spans.append(b.span)
+        assert not b.available()
+        while not b.available():
+            time.sleep(0.01)
+    assert spans == [0.1, 0.2, 0.4, 0.4] and b.timeouts == 8
+    time.sleep(0.9)  # a while without a time-out: the next outage starts over
+    b.failed("lookup", RequestTimeout("no reply"))
+    assert b.span == 0.1
