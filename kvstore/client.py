@@ -234,11 +234,13 @@ class KVStoreClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Close the connection and unmap shared memory. A call another thread runs on this client
-        now ends first (it raises ClientClosed), not after its time-outs and retries."""
+    def close(self, *, abort: bool = False) -> None:
+        """Close the connection and unmap shared memory, once a call another thread runs on this
+        client is over; ``abort``: that call ends now (it raises ClientClosed), not after its
+        time-outs and retries (an engine shutting down while the daemon does not answer)."""
         if not self._lock.acquire(blocking=False):
-            self._conn.abort()
+            if abort:
+                self._conn.abort()
             self._lock.acquire()
         try:
             self._conn.close()

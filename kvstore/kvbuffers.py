@@ -172,10 +172,10 @@ class PagedKV:
             raise LayoutError(
                 "PagedKV buffers are on the meta device: they hold no data; pass cpu or cuda ones"
             )
-        if len({b.data_ptr() for b in (*k, *v)}) != len(k) + len(v):
+        # two layers may share their buffers (vLLM's cross-layer KV sharing): the same K/V either way
+        if {b.data_ptr() for b in k} & {b.data_ptr() for b in v}:
             raise LayoutError(
-                "PagedKV got one buffer twice (as K and V, or for two layers): each layer's K and V are "
-                "buffers of their own"
+                "PagedKV got one buffer as K and as V: each layer's K and V are buffers of their own"
             )
         size = min(b.shape[0] for b in (*k, *v))
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= size):
@@ -344,14 +344,14 @@ def check_target(target: KVTarget, layout: KVLayout, what: str, *, written: bool
 
 def _overlapping(t: torch.Tensor) -> bool:
     """Whether ``t`` may have elements that share memory: with its dimensions of more than one element
-    sorted by stride, each stride must be positive and reach past the span of the dimensions before it
-    (what every tensor built by slicing, permuting or viewing a whole one keeps)."""
+    sorted by stride, each stride must reach past the farthest element the dimensions before it
+    reach (what every tensor built by slicing, stepping, permuting or viewing a whole one keeps)."""
     dims = sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
-    span = 1
+    reach = 0  # the farthest offset the dimensions so far reach, in elements
     for stride, n in dims:
-        if stride < span:
+        if stride <= reach:
             return True
-        span = stride * n
+        reach += stride * (n - 1)
     return False
 
 

@@ -21,8 +21,9 @@ class Backoff:
     def __init__(self, log: logging.Logger, seconds: float = BACKOFF) -> None:
         self._log = log
         self.seconds = seconds
-        self._until = 0.0
-        self._span = 0.0  # the last time-out's back-off; 0 after a while without one
+        self._until = 0.0  # the time-out's back-off ends
+        self._busy_until = 0.0  # a busy answer's ends
+        self._span = 0.0  # the last time-out's back-off
         self.timeouts = 0
 
     @property
@@ -31,13 +32,13 @@ class Backoff:
         return self._span
 
     def available(self) -> bool:
-        return time.monotonic() >= self._until
+        return time.monotonic() >= max(self._until, self._busy_until)
 
     def failed(self, what: str, err: Exception, *, waited: bool = False) -> None:
         if isinstance(err, TimeoutError):
             self.timeouts += 1
             now = time.monotonic()
-            if not self.available():  # another call's time-out of the same outage
+            if now < self._until:  # another call's time-out of the same outage
                 return
             # the first call after the last back-off timed out again: the daemon is still away
             again = self._span > 0 and now - self._until < self._span + MAX_BACKOFF
@@ -54,6 +55,6 @@ class Backoff:
         elif waited and getattr(err, "code", None) == "busy":  # each after it would wait as long
             if self.available():
                 self._log.warning("kvstore is busy (%s); not asked again for %.0f s", err, BUSY_BACKOFF)
-            self._until = max(self._until, time.monotonic() + BUSY_BACKOFF)
+            self._busy_until = max(self._busy_until, time.monotonic() + BUSY_BACKOFF)
         else:
             self._log.warning("kvstore %s failed: %s", what, err)

@@ -326,6 +326,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta.released += self._dropped
         self._dropped = []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
+        if self._poison.blocks and meta.preempted:
+            # poisoned blocks a preempted request held, left in vLLM's prefix cache while it was to
+            # compute them again: nobody will now, unless a running request holds them
+            preempted = [self._tracked[rid] for rid in meta.preempted if rid in self._tracked]
+            theirs = {b for p in preempted for b in p.block_ids}
+            running = {b for r in self._tracked.values() if _running(r.request) for b in r.block_ids}
+            if gone := (theirs & self._poison.blocks) - running:
+                self._uncache(gone)
         self._loads.clear()
         for rid in list(self._hits):  # asked again only if it goes back to waiting
             if rid in self._tracked:
@@ -420,8 +428,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         their K/V is wrong, and no later request may take them from there. vLLM 0.33 lends the
         connector its KV cache manager for this; 0.32 does not, and they stay (see Poisoned)."""
         manager = getattr(self, "_kv_cache_manager", None)
-        if manager is not None:
+        if manager is None:
+            return
+        try:
             manager.evict_blocks(block_ids)
+        except Exception as e:  # a vLLM whose cache manager differs: the blocks stay (Poisoned)
+            log.warning("kvstore could not drop %d blocks from vLLM's prefix cache: %s", len(block_ids), e)
 
     def _keeps_wrong_kv(self, t: Tracked, first: int) -> bool:
         """Whether vLLM keeps what ``t`` computed over its failed block at position ``first``.

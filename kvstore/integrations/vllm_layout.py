@@ -8,7 +8,8 @@ backend's "vec" kernels keep, per block and head, K transposed (``[D, block_size
 A shape alone does not say which: B12X and ROCm's backends keep a page as two head slots, all
 K heads then all V heads (``[num_blocks, 2, block_size, H*D]``), which for 2 KV heads has the
 shape of FlashAttention's. So the 4-dimensional caches are read only for the backends named in
-SIDE_BY_SIDE (each checked against its ``forward``'s layout), and the CPU backend's "vec".
+SIDE_BY_SIDE (each checked against its ``forward``'s layout), and the CPU backend's "vec"; a cache
+whose backend vLLM cannot name is read by its shape (its specs' packing is checked at start).
 """
 
 from __future__ import annotations
@@ -42,9 +43,16 @@ def split_kv(
         return cache[0], cache[1]
     if cache.dim() == 5 and shape[1] == 2 and shape[3:] == (H, D):  # [nb, 2, bs, H, D]
         return cache[:, 0], cache[:, 1]
-    if cache.dim() == 4 and not backend.upper().startswith("CPU") and backend.upper() not in SIDE_BY_SIDE:
+    # (no name: a vLLM whose backends cannot be asked; packed pages are refused from its KV cache
+    # specs at start, check_attention, so the shape is read as FlashAttention's)
+    if (
+        cache.dim() == 4
+        and backend
+        and not backend.upper().startswith("CPU")
+        and backend.upper() not in SIDE_BY_SIDE
+    ):
         raise LayoutError(
-            f"vLLM's {backend or 'unnamed'} attention backend keeps K and V in a {shape} cache whose "
+            f"vLLM's {backend} attention backend keeps K and V in a {shape} cache whose "
             "layout kvstore has not been checked against (B12X and ROCm's keep all K heads, then all "
             f"V heads); kvstore reads the caches of {', '.join(SIDE_BY_SIDE)} and CPU_ATTN: pick one "
             "with --attention-backend"

@@ -495,14 +495,15 @@ class Clients:
         return limit
 
     def close(self) -> None:
-        """Close every client (a call one runs on another thread ends first: KVStoreClient.close);
-        a client made after this is closed at once, and ``get`` raises ClientsClosed."""
+        """Close every client, ending a call one runs on another thread (a save waiting on the
+        daemon: shutdown does not wait out its time-outs); a client made after this is closed at
+        once, and ``get`` raises ClientsClosed."""
         with self._lock:
             self._closed = True
             clients = list(self._clients.values())
             self._clients.clear()
         for c in clients:  # outside the lock
-            c.close()
+            c.close(abort=True)
 
 
 def _close_aside(client: KVStoreClient) -> None:

@@ -164,7 +164,9 @@ class AdminOps:
                         continue
                     assert t is not None
                     nbytes = self._tiers[t].nbytes(e.key)
-                    if not self._mover.evict_from(t, e):  # it stays (nowhere to go: the disk refuses it)
+                    if not self._mover.evict_from(
+                        t, e, for_room=False
+                    ):  # it stays (nowhere to go: the disk refuses it)
                         stayed.add(e.key)
                         freed[self._tiers.names[t]] -= nbytes
                         moved -= down

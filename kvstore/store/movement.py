@@ -114,21 +114,17 @@ class Mover:
         out; elsewhere a block none of whose children is in ``t`` or above is
         preferred (a prefix's tail goes down before its head).
 
-        On nvme, the disk copy of a block a memory tier also holds whose parent
-        is not on nvme goes first (no restart could serve it); other blocks a
-        memory tier also holds go only when no block nvme alone holds can
-        (among the oldest _SCAN * 16): dropping the only copy of a cold block
-        is an eviction, while dropping the disk copy of one in memory breaks
-        what a flush promised. Among those, one with no child on nvme goes
-        first, and never an ancestor of a block being written: the disk keeps
-        the heads of prefixes, not their tails.
+        On nvme, a block a memory tier also holds goes only when no block nvme
+        alone holds can (among the oldest _SCAN * 16): dropping the only copy
+        of a cold block is an eviction, while dropping the disk copy of one in
+        memory breaks what a flush promised. Among those, one with no child on
+        nvme goes first, and never an ancestor of a block being written: the
+        disk keeps the heads of prefixes, not their tails.
         """
         bit, upto = 1 << t, (2 << t) - 1
         disk = t == self.tiers.nvme_t
         fallback: Entry | None = None
-        displace: Entry | None = None  # nvme: the oldest block a memory tier also holds
-        better: Entry | None = None  # and the oldest of those with no parent or no child on nvme
-        heads = self._written_above() if disk else set()
+        held: list[Entry] = []  # nvme: blocks a memory tier also holds, oldest first
         scanned = 0
         refusing = self.disk_refusing()
         for e in self.index.lru(t):
@@ -140,26 +136,31 @@ class Mover:
                 if fallback is None and not self.subtree_pinned(e) and not (refusing and self._owes_below(e)):
                     fallback = e
             elif disk:
-                if e.key in heads:
-                    continue
-                if e.parent is not None and not e.parent.tiers & bit:
-                    return e  # a disk copy no restart could serve: dropping it loses nothing
-                displace = displace or e
-                if better is None and not any(c.tiers & bit for c in e.child_list()):
-                    better = e
+                held.append(e)
             else:
                 if not any(c.tiers & upto for c in e.child_list()):
                     return e
                 if fallback is None:
                     fallback = e
             scanned += 1
-            if scanned >= _SCAN and fallback is not None or scanned >= _SCAN * 16 and displace is not None:
+            if scanned >= _SCAN and fallback is not None or scanned >= _SCAN * 16 and held:
                 break
         if fallback is not None and t == self.tiers.last and fallback.tiers & TIER_MASK == bit:
             return self._tail(fallback, bit, exclude)
-        if fallback is None and displace is not None:
-            return better or self._tail(displace, bit, exclude | heads | self._pinned_below(displace, bit))
+        if fallback is None and held:
+            return self._displacement(held, bit, exclude)
         return fallback
+
+    def _displacement(self, held: list[Entry], bit: int, exclude: set[bytes]) -> Entry | None:
+        """Which of ``held`` (blocks on nvme a memory tier also holds, oldest first) gives up its disk
+        copy: the oldest with no child on nvme, else the tail of the oldest; never an ancestor of a
+        block being written (walked only here, where nvme holds nothing it could drop instead)."""
+        heads = self._written_above()
+        held = [e for e in held if e.key not in heads]
+        if not held:
+            return None
+        leaf = next((e for e in held if not any(c.tiers & bit for c in e.child_list())), None)
+        return leaf or self._tail(held[0], bit, exclude | heads | self._pinned_below(held[0], bit))
 
     def _written_above(self) -> set[bytes]:
         """The ancestors of the blocks being moved or written (``busy``): a block's disk copy is
@@ -232,8 +233,10 @@ class Mover:
             return nvme.could_hold(block, position) if empty else nvme.can_put(block, position)
         return self.tiers[t].could_hold(block) if empty else self.tiers[t].can_put(block)
 
-    def evict_from(self, t: int, e: Entry, ready: Frames = NO_FRAMES) -> bool:
-        """Make tier ``t`` let go of ``e`` (see the module sketch). True when ``t`` no longer holds it."""
+    def evict_from(self, t: int, e: Entry, ready: Frames = NO_FRAMES, *, for_room: bool = True) -> bool:
+        """Make tier ``t`` let go of ``e`` (see the module sketch). True when ``t`` no longer holds it.
+        ``for_room`` (not an operator's evict): an nvme copy of a block memory keeps that goes is
+        counted as displaced, and a flush is not durable until it is written again."""
         bit = 1 << t
         if not e.tiers & bit:
             return True
@@ -248,7 +251,7 @@ class Mover:
                 self.drop_block(e)
                 return True
             self.drop_copy(e, t)
-            if t == self.tiers.nvme_t:
+            if t == self.tiers.nvme_t and for_room:
                 self._displace(e)
             return True
         if self.subtree_pinned(e):
@@ -257,8 +260,8 @@ class Mover:
         return True
 
     def _displace(self, e: Entry) -> None:
-        """``e``'s nvme copy went while a memory tier keeps it: it is on no disk now."""
-        if not self.displaced():
+        """``e``'s nvme copy went for room while a memory tier keeps it: it is on no disk now."""
+        if not self._displaced:  # (blocks written again since leave it at the next flush's look)
             log.warning(
                 "nvme dropped the disk copy of a block still held in memory (block %s): a flush is not "
                 "durable until it is written again; nvme is full of blocks also in memory, raise "
@@ -456,7 +459,7 @@ class Mover:
         if on_disk and nvme is not None:
             try:
                 nvme.drop_many(on_disk)
-            except BaseException:
+            except Exception:
                 # the batches before the failure are gone from the disk, the rest are not: the blocks
                 # up to the last one gone leave the index too (``gone`` lists descendants first, so
                 # they are whole subtrees), the rest stay as they were

@@ -205,10 +205,16 @@ class WriteBack:
             if not self._queued.wait_for(lambda: not self._expected, left()):
                 return False
             snapshot = list(self._index.entries()) if self._sweep else []  # a C-level copy: brief
+            # blocks whose disk copy went for room: written again now (room may have come back),
+            # parents first; with none, the disk holds what it can and flush says so
+            held = [e for e in map(self._index.get, self._mover.displaced()) if e is not None]
+            again = [e.key for e in sorted(held, key=lambda e: self._mover.position(e) or 0)]
         wait = left()
         self._requeue(None, wait=math.inf if wait is None else wait)
         if snapshot:
             self.submit(self._unwritten(snapshot), wait=math.inf if wait is None else left())
+        if again:
+            self.submit(again, wait=math.inf if wait is None else left())
         self._writer.run_soon(self.persist_dirty)
         mark = self._writer.mark()  # what was queued by now, and no more: puts go on meanwhile
         if not self._writer.drain(left(), upto=mark):
@@ -501,7 +507,9 @@ class WriteBack:
                     e = self._index.get(k)
                     if e is not None and e.tiers & (1 << t_n):
                         items.append((k, e.sessions, e.last_access))
-            if not keys:
+            if not keys:  # every change is on disk, or its block left nvme: none is owed
+                with self._lock:
+                    self._records_failing = False
                 return
             records = []
             for k, sessions, accessed in items:

@@ -97,8 +97,11 @@ def test_positions_devices_and_ids_that_make_no_sense_are_refused(daemons: Any, 
             PagedKV.blocks(k, v, [3, 3], 2 * T)
         with pytest.raises(LayoutError, match="slots name 2 more than once"):
             PagedKV([b[:, 0] for b in k], [b[:, 0] for b in v], [2, 0, 2])
-        with pytest.raises(LayoutError, match="one buffer twice"):
+        with pytest.raises(LayoutError, match="one buffer as K and as V"):
             PagedKV.blocks(k, k, [3, 1], 2 * T)
+        # two layers sharing their buffers (vLLM's cross-layer KV sharing) are taken
+        shared = PagedKV.blocks([k[0]] * len(k), [v[0]] * len(v), [3, 1], 2 * T)
+        assert shared.num_tokens == 2 * T
         with pytest.raises(LayoutError, match="needs one KV cache per layer"):
             PagedKV.vllm([], [0], 0)
         with pytest.raises(LayoutError, match="a K and a V buffer per layer"):
@@ -111,6 +114,9 @@ def test_positions_devices_and_ids_that_make_no_sense_are_refused(daemons: Any, 
         one_token = torch.zeros((*kv.shape[:2], 1, *kv.shape[3:]), dtype=kv.dtype)
         with pytest.raises(LayoutError, match="share memory"):
             c.get_into(tokens, one_token.expand(kv.shape))
+        # a stepped view shares nothing: taken
+        wide = torch.zeros((*kv.shape[:4], 2 * kv.shape[4]), dtype=kv.dtype)
+        assert c.get_into(tokens, wide[..., ::2]).matched_blocks == 2 and torch.equal(wide[..., ::2], kv)
         assert c.get_into(tokens, out).matched_blocks == 2 and torch.equal(out, kv)  # nothing else changed
 
 
@@ -172,7 +178,9 @@ def test_a_closed_client_maps_no_shared_memory_again(daemons: Any, tmp_path: Pat
     assert mapped() == 0
 
 
-def test_closing_a_client_ends_the_call_another_thread_waits_on(daemons: Any, tmp_path: Path) -> None:
+def test_closing_a_client_with_abort_ends_the_call_another_thread_waits_on(
+    daemons: Any, tmp_path: Path
+) -> None:
     # an engine shutting down closes its clients while its save thread waits on a daemon that does
     # not answer (stopped here): close waited for that call's time-outs and retries, 30 s here
     import signal
@@ -199,7 +207,7 @@ def test_closing_a_client_ends_the_call_another_thread_waits_on(daemons: Any, tm
         waiting.start()
         time.sleep(0.3)  # sent, unanswered
         t0 = time.monotonic()
-        c.close()
+        c.close(abort=True)
         waiting.join(5)
         assert time.monotonic() - t0 < 2.0 and not waiting.is_alive()
     finally:

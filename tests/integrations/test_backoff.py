@@ -61,3 +61,21 @@ def test_a_daemon_that_stays_away_is_asked_ever_less_often(monkeypatch: pytest.M
     time.sleep(0.9)  # a while without a time-out: the next outage starts over
     b.failed("lookup", RequestTimeout("no reply"))
     assert b.span == 0.1
+
+
+def test_busy_answers_neither_lengthen_nor_hide_a_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a busy back-off moved the time-out's clock: a time-out long after read as the same outage
+    # (doubled, not logged), and one during a busy back-off set none at all
+    monkeypatch.setattr(backoff, "BUSY_BACKOFF", 0.2)
+    monkeypatch.setattr(backoff, "MAX_BACKOFF", 0.4)
+    b = Backoff(logging.getLogger("t"), seconds=0.1)
+    b.failed("lookup", RequestTimeout("no reply"))
+    time.sleep(0.15)
+    b.failed("save", ServerError("busy", "over its budget"), waited=True)
+    b.failed("lookup", RequestTimeout("no reply"))  # during the busy back-off: a time-out still
+    assert b.span == 0.2 and b.timeouts == 2
+    time.sleep(1.0)  # long after both
+    b.failed("save", ServerError("busy", "over its budget"), waited=True)
+    time.sleep(0.25)
+    b.failed("lookup", RequestTimeout("no reply"))  # a new outage: the first back-off again
+    assert b.span == 0.1 and not b.available()

@@ -256,6 +256,13 @@ def test_records_the_disk_refuses_are_said_once_and_flush_is_not_durable_until_t
     nvme.update_records = update  # type: ignore[method-assign]
     assert s.flush(10)
     assert nvme.record(block_keys(NS, toks)[2]).last_access >= clock.now - 600
+    # refused again, and the blocks leave the disk before it takes records: nothing is owed
+    nvme.update_records = refusing  # type: ignore[method-assign]
+    clock.advance(3600)
+    assert s.get(NS, toks).matched_blocks == 3 and not s.flush(10)
+    s.evict(EvictFilter(all=True))
+    nvme.update_records = update  # type: ignore[method-assign]
+    assert s.flush(10)
 
 
 def test_a_delete_the_disk_refuses_halfway_leaves_the_index_naming_only_what_is_on_disk(

@@ -559,7 +559,7 @@ def test_cpu_kernels_that_pack_k_otherwise_are_refused_at_start(
         connector.split_kv(torch.zeros(4, 5, 16, 128), "FLASH_ATTN", 3, 64)
 
 
-@pytest.mark.parametrize("backend", ["B12X", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN", ""])
+@pytest.mark.parametrize("backend", ["B12X", "ROCM_ATTN", "ROCM_AITER_FA", "ROCM_AITER_UNIFIED_ATTN"])
 def test_a_cache_shaped_like_flash_attention_by_another_backend_is_refused(backend: str) -> None:
     # B12X keeps a page as [K heads | V heads]: for 2 KV heads [nb, 2, bs, 2*D], FlashAttention's
     # shape. Read by its shape, kvstore's K head 1 was the engine's V head 0
