@@ -331,8 +331,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             # compute them again: nobody will now, unless a running request holds them
             preempted = [self._tracked[rid] for rid in meta.preempted if rid in self._tracked]
             theirs = {b for p in preempted for b in p.block_ids}
-            running = {b for r in self._tracked.values() if _running(r.request) for b in r.block_ids}
-            if gone := (theirs & self._poison.blocks) - running:
+            if gone := (theirs & self._poison.blocks) - self._running_blocks():
                 self._uncache(gone)
         self._loads.clear()
         for rid in list(self._hits):  # asked again only if it goes back to waiting
@@ -399,7 +398,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # a block a running request holds is computed again by it (vLLM rolls it back): kept in
         # vLLM's prefix cache; one no running request holds (its loader aborted, or preempted: vLLM
         # freed its blocks) is dropped from there
-        held = {b for t in self._tracked.values() if _running(t.request) for b in t.block_ids}
+        held = self._running_blocks()
         self._poison.poison(invalid, held)
         for t in self._tracked.values():
             first = self._poison.failed(t.block_ids, invalid, held)
@@ -422,6 +421,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._dropped.append(rid)
         for _, block_ids in self._gone:
             self._poison.failed(block_ids, invalid, held)
+
+    def _running_blocks(self) -> set[int]:
+        """The vLLM blocks the running requests hold: vLLM rolls a running holder of a failed block
+        back to compute it again, so these stay in its prefix cache."""
+        return {b for t in self._tracked.values() if _running(t.request) for b in t.block_ids}
 
     def _uncache(self, block_ids: set[int]) -> None:
         """Drop ``block_ids`` from vLLM's prefix cache (their hashes; whoever holds them keeps them):
