@@ -115,7 +115,7 @@ _STORE_COUNTERS = (
         "kvstore_unencodable_blocks",
         "Blocks dropped on their way down a tier: its codec refused them (inf or NaN K/V)",
     ),
-    ("lookups", "kvstore_lookups", "Lookups and gets served by the store"),
+    ("lookups", "kvstore_lookups", "Lookups and gets served by the store (a long get: one a chunk)"),
     ("tokens_asked", "kvstore_tokens_asked", "Tokens (full blocks) asked for by lookups and gets"),
     ("tokens_matched", "kvstore_tokens_matched", "Tokens a lookup found cached"),
     ("tokens_served", "kvstore_tokens_served", "Tokens a get returned"),

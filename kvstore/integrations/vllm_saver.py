@@ -139,6 +139,12 @@ class Saver:
     def join(self, timeout: float = CLOSE_WAIT) -> None:
         self._thread.join(timeout)
 
+    def _count(self, counter: str) -> None:
+        """One more of ``counter``, under the lock: ``submit``, ``cancel`` and ``close`` count on
+        the engine's threads at the same time as this one."""
+        with self._cv:
+            setattr(self, counter, getattr(self, counter) + 1)
+
     def _guarded(self, req_id: str, paged: PagedKV) -> PagedKV:
         """``paged`` whose reads of vLLM's blocks say so (``_reading``), and stop once ``req_id`` was
         preempted (``_Cancelled``): what was read before goes on to the daemon, nothing after."""
@@ -174,7 +180,7 @@ class Saver:
                 if ready is not None:
                     ready.synchronize()
                 if not self._clients.available():
-                    self.failed_saves += 1
+                    self._count("failed_saves")
                     continue
                 client = self._clients.get(t.variant, "save")
                 # the daemon takes up to max_tokens_per_request token ids a call, and every block's
@@ -185,10 +191,8 @@ class Saver:
                     continue
                 began = time.monotonic()
                 r = client.put_from(t.tokens[:end], self._guarded(t.req_id, paged), t.session, start=start)
-                self.saved_blocks += r.stored
                 stored = end
                 if r.failed:
-                    self.failed_saves += 1
                     first = r.failed[0]
                     log.debug("kvstore refused blocks of %s: %s", t.req_id, first)
                     # its parent missing: what the lookup said was there is gone, send all again
@@ -197,14 +201,16 @@ class Saver:
                     )
                 with self._cv:
                     self._stored[t.req_id] = stored
+                    self.saved_blocks += r.stored
+                    self.failed_saves += bool(r.failed)
             except VariantRefused:
                 pass  # logged once by Clients
             except _Cancelled:
-                self.cancelled_saves += 1
+                self._count("cancelled_saves")
             except (ClientClosed, ClientsClosed):  # shutting down: the save is dropped, quietly
-                self.dropped_saves += 1
+                self._count("dropped_saves")
             except Exception as e:  # never the engine's problem: the blocks are simply not cached
-                self.failed_saves += 1
+                self._count("failed_saves")
                 # a save waits on a busy daemon up to its time-out: one that waited it out backs off
                 waited = began is not None and time.monotonic() - began >= self._clients.timeout
                 self._clients.failed(f"save of {t.req_id}", e, waited=waited)

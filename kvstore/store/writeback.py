@@ -260,11 +260,15 @@ class WriteBack:
             with self._lock:
                 self.writing.discard(key)
                 self._requeued.discard(key)
-                e = self._index.get(key)
-                if e is None or e.tiers & (1 << self._t) or e.pending is None or self._closed:
-                    self.deferred.pop(key, None)  # written, or nothing left to write (or to write it from)
+                if self._settled(key):
+                    self.deferred.pop(key, None)
                 if key not in self.deferred:
                     self._roomless.pop(key, None)
+
+    def _settled(self, key: bytes) -> bool:
+        """(Lock held.) Nothing is owed of ``key``: written, gone, or with nothing to write it from."""
+        e = self._index.get(key)
+        return e is None or bool(e.tiers & (1 << self._t)) or e.pending is None or self._closed
 
     def _write(self, key: bytes) -> None:
         t_n, nvme = self._t, self._nvme
@@ -380,6 +384,12 @@ class WriteBack:
         until written."""
         with self._lock:
             drops = self._drops()
+            # those nvme had no room for wait for a drop (not requeued): the ones gone meanwhile (an
+            # evict, their TTL) are owed no more, and must not keep the next no-room from being logged
+            idle = [k for k in self._roomless if k not in self.writing and k not in self._requeued]
+            for k in [k for k in idle if self._settled(k)]:
+                self.deferred.pop(k, None)
+                self._roomless.pop(k)
             keys = [
                 k
                 for k in self.deferred

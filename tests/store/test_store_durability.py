@@ -513,3 +513,38 @@ def test_a_disk_too_small_for_one_block_is_said_once_and_not_retried_every_tick(
     assert len(said) == 1 and "its frame is larger than an empty nvme of 1048576 bytes" in said[0]
     assert "raise [nvme] capacity" in said[0]
     s.close()
+
+
+def test_a_block_nvme_had_no_room_for_and_then_evicted_does_not_silence_the_next_no_room(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the blocks nvme had no room for wait for nvme to let go of something before they are tried
+    # again; evicted from memory meanwhile they were still owed, so the next block without room (of
+    # another conversation, long after) was not logged: "later ones are not logged" of a run long over
+    layout = KVLayout(num_layers=16, num_kv_heads=4, head_dim=128, dtype="bfloat16", block_tokens=64)
+    ns, nb = Namespace("m", layout), layout.block_nbytes
+    s = Store(
+        HbmTier(8 * nb, page_bytes=nb),
+        RamTier(4 * (nb + 8192), get_codec("raw"), page_bytes=nb + 8192, pin_memory=False),
+        NvmeTier(tmp_path / "lmdb", 1 << 20, get_codec("int4")),
+        tick=0.02,
+    )
+
+    def said(n: int) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if len([r for r in caplog.records if "no room for block" in r.getMessage()]) == n:
+                return True
+            time.sleep(0.02)
+        return False
+
+    with caplog.at_level(logging.WARNING, logger="kvstore.store"):
+        kv = torch.randn(layout.shape(64)).to(torch.bfloat16)
+        assert s.put(ns, list(range(64)), kv, session="a").stored == 1
+        assert said(1)
+        assert s.evict(EvictFilter(session="a")).blocks == 1
+        time.sleep(0.2)  # ticks: the evicted block is owed no more
+        assert s.stats().write_deferred == 0
+        assert s.put(ns, list(range(100, 164)), kv, session="b").stored == 1
+        assert said(2)
+    s.close()
