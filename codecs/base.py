@@ -147,10 +147,7 @@ class Codec(ABC):
             )  # a caller's bug: LayoutError, not FrameError
         mv = memoryview(frame).cast("B")[header.payload_offset : header.frame_len]
         if header.zstd:
-            try:
-                data: Buffer = self._decompressor().decompress(mv)
-            except zstandard.ZstdError as e:
-                raise ChecksumMismatch(f"zstd payload does not decompress: {e}") from e
+            data: Buffer = _inflate(self._decompressor(), mv, header.layout)
         else:
             data = mv
         on_host = (device is None or torch.device(device).type == "cpu") and (
@@ -309,3 +306,20 @@ class WideningCodec(Codec):
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise FrameError(f"{self.name} frame does not decode: {e}") from e
         return cast_block(wide, layout.torch_dtype, out)
+
+
+def _inflate(d: zstandard.ZstdDecompressor, mv: memoryview, layout: KVLayout) -> bytes:
+    """A zstd payload decompressed, within what a block of ``layout`` could need in any codec (twice
+    its raw size, and room for the codec's statistics): a frame whose payload says more, damaged or
+    forged under a sound checksum, is refused before memory for it is taken."""
+    most = 2 * layout.block_nbytes + (1 << 16)
+    try:
+        size = zstandard.frame_content_size(mv)
+    except zstandard.ZstdError as e:
+        raise ChecksumMismatch(f"zstd payload does not decompress: {e}") from e
+    if size > most:
+        raise FrameError(f"zstd payload inflates to {size} bytes; a block of its layout takes at most {most}")
+    try:
+        return d.decompress(mv, max_output_size=most)
+    except zstandard.ZstdError as e:
+        raise ChecksumMismatch(f"zstd payload does not decompress: {e}") from e

@@ -86,8 +86,12 @@ def fp8_check_scales(scales: torch.Tensor) -> float:
 
 
 def fp8_decode_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``codes`` ([G, n] uint8 E4M3) times ``scales`` ([G, 1] bfloat16), exactly, as a new float32 tensor."""
+    """``codes`` ([G, n] uint8 E4M3) times ``scales`` ([G, 1] bfloat16), exactly, as a new float32 tensor.
+    FrameError for a code that is E4M3's NaN (s1111111), which no encoder writes: cast, it is NaN;
+    through the bit pattern below, 480 (past the range an encoder clamps to), inf in float16."""
     hi_f = fp8_check_scales(scales)
+    if codes.numel() and int(codes.bitwise_or(0x80).max()) == 0xFF:  # 2 % of a decode's time
+        raise FrameError("fp8 frame holds E4M3's NaN code, which no encoder writes")
     s32 = scales.float()
     if hi_f * _BIAS >= torch.finfo(torch.float32).max:  # the multiplier would overflow
         return codes.view(torch.float8_e4m3fn).to(torch.float32) * s32
@@ -143,12 +147,13 @@ class Fp8Codec(WideningCodec):
         L, _, T, H, D = layout.shape()
         G = _groups(layout)
         scales = payload[: 2 * G].view(torch.bfloat16).view(G, 1)
+        if fp8_check_scales(scales) * FP8_MAX > _largest(layout):  # decoded, past the dtype: inf
+            raise FrameError(f"fp8 frame holds a scale larger than any of a {layout.dtype} block's")
         at = 2 * G + sum(KFix.nbytes(L, T, H, r))
         out = fp8_decode_groups(payload[at:].view(G, D), scales).view(layout.shape())
         if r:
-            KFix.from_payload(payload[2 * G : at], L, T, H, D, r).apply(
-                out[:, 0], _near_limit(layout, scales)
-            )
+            fix = KFix.from_payload(payload[2 * G : at], L, T, H, D, r)
+            fix.apply(out[:, 0], _near_limit(layout, scales, fix))
         return out
 
     def _decode_batch_f32(
@@ -180,10 +185,13 @@ class Fp8Codec(WideningCodec):
         for i, p in enumerate(payloads[:n]):
             buf[i, :size].copy_(p, non_blocking=True)
         scales = buf[:, : 2 * G].view(torch.bfloat16).float()  # [n, G]
-        bad = ~((scales > 0) & (scales < float("inf"))).all(1)  # NaN compares false: bad too
+        # NaN compares false: bad too; so is a scale whose values would pass the dtype (inf)
+        bad = ~((scales > 0) & (scales * FP8_MAX <= _largest(layout))).all(1)
         fix = KFix.from_batch(buf[:, 2 * G : at], L, T, H, r) if r else None
         if fix is not None:  # a channel past the head would be a scatter out of bounds
             bad |= ((fix.index < 0) | (fix.index >= D)).flatten(1).any(1)
+            k_scales = fix.scales.float()
+            bad |= ~((k_scales > 0) & (k_scales < float("inf"))).flatten(1).all(1)
         # E4M3's NaN (s1111111), which no encoder writes: a cast makes it NaN (the one-frame decode,
         # a bit pattern, a finite value); either way not a block to serve
         bad |= (buf[:, at:size] & 0x7F).eq(0x7F).any(1)
@@ -195,8 +203,8 @@ class Fp8Codec(WideningCodec):
         good = int(flags.to(torch.uint8).argmax()) if bool(flags.any()) else n
         if not good:
             raise FrameError(
-                "fp8 frame holds a scale that is not a positive finite number, "
-                "or corrects a K channel outside the head"
+                "fp8 frame holds a scale (or a K correction's) that is not a positive finite "
+                "number, or corrects a K channel outside the head"
             )
         good = min(good, checked)
         if fix is not None:  # a scatter: only rows whose indices were checked
@@ -226,11 +234,17 @@ def _largest(layout: KVLayout) -> float:
     return float(torch.finfo(layout.torch_dtype).max)
 
 
-def _near_limit(layout: KVLayout, scales: torch.Tensor) -> float | None:
+def _near_limit(layout: KVLayout, scales: torch.Tensor, fix: KFix | None = None) -> float | None:
     """The dtype's largest value when a group of the block may hold a value past half of it (its scale
-    x 448: the K corrections must be kept within it), else None (no correction can reach it)."""
+    x 448: the K corrections must be kept within it), or when a correction (``fix``) may reach it (an
+    encoder's never does: only a damaged frame's, decoded to inf else), else None."""
     largest = _largest(layout)
-    return largest if float(scales.amax()) * FP8_MAX * 2 >= largest else None
+    coarse = float(scales.amax()) * FP8_MAX
+    if coarse * 2 >= largest:
+        return largest
+    if fix is not None and coarse + float(fix.scales.amax()) * 127 >= largest:
+        return largest
+    return None
 
 
 def _groups(layout: KVLayout) -> int:

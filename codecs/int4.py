@@ -55,7 +55,15 @@ import torch
 
 from kvstore.codecs.base import Codec, expect_bytes
 from kvstore.codecs.rotation import bf16_matmul_fast, none_tiny, rotate, rotation_fits
-from kvstore.codecs.scales import check_frame_stats, divide, require_finite, round_up
+from kvstore.codecs.scales import (
+    check_frame_stats,
+    check_in_range,
+    check_scales_signed,
+    divide,
+    past_range,
+    require_finite,
+    round_up,
+)
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
 
@@ -194,12 +202,17 @@ class Int4Codec(Codec):
         out = torch.empty(layout.shape(), dtype=torch.float32 if via_float else dtype, device=payload.device)
         packed = payload[sizes.total - sizes.packed :]
         pos = 0
+        suspect = False  # a group that may decode past the dtype's range: the block is checked
         for i, (dim, size) in enumerate(g.specs()):
             gshape, sshape = _group_shapes(dims, dim, size)
             n_stats = math.prod(sshape) * layout.itemsize
             z = payload[pos : pos + n_stats].view(dtype).float().view(sshape)
             s = payload[pos + n_stats : pos + 2 * n_stats].view(dtype).float().view(sshape)
             pos += 2 * n_stats
+            check_scales_signed(s, "int4")
+            # a rotated group's values spread over the head once rotated back: up to sqrt(D) times
+            spread = math.sqrt(layout.head_dim) if g.rotate else 1.0
+            suspect = suspect or (not clamp and past_range((z.abs() + s * _HALF) * spread, dtype))
             nibbles = (packed & 15) if i == 0 else (packed >> 4)
             # z + (q - 7.5) s, in place in q: the centred code times a 16-bit scale is exact in float32
             # and cannot overflow (|q - 7.5| s <= 7.5 s, which the encoder kept finite), so the sum
@@ -217,7 +230,10 @@ class Int4Codec(Codec):
         if clamp:
             limit = torch.finfo(dtype).max
             out.clamp_(-limit, limit)
-        return out.to(dtype)
+        out = out.to(dtype)
+        if suspect:
+            check_in_range(out, dtype, "int4")
+        return out
 
 
 def _params_of_frame(params: dict[str, Any]) -> tuple[Int4Params, bool]:

@@ -71,8 +71,11 @@ class KFix:
         lo, hi = (int(v) for v in index.aminmax())
         if lo < 0 or hi >= D:
             raise FrameError(f"fp8 frame corrects K channel {hi if hi >= D else lo}, outside 0..{D - 1}")
+        scales = data[:a].view(torch.bfloat16)
+        if scales.numel() and not bool(((scales > 0) & (scales < float("inf"))).all()):
+            raise FrameError("fp8 frame holds a K correction scale that is not a positive finite number")
         return cls(
-            data[:a].view(torch.bfloat16).view(L, 1, H, r),
+            scales.view(L, 1, H, r),
             index,
             data[a + b :].view(torch.int8).view(L, T, H, r),
         )

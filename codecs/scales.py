@@ -53,6 +53,26 @@ def check_frame_stats(stats: torch.Tensor, codec: str) -> None:
         raise FrameError(f"{codec} frame holds a scale or offset that is not a finite number")
 
 
+def check_scales_signed(scales: torch.Tensor, codec: str) -> None:
+    """FrameError when a scale is negative: no encoder writes one (its steps go up from the minimum)."""
+    if bool((scales < 0).any()):
+        raise FrameError(f"{codec} frame holds a negative scale")
+
+
+def past_range(bound: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether some group's largest decodable magnitude ``bound`` passes ``dtype``'s range. A frame
+    an encoder wrote near the edge can (its codes were stepped back: none decodes past it); other
+    frames, damaged or forged under a sound checksum, would decode to inf: ``check_in_range``."""
+    return bool((bound > torch.finfo(dtype).max).any())
+
+
+def check_in_range(block: torch.Tensor, dtype: torch.dtype, codec: str) -> None:
+    """FrameError unless every value of the decoded ``block`` is within ``dtype``'s finite range."""
+    limit = torch.finfo(dtype).max
+    if not bool((block.abs() <= limit).all()):
+        raise FrameError(f"{codec} frame decodes to values past the range of {dtype} (inf)")
+
+
 def require_finite(stat: torch.Tensor, codec: str) -> None:
     """Raise CodecError unless every element of ``stat`` (a per-group max or min) is finite."""
     if not bool(torch.isfinite(stat).all()):
