@@ -77,6 +77,7 @@ else:  # pragma: no cover - Python 3.10 only
     import tomli as tomllib
 
 _SECRET = "***"  # what a secret (a password, a CURVE secret key) shows as in logs, errors and to_dict
+TTL_MOST = (36500 * 86400.0, "36500d")  # past it, "never" (a cluster's TTL in ms must fit 64 bits)
 _FIDELITY = ("int4", "fp8", "int8", "raw")  # nvme codecs, from the one that keeps least
 
 
@@ -345,7 +346,7 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "head_blocks": value.integer(0, 65536),
             "write_through": value.boolean,
             "admit": value.choice(*Admission),
-            "ttl": value.duration(never=True),
+            "ttl": value.duration(never=True, most=TTL_MOST),
             "durability": value.choice(*Durability),
             "enabled": value.boolean,
         },
@@ -360,11 +361,11 @@ _CHECKS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "password_env": value.optional(value.text),
             "codec": value.optional(value.choice("int4", "int8", "fp8", "raw")),
             "zstd": value.optional(value.integer(0, 22)),
-            "ttl": value.optional(value.duration(never=True)),
+            "ttl": value.optional(value.duration(never=True, most=TTL_MOST)),
             "timeout": value.duration(never=False, most=(3600.0, "1h")),
             "retry_after": value.duration(never=False, most=(86400.0, "1d")),
             "write_queue": value.integer(1, 2**24),
-            "prefix": value.text,
+            "prefix": value.key_prefix,
             "required": value.boolean,
             "tls_ca_file": value.optional(value.path),
             "tls_cert_file": value.optional(value.path),
@@ -423,6 +424,12 @@ def _read_file(path: Path, values: dict[str, dict[str, Any]], named_by: str) -> 
             f"config file {path} is not valid TOML: not UTF-8 text ({e.reason} at byte {e.start})"
         ) from None
     for section, table in doc.items():
+        if section not in _CHECKS and not isinstance(table, dict):  # a key before any [section]
+            homes = [f"[{s}]" for s, (_, checks) in _CHECKS.items() if section in checks]
+            where = (
+                f"it belongs under {' or '.join(homes)}" if homes else f"sections are {', '.join(_CHECKS)}"
+            )
+            raise ConfigError(f"{path}: {section!r} is set outside any section; {where}")
         if section not in _CHECKS:
             hint = _suggest(section, list(_CHECKS))
             raise ConfigError(f"{path}: unknown section [{section}]{hint}; sections are {', '.join(_CHECKS)}")
@@ -477,6 +484,12 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         source = value.expand_home(path).absolute()
         _read_file(source, values, named_by)
     _read_env(env, values)
+    cluster = values["cluster"]
+    if cluster.get("password") is not None and cluster.get("password_env") is not None:
+        raise ConfigError(
+            "[cluster] password and password_env are both set: give the password, or the name of the "
+            "environment variable that holds it, not both"
+        )
     values["server"].setdefault("endpoint", default_endpoint(env))
     values["nvme"].setdefault("path", default_data_dir(env))
     sections = {s: cls(**values[s]) for s, (cls, _) in _CHECKS.items()}

@@ -66,11 +66,11 @@ def size(lo: int) -> Callable[[Any], int]:
             n = parse_size(v)
         except ConfigError as e:
             raise Invalid(
-                f"a size of at least {lo} bytes, like '512MiB' or '8GiB' (units B, KiB, MiB, GiB, TiB; "
+                f"a size of at least {_bytes(lo)}, like '512MiB' or '8GiB' (units B, KiB, MiB, GiB, TiB; "
                 "KB, MB, GB, TB decimal)"
             ) from e
         if n < lo:
-            raise Invalid(f"a size of at least {lo} bytes, like '512MiB' or '8GiB'")
+            raise Invalid(f"a size of at least {_bytes(lo)}, like '512MiB' or '8GiB'")
         if n > MAX_SIZE:
             raise Invalid(f"a size of at most {MAX_SIZE >> 40}TiB")
         return n
@@ -207,6 +207,14 @@ def text(v: Any) -> str:
     return v.strip()
 
 
+def key_prefix(v: Any) -> str:
+    """A Redis key prefix: text without braces (a {hash tag} in it would put every key on one node)."""
+    out = text(v)
+    if "{" in out or "}" in out:
+        raise Invalid("a non-empty string without { or } (a Redis hash tag puts every key on one node)")
+    return out
+
+
 def pin(v: Any) -> bool | None:
     if isinstance(v, str) and v.strip().lower() == "auto":
         return None
@@ -272,3 +280,7 @@ def expand_home(p: str | Path) -> Path:
     except RuntimeError:
         head = str(p).split("/", 1)[0]
         raise ConfigError(f"the home directory of {head!r} in {str(p)!r} is not known on this host") from None
+
+
+def _bytes(n: int) -> str:
+    return "1 byte" if n == 1 else f"{n} bytes"

@@ -308,6 +308,11 @@ def test_env_uses_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None
         # a lease or a time-out that never ends in practice: pins never lapsed
         ("policy", "pin_lease", "1e+300", "at most 1d"),
         ("cluster", "timeout", '"2d"', "at most 1h"),
+        # a TTL past 64 bits of milliseconds: every write to the cluster failed, the tier went down
+        ("cluster", "ttl", "1e+16", "at most 36500d"),
+        ("nvme", "ttl", "1e+16", "at most 36500d"),
+        # a {hash tag} puts every key of every host on one node of the cluster
+        ("cluster", "prefix", '"{kv}"', "without { or }"),
         ("cluster", "retry_after", '"30d"', "at most 1d"),
         ("policy", "write_queue", "0", "integer from 1"),
         ("policy", "page_bytes", "16", "at least 256"),
@@ -344,7 +349,7 @@ def test_unknown_key_is_an_error_with_a_suggestion(tmp_path: Path) -> None:
 def test_unknown_section_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown section \[nvm\] \(did you mean 'nvme'\?\)"):
         load_config(write(tmp_path, "[nvm]\npath = 'x'\n"), env={})
-    with pytest.raises(ConfigError, match="unknown section"):
+    with pytest.raises(ConfigError, match="outside any section"):
         load_config(write(tmp_path, "workers = 4\n"), env={})
 
 
@@ -566,3 +571,23 @@ def test_a_missing_file_is_named_by_where_it_came_from(tmp_path: Path) -> None:
         load_config(env={"KVSTORE_CONFIG": str(tmp_path / "nope.toml")})
     with pytest.raises(ConfigError, match=r"does not exist; give an existing file to --config"):
         load_config(tmp_path / "nope.toml", env={})
+
+
+def test_a_key_outside_any_section_says_where_it_belongs(tmp_path: Path) -> None:
+    # "workers = 4" before any [section] was "unknown section [workers]"
+    with pytest.raises(
+        ConfigError, match=r"'workers' is set outside any section; it belongs under \[server\]"
+    ):
+        load_config(write(tmp_path, "workers = 4\n"), env={})
+    with pytest.raises(ConfigError, match="'colour' is set outside any section; sections are server"):
+        load_config(write(tmp_path, 'colour = "red"\n'), env={})
+
+
+def test_a_cluster_password_and_its_environment_variable_are_not_both_taken(tmp_path: Path) -> None:
+    # both were accepted, and the variable silently ignored
+    path = write(tmp_path, '[cluster]\npassword = "x"\npassword_env = "REDIS_PASSWORD"\n')
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(path, env={"REDIS_PASSWORD": "y"})
+    path = write(tmp_path, '[cluster]\npassword = "x"\n')
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(path, env={"KVSTORE_CLUSTER_PASSWORD_ENV": "REDIS_PASSWORD"})

@@ -44,7 +44,14 @@ from typing import Any
 import msgpack
 
 from kvstore.codecs import Codec
-from kvstore.tiers.cluster_client import ClusterUnavailable, by_node, open_client, out_of_memory, reason
+from kvstore.tiers.cluster_client import (
+    ClusterUnavailable,
+    by_node,
+    open_client,
+    out_of_memory,
+    reason,
+    wrong_type,
+)
 from kvstore.tiers.cluster_format import RECORD_READ, SESSION_VERSION, ClusterNodes, record_span, session_of
 from kvstore.tiers.cluster_values import Received
 
@@ -56,8 +63,8 @@ class ClusterCounters:
     """What the cluster tier did since start (``stats`` and the metrics)."""
 
     written: int = 0  # blocks stored
-    write_dropped: int = 0  # blocks not written: the write queue was full, or the cluster was down
-    session_dropped: int = 0  # session records not written: too many waiting, or the cluster was down
+    write_dropped: int = 0  # blocks not written: the write queue was full, the cluster down, or inf/NaN
+    session_dropped: int = 0  # session records not written: too many waiting, the cluster down or full
     write_refused: int = 0  # refused by the cluster (maxmemory)
     hits: int = 0  # blocks served from the cluster
     misses: int = 0  # blocks asked for and not there
@@ -370,20 +377,40 @@ class ClusterTier:
         """``op`` on every key in one round trip: reads straight to the nodes (``by_node``, ``tails`` for
         its values), anything else (and reads a node redirected) through redis-py's cluster pipeline."""
         read = _READS.get(op)
+        answers = None
         if read is not None:
             answers = by_node(
                 client, [read(self.block_key(k), **kw) for k in keys], values=op in _VALUES, tails=tails
             )
-            if answers is not None:
-                return answers
-        pipe = client.pipeline(transaction=False)
-        for k in keys:
-            getattr(pipe, op)(self.block_key(k), **kw)
-        results = list(pipe.execute(raise_on_error=False))
+        if answers is None:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                getattr(pipe, op)(self.block_key(k), **kw)
+            answers = list(pipe.execute(raise_on_error=False))
+        results: list[Any] = answers
+        wrong = [i for i, r in enumerate(results) if wrong_type(r)]
+        if wrong:  # a value of another type under a block's key (not one kvstore wrote): damaged,
+            self._drop_foreign(client, [keys[i] for i in wrong])  # deleted, and a miss; the rest
+            for i in wrong:  # of the answer stands (an outage for it would take every host down)
+                results[i] = None
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:  # a node of the slot is down or moving: the whole answer is not to be trusted
             raise errors[0]
         return results
+
+    def _drop_foreign(self, client: Any, keys: Sequence[bytes]) -> None:
+        """Delete the values of another type found under ``keys`` (counted damaged), as far as the
+        cluster lets: one that stays is found again, a miss again."""
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.delete(self.block_key(k))
+        pipe.execute(raise_on_error=False)
+        self.count(corrupt=len(keys))
+        log.warning(
+            "the cluster held %d values of another type under block keys (the first: %s): deleted",
+            len(keys),
+            self.block_key(keys[0]),
+        )
 
     def count(self, **changes: int) -> None:
         with self._lock:
@@ -405,7 +432,7 @@ class ClusterTier:
 
     def put_session(self, name: str, info: dict[str, Any]) -> bool:
         """Record a session (its namespace, token ids or block keys); False when the cluster refused
-        it for memory (counted in ``write_refused``), or holds a record of the name whose namespace is
+        it for memory (the caller counts it in ``session_dropped``), or holds a record of the name whose namespace is
         another tenant's (a conversation another host stored: a host refuses a put that continues
         another tenant's session, and the cluster keeps the first one's record alike; one read more
         per write). ClusterUnavailable on an outage. Members of expired records leave the sorted set
@@ -440,16 +467,14 @@ class ClusterTier:
                     name,
                 )
             return False
-        if any(out_of_memory(r) for r in results):  # the cluster is full: refused, not an outage
-            with self._lock:
-                self.counters.write_refused += 1
-            return False
-        return True
+        # the cluster is full: refused, not an outage (counted by the caller, as a session record
+        # not written: write_refused counts blocks)
+        return not any(out_of_memory(r) for r in results)
 
     def refresh_sessions(self, names: Sequence[str]) -> None:
         """Set the TTL of the records of sessions ``names`` anew (absent ones are left absent), and
         their expiry in the sorted set with it. A cluster at its maxmemory refuses the sorted set's
-        update (counted in ``write_refused``; the records' TTL is set all the same): not an outage.
+        update (the records' TTL is set all the same; no block was refused): not an outage.
         ClusterUnavailable on an outage."""
         px = _px(self.ttl)
         if not names or px is None:
@@ -467,9 +492,8 @@ class ClusterTier:
                 pipe = c.pipeline(transaction=False)
                 pipe.zadd(self.sessions_key(), dict.fromkeys(live, expires), xx=True)
                 (result,) = pipe.execute(raise_on_error=False)
-                if out_of_memory(result):  # even ZADD XX: refused, and counted, as a write
-                    with self._lock:
-                        self.counters.write_refused += 1
+                if out_of_memory(result):  # even ZADD XX: refused (the records' TTL is set: their
+                    pass  # expiry in the set is older, and they leave it late; no block was refused)
                 elif isinstance(result, Exception):  # a node down or moving: as any failed call
                     raise result
 

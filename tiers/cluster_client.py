@@ -128,17 +128,20 @@ def by_node(
                 reader = ValueReader(sock)
                 for i in indices:
                     answer = reader.reply(tails[i] if i < len(tails) else None)
-                    if isinstance(answer, ResponseError):
+                    if isinstance(answer, ResponseError) and redirected(answer):
                         moved = True
                     else:
-                        out[i] = answer
+                        out[i] = answer  # another error (WRONGTYPE): the caller's to judge
                 reader.finish()
                 continue
             for i in indices:  # every answer is read, errors too: the connection stays in step
                 try:
                     out[i] = conn.read_response()
-                except ResponseError:
-                    moved = True
+                except ResponseError as err:
+                    if redirected(err):
+                        moved = True
+                    else:
+                        out[i] = err
     except BaseException:
         for _, conn, _ in taken:  # answers may be left unread on them
             conn.disconnect()
@@ -147,6 +150,22 @@ def by_node(
         for pool, conn, _ in taken:
             pool.release(conn)
     return None if moved else out
+
+
+def redirected(err: Exception) -> bool:
+    """Whether an error answer says to ask elsewhere or later (a slot moved or moving, a node not
+    ready): asked again through redis-py, which follows these. Other errors answer the command."""
+    from redis.exceptions import AskError, ClusterDownError, MasterDownError, MovedError, TryAgainError
+
+    if isinstance(err, (AskError, ClusterDownError, MasterDownError, MovedError, TryAgainError)):
+        return True
+    word = str(err).split(" ", 1)[0]
+    return word in ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "LOADING")
+
+
+def wrong_type(answer: Any) -> bool:
+    """Whether ``answer`` is Redis's refusal to read a key holding another type (not a string)."""
+    return isinstance(answer, Exception) and str(answer).startswith("WRONGTYPE")
 
 
 def _connection_kwargs(nodes: ClusterNodes, timeout: float) -> dict[str, Any]:

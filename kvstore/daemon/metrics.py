@@ -348,14 +348,14 @@ _CLUSTER_COUNTERS = (
     (
         "write_dropped",
         "kvstore_cluster_dropped_blocks",
-        "Blocks not written to the cluster: its queue was full or it was down (local tiers keep them)",
+        "Blocks not written to the cluster: its queue was full, it was down, or its codec refused inf/NaN",
     ),
     (
         "session_dropped",
         "kvstore_cluster_dropped_sessions",
-        "Session records not written to the cluster: too many were waiting, or it was down",
+        "Session records not written to the cluster: too many were waiting, or it was down or full",
     ),
-    ("write_refused", "kvstore_cluster_refused_blocks", "Writes the cluster refused for memory (maxmemory)"),
+    ("write_refused", "kvstore_cluster_refused_blocks", "Blocks the cluster refused for memory (maxmemory)"),
     (
         "errors",
         "kvstore_cluster_errors",

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvstore.codecs import read_header
 from kvstore.codecs.frame import Buffer
-from kvstore.errors import FrameError, KVStoreError
+from kvstore.errors import CodecError, FrameError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
 from kvstore.results import PutResult
@@ -74,6 +74,7 @@ class ClusterLink:
         self._sessions = parts.sessions
         self._put, self._offer = put, offer
         self.cluster = cluster
+        self._unencodable_logged = False
         self._unsent_lock = threading.Lock()  # guards the two below
         self._unsent: dict[bytes, None] = {}  # blocks dropped and not sent since (oldest first)
         self._resent: set[bytes] = set()  # blocks of _unsent queued again (their drop was counted)
@@ -90,6 +91,9 @@ class ClusterLink:
         # there since was lost by it (_write_again), one not yet written is on its way
         self._there: OrderedDict[bytes, None] = OrderedDict()
         self._refresh_due: OrderedDict[bytes, None] = OrderedDict()
+        # blocks a put found held here that are not known to be in the cluster (a restart forgot what
+        # was sent, and what an outage kept from it): asked about on the cluster thread (``_verify``)
+        self._unknown: OrderedDict[bytes, None] = OrderedDict()
         self._records_due: dict[str, None] = {}  # sessions whose record's TTL is due (see _touch_records)
         self._records_refreshed: OrderedDict[str, float] = OrderedDict()  # when each was last due
 
@@ -104,6 +108,7 @@ class ClusterLink:
         the blocks after it would be unreachable in the cluster."""
         keys = new
         again: set[bytes] = set()
+        self._check_held(new, touched)
         if self._unsent and touched:  # (cheap while nothing was dropped: a put costs no more than before)
             chain = self._ancestors(touched[0]) + list(touched)
             with self._unsent_lock:
@@ -122,6 +127,54 @@ class ClusterLink:
         refused = self._writer.submit(keys, 0.0)
         if refused:
             self._dropped(refused, again)
+
+    def _check_held(self, new: list[bytes], touched: Sequence[bytes]) -> None:
+        """Blocks of a put found held here (``touched`` less ``new``) whose presence in the cluster
+        this process does not know: queued for ``_verify``. After a restart every block is such a
+        block once: the blocks an outage kept from the cluster before it would else never go (no put
+        sends a block it holds), and other hosts miss the conversation from the first of them."""
+        fresh = set(new)
+        with self._unsent_lock:
+            idle = not self._unknown
+            for k in touched:
+                if k not in fresh and k not in self._there and k not in self._unsent:
+                    self._unknown[k] = None
+            while len(self._unknown) > UNSENT_LIMIT:  # the oldest are asked about at a later put
+                self._unknown.popitem(last=False)
+            waiting = bool(self._unknown)
+        if idle and waiting:
+            self._writer.run_soon(self._verify)
+
+    def _verify(self) -> None:
+        """(The cluster thread.) Ask the cluster which of the blocks ``_check_held`` queued it holds:
+        those it holds are known from now on, those it lacks are written (held here still, and not on
+        their way already)."""
+        while True:
+            with self._unsent_lock:
+                batch = list(islice(self._unknown, REFRESH_BATCH))
+                for k in batch:
+                    del self._unknown[k]
+            if not batch:
+                return
+            try:
+                found = self.cluster.exists(batch)
+            except ClusterUnavailable:  # asked again at a later put of them
+                return
+            queued = self._writer.queued()  # none is being written: this is the writer's thread
+            with self._unsent_lock:
+                for k, there in zip(batch, found, strict=True):
+                    if there:
+                        self._there[k] = None
+                        self._there.move_to_end(k)
+                while len(self._there) > REFRESH_MEMORY:
+                    self._there.popitem(last=False)
+            absent = [k for k, there in zip(batch, found, strict=True) if not there and k not in queued]
+            with self._lock:
+                held = [k for k in absent if self._index.get(k) is not None]
+            if held:
+                refused = self._writer.submit(held, 0.0)
+                if refused:
+                    self._dropped(refused)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Blocks served from this host's tiers: their cluster copies' TTL is set anew on the cluster
@@ -169,6 +222,32 @@ class ClusterLink:
             self._records_due.update(dict.fromkeys(due))
         if due:
             self._writer.run_soon(self._refresh)
+
+    def _unencodable(self, key: bytes, err: CodecError) -> None:
+        """(The cluster thread.) Block ``key`` cannot go to the cluster (its codec refuses what the
+        block holds): counted as dropped, logged the first time; the blocks after it are written
+        all the same, and other hosts reach none of them (lookups are prefix-closed)."""
+        if not self._unencodable_logged:
+            self._unencodable_logged = True
+            log.warning(
+                "block %s cannot be written to the cluster (%s): it and the blocks after it are this "
+                "host's only (later ones are counted in write_dropped, not logged)",
+                key.hex()[:16],
+                err,
+            )
+        self.cluster.count(write_dropped=1)
+
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """``keys``' cluster copies are deleted on purpose (an operator's evict): not lost, so this
+        host writes none of them again (``_write_again``), nor sends those it had not sent yet."""
+        with self._unsent_lock:
+            for k in keys:
+                self._there.pop(k, None)
+                self._refreshed.pop(k, None)
+                self._refresh_due.pop(k, None)
+                self._unknown.pop(k, None)
+                self._unsent.pop(k, None)
+                self._resent.discard(k)
 
     def _set(self, keys: Sequence[bytes]) -> None:
         """``keys``' cluster copies have their TTL from now (written, or read with GETEX)."""
@@ -330,7 +409,12 @@ class ClusterLink:
                 break
             except KeyError:
                 continue
-            except (FrameError, KVStoreError):  # damaged or recordless: the local read path deals with it
+            except FrameError:  # damaged: the local read path deals with it
+                return
+            except CodecError as err:  # inf or NaN in the block: the cluster's codec cannot encode it
+                self._unencodable(key, err)
+                return
+            except KVStoreError:  # recordless: the local read path deals with it
                 return
         else:
             return

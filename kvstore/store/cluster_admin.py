@@ -53,6 +53,7 @@ class ClusterAdmin:
         self._on_disk = parts.on_disk
         self.cluster = link.cluster
         self.status = link.status  # the tier's state and counters, and the write queue
+        self._forget = link.forget  # copies an operator deleted: not this host's to write again
         self._journal = journal
         self._get = get
 
@@ -135,7 +136,9 @@ class ClusterAdmin:
                 values = self.cluster.records(theirs)  # the records alone, not the frames
                 for k, v in zip(theirs, values, strict=True):
                     rec = None if v is None else record_of(k, v)
-                    if rec is not None and rec.sessions[:1] == (session,):
+                    # its own, or stored untagged and claimed by the session since (a put of a block
+                    # the cluster holds writes no new record): the session's, as it is on its host
+                    if rec is not None and rec.sessions[:1] in ((session,), ()):
                         keys.append(k)
                 keys = list(dict.fromkeys(keys))
                 kept = others | continued(keys, session)
@@ -143,6 +146,7 @@ class ClusterAdmin:
             keys = list(dict.fromkeys(keys))
             present = [k for k, there in zip(keys, self.cluster.exists(keys), strict=True) if there]
             if not dry_run:
+                self._forget(present)
                 self.cluster.count(deleted=self.cluster.delete(present))
                 if session is not None and not foreign and within is None:
                     self.cluster.drop_session(session)
@@ -202,7 +206,7 @@ class ClusterAdmin:
             failed=failed,
             start_block=start_block,
             blocks=len(keys),
-            remaining=0 if failed else len(keys) - end,
+            remaining=0 if failed else max(0, len(keys) - end),  # start_block past the end: none
             bytes_moved=moved * ns.layout.block_nbytes,
         )
 

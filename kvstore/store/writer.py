@@ -90,6 +90,12 @@ class WriteThrough:
                 self._cv.notify_all()
         return []
 
+    def queued(self) -> set[bytes]:
+        """The keys waiting to be written (on the writer thread, between two of its runs: all not
+        written yet)."""
+        with self._cv:
+            return {k for _, k in self._keys}
+
     def run_soon(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the writer thread (small bookkeeping: session and namespace records)."""
         with self._cv:

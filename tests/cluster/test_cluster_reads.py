@@ -199,3 +199,21 @@ def test_outs_over_one_another_get_nothing_received_into_them(host: HostFactory,
     one = places(1)[0]
     r = b.get(NS, toks, out=[one, one])
     assert r.matched_blocks == 2 and placed == [] and b.stats().cluster["corrupt"] == 0  # type: ignore[index]
+
+
+@pytest.mark.parametrize("into_places", [True, False])
+def test_a_value_of_another_type_under_a_block_key_is_a_damaged_block_not_an_outage(
+    rc: LocalCluster, host: HostFactory, into_places: bool
+) -> None:
+    # a hash under block 2's key (another program's, an operator's typo): its GETEX answered WRONGTYPE,
+    # which took the whole tier down on every host reading the prefix, again after each reconnect,
+    # and the blocks before it were not served either
+    b, toks, x = stored_by_a(host, 4, seed=11)
+    node, name = stored(rc, b, block_keys(NS, toks)[2])
+    node.delete(name)
+    node.hset(name, "f", "v")
+    r = b.get(NS, toks, out=places(4)) if into_places else b.get(NS, toks)
+    assert r.matched_blocks == 2 and r.tiers == ["cluster"] * 2
+    cl = b.stats().cluster
+    assert cl["state"] == "up" and cl["corrupt"] == 1  # type: ignore[index]
+    assert node.exists(name) == 0  # deleted as a damaged value is
