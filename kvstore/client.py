@@ -398,7 +398,8 @@ class KVStoreClient:
             return done
 
     def put(self, token_ids: TokenInput | Chain, kv: torch.Tensor, session: str | None = None) -> PutResult:
-        """Store the full blocks of ``token_ids`` whose K/V ``kv`` (``[L, 2, T, H, D]``, T >= their tokens) holds.
+        """Store the full blocks of ``token_ids`` whose K/V ``kv`` (``[L, 2, T, H, D]``) holds: T covers
+        every full block of them (LayoutError else), the tokens past the last full block may be absent.
 
         Returns how many blocks were stored, were already present, and which
         failed and why (block index, code, message). A trailing partial block is
@@ -408,7 +409,12 @@ class KVStoreClient:
         layout, T = ns.layout, ns.layout.block_tokens
         names = as_chain(token_ids)
         layout.check_tensor(kv)
-        total = min(names.blocks(T), kv.shape[2] // T)
+        if kv.shape[2] // T < names.blocks(T):  # the blocks past it would go unstored, unsaid
+            raise LayoutError(
+                f"kv holds {kv.shape[2]} tokens, fewer than the {names.blocks(T) * T} of the full "
+                f"blocks the {names.tokens_named(T)} token ids name: pass the ids of the tokens kv holds"
+            )
+        total = names.blocks(T)
         if total == 0:
             return PutResult(0, 0, [])
         with self._lock:

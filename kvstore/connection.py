@@ -369,7 +369,10 @@ class Connection:
                 if cause is not None:
                     raise cause
                 if self.curve:
-                    hint = " (and does its curve_allowed_keys list this client's public key?)"
+                    hint = (  # a CURVE handshake that fails is dropped unanswered, either way
+                        " (and does its curve_allowed_keys list this client's public key, and is "
+                        "KVSTORE_CURVE_SERVER_KEY the daemon's public key?)"
+                    )
                 elif self.endpoint.startswith("tcp://"):  # a CURVE daemon drops a plain client unanswered
                     hint = (
                         " (a daemon on tcp:// with CURVE answers only clients with keys: set "

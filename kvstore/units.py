@@ -80,3 +80,18 @@ def parse_duration(text: str | int | float) -> float:
             f"duration {text!r} is not a duration; write e.g. '500ms', '30s', '15m', '2h', '7d' or '1h30m'"
         )
     return sum(float(n) * _DURATION_UNITS[u or "s"] for n, u in parts)
+
+
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(n: int | float | None) -> str:
+    """``1536 -> "1.5 KiB"``, ``512 -> "512 B"``; binary units, three significant digits."""
+    if n is None:
+        return "-"
+    value, unit = float(n), 0
+    while abs(value) >= 1024 and unit < len(_BINARY) - 1:
+        value, unit = value / 1024, unit + 1
+    if unit == 0:
+        return f"{int(n)} B"
+    return f"{value:.1f} {_BINARY[unit]}" if abs(value) < 100 else f"{value:.0f} {_BINARY[unit]}"

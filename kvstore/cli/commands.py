@@ -65,8 +65,8 @@ def resolve_endpoint(args: argparse.Namespace) -> str:
     if args.endpoint:
         if args.config is not None:  # named, so read: a file that is wrong is said so, not skipped
             load_config(args.config)
-        return check_connect_endpoint(str(args.endpoint))
-    return check_connect_endpoint(load_config(args.config).server.endpoint)
+        return _not_inproc(check_connect_endpoint(str(args.endpoint)))
+    return _not_inproc(check_connect_endpoint(load_config(args.config).server.endpoint))
 
 
 def check_reachable(endpoint: str) -> None:
@@ -127,10 +127,22 @@ def _emit(args: argparse.Namespace, data: Any, render: Callable[[Any], str], out
     out.write(text + "\n")
 
 
+def _not_inproc(endpoint: str) -> str:
+    """``endpoint``, unless it is inproc://: a name within one process, and a daemon run by the CLI
+    and every other command of it run each in a process of their own (UsageError)."""
+    if endpoint.strip().startswith("inproc://"):
+        raise UsageError(
+            f"endpoint {endpoint!r} reaches only clients in the daemon's own process, and a command of "
+            "the CLI runs in its own: give the daemon an ipc:// or tcp:// endpoint"
+        )
+    return endpoint
+
+
 def cmd_serve(args: argparse.Namespace, out: IO[str]) -> int:
     config = load_config(args.config)
     if args.endpoint:
         config = with_overrides(config, "server", endpoint=args.endpoint)
+    _not_inproc(config.server.endpoint)
     from kvstore.daemon.process import report_crashes, serve
 
     report_crashes()
@@ -328,7 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.write(f"kvstore: {e} (a command's: --timeout DURATION)\n")
         return EXIT_USAGE
     except TimeoutError as e:  # RequestTimeout: a socket file (stale, or a hung daemon) but no answer
-        err.write(f"kvstore: {getattr(e, 'message', e)} If it is not, {START_HINT}\n")
+        said = str(getattr(e, "message", e))
+        hint = "" if "kvstore serve" in said else f" If it is not, {START_HINT}"  # said once
+        err.write(f"kvstore: {said}{hint}\n")
         return EXIT_USAGE
     except KVStoreError as e:
         err.write(f"kvstore: {e}\n")

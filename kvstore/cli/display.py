@@ -13,20 +13,9 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+from kvstore.units import format_bytes
+
 TIERS = ("hbm", "ram", "nvme")
-
-
-def format_bytes(n: int | float | None) -> str:
-    """``1536 -> "1.5 KiB"``, ``512 -> "512 B"``; binary units, three significant digits."""
-    if n is None:
-        return "-"
-    value, unit = float(n), 0
-    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
-        value, unit = value / 1024, unit + 1
-    if unit == 0:
-        return f"{int(n)} B"
-    return f"{value:.1f} {_UNITS[unit]}" if abs(value) < 100 else f"{value:.0f} {_UNITS[unit]}"
 
 
 def format_duration(seconds: float | None) -> str:
@@ -212,7 +201,7 @@ def _shm_line(shm: Any) -> str:
     return (
         f"shared memory: {shm.get('directory', '?')}, {format_count(len(shm.get('segments') or []))} segments; "
         f"staging {format_bytes(shm.get('staging_used'))} in use of {format_bytes(shm.get('staging_bytes'))} "
-        f"({format_count(shm.get('staging_clients'))} clients); leases {format_count(shm.get('leases'))}, "
+        f"({_plural(shm.get('staging_clients'), 'client')}); leases {format_count(shm.get('leases'))}, "
         f"lapsed {format_count(shm.get('lapsed'))}"
     )
 
@@ -280,8 +269,11 @@ def render_prefix(data: Mapping[str, Any]) -> str:
         f"namespace {_name(data, 'namespace')}: {format_count(data.get('matched_tokens'))} of "
         f"{format_count(data.get('tokens'))} tokens stored in {len(blocks)} blocks"
     )
-    if not blocks:
-        return head
+    if not blocks:  # a model, revision, tenant or layout other than the engine's names no block of it
+        return (
+            f"{head}\n(a namespace is model, revision, tenant and layout together: each must be the one "
+            "the engine stored with; `kvstore inspect` lists the stored sessions with their models)"
+        )
     rows = [[format_count(b.get("position")), str(b.get("key", ""))[:16], b.get("tier", "-")] for b in blocks]
     return "\n".join([head, "", table(["block", "key", "tier"], rows, align="rll")])
 
@@ -344,3 +336,8 @@ def render_prefetch(result: Mapping[str, Any]) -> str:
             f"; {format_bytes(nbytes)} moved in {format_seconds(seconds)} ({format_rate(nbytes, seconds)})"
         )
     return text
+
+
+def _plural(n: Any, noun: str) -> str:
+    """``1 client``, ``3 clients``, ``- clients`` (unknown)."""
+    return f"{format_count(n)} {noun}" + ("" if n == 1 else "s")

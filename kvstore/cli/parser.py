@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="Tiered KV-cache store for LLM inference: run and operate the daemon.",
     )
+    from kvstore import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvstore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser(

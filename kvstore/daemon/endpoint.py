@@ -141,9 +141,13 @@ def secure_dir(directory: Path) -> None:
             f"({os.getuid()}); use a directory of your own"
         )
     if st.st_mode & 0o077:
+        # a folder others use too (/tmp, a home): not to be closed to them; one of the socket's own
+        # is created 0700 by the daemon
         raise UnsafeEndpoint(
-            f"socket directory {directory} has mode {oct(st.st_mode & 0o777)}; others could reach "
-            f"the socket. Run: chmod 700 {directory}"
+            f"socket directory {directory} has mode {oct(st.st_mode & 0o7777)}: others could reach "
+            f"the socket. Give the socket a folder of its own, which the daemon creates 0700 (e.g. "
+            f"ipc://{directory / 'kvstore'}/kvstore.sock), or close this folder to others if it is "
+            f"the socket's alone (chmod 700 {directory})"
         )
 
 

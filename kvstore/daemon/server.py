@@ -64,6 +64,7 @@ from kvstore.daemon.startup import Startup
 from kvstore.daemon.tenancy import admit
 from kvstore.daemon.zap import ZapHandler, peer_tenant
 from kvstore.errors import KVStoreError
+from kvstore.units import format_bytes
 from kvstore.wire.errors import RemoteProtocolError
 from kvstore.wire.messages import ErrorReply, Hello, Message, Ping, Pong
 from kvstore.wire.protocol import (
@@ -395,7 +396,7 @@ class Server:
             request = self.proto.receive(peer, frames, tenant=confined, received=received)
         except RemoteProtocolError as e:
             self.errors += 1
-            self.metrics.observe("invalid", time.perf_counter() - arrived, e.code)
+            self.metrics.observe(e.op or "invalid", time.perf_counter() - arrived, e.code)
             log.debug("rejected a request from %s: %s [%s]", peer.hex(), e.message, e.code)
             self._send(peer, self.proto.error(peer, e.request_id, e.code, e.message, done=False))
             return
@@ -440,31 +441,31 @@ class Server:
                 self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, denied)
                 self._send(peer, self.proto.reply(request, denied))
                 return
-        reply: Message | None
+        reply: Message
         if self._stop_reason is not None:
             reply = ErrorReply(code="shutting_down", message="the daemon is stopping; retry shortly")
         elif self.handlers is None:
             assert self.startup is not None
             reply = ErrorReply(code="starting", message=self.startup.message())
         elif isinstance(request.msg, Hello):
-            reply = None
+            # shared memory only for a client that asks, on this host's socket, not confined to a tenant
+            offer = self._offer if request.msg.shm and request.tenant is None and self.auth is None else None
+            reply = self.proto.welcome(request, shm=offer)
         elif isinstance(request.msg, Ping):
             reply = Pong(server=self.proto.server, pid=os.getpid(), time=time.time())
         else:
-            reply = self.handlers.try_inline(request)
-            if reply is None:  # to a worker, charged until its reply leaves (_forward), or busy
+            inline = self.handlers.try_inline(request)
+            if inline is not None:
+                reply = inline
+            else:  # to a worker, charged until its reply leaves (_forward), or busy
                 refusal = self.dispatch.take(peer, request, frames, arrived)
                 if refusal is None:
                     return
                 reply = ErrorReply(code="busy", message=refusal)  # the frames are let go right here
-        if reply is None:
-            assert isinstance(request.msg, Hello)
-            # shared memory only for a client that asks, on this host's socket, not confined to a tenant
-            offer = self._offer if request.msg.shm and request.tenant is None and self.auth is None else None
-            out = self.proto.hello(request, shm=offer)
-        else:
-            out = self.proto.reply(request, reply)
+        out = self.proto.reply(request, reply)
         self.metrics.observe_reply(request.msg.op, time.perf_counter() - arrived, reply)
+        if isinstance(reply, ErrorReply) and reply.code != "starting":  # a wait, not a failure:
+            self.errors += 1  # clients (and the CLI's readiness probe) ask again
         self._send(peer, out)  # a small reply: copying beats wrapping in zmq.Frames
 
     def _answer_broken(self, peer: bytes, frames: list, error: Exception) -> None:
@@ -529,16 +530,16 @@ class Server:
     def _log_start(self, metrics_url: str | None) -> None:
         cfg = self.config
         try:
-            tiers = {
-                name: f"{t.used}/{t.capacity} bytes, {t.blocks} blocks"
+            tiers = ", ".join(
+                f"{name} {format_bytes(t.used)} of {format_bytes(t.capacity)} ({t.blocks} blocks)"
                 for name, t in self._store_ref.stats().tiers.items()
-            }
+            )
         except Exception as e:  # logging must not stop the start
-            tiers = {"?": str(e)}
+            tiers = f"? ({e})"
         log.info(
-            "kvstore %s serving %s (pid %d, %d workers)",
-            PROTOCOL_VERSION,
+            "kvstore serving %s (protocol %s, pid %d, %d workers)",
             cfg.server.endpoint,
+            PROTOCOL_VERSION,
             os.getpid(),
             cfg.server.workers,
         )

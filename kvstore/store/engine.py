@@ -105,6 +105,7 @@ class Store:
         admit: Admission | str = Admission.ALWAYS,
         ttl: float = 7 * 86400.0,
         clock: Callable[[], float] = time.time,
+        lease_clock: Callable[[], float] | None = None,
         tick: float = 1.0,
         backpressure: float = 2.0,
         cluster: ClusterTier | None = None,
@@ -113,7 +114,9 @@ class Store:
         """On an nvme path that already holds blocks, the index, namespaces and sessions are
         rebuilt from it. ``admit``: see Admission. ``backpressure``: the longest a put waits for
         room in the write-through queue (see writer.py). ``cluster``: the shared tier below the
-        local ones (cluster.py), written through from a queue of ``cluster_queue`` blocks."""
+        local ones (cluster.py), written through from a queue of ``cluster_queue`` blocks.
+        ``clock``: wall-clock time (access times, the TTL); ``lease_clock``: what pins' leases run
+        on (default: monotonic; ``clock`` itself when one is given)."""
         try:
             self._admit = Admission(admit)
         except ValueError:
@@ -125,7 +128,11 @@ class Store:
         self._closing = False  # close's last flush runs: only blocks read from the cluster are stored
         self.tiers = TierSet(hbm, ram, nvme)
         self._index = BlockIndex(len(self.tiers))
-        self._pins = PinTable(clock)
+        # access times and the TTL are wall-clock times (kept on disk); leases run on a clock that
+        # never steps back (with the wall clock, a step back held every pin that much longer)
+        if lease_clock is None:
+            lease_clock = time.monotonic if clock is time.time else clock
+        self._pins = PinTable(lease_clock)
         self._namespaces = NamespaceTable()
         queue = 1024 if policy is None else policy.write_queue
         writer = None if nvme is None else WriteThrough(maxsize=queue, tick=tick)

@@ -152,8 +152,6 @@ class Putter:
         """(Lock held.) Store blocks ``c0 .. c1-1`` of ``job``; returns the keys stored new. On the
         first block that cannot be stored, ``job.failed`` names it and every block after it."""
         now = self._clock()
-        if self._namespaces.add(job.ns):
-            self._journal.namespace(job.ns)
         parent = self._index.get(job.tail) if job.tail is not None else None
         if job.tail is not None and parent is None:
             job.fail(
@@ -181,6 +179,8 @@ class Putter:
                 pending = Pending(job.base + i, *job.chain.identity(i, T)) if keeps_record else None
                 e = Entry(job.keys[i], parent, job.ns.id, job.tags, now, now, pending)
                 block = job.block(i)
+                if self._namespaces.add(job.ns):  # with its first block: a put refused keeps none
+                    self._journal.namespace(job.ns)
                 try:
                     stored = self._data.store_new(e, block, ready)
                 except KVStoreError as err:  # a tier failed while room was made (an LMDB delete, say)

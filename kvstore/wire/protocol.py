@@ -137,6 +137,14 @@ def _peek_id(frame: Buffer) -> int | None:
 _REQUEST_BOUNDS = {"max_map_len": 64, "max_str_len": 65536}
 
 
+def _not_msgpack(frame: Buffer, err: Exception) -> str:
+    """Why frame 0 was refused: msgpack's reason (some of its errors carry none: their type then),
+    and how the frame begins."""
+    why = str(err) or type(err).__name__
+    head = bytes(memoryview(frame).cast("B")[:16]).hex(" ")
+    return f"frame 0 is not valid msgpack ({why}); it begins {head or 'empty'}"
+
+
 def read_header(frame: Buffer, limit: int, max_list: int | None = None) -> tuple[dict[str, Any], int | None]:
     """Decode frame 0 into (fields, request id). Raises RemoteProtocolError (with the id when known).
 
@@ -154,7 +162,7 @@ def read_header(frame: Buffer, limit: int, max_list: int | None = None) -> tuple
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True, **bounds)
     except ValueError as e:
         if max_list is None or "exceeds max" not in str(e):
-            raise RemoteProtocolError("bad_message", f"frame 0 is not valid msgpack: {e}") from None
+            raise RemoteProtocolError("bad_message", _not_msgpack(frame, e)) from None
         if "max_array_len" in str(e):  # a request's only long list is its token ids
             raise RemoteProtocolError(
                 "too_many_tokens",
@@ -165,7 +173,7 @@ def read_header(frame: Buffer, limit: int, max_list: int | None = None) -> tuple
             "too_large", f"header holds more than a request takes ({e})", request_id=_peek_id(frame)
         ) from None
     except Exception as e:  # msgpack raises many types on garbage
-        raise RemoteProtocolError("bad_message", f"frame 0 is not valid msgpack: {e}") from None
+        raise RemoteProtocolError("bad_message", _not_msgpack(frame, e)) from None
     if not isinstance(header, dict):
         raise RemoteProtocolError(
             "bad_message", f"frame 0 must be a msgpack map, got {type(header).__name__}"
@@ -275,9 +283,10 @@ class ServerProtocol:
         if not frames:
             raise RemoteProtocolError("bad_message", "empty message")
         header, rid = read_header(frames[0], self.limits.max_header_bytes, self.limits.max_tokens)
-        if rid is None:
-            raise RemoteProtocolError("bad_header", "header has no request id")
+        op = header.pop("op", None)
         try:
+            if rid is None:
+                raise RemoteProtocolError("bad_header", "header has no request id")
             count, total = received if received is not None else (len(frames), sum(nbytes(f) for f in frames))
             if count > MAX_FRAMES:
                 raise RemoteProtocolError(
@@ -289,7 +298,6 @@ class ServerProtocol:
                     f"message is {total} bytes, over max_message_bytes "
                     f"{self.limits.max_message_bytes}; send smaller chunks",
                 )
-            op = header.pop("op", None)
             cls = REQUESTS.get(op) if isinstance(op, str) else None
             if cls is None:
                 raise RemoteProtocolError(
@@ -305,6 +313,7 @@ class ServerProtocol:
                 )
         except RemoteProtocolError as e:
             e.request_id = rid
+            e.op = op if isinstance(op, str) and op in REQUESTS else None
             raise
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
         return Request(peer, rid, msg, namespace)
@@ -373,18 +382,21 @@ class ServerProtocol:
         """Register the hello's namespace and return the reply frames (hello needs no worker).
 
         ``shm``: the shared-memory offer to make, when the client asked and may have it."""
+        return self.reply(request, self.welcome(request, shm))
+
+    def welcome(self, request: Request, shm: dict[str, Any] | None = None) -> HelloOk | ErrorReply:
+        """``hello``'s reply, not yet framed (the caller counts it, then frames it with ``reply``)."""
         assert isinstance(request.msg, Hello)
         ns = request.msg.namespace
         if ns.layout.block_nbytes > self.limits.max_message_bytes:
             # such a block could never be put, and a get of one would be charged more than the daemon
             # lets all requests hold (kvstore.daemon.budget): one client's misses would turn others away
-            return self.error(
-                request.peer,
-                request.id,
-                "invalid_argument",
-                f"a block of this layout is {ns.layout.block_nbytes} bytes, over max_message_bytes "
-                f"{self.limits.max_message_bytes}: fewer tokens a block (block_tokens) or a smaller layout",
-                done=True,
+            return ErrorReply(
+                code="invalid_argument",
+                message=(
+                    f"a block of this layout is {ns.layout.block_nbytes} bytes, over max_message_bytes "
+                    f"{self.limits.max_message_bytes}: fewer tokens a block (block_tokens) or a smaller layout"
+                ),
             )
         if ns.id not in self.namespaces and (
             self._per_tenant.get(ns.tenant, 0) >= self.namespaces_per_tenant
@@ -395,24 +407,22 @@ class ServerProtocol:
             # the tenant's quota first: its refusal tells the tenant only its own figures
             mine = self._per_tenant.get(ns.tenant, 0)
             if mine >= self.namespaces_per_tenant:
-                return self.error(
-                    request.peer,
-                    request.id,
-                    "quota_exceeded",
-                    f"tenant {ns.tenant!r} has registered {mine} namespaces, its quota "
-                    f"([server] max_namespaces_per_tenant = {self.namespaces_per_tenant}); use one of "
-                    "them (the same model, revision and layout) or ask the operator for more",
-                    done=True,
+                return ErrorReply(
+                    code="quota_exceeded",
+                    message=(
+                        f"tenant {ns.tenant!r} has registered {mine} namespaces, its quota "
+                        f"([server] max_namespaces_per_tenant = {self.namespaces_per_tenant}); use one of "
+                        "them (the same model, revision and layout) or ask the operator for more"
+                    ),
                 )
             if len(self.namespaces) >= MAX_NAMESPACES:
-                return self.error(
-                    request.peer,
-                    request.id,
-                    "quota_exceeded",
-                    "the daemon's namespace table is full; a namespace that stored nothing and went "
-                    f"unused for {NAMESPACE_IDLE:.0f} s makes room, so retry later, or ask the operator "
-                    "to restart the daemon or to lower max_namespaces_per_tenant",
-                    done=True,
+                return ErrorReply(
+                    code="quota_exceeded",
+                    message=(
+                        "the daemon's namespace table is full; a namespace that stored nothing and went "
+                        f"unused for {NAMESPACE_IDLE:.0f} s makes room, so retry later, or ask the operator "
+                        "to restart the daemon or to lower max_namespaces_per_tenant"
+                    ),
                 )
             self._per_tenant[ns.tenant] = mine + 1
             self._idle[ns.id] = self._clock()
@@ -420,9 +430,7 @@ class ServerProtocol:
             self._idle[ns.id] = self._clock()
             self._idle.move_to_end(ns.id)
         self.namespaces[ns.id] = ns
-        return self.reply(
-            request, HelloOk(ns=ns.id, limits=self.limits.to_dict(), server=self.server, shm=shm)
-        )
+        return HelloOk(ns=ns.id, limits=self.limits.to_dict(), server=self.server, shm=shm)
 
     def _expire(self) -> None:
         """Give up the registrations no put went through that were unused for NAMESPACE_IDLE seconds

@@ -227,6 +227,17 @@ def test_a_listening_endpoint_is_refused_for_connecting(
         KVStoreClient(endpoint)
 
 
+@pytest.mark.parametrize("command", [["serve"], ["stats"], ["inspect"]])
+def test_an_inproc_endpoint_is_refused_by_the_cli_at_once(command: list[str]) -> None:
+    # a daemon served there was reached by nobody, and a command waited its timeout for no reply
+    r = run_cli(*command, "--endpoint", "inproc://x", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "kvstore: endpoint 'inproc://x' reaches only clients in the daemon's own process, and a command "
+        "of the CLI runs in its own: give the daemon an ipc:// or tcp:// endpoint"
+    ]
+
+
 def test_a_wildcard_endpoint_is_one_line_from_the_flag_and_from_the_daemons_config(tmp_path: Path) -> None:
     r = run_cli("inspect", "--endpoint", "tcp://*:5555")
     assert r.returncode == 2 and "Traceback" not in r.stderr
@@ -482,3 +493,10 @@ def test_a_nul_in_a_path_and_a_blank_key_name_are_refused(tmp_path: Path) -> Non
         and one_line(r) == "kvstore: key name ' ' must be a plain file name like 'server' or 'client'"
     )
     assert not (tmp_path / "keys").exists()
+
+
+def test_version_is_printed() -> None:
+    from kvstore import __version__
+
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"kvstore {__version__}"

@@ -81,6 +81,20 @@ def test_stale_socket_times_out_with_a_hint(tmp_path: Path) -> None:
     assert "no reply" in r.stderr and "kvstore serve" in r.stderr
 
 
+@pytest.mark.slow
+def test_a_stale_socket_past_the_grace_says_how_to_start_a_daemon_once(tmp_path: Path) -> None:
+    # with a timeout past the grace nothing listens for, the client says no daemon runs, and how to
+    # start one; the CLI added "If it is not, start it ..." after it: two hints, one contradicting it
+    path = tmp_path / "kv.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
+    r = run_cli("inspect", "--endpoint", f"ipc://{path}", "--timeout", "20s")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no kvstore daemon is running" in r.stderr and r.stderr.count("kvstore serve") == 1
+    assert "If it is not" not in r.stderr
+
+
 def test_bad_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text("[ram]\ncodec = 'zip'\n")

@@ -217,6 +217,10 @@ def test_render_session_prefix_evict_prefetch() -> None:
         }
     )
     assert prefix.splitlines()[0] == "namespace ab: 8 of 10 tokens stored in 1 blocks"
+    # none stored: most often a model name (or tenant, revision, layout) other than the engine's
+    none = display.render_prefix({"namespace": "ab", "tokens": 10, "matched_tokens": 0, "blocks": []})
+    assert none.splitlines()[0] == "namespace ab: 0 of 10 tokens stored in 0 blocks"
+    assert "model, revision, tenant and layout together" in none and "kvstore inspect" in none
     assert display.render_evict({"blocks": 0, "dry_run": True}) == "no blocks matched (dry run)"
     assert (
         display.render_evict({"blocks": 3, "moved": 1, "bytes_freed": {"ram": 2048}, "dry_run": False})

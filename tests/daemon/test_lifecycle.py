@@ -153,6 +153,8 @@ def test_refuses_a_socket_directory_others_can_enter(start_daemon: StartDaemon, 
     d = start_daemon(ready=False)
     assert d.wait_exit(90) == 1
     assert "chmod 700" in d.output()
+    # the folder may be shared (/tmp, mode 1777): the first advice is a folder of the socket's own
+    assert f"a folder of its own, which the daemon creates 0700 (e.g. ipc://{run / 'kvstore'}" in d.output()
 
 
 @pytest.mark.slow
@@ -235,3 +237,24 @@ def test_a_tcp_endpoint_on_any_free_port_says_which_port_it_took(start_daemon: S
     with KVStoreClient(endpoint, timeout=10.0) as c:
         assert c.stats()["server"]["endpoint"] == endpoint
     assert d.stop() == 0
+
+
+def test_every_error_reply_is_counted_under_its_op(start_daemon: StartDaemon) -> None:
+    # a hello the daemon refused (quota, a layout over its limits) was counted as an ok hello and not
+    # among the errors; a request refused by the protocol was counted under op "other"
+    import urllib.request
+
+    metrics_port = free_port()
+    d = start_daemon(max_namespaces_per_tenant=1, metrics_port=metrics_port)
+    with client(d) as c:
+        c.ping()
+        errors = c.stats()["server"]["errors"]
+        c.lookup(list(range(T)))
+    other = KVStoreClient(d.endpoint, model="another-model", layout=LAYOUT, timeout=10, retries=0)
+    with other, pytest.raises(ServerError) as e:
+        other.lookup(list(range(T)))
+    assert e.value.code == "quota_exceeded"
+    with client(d) as c:
+        assert c.stats()["server"]["errors"] == errors + 1
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    assert 'kvstore_requests_total{code="quota_exceeded",op="hello"} 1.0' in body

@@ -125,6 +125,12 @@ def test_client_side_checks_raise_before_sending(shared_daemon: Daemon) -> None:
             c.lookup([1, -5])
         with pytest.raises(LayoutError):
             c.put(list(range(8)), torch.zeros(2, 2, 8, 3, 16, dtype=torch.float16))
+        # K/V for fewer tokens than the ids' full blocks: stored that much, nothing said (stored 0)
+        with pytest.raises(LayoutError, match="fewer than"):
+            c.put(list(range(4 * T + 3)), torch.zeros(LAYOUT.shape(T + 5), dtype=LAYOUT.torch_dtype))
+        assert c.lookup(list(range(4 * T))).matched_blocks == 0
+        kv = torch.zeros(LAYOUT.shape(2 * T), dtype=LAYOUT.torch_dtype)  # the partial block may be left out
+        assert c.put(list(range(10**6, 10**6 + 2 * T + 3)), kv).stored == 2
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,20 @@ def test_put_without_its_parent_is_refused_not_orphaned(make_store) -> None:
     assert s.check_integrity() == []
 
 
+def test_a_put_that_stores_nothing_registers_no_namespace(make_store, tmp_path) -> None:
+    # a put refused whole (its parent missing) added its namespace to the store, its stats and the
+    # disk, for good: bad input changes nothing
+    s = make_store(path=tmp_path / "disk")
+    ghost = Namespace("ghost", NS.layout)
+    assert s.put(ghost, tokens(2), kv(T), start_block=1).stored == 0
+    assert s.stats().namespaces == 0 and s.usage() == []
+    assert s.put(NS, tokens(2), kv(2 * T)).stored == 2
+    assert s.stats().namespaces == 1
+    assert s.flush(10)
+    s.close()
+    assert make_store(path=tmp_path / "disk").stats().namespaces == 1
+
+
 def test_a_long_prefix_streams_in_chunks(make_store) -> None:
     s = make_store(nvme=False)
     toks, data = tokens(4), kv(4 * T)

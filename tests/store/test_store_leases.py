@@ -46,6 +46,22 @@ def test_a_pin_lapses_when_its_lease_ends(make_store) -> None:
     assert not s.release(handle)  # already gone
 
 
+def test_a_pin_lasts_its_lease_whatever_the_wall_clock_does(make_store) -> None:
+    # pins ran on the wall clock (the access times' clock): set back an hour (an NTP step), every
+    # pin then held its blocks an hour past its lease. Leases run on their own monotonic clock
+    wall, leases = Clock(), Clock()
+    s = make_store(clock=wall, lease_clock=leases)
+    a = tokens(2, seed=1)
+    s.put(NS, a, kv(2 * T, 1))
+    s.pin(block_keys(NS, a), lease=30.0)
+    wall.advance(-3600)
+    leases.advance(31)
+    assert s.stats().pinned == 0
+    wall.advance(7200)
+    s.pin(block_keys(NS, a), lease=30.0)
+    assert s.stats().pinned == 2
+
+
 def test_a_pin_covers_only_blocks_that_are_held(make_store) -> None:
     s = make_store(nvme=False)
     toks = tokens(3)

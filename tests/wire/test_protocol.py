@@ -216,6 +216,20 @@ def test_malformed_requests_raise_remote_errors_with_codes(frames: list[bytes], 
         server.receive(PEER, frames)
     assert info.value.code == code
     assert server.inflight == {}  # a rejected request is never counted
+    # the op it is counted under in the daemon's metrics: its own, when the protocol knows it
+    op = msgpack.unpackb(frames[0]).get("op") if code not in ("bad_message", "version") else None
+    assert info.value.op == (op if op != "fly" else None)
+
+
+@pytest.mark.parametrize("frame", [b"\xc1", b"\x92\x01", b""])
+def test_a_header_that_is_not_msgpack_is_refused_with_a_reason(frame: bytes) -> None:
+    # msgpack's errors for some garbage carry no text: "frame 0 is not valid msgpack: " said nothing
+    _, server, _ = joined()
+    with pytest.raises(RemoteProtocolError) as info:
+        server.receive(PEER, [frame])
+    assert info.value.code == "bad_message"
+    why = info.value.message.split("(", 1)[1].split(")", 1)[0]
+    assert why.strip() and f"it begins {frame.hex(' ') or 'empty'}" in info.value.message
 
 
 def test_request_id_survives_into_the_error_when_readable() -> None:
