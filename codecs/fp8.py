@@ -85,15 +85,20 @@ def fp8_check_scales(scales: torch.Tensor) -> float:
     return hi_f
 
 
-def fp8_decode_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``codes`` ([G, n] uint8 E4M3) times ``scales`` ([G, 1] bfloat16), exactly, as a new float32 tensor.
-    FrameError for a code that is E4M3's NaN (s1111111), which no encoder writes: cast, it is NaN;
-    through the bit pattern below, 480 (past the range an encoder clamps to), inf in float16."""
+def fp8_decode_groups(codes: torch.Tensor, scales: torch.Tensor, largest: float) -> torch.Tensor:
+    """``codes`` ([G, n] uint8 E4M3) times ``scales`` ([G, 1] bfloat16), exactly, as a new float32 tensor,
+    for a block whose dtype's largest value is ``largest``. FrameError for scales no encoder writes
+    (not positive and finite, or past ``largest`` / 448), and for E4M3's NaN code (s1111111, which no
+    encoder writes) where it would decode to NaN (cast) or past the dtype (480 x scale, through the
+    bit pattern): looked for only then (a pass over the codes, 7 % of a decode)."""
     hi_f = fp8_check_scales(scales)
-    if codes.numel() and int(codes.bitwise_or(0x80).max()) == 0xFF:  # 2 % of a decode's time
+    if hi_f * FP8_MAX > largest:
+        raise FrameError("fp8 frame holds a scale larger than any of its block dtype's")
+    plain = hi_f * _BIAS >= torch.finfo(torch.float32).max  # the multiplier would overflow
+    if (plain or hi_f * 480 > largest) and codes.numel() and int(codes.bitwise_or(0x80).max()) == 0xFF:
         raise FrameError("fp8 frame holds E4M3's NaN code, which no encoder writes")
     s32 = scales.float()
-    if hi_f * _BIAS >= torch.finfo(torch.float32).max:  # the multiplier would overflow
+    if plain:
         return codes.view(torch.float8_e4m3fn).to(torch.float32) * s32
     w = codes.view(torch.int8).to(torch.int32)
     # Tensor operands: an in-place op with a Python scalar takes a slower dispatch path.
@@ -147,10 +152,8 @@ class Fp8Codec(WideningCodec):
         L, _, T, H, D = layout.shape()
         G = _groups(layout)
         scales = payload[: 2 * G].view(torch.bfloat16).view(G, 1)
-        if fp8_check_scales(scales) * FP8_MAX > _largest(layout):  # decoded, past the dtype: inf
-            raise FrameError(f"fp8 frame holds a scale larger than any of a {layout.dtype} block's")
         at = 2 * G + sum(KFix.nbytes(L, T, H, r))
-        out = fp8_decode_groups(payload[at:].view(G, D), scales).view(layout.shape())
+        out = fp8_decode_groups(payload[at:].view(G, D), scales, _largest(layout)).view(layout.shape())
         if r:
             fix = KFix.from_payload(payload[2 * G : at], L, T, H, D, r)
             fix.apply(out[:, 0], _near_limit(layout, scales, fix))
@@ -242,7 +245,7 @@ def _near_limit(layout: KVLayout, scales: torch.Tensor, fix: KFix | None = None)
     coarse = float(scales.amax()) * FP8_MAX
     if coarse * 2 >= largest:
         return largest
-    if fix is not None and coarse + float(fix.scales.amax()) * 127 >= largest:
+    if fix is not None and coarse + fix.top * 127 >= largest:
         return largest
     return None
 

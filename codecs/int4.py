@@ -56,13 +56,13 @@ import torch
 from kvstore.codecs.base import Codec, expect_bytes
 from kvstore.codecs.rotation import bf16_matmul_fast, none_tiny, rotate, rotation_fits
 from kvstore.codecs.scales import (
-    check_frame_stats,
     check_in_range,
-    check_scales_signed,
+    check_scales,
     divide,
     past_range,
     require_finite,
     round_up,
+    stat_range,
 )
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
@@ -186,7 +186,6 @@ class Int4Codec(Codec):
         sizes = _sizes(g, layout)
         expect_bytes(payload, sizes.total, "int4")
         dtype = layout.torch_dtype
-        check_frame_stats(payload[: sizes.stats].view(dtype), "int4")
         dims = [layout.num_layers, layout.block_tokens, layout.num_kv_heads, layout.head_dim]
         # Clamped frames, and rotated ones unless a bfloat16 block may be rotated back in bfloat16
         # (see rotation.py), go through a float32 block; the others are written straight into the
@@ -202,17 +201,18 @@ class Int4Codec(Codec):
         out = torch.empty(layout.shape(), dtype=torch.float32 if via_float else dtype, device=payload.device)
         packed = payload[sizes.total - sizes.packed :]
         pos = 0
-        suspect = False  # a group that may decode past the dtype's range: the block is checked
+        # the largest magnitude a code could decode to (at most), past the dtype: the block is checked
+        # once decoded (a rotated group's values spread over the head: up to sqrt(D) times)
+        bound, spread = 0.0, math.sqrt(layout.head_dim) if g.rotate else 1.0
         for i, (dim, size) in enumerate(g.specs()):
             gshape, sshape = _group_shapes(dims, dim, size)
             n_stats = math.prod(sshape) * layout.itemsize
-            z = payload[pos : pos + n_stats].view(dtype).float().view(sshape)
-            s = payload[pos + n_stats : pos + 2 * n_stats].view(dtype).float().view(sshape)
+            z16 = payload[pos : pos + n_stats].view(dtype)
+            s16 = payload[pos + n_stats : pos + 2 * n_stats].view(dtype)
+            lo, hi = stat_range(z16, "int4")  # finite centres and scales, no negative scale
+            bound = max(bound, (max(-lo, hi) + _HALF * check_scales(s16, "int4")) * spread)
+            z, s = z16.float().view(sshape), s16.float().view(sshape)
             pos += 2 * n_stats
-            check_scales_signed(s, "int4")
-            # a rotated group's values spread over the head once rotated back: up to sqrt(D) times
-            spread = math.sqrt(layout.head_dim) if g.rotate else 1.0
-            suspect = suspect or (not clamp and past_range((z.abs() + s * _HALF) * spread, dtype))
             nibbles = (packed & 15) if i == 0 else (packed >> 4)
             # z + (q - 7.5) s, in place in q: the centred code times a 16-bit scale is exact in float32
             # and cannot overflow (|q - 7.5| s <= 7.5 s, which the encoder kept finite), so the sum
@@ -231,7 +231,7 @@ class Int4Codec(Codec):
             limit = torch.finfo(dtype).max
             out.clamp_(-limit, limit)
         out = out.to(dtype)
-        if suspect:
+        if not clamp and past_range(bound, dtype):
             check_in_range(out, dtype, "int4")
         return out
 

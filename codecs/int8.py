@@ -52,12 +52,12 @@ import torch
 
 from kvstore.codecs.base import WideningCodec, expect_bytes
 from kvstore.codecs.scales import (
-    check_frame_stats,
     check_in_range,
-    check_scales_signed,
+    check_scales,
     divide,
     past_range,
     require_finite,
+    stat_range,
 )
 from kvstore.errors import CodecError, FrameError
 from kvstore.layout import KVLayout
@@ -165,18 +165,16 @@ class Int8Codec(WideningCodec):
         for dtype, shape, n in pieces:
             views.append(payload[at : at + n].view(dtype).view(shape))
             at += n
-        for stat in views[:-1]:
-            check_frame_stats(stat, "int8")
         dtype = layout.torch_dtype
-        suspect = False  # a group that may decode past the dtype's range: the block is checked
-        for i in range(2):
-            check_scales_signed(views[i], "int8")
+        bound = 0.0  # the largest magnitude a code could decode to (at most): past the dtype, the
+        for i in range(2):  # block is checked once decoded
+            top = check_scales(views[i], "int8")
             if symmetric:
-                bound = views[i] * 128
+                bound = max(bound, 128 * top)
             else:
-                m = views[2 + i].float()
-                bound = torch.maximum(m.abs(), (m + views[i] * 255).abs())
-            suspect = suspect or past_range(bound, dtype)
+                lo, hi = stat_range(views[2 + i], "int8")
+                bound = max(bound, max(-lo, hi) + 255 * top)
+        suspect = past_range(bound, dtype)
         # float32 arithmetic and one final cast: on CPU, bfloat16 arithmetic measured ~2x
         # slower, and mixed-dtype kernels (int8 * bf16, addcmul with a broadcast) slower still.
         out = views[-1].to(torch.float32)

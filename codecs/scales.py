@@ -7,6 +7,8 @@ the encoder divided by, and no value can land past the code range.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvstore.errors import CodecError, FrameError
@@ -46,24 +48,33 @@ def round_down(value: float, dtype: torch.dtype) -> float:
     return float(b)
 
 
-def check_frame_stats(stats: torch.Tensor, codec: str) -> None:
-    """FrameError unless every statistic a frame holds (scales, minimums, centres) is finite: no
-    encoder writes others, and decoded they would be NaN or inf in the block served."""
-    if not bool(torch.isfinite(stats).all()):
+def stat_range(stat: torch.Tensor, codec: str) -> tuple[float, float]:
+    """(smallest, largest) of a frame's statistics (scales, minimums, centres); FrameError unless every
+    one is finite (no encoder writes others). One pass (NaN carries through it): a check per tensor,
+    not a kernel per test, since a block's decode is a millisecond and each kernel a few microseconds."""
+    if not stat.numel():
+        return 0.0, 0.0
+    lo, hi = stat.aminmax()
+    lo_f, hi_f = float(lo), float(hi)
+    if not (math.isfinite(lo_f) and math.isfinite(hi_f)):
         raise FrameError(f"{codec} frame holds a scale or offset that is not a finite number")
+    return lo_f, hi_f
 
 
-def check_scales_signed(scales: torch.Tensor, codec: str) -> None:
-    """FrameError when a scale is negative: no encoder writes one (its steps go up from the minimum)."""
-    if bool((scales < 0).any()):
+def check_scales(stat: torch.Tensor, codec: str) -> float:
+    """The largest of a frame's scales; FrameError unless all are finite and none is negative (the
+    steps of an encoder's codes go up)."""
+    lo, hi = stat_range(stat, codec)
+    if lo < 0:
         raise FrameError(f"{codec} frame holds a negative scale")
+    return hi
 
 
-def past_range(bound: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether some group's largest decodable magnitude ``bound`` passes ``dtype``'s range. A frame
-    an encoder wrote near the edge can (its codes were stepped back: none decodes past it); other
-    frames, damaged or forged under a sound checksum, would decode to inf: ``check_in_range``."""
-    return bool((bound > torch.finfo(dtype).max).any())
+def past_range(bound: float, dtype: torch.dtype) -> bool:
+    """Whether a frame's largest decodable magnitude ``bound`` passes ``dtype``'s range. A frame an
+    encoder wrote near the edge can (its codes were stepped back: none decodes past it); others,
+    damaged or forged under a sound checksum, would decode to inf: ``check_in_range``."""
+    return bound > torch.finfo(dtype).max
 
 
 def check_in_range(block: torch.Tensor, dtype: torch.dtype, codec: str) -> None:

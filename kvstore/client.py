@@ -385,6 +385,8 @@ class KVStoreClient:
         layout, T = ns.layout, ns.layout.block_tokens
         check_target(src, layout, "put_from src")
         names = as_chain(token_ids)
+        if isinstance(src, torch.Tensor):  # a PagedKV holds what its slots name: as much is stored
+            _covers(src, names, T, "src")
         total = min(names.blocks(T), target_tokens(src) // T)
         first = _start(start) // T
         if total <= first:
@@ -409,11 +411,7 @@ class KVStoreClient:
         layout, T = ns.layout, ns.layout.block_tokens
         names = as_chain(token_ids)
         layout.check_tensor(kv)
-        if kv.shape[2] // T < names.blocks(T):  # the blocks past it would go unstored, unsaid
-            raise LayoutError(
-                f"kv holds {kv.shape[2]} tokens, fewer than the {names.blocks(T) * T} of the full "
-                f"blocks the {names.tokens_named(T)} token ids name: pass the ids of the tokens kv holds"
-            )
+        _covers(kv, names, T, "kv")
         total = names.blocks(T)
         if total == 0:
             return PutResult(0, 0, [])
@@ -597,3 +595,13 @@ class KVStoreClient:
         reply = self._call(Release(handle=handle), idempotent=False)
         assert isinstance(reply, ReleaseOk)
         return reply.released
+
+
+def _covers(kv: torch.Tensor, names: Chain, T: int, what: str) -> None:
+    """LayoutError unless ``kv`` holds the tokens of every full block ``names`` names: the blocks past
+    it would go unstored, and nothing would say so."""
+    if kv.shape[2] // T < names.blocks(T):
+        raise LayoutError(
+            f"{what} holds {kv.shape[2]} tokens, fewer than the {names.blocks(T) * T} of the full blocks "
+            f"the {names.tokens_named(T)} token ids name: pass the ids of the tokens {what} holds"
+        )

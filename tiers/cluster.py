@@ -389,9 +389,10 @@ class ClusterTier:
             answers = list(pipe.execute(raise_on_error=False))
         results: list[Any] = answers
         wrong = [i for i, r in enumerate(results) if wrong_type(r)]
-        if wrong:  # a value of another type under a block's key (not one kvstore wrote): damaged,
-            self._drop_foreign(client, [keys[i] for i in wrong])  # deleted, and a miss; the rest
-            for i in wrong:  # of the answer stands (an outage for it would take every host down)
+        if wrong:  # a value of another type under a block's key (not one kvstore wrote): a miss, the
+            if op == "getex":  # rest of the answer stands (an outage would take every host down);
+                self._drop_foreign(client, [keys[i] for i in wrong])  # a read that serves deletes it
+            for i in wrong:  # as damaged (an operator's look, a dry run, changes nothing)
                 results[i] = None
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:  # a node of the slot is down or moving: the whole answer is not to be trusted

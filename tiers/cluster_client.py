@@ -84,8 +84,9 @@ def by_node(
     """The answers to ``commands`` (each ``(NAME, key, *args)``: a command on one key), in order, in one
     round trip: the commands grouped by the master of each key's slot in ``client``'s map, written to
     every node before any answer is read. None: ``client`` is not a RedisCluster, its map names no
-    node for a slot, or a node answered with an error (a slot moved under a resharding or a failover):
-    ask again through ``client.pipeline()``, which follows redirections and reads the topology anew.
+    node for a slot, or a node answered with a redirection (a slot moved under a resharding or a
+    failover, ``redirected``): ask again through ``client.pipeline()``, which follows redirections
+    and reads the topology anew. Another error answer (WRONGTYPE) is that command's answer.
     A connection error or time-out is raised as redis-py raises it (the tier is down).
 
     ``values``: every command answers a value or nil (GET, GETEX); each value comes as a memoryview

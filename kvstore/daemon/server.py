@@ -479,6 +479,8 @@ class Server:
         except Exception:  # unreadable: answered without an id
             pass
         message = f"the daemon failed on this request ({type(error).__name__}: {error}); see its log"
+        self.errors += 1
+        self.metrics.observe("invalid", 0.0, "internal")  # its op unknown here: counted as other
         try:
             self._send(peer, encode(rid, ErrorReply(code="internal", message=message)))
         except Exception:  # the answer is lost, the daemon is not
@@ -507,6 +509,8 @@ class Server:
         except BaseException as e:  # noqa: B036 - the reply must go out even then
             log.exception("encoding the reply to request %s failed", request.id)
             frames = encode(request.id, ErrorReply(code="internal", message=f"reply failed: {e}"))
+            self.metrics.observe(request.msg.op, time.perf_counter() - arrived, "internal")
+            self.errors += 1
         self._local.push.send_multipart([charge.to_bytes(8, "little"), request.peer, *frames], copy=False)
 
     def _forward(self, pull: zmq.Socket) -> int:

@@ -206,6 +206,7 @@ class AdminOps:
                 moved=moved,
                 keys=gone,
                 dry_run=dry_run,
+                not_done=remote.not_done,
             )
         return result
 

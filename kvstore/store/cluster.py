@@ -75,6 +75,7 @@ class ClusterLink:
         self._put, self._offer = put, offer
         self.cluster = cluster
         self._unencodable_logged = False
+        self._refused_codec: OrderedDict[bytes, None] = OrderedDict()  # blocks its codec cannot encode
         self._unsent_lock = threading.Lock()  # guards the two below
         self._unsent: dict[bytes, None] = {}  # blocks dropped and not sent since (oldest first)
         self._resent: set[bytes] = set()  # blocks of _unsent queued again (their drop was counted)
@@ -137,8 +138,9 @@ class ClusterLink:
         with self._unsent_lock:
             idle = not self._unknown
             for k in touched:
-                if k not in fresh and k not in self._there and k not in self._unsent:
-                    self._unknown[k] = None
+                if k in fresh or k in self._there or k in self._unsent or k in self._refused_codec:
+                    continue
+                self._unknown[k] = None
             while len(self._unknown) > UNSENT_LIMIT:  # the oldest are asked about at a later put
                 self._unknown.popitem(last=False)
             waiting = bool(self._unknown)
@@ -148,7 +150,8 @@ class ClusterLink:
     def _verify(self) -> None:
         """(The cluster thread.) Ask the cluster which of the blocks ``_check_held`` queued it holds:
         those it holds are known from now on, those it lacks are written (held here still, and not on
-        their way already)."""
+        their way already: queued for writing, or dropped and to go with the next put of them)."""
+        queued = self._writer.queued()  # none is being written: this is the writer's thread
         while True:
             with self._unsent_lock:
                 batch = list(islice(self._unknown, REFRESH_BATCH))
@@ -160,7 +163,6 @@ class ClusterLink:
                 found = self.cluster.exists(batch)
             except ClusterUnavailable:  # asked again at a later put of them
                 return
-            queued = self._writer.queued()  # none is being written: this is the writer's thread
             with self._unsent_lock:
                 for k, there in zip(batch, found, strict=True):
                     if there:
@@ -168,7 +170,11 @@ class ClusterLink:
                         self._there.move_to_end(k)
                 while len(self._there) > REFRESH_MEMORY:
                     self._there.popitem(last=False)
-            absent = [k for k, there in zip(batch, found, strict=True) if not there and k not in queued]
+                absent = [
+                    k
+                    for k, there in zip(batch, found, strict=True)
+                    if not there and k not in queued and k not in self._unsent
+                ]
             with self._lock:
                 held = [k for k in absent if self._index.get(k) is not None]
             if held:
@@ -225,8 +231,13 @@ class ClusterLink:
 
     def _unencodable(self, key: bytes, err: CodecError) -> None:
         """(The cluster thread.) Block ``key`` cannot go to the cluster (its codec refuses what the
-        block holds): counted as dropped, logged the first time; the blocks after it are written
-        all the same, and other hosts reach none of them (lookups are prefix-closed)."""
+        block holds): counted as dropped once, logged the first time, and not tried again (a bounded
+        memory of such keys); the blocks after it are written all the same, and other hosts reach
+        none of them (lookups are prefix-closed)."""
+        with self._unsent_lock:
+            self._refused_codec[key] = None
+            while len(self._refused_codec) > UNSENT_LIMIT:
+                self._refused_codec.popitem(last=False)
         if not self._unencodable_logged:
             self._unencodable_logged = True
             log.warning(
@@ -246,6 +257,7 @@ class ClusterLink:
                 self._refreshed.pop(k, None)
                 self._refresh_due.pop(k, None)
                 self._unknown.pop(k, None)
+                self._refused_codec.pop(k, None)
                 self._unsent.pop(k, None)
                 self._resent.discard(k)
 
@@ -302,7 +314,9 @@ class ClusterLink:
         not written yet is on its way; one dropped or refused for memory goes with the next put of
         it, as before). Dropped (and counted) when the queue is full, to go with the next put of them."""
         with self._unsent_lock:
-            lost = [k for k in keys if k in self._there and k not in self._unsent]
+            lost = [
+                k for k in keys if k in self._there and k not in self._unsent and k not in self._refused_codec
+            ]
             for k in lost:
                 del self._there[k]
         with self._lock:

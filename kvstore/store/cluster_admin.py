@@ -113,6 +113,8 @@ class ClusterAdmin:
         session is on this host; a record of the name that another tenant's host wrote is left alone
         (None: this host does not know the session, and the record is taken as it is)."""
         foreign = False
+        untagged = 0  # blocks the session's record names that carry no session tag in the cluster
+        not_done = ""
         try:
             if session is not None:
                 raw = self.cluster.get_session(session)  # ClusterUnavailable when down: nothing is deleted
@@ -136,23 +138,37 @@ class ClusterAdmin:
                 values = self.cluster.records(theirs)  # the records alone, not the frames
                 for k, v in zip(theirs, values, strict=True):
                     rec = None if v is None else record_of(k, v)
-                    # its own, or stored untagged and claimed by the session since (a put of a block
-                    # the cluster holds writes no new record): the session's, as it is on its host
-                    if rec is not None and rec.sessions[:1] in ((session,), ()):
+                    if rec is not None and rec.sessions[:1] == (session,):
                         keys.append(k)
+                    elif rec is not None and not rec.sessions:
+                        # stored before it was named (an engine saving as it computes; a put of a
+                        # block the cluster holds writes no new record): maybe a prefix others share
+                        # unnamed, which no record here says: left, with the session's record
+                        untagged += 1
                 keys = list(dict.fromkeys(keys))
                 kept = others | continued(keys, session)
                 keys = [k for k in keys if k not in kept]
             keys = list(dict.fromkeys(keys))
             present = [k for k, there in zip(keys, self.cluster.exists(keys), strict=True) if there]
+            # a record whose blocks all stay, untagged, is kept: dropped, the conversation would stay
+            # in the cluster with no name left to find or evict it by
+            keep_record = untagged > 0 and not present
+            if keep_record:
+                not_done = (
+                    f"{untagged} blocks of session {session!r} in the cluster were stored before it was "
+                    "named (maybe a prefix others share): they stay, and so does its record; evict them "
+                    "on the host that stored them"
+                )
             if not dry_run:
                 self._forget(present)
                 self.cluster.count(deleted=self.cluster.delete(present))
-                if session is not None and not foreign and within is None:
+                if session is not None and not foreign and within is None and not keep_record:
                     self.cluster.drop_session(session)
         except ClusterUnavailable as e:
             raise InvalidRequest(f"evict from the cluster tier: {e}") from None
-        return EvictResult(blocks=len(present), bytes_freed={}, moved=0, keys=present, dry_run=dry_run)
+        return EvictResult(
+            blocks=len(present), bytes_freed={}, moved=0, keys=present, dry_run=dry_run, not_done=not_done
+        )
 
     def prefetch(
         self, session: str, found: dict[str, Any], to: str, start_block: int, max_blocks: int | None

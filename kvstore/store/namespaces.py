@@ -37,6 +37,11 @@ class NamespaceTable:
         self._roots[ns.id] = ns.root()
         return True
 
+    def discard(self, ns_id: str) -> None:
+        """Forget ``ns_id`` (registered by a put that then stored nothing: none of its blocks exists).
+        Its root stays known: a namespace's root is its hash, the same whoever notes it."""
+        self._by_id.pop(ns_id, None)
+
     def note_root(self, ns_id: str, root: bytes) -> None:
         """The root of ``ns_id`` as block 0's record names it (kept if one is known already)."""
         self._roots.setdefault(ns_id, root)

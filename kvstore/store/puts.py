@@ -167,6 +167,7 @@ class Putter:
             job.base = parent.position() + 1 - c0 if isinstance(job.chain, KeyChain) and parent else 0
         new: list[bytes] = []
         T = job.ns.layout.block_tokens
+        added = False  # this put registered the namespace
         for i in range(c0, c1):
             e = self._index.get(job.keys[i])
             if e is not None:
@@ -179,8 +180,8 @@ class Putter:
                 pending = Pending(job.base + i, *job.chain.identity(i, T)) if keeps_record else None
                 e = Entry(job.keys[i], parent, job.ns.id, job.tags, now, now, pending)
                 block = job.block(i)
-                if self._namespaces.add(job.ns):  # with its first block: a put refused keeps none
-                    self._journal.namespace(job.ns)
+                if self._namespaces.add(job.ns):  # with its first block (its record names the root):
+                    added = True  # kept, and journaled, once a block is stored (below)
                 try:
                     stored = self._data.store_new(e, block, ready)
                 except KVStoreError as err:  # a tier failed while room was made (an LMDB delete, say)
@@ -201,6 +202,10 @@ class Putter:
                 new.append(e.key)
                 job.queue.append(e.key)
             parent, job.last, job.tail = e, i, e.key
+        if added and job.stored:
+            self._journal.namespace(job.ns)
+        elif added:  # a put that stores nothing registers nothing
+            self._namespaces.discard(job.ns.id)
         if job.session is not None and job.tail is not None and job.last >= job.start:
             if job.failed or c1 == job.end:
                 s = self._sessions.record_put(

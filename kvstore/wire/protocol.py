@@ -116,21 +116,35 @@ def encode(rid: int | None, msg: Message, op: str | None = None) -> list[Buffer]
     return [msgpack.packb(header, use_bin_type=True), *msg.payload_frames()]
 
 
-def _peek_id(frame: Buffer) -> int | None:
-    """The request id of a header too large to decode, read from its first fields (a client writes
-    ``v``, ``op`` and ``id`` first), so that the refusal reaches the caller; None when not there."""
+def _peek(frame: Buffer) -> tuple[int | None, str | None]:
+    """(request id, op) from the first fields of a header too large to decode; None where not there
+    (the op only when it is a request's: counted under it)."""
     unpacker = msgpack.Unpacker(raw=False)
     raw: Any = getattr(frame, "buffer", frame)
     unpacker.feed(bytes(memoryview(raw).cast("B")[:4096]))
+    rid: int | None = None
+    op: str | None = None
     try:
         for _ in range(min(unpacker.read_map_header(), 8)):
             key, value = unpacker.unpack(), unpacker.unpack()
             if key == "id":
                 ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
-                return value if ok else None
-    except Exception:  # noqa: BLE001 - garbage, or the first fields are long: no id to give
-        return None
-    return None
+                rid = value if ok else None
+            elif key == "op" and isinstance(value, str) and value in REQUESTS:
+                op = value
+            if rid is not None and op is not None:
+                break
+    except Exception:  # noqa: BLE001 - garbage, or the first fields are long: what was read
+        pass
+    return rid, op
+
+
+def _refused(code: str, message: str, frame: Buffer) -> RemoteProtocolError:
+    """A refusal of a header too large to decode, with the id and op its first fields name."""
+    rid, op = _peek(frame)
+    err = RemoteProtocolError(code, message, request_id=rid)
+    err.op = op
+    return err
 
 
 # a request's header: at most this many fields a map (its namespace's too), bytes a string
@@ -154,9 +168,7 @@ def read_header(frame: Buffer, limit: int, max_list: int | None = None) -> tuple
     (the loop that reads it serves every client)."""
     size = nbytes(frame)
     if size > limit:
-        raise RemoteProtocolError(
-            "too_large", f"header is {size} bytes, over the limit of {limit}", request_id=_peek_id(frame)
-        )
+        raise _refused("too_large", f"header is {size} bytes, over the limit of {limit}", frame)
     bounds = {} if max_list is None else _REQUEST_BOUNDS | {"max_array_len": max(max_list, 16)}
     try:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True, **bounds)
@@ -164,14 +176,10 @@ def read_header(frame: Buffer, limit: int, max_list: int | None = None) -> tuple
         if max_list is None or "exceeds max" not in str(e):
             raise RemoteProtocolError("bad_message", _not_msgpack(frame, e)) from None
         if "max_array_len" in str(e):  # a request's only long list is its token ids
-            raise RemoteProtocolError(
-                "too_many_tokens",
-                f"a list of more items than max_tokens_per_request {max_list} ({e})",
-                request_id=_peek_id(frame),
+            raise _refused(
+                "too_many_tokens", f"a list of more items than max_tokens_per_request {max_list} ({e})", frame
             ) from None
-        raise RemoteProtocolError(
-            "too_large", f"header holds more than a request takes ({e})", request_id=_peek_id(frame)
-        ) from None
+        raise _refused("too_large", f"header holds more than a request takes ({e})", frame) from None
     except Exception as e:  # msgpack raises many types on garbage
         raise RemoteProtocolError("bad_message", _not_msgpack(frame, e)) from None
     if not isinstance(header, dict):

@@ -280,3 +280,8 @@ def test_a_block_the_cluster_codec_cannot_encode_is_counted_dropped(host: HostFa
     assert drained(a)
     st = a.stats().cluster
     assert st is not None and st["write_dropped"] == 1 and st["written"] == 3
+    for _ in range(3):  # once: not looked up, encoded and counted again at each put of it
+        assert a.put(NS, toks, x).present == 4
+        assert drained(a)
+    st = a.stats().cluster
+    assert st is not None and st["write_dropped"] == 1 and st["written"] == 3

@@ -128,6 +128,8 @@ def test_client_side_checks_raise_before_sending(shared_daemon: Daemon) -> None:
         # K/V for fewer tokens than the ids' full blocks: stored that much, nothing said (stored 0)
         with pytest.raises(LayoutError, match="fewer than"):
             c.put(list(range(4 * T + 3)), torch.zeros(LAYOUT.shape(T + 5), dtype=LAYOUT.torch_dtype))
+        with pytest.raises(LayoutError, match="src holds"):
+            c.put_from(list(range(4 * T + 3)), torch.zeros(LAYOUT.shape(T + 5), dtype=LAYOUT.torch_dtype))
         assert c.lookup(list(range(4 * T))).matched_blocks == 0
         kv = torch.zeros(LAYOUT.shape(2 * T), dtype=LAYOUT.torch_dtype)  # the partial block may be left out
         assert c.put(list(range(10**6, 10**6 + 2 * T + 3)), kv).stored == 2

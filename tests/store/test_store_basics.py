@@ -95,6 +95,16 @@ def test_a_put_that_stores_nothing_registers_no_namespace(make_store, tmp_path) 
     assert make_store(path=tmp_path / "disk").stats().namespaces == 1
 
 
+def test_a_put_refused_for_room_registers_no_namespace(make_store) -> None:
+    s = make_store(nvme=False, hbm_blocks=2, ram_blocks=2)
+    toks = tokens(8, seed=3)
+    assert s.put(NS, toks, kv(8 * T)).stored >= 2
+    s.pin(block_keys(NS, toks))  # every block held pinned: no tier has room for another
+    r = s.put(Namespace("other-model", NS.layout), tokens(1, seed=4), kv(T))
+    assert r.stored == 0 and r.failed[0].code == "no_room"
+    assert s.stats().namespaces == 1
+
+
 def test_a_long_prefix_streams_in_chunks(make_store) -> None:
     s = make_store(nvme=False)
     toks, data = tokens(4), kv(4 * T)

@@ -5,6 +5,8 @@ Many short stories, one per message or protocol rule.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import numpy as np
 import pytest
@@ -302,6 +304,19 @@ def test_limits_tokens_and_inflight() -> None:
     assert info.value.code == "busy"
     server.reply(first, Pong(server="test", pid=1))
     assert isinstance(roundtrip(client, server, Ping()).msg, Ping)
+
+
+@pytest.mark.parametrize("as_list", [True, False])
+def test_a_request_refused_before_its_header_is_read_names_its_op(as_list: bool) -> None:
+    # refused while msgpack decoded the header (a list past max_tokens, a header over its limit),
+    # a request was counted under op "other" in the metrics, though its op was there to read
+    _, server, ns = joined(Limits(max_message_bytes=4096, max_tokens=16, max_inflight=2))
+    tokens: Any = list(range(40)) if as_list else bytes(8192)
+    frames = raw({"v": PROTOCOL_VERSION, "op": "lookup", "id": 5, "ns": ns, "tokens": tokens})
+    with pytest.raises(RemoteProtocolError) as info:
+        server.receive(PEER, frames)
+    assert info.value.code == ("too_many_tokens" if as_list else "too_large")
+    assert (info.value.request_id, info.value.op) == (5, "lookup")
 
 
 def test_oversized_message_is_too_large() -> None:
