@@ -389,9 +389,13 @@ def settings() -> dict[str, tuple[str, ...]]:
     return {section: tuple(checks) for section, (_, checks) in _CHECKS.items()}
 
 
-def _suggest(name: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(name, options, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+def _suggest(name: str, options: list[str], prefix: str = "") -> str:
+    """A close match of ``name`` among ``options``; ``prefix``: one they all share (an environment
+    variable's KVSTORE_SECTION_), left out of the comparison, where it would make any two look alike."""
+    close = difflib.get_close_matches(
+        name.removeprefix(prefix), [o.removeprefix(prefix) for o in options], n=1
+    )
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
 
 
 def _apply(
@@ -460,7 +464,7 @@ def _read_env(env: Mapping[str, str], values: dict[str, dict[str, Any]]) -> None
             if key not in checks:
                 known = [f"{prefix}{k.upper()}" for k in checks]
                 raise ConfigError(
-                    f"environment variable {name} is not a setting{_suggest(name, known)}; "
+                    f"environment variable {name} is not a setting{_suggest(name, known, prefix)}; "
                     f"[{section}] settings: {', '.join(known)}"
                 )
             overrides.append((name, section, key))

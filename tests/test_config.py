@@ -356,6 +356,9 @@ def test_unknown_section_is_an_error(tmp_path: Path) -> None:
 def test_unknown_env_setting_in_a_known_section_is_an_error() -> None:
     with pytest.raises(ConfigError, match="KVSTORE_RAM_CAPCITY is not a setting.*KVSTORE_RAM_CAPACITY"):
         load_config(env={"KVSTORE_RAM_CAPCITY": "1GiB"})
+    # the shared KVSTORE_POLICY_ made any name look like every setting: FOO got "PROMOTE_ON_HIT?"
+    with pytest.raises(ConfigError, match=r"KVSTORE_POLICY_FOO is not a setting; \[policy\] settings"):
+        load_config(env={"KVSTORE_POLICY_FOO": "1"})
 
 
 def test_missing_or_malformed_file(tmp_path: Path) -> None:

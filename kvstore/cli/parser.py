@@ -141,8 +141,9 @@ def parse_layout(text: str) -> Any:
         fields[name] = value.strip() if name == "dtype" else _int_field(name, value)
     try:
         return KVLayout.from_dict(fields)
-    except KVStoreError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    except KVStoreError as e:  # it names the long field names: say which short ones they are
+        short = ", ".join(f"{k}={v}" for k, v in _LAYOUT_ALIASES.items())
+        raise argparse.ArgumentTypeError(f"{e} ({short})") from None
 
 
 def _int_field(name: str, value: str) -> int:
