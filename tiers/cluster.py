@@ -105,6 +105,7 @@ class ClusterTier:
         self.retry_after = retry_after
         self.prefix = prefix
         self.counters = ClusterCounters()
+        self.reconnects = 0  # times the tier came back after it was down (a failover may have lost writes)
         self._foreign_logged = False  # a session record of another tenant left alone was logged
         self._factory = client_factory or open_client
         self._clock = clock
@@ -190,6 +191,7 @@ class ClusterTier:
             if not closed:
                 self._client, self.state, self.last_error, self._down_until = client, "up", "", 0.0
                 self._reconnecting = False  # (its thread ends now)
+                self.reconnects += was == "down"
         if closed:
             _close_quietly(client)
         elif was == "down":

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 REFRESH_SHARE = 0.25  # a block served here has its cluster TTL set anew once this share of it has passed
 REFRESH_MEMORY = 1 << 16  # blocks whose last refresh is remembered (~8 MB); the others are refreshed again
 REFRESH_BATCH = 256  # TTLs set in one round trip
+RECHECK = 4096  # blocks known to be in the cluster last, looked up again once it is back after being down
 UNSENT_LIMIT = 1 << 16  # dropped blocks remembered to send again (2 MiB of keys, ~7 MB as Python objects)
 RECORDS_BYTES = 64 << 20  # session records waiting hold at most this many bytes of keys and token ids
 
@@ -75,6 +76,7 @@ class ClusterLink:
         self._put, self._offer = put, offer
         self.cluster = cluster
         self._unencodable_logged = False
+        self._reconnects = cluster.reconnects
         self._refused_codec: OrderedDict[bytes, None] = OrderedDict()  # blocks its codec cannot encode
         self._unsent_lock = threading.Lock()  # guards the two below
         self._unsent: dict[bytes, None] = {}  # blocks dropped and not sent since (oldest first)
@@ -473,7 +475,26 @@ class ClusterLink:
         return nvme.record(key)
 
     def _idle(self) -> None:
-        pass
+        """(The cluster thread, every tick.) The cluster came back after it was down: the blocks
+        written (or read) last are looked up again (``_recheck``)."""
+        n = self.cluster.reconnects
+        if n != self._reconnects:
+            self._reconnects = n
+            self._recheck()
+
+    def _recheck(self) -> None:
+        """(The cluster thread.) A failover loses the writes its replica had not received yet: the
+        newest. The RECHECK blocks known to be there last are asked about again (``_verify``), and
+        those it lacks written, where they waited for a refresh a quarter of the TTL away (while this
+        host served them, every other host missed the conversation from the first of them)."""
+        with self._unsent_lock:
+            recent = list(islice(reversed(self._there), RECHECK))[::-1]  # oldest first: parents first
+            for k in recent:
+                del self._there[k]
+            self._unknown.update(dict.fromkeys(recent))
+            while len(self._unknown) > UNSENT_LIMIT:
+                self._unknown.popitem(last=False)
+        self._verify()
 
     def depth(self) -> int:
         return self._writer.depth()

@@ -569,6 +569,22 @@ def test_a_block_the_cluster_lost_while_a_host_serves_it_is_written_again(
     assert host("c").lookup(NS, toks).tiers == ["cluster"] * 4
 
 
+def test_the_blocks_written_last_are_looked_up_again_once_the_cluster_is_back(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # a failover loses the writes its replica had not received: the newest. They went again only at
+    # a refresh a quarter of the TTL later (1.75 days at 7d), every other host missing the prefix
+    a = host("a")  # the TTL of 7 days: no refresh comes within the test
+    toks, x = tokens(4), kv(16, seed=12)
+    a.put(NS, toks, x)
+    written(a, 4)
+    key = a._cluster.cluster.block_key(_keys(toks)[0])  # type: ignore[union-attr]
+    assert rc.node(rc.master_of(key)).delete(key) == 1  # what the failover lost
+    a._cluster.cluster._failed(ConnectionError("a node went away"))  # type: ignore[union-attr]
+    written(a, 5)  # reconnected (retry_after 0.5 s), it asked about its last writes and wrote block 0
+    assert host("b").lookup(NS, toks).tiers == ["cluster"] * 4
+
+
 def test_a_block_read_before_its_cluster_write_lands_is_written_once(host: HostFactory) -> None:
     # read at once after its put: its TTL is due for a refresh before the write reaches the cluster,
     # and the refresh finds it absent; that is a block on its way, not one the cluster lost
