@@ -8,6 +8,7 @@ import time
 BACKOFF = 10.0  # seconds, after a call timed out
 MAX_BACKOFF = 60.0  # seconds: the back-off doubles with each time-out in a row, up to this
 BUSY_BACKOFF = 1.0  # seconds, after a call waited out its time-out on a daemon answering busy
+BUSY_QUIET = 60.0  # seconds between two logs of calls turned away busy (each a miss, at once)
 
 
 class Backoff:
@@ -15,8 +16,8 @@ class Backoff:
     after each time-out in a row (the call after a back-off timed out again: a daemon that stays
     away costs the engine one time-out a minute at most, not one every ``seconds``), and for
     BUSY_BACKOFF after one ``waited`` its time-out on a daemon answering busy (a call that does not
-    wait is turned away at once, and costs nothing); each is logged once per outage, other failures
-    every time."""
+    wait is turned away at once, and costs nothing: logged once a minute); each is logged once per
+    outage, other failures every time."""
 
     def __init__(self, log: logging.Logger, seconds: float = BACKOFF) -> None:
         self._log = log
@@ -24,6 +25,7 @@ class Backoff:
         self._until = 0.0  # the time-out's back-off ends
         self._busy_until = 0.0  # a busy answer's ends
         self._span = 0.0  # the last time-out's back-off
+        self._busy_said = -BUSY_QUIET  # when a call turned away busy was last logged
         self.timeouts = 0
 
     @property
@@ -56,5 +58,12 @@ class Backoff:
             if self.available():
                 self._log.warning("kvstore is busy (%s); not asked again for %.0f s", err, BUSY_BACKOFF)
             self._busy_until = max(self._busy_until, time.monotonic() + BUSY_BACKOFF)
+        elif getattr(err, "code", None) == "busy":  # turned away at once (a miss): under load that is
+            now = time.monotonic()  # every call, so it is said once a minute, not each time
+            if now - self._busy_said >= BUSY_QUIET:
+                self._busy_said = now
+                self._log.warning(
+                    "kvstore is busy (%s): lookups and loads miss meanwhile (said once a minute)", err
+                )
         else:
             self._log.warning("kvstore %s failed: %s", what, err)

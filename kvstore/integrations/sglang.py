@@ -37,6 +37,7 @@ import difflib
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -129,6 +130,11 @@ class KVStoreHiCache(HiCacheStorage):
         """Map the host pool's pages and connect (lazily: the first call says hello)."""
         super().register_mem_pool_host(mem_pool_host)
         self._pages = _HostPages(mem_pool_host)
+        first, last = getattr(mem_pool_host, "start_layer", None), getattr(mem_pool_host, "end_layer", None)
+        if self.config.pp_size > 1 and first is not None and last is not None:
+            # a pipeline stage's layers are set by SGLANG_PP_LAYER_PARTITION too, not by its rank
+            # alone: another split gives the same rank other layers, whose K/V these pages are not
+            self.revision += f"/layers{int(first)}-{int(last)}"
         self.client = self._new_client(wait_when_busy=False)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -154,16 +160,21 @@ class KVStoreHiCache(HiCacheStorage):
             revision=self.revision,
             timeout=self.timeout,
             wait_when_busy=wait_when_busy,
+            # lookups and loads: one time-out at most (a dead daemon cost three, retried); stores
+            # ask again, off SGLang's way, as vLLM's connector's saves do
+            retries=2 if wait_when_busy else 0,
         )
 
     def close(self) -> None:
+        """Close the clients at once: a call another SGLang thread has under way on a daemon that does
+        not answer ends now (a miss, or pages not stored), not after its time-outs."""
         if self.client is not None:
-            self.client.close()
+            self.client.close(abort=True)
         with self._saver_lock:
             self._closed = True
             saver, self._saver = self._saver, None
         if saver is not None:
-            saver.close()
+            saver.close(abort=True)
 
     # -- the v1 (zero-copy) interface ---------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -217,6 +228,7 @@ class KVStoreHiCache(HiCacheStorage):
             return [False] * len(keys)
         prefix = list((extra_info.prefix_keys if extra_info is not None else None) or ())
         stored = [False] * len(keys)
+        began = time.monotonic()
         try:
             host = self._host()
             host.paged(host_indices, len(keys))  # whole pages, or nothing is stored
@@ -233,7 +245,10 @@ class KVStoreHiCache(HiCacheStorage):
                 for i in range(len(keys[part])):
                     stored[part.start + i] = i not in failed
         except Exception as e:  # the pages not stored yet are simply not stored
-            self.backoff.failed(f"batch_set_v1 of {len(keys)} pages", e)
+            # a store waits on a busy daemon up to its time-out: one that waited it out backs off, or
+            # every backup batch would wait as long
+            waited = time.monotonic() - began >= self.timeout
+            self.backoff.failed(f"batch_set_v1 of {len(keys)} pages", e, waited=waited)
         return stored
 
     # -- the legacy interface ------------------------------------------------------------

@@ -23,6 +23,7 @@ prompts raises BatchNotSupported rather than mixing their caches.
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,6 +82,19 @@ def client_layout(client: CacheClient) -> KVLayout:
     return layout
 
 
+def token_limit(client: CacheClient, block_tokens: int) -> int:
+    """The most tokens one get or put of ``client`` may name (the daemon's max_tokens_per_request, in
+    whole blocks; its hello says it, made first if need be), or no limit. A conversation longer than
+    that is fetched and stored up to it, as the engines' connectors do: every block's key chains from
+    the first token, so its first blocks are the ones a call can carry (a call naming more is refused
+    whole, and the conversation would reuse nothing from then on)."""
+    limit = getattr(client, "max_tokens", None)
+    if limit is None and callable(getattr(client, "ping", None)):
+        client.ping()  # type: ignore[attr-defined]
+        limit = getattr(client, "max_tokens", None)
+    return sys.maxsize if not isinstance(limit, int) else limit // block_tokens * block_tokens
+
+
 def check_model(layout: KVLayout, config: Any) -> None:
     """Refuse (LayoutError) a model whose cache does not have the client layout's shape, or that is
     not all full attention (a sliding-window layer's cache is not a prefix of the sequence)."""
@@ -89,6 +103,11 @@ def check_model(layout: KVLayout, config: Any) -> None:
     if types and any(t != "full_attention" for t in types):
         raise LayoutError(
             f"kvstore keeps full-attention caches only; this model has layer types {sorted(set(types))}"
+        )
+    if _sliding_layers(config):  # a sliding window without layer types (Mistral's config)
+        raise LayoutError(
+            f"kvstore keeps full-attention caches only; this model's attention is a sliding window of "
+            f"{getattr(text, 'sliding_window', '?')} tokens"
         )
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -99,6 +118,18 @@ def check_model(layout: KVLayout, config: Any) -> None:
             f"the model's cache is (layers, kv heads, head dim) = {model_shape} but the client's "
             f"layout is {store_shape}; build the layout from the model (models.layout_of)"
         )
+
+
+def _sliding_layers(config: Any) -> bool:
+    """Whether the cache transformers builds for ``config`` keeps a sliding window in some layer (its
+    own reading of the config: layer types, or a ``sliding_window`` alone)."""
+    try:
+        from transformers import DynamicCache
+
+        layers = getattr(DynamicCache(config=config), "layers", None) or []
+    except Exception:  # noqa: BLE001 - a config it cannot build a cache from: judged by its fields
+        return False
+    return any(getattr(layer, "is_sliding", False) is True for layer in layers)
 
 
 def config_dtype(config: Any) -> torch.dtype | None:
@@ -130,6 +161,12 @@ def cache_to_kv(cache: Any, *, tokens: int | None = None, dtype: torch.dtype | N
     if k0.shape[0] != 1:
         raise BatchNotSupported(
             f"kvstore caches one sequence at a time; the cache holds a batch of {k0.shape[0]}"
+        )
+    sliding = next((i for i, layer in enumerate(layers) if getattr(layer, "is_sliding", False) is True), None)
+    if sliding is not None:  # it holds the last positions, however many the sequence has
+        raise LayoutError(
+            f"layer {sliding} of the cache ({type(layers[sliding]).__name__}) is a sliding window: "
+            "kvstore keeps full-attention caches only"
         )
     held = int(k0.shape[2])
     t = held if tokens is None else tokens
@@ -215,7 +252,7 @@ def fetch_cache(
     empty = CacheHit(DynamicCache(config=config), 0, [])
     if len(ids) <= layout.block_tokens:  # no whole block fits before the last token
         return empty
-    r = client.get(ids[:-1])
+    r = client.get(ids[: min(len(ids) - 1, token_limit(client, layout.block_tokens))])
     if r.matched_tokens == 0 or r.kv is None:
         return empty
     cache = kv_to_cache(r.kv, config, dtype=dtype, device=device or "cpu")
@@ -257,7 +294,7 @@ def save_cache(client: CacheClient, input_ids: Any, cache: Any, *, session: str 
     """
     layout = client_layout(client)
     ids = single_sequence(input_ids)
-    n = min(int(cache.get_seq_length()), len(ids))
+    n = min(int(cache.get_seq_length()), len(ids), token_limit(client, layout.block_tokens))
     n -= n % layout.block_tokens
     if n == 0:
         return PutResult(0, 0, [])

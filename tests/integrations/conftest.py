@@ -85,6 +85,7 @@ def write_config(
     ram_codec: str = "fp8",
     nvme_codec: str = "int4",
     nvme: str = "1GiB",
+    max_tokens: str = "131072",
 ) -> tuple[Path, str]:
     """A TOML config under ``root`` (socket in root/run, LMDB in root/nvme); returns (path, endpoint)."""
     endpoint = f"ipc://{root / 'run' / 'kv.sock'}"
@@ -95,6 +96,7 @@ def write_config(
                 "[server]",
                 f'endpoint = "{endpoint}"',
                 "workers = 2",
+                f"max_tokens_per_request = {max_tokens}",
                 "[hbm]",
                 'device = "cpu"',
                 f'capacity = "{hbm}"',

@@ -25,9 +25,25 @@ def test_a_busy_daemon_is_left_alone_a_moment_and_said_once(
         b.failed("save of r1", ServerError("busy", "the daemon is over its budget"), waited=True)
         b.failed("save of r2", ServerError("busy", "the daemon is over its budget"), waited=True)
     assert not b.available() and b.timeouts == 0
-    assert [r.getMessage()[:16] for r in caplog.records] == ["kvstore lookup f", "kvstore is busy "]
+    assert [r.getMessage()[:16] for r in caplog.records] == ["kvstore is busy ", "kvstore is busy "]
     time.sleep(0.25)
     assert b.available()  # asked again after a moment, not after a time-out's back-off
+
+
+def test_calls_turned_away_busy_are_said_once_a_minute(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each lookup and load a busy daemon turns away (a miss, at once) was logged: under load, a line
+    # per call of the engine's
+    monkeypatch.setattr(backoff, "BUSY_QUIET", 0.2)
+    b = Backoff(logging.getLogger("t"))
+    with caplog.at_level(logging.WARNING, logger="t"):
+        for _ in range(50):
+            b.failed("lookup", ServerError("busy", "the daemon is over its budget"))
+        assert b.available() and len(caplog.records) == 1
+        time.sleep(0.25)
+        b.failed("load", ServerError("busy", "the daemon is over its budget"))
+    assert len(caplog.records) == 2 and "miss meanwhile" in caplog.records[0].getMessage()
 
 
 def test_a_time_out_backs_off_longer_and_other_failures_not_at_all(monkeypatch: pytest.MonkeyPatch) -> None:

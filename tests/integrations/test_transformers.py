@@ -203,7 +203,33 @@ def test_a_sliding_window_cache_is_refused_and_nothing_is_stored(client: KVStore
         cache = model(ids.unsqueeze(0), use_cache=True).past_key_values
     with pytest.raises(LayoutError, match="full-attention"):
         save_cache(client, ids[:4], cache)
+    # a sequence longer than the window: "the cache holds 8 tokens, 12 were asked for", a ValueError
+    # that ended run_turn after its answer was generated
+    with pytest.raises(LayoutError, match="sliding window"):
+        save_cache(client, ids, cache)
     assert client.lookup(ids).matched_tokens == 0
+    # and the model is refused before anything runs (the config has no layer types to say so)
+    with pytest.raises(LayoutError, match="sliding window of 8 tokens"):
+        load_cache(client, ids, model=model)
+    with pytest.raises(LayoutError, match="sliding window"):
+        run_turn(model, client, ids, max_new_tokens=2)
+
+
+def test_a_conversation_longer_than_the_daemons_limit_is_fetched_and_stored_up_to_it(
+    serve: Callable[..., Any], tiny: Any
+) -> None:
+    # a get or put naming more tokens than max_tokens_per_request was refused whole: past it, a
+    # conversation reused nothing, turn after turn. Its first blocks are what a call can carry
+    d = serve(hbm="8MiB", ram="8MiB", max_tokens="18")
+    layout = layout_of(tiny.config, dtype="float32", block_tokens=T)
+    ids = torch.randint(0, 96, (30,))
+    with KVStoreClient(d.endpoint, model="tiny-llama", layout=layout, timeout=30.0) as c:
+        with torch.inference_mode():
+            cache = tiny(ids.unsqueeze(0), use_cache=True).past_key_values
+        assert save_cache(c, ids, cache).stored == 4  # 16 tokens: the blocks within 18
+        cache, n = load_cache(c, ids, model=tiny)
+        assert n == 16
+        assert torch.allclose(logits(tiny, ids[n:], cache)[-1], logits(tiny, ids)[-1], atol=1e-4)
 
 
 def test_a_daemon_that_does_not_answer_costs_a_miss_not_the_turn(tiny: Any, tmp_path: Any) -> None:

@@ -22,8 +22,11 @@ def host_pool(
     heads: int,
     head_dim: int,
     dtype: Any = torch.bfloat16,
+    start_layer: int | None = None,
 ) -> Any:
-    """A real MHATokenToKVPoolHost (twice the device pool's size) over a CPU MHATokenToKVPool."""
+    """A real MHATokenToKVPoolHost (twice the device pool's size) over a CPU MHATokenToKVPool;
+    ``start_layer``: a pipeline stage's first layer (its ``layers`` from there on)."""
+    stage = {} if start_layer is None else {"start_layer": start_layer, "end_layer": start_layer + layers - 1}
     dev = MHATokenToKVPool(
         size=tokens,
         page_size=page,
@@ -33,6 +36,7 @@ def host_pool(
         layer_num=layers,
         device="cpu",
         enable_memory_saver=False,
+        **stage,
     )
     info = dev.get_device_pool_infos()[0].buffer_info
     return MHATokenToKVPoolHost(
@@ -50,14 +54,21 @@ def host_pool(
 
 
 def storage_config(
-    endpoint: str, *, model: str, layout: str, tp_rank: int = 0, tp_size: int = 1
+    endpoint: str,
+    *,
+    model: str,
+    layout: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> HiCacheStorageConfig:
     """The config SGLang hands a dynamic backend, naming kvstore's (extra_config, as the flag passes it)."""
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
         tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
         attn_cp_rank=0,
         attn_cp_size=1,
         is_mla_model=False,

@@ -511,9 +511,37 @@ def test_a_busy_daemon_is_a_miss_at_once_for_lookups_and_loads_and_waited_out_by
         t0 = time.monotonic()
         assert store.batch_set_v1(keys, slots([0, 1])) == [False, False]
         assert time.monotonic() - t0 >= 1.0 and busy.requests - asked >= 3  # waited, asking again
+        # one that waited its time-out out backs off a while: the next batch is not stored at once,
+        # where each waited as long (every backup batch of SGLang's stalled for its time-out)
+        t0 = time.monotonic()
+        assert store.batch_set_v1(keys, slots([0, 1])) == [False, False]
+        assert time.monotonic() - t0 < 0.5 and not store.backoff.available()
         store.close()
     finally:
         busy.close()
+
+
+def test_pipeline_stages_of_other_layers_share_no_pages(daemon: Any) -> None:
+    """SGLANG_PP_LAYER_PARTITION may give a stage of the same rank other layers (10..20, then 11..21):
+    the pages of one are not the K/V of the other, though rank, size and layer count agree."""
+    from tests.engines.sglang import pools
+    from tests.engines.sglang.conftest import HDIM, HEADS, LAYERS, MODEL
+
+    def stage(first: int) -> tuple[Any, Any]:
+        pool = pools.host_pool(
+            "page_first", tokens=64, page=PAGE, layers=LAYERS, heads=HEADS, head_dim=HDIM, start_layer=first
+        )
+        config = pools.storage_config(daemon.endpoint, model=MODEL, layout="page_first", pp_rank=1, pp_size=3)
+        return pool, pools.attach(config, pool)
+
+    (a_pool, a), (_, b) = stage(10), stage(11)
+    keys = page_hashes(2, salt=21)
+    fill(a_pool, [0, 1], seed=21)
+    assert a.batch_set_v1(keys, slots([0, 1])) == [True, True]
+    assert a.batch_exists(keys) == 2 and b.batch_exists(keys) == 0
+    assert b.batch_get_v1(keys, slots([4, 5])) == [False, False]
+    a.close()
+    b.close()
 
 
 def test_a_store_after_close_is_not_stored_and_makes_no_client(daemon: Any) -> None:
