@@ -554,7 +554,9 @@ class KVStoreClient:
         (in ``fast``, only until the next write: a power loss after unsynced
         commits wipes the store), unless evicted for room or expired later.
         A put reply alone is not durable. False when ``timeout`` seconds (default: no limit)
-        passed first; nothing is lost, a later flush goes on. Each request
+        passed first, or when the daemon could not write something (nvme full of blocks it keeps,
+        a disk error: asking again at once would change nothing, and with no limit would never
+        end; its log says what); nothing is lost, a later flush goes on. Each request
         asks the daemon to answer within half the client's timeout, so a long
         flush never looks like a dead daemon.
         """
@@ -567,7 +569,7 @@ class KVStoreClient:
             assert isinstance(reply, FlushOk)
             if reply.durable:
                 return True
-            if deadline is not None and time.monotonic() >= deadline:
+            if reply.settled or (deadline is not None and time.monotonic() >= deadline):
                 return False
 
     def pin(self, token_ids: TokenInput, lease: float | None = None) -> tuple[int, int]:

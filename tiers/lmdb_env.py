@@ -216,6 +216,11 @@ class Environment:
         try:
             with self.env.begin(buffers=buffers) as txn:  # type: ignore[call-overload]
                 return fn(txn)
+        except (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError) as e:  # a damaged page
+            raise TierIOError(
+                f"nvme store {self.path} is damaged ({e}); move the directory aside (or delete it) to "
+                "start empty, or point [nvme] path elsewhere"
+            ) from e
         except lmdb.Error as e:
             raise TierIOError(f"nvme store {self.path}: read failed: {e}; check the disk") from e
         finally:

@@ -43,6 +43,7 @@ sessions, namespaces) whose transactions must see each other's layout.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from itertools import islice
@@ -76,6 +77,7 @@ from kvstore.tiers.nvme_format import (
 log = logging.getLogger(__name__)
 
 MIN_CAPACITY = 1 << 20
+_SLOT = b"access_slot"  # meta: the largest access-time slot a run used (see access_slot)
 DROP_BATCH = 256  # keys deleted (or records rewritten) in one transaction
 DEFAULT_MAP_SIZE = 64 << 20
 _RECORD_GUESS = 512  # bytes of a records entry when can_put has only the block to go on
@@ -597,6 +599,22 @@ class NvmeTier(Tier):
     def iter_namespaces(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """(ns id, description) of every stored namespace (a snapshot)."""
         return self._iter_map(self._namespaces, "namespace")
+
+    def access_slot(self, slot: float) -> float:
+        """The access-time slot to restore this store's records with, now that ``slot`` is the one in
+        force: the largest any run used (a record's access time lags its last read by up to the slot
+        it was written under, and a run with a shorter TTL has a shorter one), kept as that from now
+        on. Every slot is at most 10 minutes: that much is the most a block may outlive its TTL."""
+        meta = self._env.dbs["meta"]
+        stored = self._read(lambda txn: txn.get(_SLOT, db=meta))
+        try:
+            before = float(bytes(stored).decode()) if stored is not None else 0.0
+        except (UnicodeDecodeError, ValueError):  # not ours to trust: the longest a slot is
+            before = 600.0
+        most = max(slot, before if math.isfinite(before) and before > 0 else 0.0)
+        if most != before:
+            self._write(lambda txn: txn.put(_SLOT, repr(most).encode(), db=meta))
+        return most
 
     # -- lifecycle --------------------------------------------------------------------
     def sync(self) -> None:

@@ -87,9 +87,29 @@ def _is_key(text: str) -> bool:
     return True
 
 
-def check_private(path: Path, what: str) -> None:
-    """Raise ConfigError when the secret file ``path`` can be read by group or others (as ssh does)."""
-    st = os.stat(path)
+def _read_checked(path: Path, what: str) -> tuple[os.stat_result, str]:
+    """(status, text) of the file ``path`` as one open file: what is checked is what is read (a file
+    swapped between a check by path and a read by path would be read unchecked). ConfigError when it
+    cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise ConfigError(f"{what} file {path} cannot be read: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ConfigError(f"{what} {path} is not a file (a directory?); give the path of a key file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return st, f.read(1 << 20).decode()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{what} file {path} cannot be read: {e}") from None
+
+
+def check_private(path: Path, what: str, st: os.stat_result | None = None) -> None:
+    """Raise ConfigError when the secret file ``path`` (whose status ``st`` is, when given) can be read
+    by group or others (as ssh does)."""
+    st = os.stat(path) if st is None else st
     mode = st.st_mode
     if mode & 0o077:
         raise ConfigError(
@@ -101,19 +121,16 @@ def check_private(path: Path, what: str) -> None:
 
 def load_key(value: str | bytes, what: str, *, secret: bool) -> bytes:
     """The Z85 key ``value`` holds: read from the file it names (checked private when ``secret``), else itself."""
-    if isinstance(value, str) and value.strip() and os.path.isfile(os.path.expanduser(value.strip())):
+    if isinstance(value, str) and value.strip() and os.path.exists(os.path.expanduser(value.strip())):
         path = Path(os.path.expanduser(value.strip()))
         if secret and path.name.endswith(".key"):  # keygen's public half: said so, not "chmod 600 it"
             raise ConfigError(
                 f"{what} {path} is a public key file; give the secret one ({path.name}_secret, as "
                 "`kvstore keygen` writes it)"
             )
+        st, text = _read_checked(path, what)
         if secret:
-            check_private(path, what)
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{what} file {path} cannot be read: {e}") from None
+            check_private(path, what, st)
         if not secret and SECRET_MARK in text:
             raise ConfigError(
                 f"{what} {path} is a secret key file; give the public one (the same name without "
@@ -205,11 +222,7 @@ def parse_allow_list(text: str, source: str) -> dict[bytes, str]:
 
 def read_allow_list(path: Path) -> dict[bytes, str]:
     """The allow-list file at ``path``; ConfigError when missing, unreadable, malformed or writable by others."""
-    try:
-        st = os.stat(path)
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"curve_allowed_keys file {path} cannot be read: {e}") from None
+    st, text = _read_checked(path, "curve_allowed_keys")
     if st.st_mode & 0o022:
         raise ConfigError(
             f"curve_allowed_keys file {path} has mode {oct(stat.S_IMODE(st.st_mode))}; others could "

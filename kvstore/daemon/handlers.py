@@ -76,6 +76,7 @@ PREFETCH_TARGETS = (TierName.RAM.value, TierName.HBM.value)  # nvme holds everyt
 MAX_PINS = 4096
 MAX_PINNED_KEYS = 1 << 18
 MAX_FLUSH_WAIT = 60.0  # seconds one flush request may hold a worker; the client asks again
+FLUSH_SLACK = 0.05  # seconds: a flush that ended this close to its time ran out of it
 # Longest lookup answered on the event loop (blocks): about 0.6 us a block hashed and found (16384 in 10 ms),
 # so about a ms at most; longer ones (block_tokens = 1 makes a block of every token) go to a worker
 INLINE_BLOCKS = 2048
@@ -284,7 +285,11 @@ class Handlers:
 
     def _flush(self, msg: Flush, ns: Namespace | None) -> Message:
         wait = MAX_FLUSH_WAIT if msg.timeout is None else min(msg.timeout, MAX_FLUSH_WAIT)
-        return FlushOk(durable=bool(self.store.flush(wait)))
+        began = time.monotonic()
+        durable = bool(self.store.flush(wait))
+        # not durable with time left: it did not run out of time, something could not be written
+        settled = durable or time.monotonic() - began < wait - FLUSH_SLACK
+        return FlushOk(durable=durable, settled=settled)
 
     def _pin(self, msg: Pin, ns: Namespace | None) -> Message:
         assert ns is not None

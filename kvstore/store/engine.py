@@ -155,9 +155,9 @@ class Store:
         self._write_through = write_through and nvme is not None
         self._writeback: WriteBack | None = None
         if nvme is not None and writer is not None:
-            report = restore(
-                self._index, nvme, self.tiers.last, self._namespaces, slot=access_slot(ttl), now=clock()
-            )
+            # the slot records were written under may be a longer one, of a run with a longer TTL
+            slot = nvme.access_slot(access_slot(ttl))
+            report = restore(self._index, nvme, self.tiers.last, self._namespaces, slot=slot, now=clock())
             self._mover.counters[self.tiers.last].corrupt += report.damaged
             restore_sessions(parts, nvme.iter_sessions(), self._journal.forget_session)
             trim_disk(parts, self._mover, nvme)

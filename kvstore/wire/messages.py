@@ -470,11 +470,14 @@ class ErrorReply(Message):
 @dataclass(frozen=True)
 class FlushOk(Message):
     """``durable``: everything stored before the flush is on nvme and synced (false: ``timeout`` passed
-    first; nothing is lost, flush again)."""
+    first; nothing is lost, flush again). ``settled``, not durable: the flush did not run out of time,
+    something could not be written (nvme full of blocks it keeps, a disk error): flushing again at
+    once changes nothing until room comes back or the disk takes writes again."""
 
     op = "flush"
-    schema = {"durable": F.boolean}
+    schema = {"durable": F.boolean, "settled": F.boolean}
     durable: bool
+    settled: bool = False
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,8 @@ def test_client_keys_from_arguments_files_or_environment(tmp_path: Path) -> None
         ("the public file given as the secret", "is a public key file"),
         ("the secret file given as the server's key", "is a secret key file"),
         ("a key file that is not there", "names no file"),
+        # it was "names no file (it does not exist)", of a path that exists
+        ("a directory given as the secret", "is not a file (a directory?)"),
     ],
 )
 def test_client_keys_refuse_incomplete_or_exposed_pairs(tmp_path: Path, case: str, complaint: str) -> None:
@@ -214,6 +216,8 @@ def test_client_keys_refuse_incomplete_or_exposed_pairs(tmp_path: Path, case: st
         args["server_key"] = str(server.secret_file)
     elif case == "a key file that is not there":
         args["secret_key"] = str(tmp_path / "keys" / "me.key_secret")
+    elif case == "a directory given as the secret":
+        args["secret_key"] = str(tmp_path)
     else:
         os.chmod(me.secret_file, 0o640)
     with pytest.raises(ConfigError) as e:

@@ -186,3 +186,24 @@ def test_a_get_whose_result_cannot_be_made_leaves_no_pin(make_store, monkeypatch
     with pytest.raises(torch.cuda.OutOfMemoryError):
         s.get(NS, toks)
     assert s.stats().pinned == 0
+
+
+def test_a_restart_with_a_shorter_ttl_keeps_a_block_read_within_it(make_store, tmp_path) -> None:
+    # records written under a TTL of 10 minutes lag their last read by up to a minute (its slot);
+    # restored under a TTL of 30 s (a slot of 3 s), a block read 20 s before the restart was taken as
+    # read a minute before, and expired at once
+    clock = Clock(1_000_200.0)  # the start of a minute
+    path = tmp_path / "lmdb"
+    s = make_store(path=path, clock=clock, ttl=600.0, tick=0.02)
+    toks = tokens(2)
+    s.put(NS, toks, kv(2 * T))
+    assert s.flush(10)
+    clock.advance(20)
+    assert s.get(NS, toks).matched_blocks == 2  # in the put's slot: its record keeps the put's time
+    assert s.flush(10)
+    s.close()
+    clock.advance(16)  # 16 s after the read, 36 after the put
+    s2 = make_store(path=path, clock=clock, ttl=30.0, tick=0.02)
+    time.sleep(0.3)  # several ticks, each a TTL sweep
+    assert s2.lookup(NS, toks).matched_blocks == 2
+    s2.close()
