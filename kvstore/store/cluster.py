@@ -166,23 +166,13 @@ class ClusterLink:
             except ClusterUnavailable:  # asked again at a later put of them
                 return
             with self._unsent_lock:
-                for k, there in zip(batch, found, strict=True):
-                    if there:
-                        self._there[k] = None
-                        self._there.move_to_end(k)
-                while len(self._there) > REFRESH_MEMORY:
-                    self._there.popitem(last=False)
+                self._known_there([k for k, there in zip(batch, found, strict=True) if there])
                 absent = [
                     k
                     for k, there in zip(batch, found, strict=True)
                     if not there and k not in queued and k not in self._unsent
                 ]
-            with self._lock:
-                held = [k for k in absent if self._index.get(k) is not None]
-            if held:
-                refused = self._writer.submit(held, 0.0)
-                if refused:
-                    self._dropped(refused)
+            self._send_held(absent)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Blocks served from this host's tiers: their cluster copies' TTL is set anew on the cluster
@@ -267,11 +257,15 @@ class ClusterLink:
         """``keys``' cluster copies have their TTL from now (written, or read with GETEX)."""
         with self._unsent_lock:
             self._remember(keys, time.monotonic())
-            for k in keys:
-                self._there[k] = None
-                self._there.move_to_end(k)
-            while len(self._there) > REFRESH_MEMORY:
-                self._there.popitem(last=False)
+            self._known_there(keys)
+
+    def _known_there(self, keys: Sequence[bytes]) -> None:
+        """(``_unsent_lock`` held.) ``keys`` are in the cluster (the newest REFRESH_MEMORY remembered)."""
+        for k in keys:
+            self._there[k] = None
+            self._there.move_to_end(k)
+        while len(self._there) > REFRESH_MEMORY:
+            self._there.popitem(last=False)
 
     def _remember(self, keys: Sequence[bytes], now: float) -> None:
         """(``_unsent_lock`` held.) ``keys`` had their cluster TTL set at ``now``."""
@@ -321,8 +315,13 @@ class ClusterLink:
             ]
             for k in lost:
                 del self._there[k]
+        self._send_held(lost)
+
+    def _send_held(self, keys: Sequence[bytes]) -> None:
+        """(The cluster thread.) Queue those of ``keys`` this host still holds; those the full queue
+        refuses are dropped (counted), to go with the next put of them."""
         with self._lock:
-            held = [k for k in lost if self._index.get(k) is not None]
+            held = [k for k in keys if self._index.get(k) is not None]
         if held:
             refused = self._writer.submit(held, 0.0)
             if refused:

@@ -69,12 +69,18 @@ def test_no_daemon_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert r.stdout == ""
 
 
-def test_stale_socket_times_out_with_a_hint(tmp_path: Path) -> None:
-    # a socket file left by a crashed daemon: nobody answers
+def stale_socket(tmp_path: Path) -> Path:
+    """A socket file left by a crashed daemon: nothing listens on it."""
     path = tmp_path / "kv.sock"
     s = socket.socket(socket.AF_UNIX)
     s.bind(str(path))
     s.close()
+    return path
+
+
+def test_stale_socket_times_out_with_a_hint(tmp_path: Path) -> None:
+    # a socket file left by a crashed daemon: nobody answers
+    path = stale_socket(tmp_path)
     r = run_cli("inspect", "--endpoint", f"ipc://{path}", "--timeout", "300ms")
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
@@ -85,10 +91,7 @@ def test_stale_socket_times_out_with_a_hint(tmp_path: Path) -> None:
 def test_a_stale_socket_past_the_grace_says_how_to_start_a_daemon_once(tmp_path: Path) -> None:
     # with a timeout past the grace nothing listens for, the client says no daemon runs, and how to
     # start one; the CLI added "If it is not, start it ..." after it: two hints, one contradicting it
-    path = tmp_path / "kv.sock"
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(str(path))
-    s.close()
+    path = stale_socket(tmp_path)
     r = run_cli("inspect", "--endpoint", f"ipc://{path}", "--timeout", "20s")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "no kvstore daemon is running" in r.stderr and r.stderr.count("kvstore serve") == 1

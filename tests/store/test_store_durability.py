@@ -488,19 +488,26 @@ def test_a_disk_smaller_than_memory_keeps_the_head_of_a_conversation_and_flush_s
     s.close()
 
 
-def test_a_disk_too_small_for_one_block_is_said_once_and_not_retried_every_tick(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # a 2 MiB block's int4 frame does not fit an nvme of 1 MiB: its write was encoded again every
-    # tick (1024 a second at most), forever, with nothing logged but "the disk refused them" at close
+def disk_smaller_than_a_block(tmp_path: Path) -> tuple[Store, Namespace]:
+    """A store whose nvme (1 MiB) is smaller than one block's int4 frame (2 MiB blocks)."""
     layout = KVLayout(num_layers=16, num_kv_heads=4, head_dim=128, dtype="bfloat16", block_tokens=64)
-    ns, nb = Namespace("m", layout), layout.block_nbytes
+    nb = layout.block_nbytes
     s = Store(
         HbmTier(8 * nb, page_bytes=nb),
         RamTier(4 * (nb + 8192), get_codec("raw"), page_bytes=nb + 8192, pin_memory=False),
         NvmeTier(tmp_path / "lmdb", 1 << 20, get_codec("int4")),
         tick=0.02,
     )
+    return s, Namespace("m", layout)
+
+
+def test_a_disk_too_small_for_one_block_is_said_once_and_not_retried_every_tick(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a 2 MiB block's int4 frame does not fit an nvme of 1 MiB: its write was encoded again every
+    # tick (1024 a second at most), forever, with nothing logged but "the disk refused them" at close
+    s, ns = disk_smaller_than_a_block(tmp_path)
+    layout = ns.layout
     with caplog.at_level(logging.WARNING, logger="kvstore.store"):
         assert (
             s.put(ns, list(range(4 * 64)), torch.randn(layout.shape(4 * 64)).to(torch.bfloat16)).stored == 4
@@ -521,14 +528,8 @@ def test_a_block_nvme_had_no_room_for_and_then_evicted_does_not_silence_the_next
     # the blocks nvme had no room for wait for nvme to let go of something before they are tried
     # again; evicted from memory meanwhile they were still owed, so the next block without room (of
     # another conversation, long after) was not logged: "later ones are not logged" of a run long over
-    layout = KVLayout(num_layers=16, num_kv_heads=4, head_dim=128, dtype="bfloat16", block_tokens=64)
-    ns, nb = Namespace("m", layout), layout.block_nbytes
-    s = Store(
-        HbmTier(8 * nb, page_bytes=nb),
-        RamTier(4 * (nb + 8192), get_codec("raw"), page_bytes=nb + 8192, pin_memory=False),
-        NvmeTier(tmp_path / "lmdb", 1 << 20, get_codec("int4")),
-        tick=0.02,
-    )
+    s, ns = disk_smaller_than_a_block(tmp_path)
+    layout = ns.layout
 
     def said(n: int) -> bool:
         deadline = time.monotonic() + 10
