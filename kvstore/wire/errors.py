@@ -82,10 +82,10 @@ class RemoteProtocolError(ProtocolError):
     """The peer sent a message the protocol forbids. ``request_id`` is its id when it could be read;
     ``op``: the request's op when it is one the protocol knows (None: unknown, or unread)."""
 
-    def __init__(self, code: str, message: str, request_id: int | None = None) -> None:
+    def __init__(self, code: str, message: str, request_id: int | None = None, op: str | None = None) -> None:
         super().__init__(code, message)
         self.request_id = request_id
-        self.op: str | None = None
+        self.op = op
 
 
 class ServerError(KVStoreError):

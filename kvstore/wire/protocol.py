@@ -142,9 +142,7 @@ def _peek(frame: Buffer) -> tuple[int | None, str | None]:
 def _refused(code: str, message: str, frame: Buffer) -> RemoteProtocolError:
     """A refusal of a header too large to decode, with the id and op its first fields name."""
     rid, op = _peek(frame)
-    err = RemoteProtocolError(code, message, request_id=rid)
-    err.op = op
-    return err
+    return RemoteProtocolError(code, message, request_id=rid, op=op)
 
 
 # a request's header: at most this many fields a map (its namespace's too), bytes a string
