@@ -99,11 +99,11 @@ def _endpoint(endpoint: str | None) -> str:
     """``endpoint`` (default: $KVSTORE_ENDPOINT or $KVSTORE_SERVER_ENDPOINT, else the default
     socket); ConfigError for one a daemon listens on but nobody can connect to (``tcp://*:5555``),
     or no text at all, or for the two variables naming different endpoints."""
-    from kvstore.config import check_connect_endpoint, check_endpoint, default_endpoint, env_endpoint
+    from kvstore.config import check_connect_endpoint, default_endpoint, env_endpoint
 
     if endpoint is not None and not isinstance(endpoint, str):
         raise ConfigError(f"endpoint must be a string like 'ipc:///path/kv.sock', got {endpoint!r}")
-    return check_connect_endpoint(check_endpoint(endpoint or env_endpoint() or default_endpoint()))
+    return check_connect_endpoint(endpoint or env_endpoint() or default_endpoint())
 
 
 def _count(name: str, v: Any, *, least: int = 0, none: bool = False) -> Any:

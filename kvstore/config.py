@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -236,6 +235,16 @@ class ClusterConfig:
     tls_key_file: Path | None = None
     required: bool = False  # refuse to start when the cluster cannot be used (default: start local-only)
 
+    def __repr__(self) -> str:  # a node URL may carry the password: never in a log or a traceback
+        shown = (
+            f"{f.name}={tuple(redact_url(n) for n in self.nodes)!r}"
+            if f.name == "nodes"
+            else f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.repr
+        )
+        return f"ClusterConfig({', '.join(shown)})"
+
     def resolved_password(self, env: Mapping[str, str] | None = None) -> str | None:
         """The password: ``password``, else the variable ``password_env`` names (ConfigError when unset)."""
         if self.password is not None or self.password_env is None:
@@ -287,7 +296,7 @@ class Config:
         c["password"] = None if c["password"] is None else _SECRET
         for k in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
             c[k] = None if c[k] is None else str(c[k])
-        c["nodes"] = [re.sub(r"(//[^/@:]*):[^/@]*@", r"\1:***@", n) for n in c["nodes"]]
+        c["nodes"] = [redact_url(n) for n in c["nodes"]]
         return d
 
 

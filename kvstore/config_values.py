@@ -153,13 +153,14 @@ def check_endpoint(text: str) -> str:
         raise ConfigError(f"endpoint {text!r} is not allowed; expected {e}") from None
 
 
-def check_connect_endpoint(endpoint: str) -> str:
-    """``endpoint`` if a client can connect to it; ConfigError otherwise.
+def check_connect_endpoint(text: str) -> str:
+    """``text`` as check_endpoint returns it, if a client can connect there; ConfigError otherwise.
 
     A tcp host ``*`` or port ``*``/``0`` says where a daemon listens (every interface, any free port),
     never where to reach it: ZeroMQ refuses to connect there, or connects to nothing.
     """
-    m = re.fullmatch(r"tcp://(.+):(\d+|\*)", endpoint.strip())
+    endpoint = check_endpoint(text)
+    m = re.fullmatch(r"tcp://(.+):(\d+|\*)", endpoint)
     if m is None:
         return endpoint
     host, port = m.group(1), m.group(2)

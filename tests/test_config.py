@@ -594,3 +594,15 @@ def test_a_cluster_password_and_its_environment_variable_are_not_both_taken(tmp_
     path = write(tmp_path, '[cluster]\npassword = "x"\n')
     with pytest.raises(ConfigError, match="both set"):
         load_config(path, env={"KVSTORE_CLUSTER_PASSWORD_ENV": "REDIS_PASSWORD"})
+
+
+def test_a_password_in_a_cluster_node_url_is_never_shown(tmp_path: Path) -> None:
+    import json
+
+    path = write(tmp_path, '[cluster]\nnodes = ["redis://u:p@ss@h:1", "redis://:s3cret@h:2"]\n')
+    c = load_config(path, env={})
+    assert c.cluster.nodes == ("redis://u:p@ss@h:1", "redis://:s3cret@h:2")  # still usable
+    assert c.to_dict()["cluster"]["nodes"] == ["redis://u:***@h:1", "redis://:***@h:2"]
+    for text in (repr(c), str(c.cluster), json.dumps(c.to_dict())):
+        assert "p@ss" not in text and "s3cret" not in text and "ss@h" not in text
+    assert "nodes=('redis://u:***@h:1', 'redis://:***@h:2')" in repr(c.cluster)

@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvstore.chains import KeyChain
 from kvstore.client import KVStoreClient
-from kvstore.config import check_connect_endpoint, check_endpoint
+from kvstore.config import check_connect_endpoint
 from kvstore.errors import ConfigError, LayoutError
 from kvstore.integrations.backoff import Backoff
 from kvstore.integrations.vllm_settings import ClientsClosed, seconds
@@ -109,7 +109,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.config = storage_config
         self.model = str(model) if len(str(model).encode()) <= 200 else "sha256:" + _sha(str(model), 64)
         self.tenant: str = _option(extra, "tenant", _name, "default")
-        self.endpoint: str | None = _option(extra, "endpoint", _endpoint, None)
+        self.endpoint: str | None = _option(extra, "endpoint", check_connect_endpoint, None)
         self.timeout: float = _option(extra, "timeout", seconds, 10.0)
         c = storage_config
         shard = f"tp{c.tp_rank}of{c.tp_size}/pp{c.pp_rank}of{c.pp_size}/cp{c.attn_cp_rank}of{c.attn_cp_size}"
@@ -360,11 +360,6 @@ def _option(extra: dict[str, Any], key: str, check: Callable[[Any], Any], defaul
         return check(v)
     except (ConfigError, ValueError) as e:
         raise ValueError(f"kvstore: extra_config {key!r}: {e}") from None
-
-
-def _endpoint(v: Any) -> str:
-    # tcp://*:5555 passes check_endpoint (a daemon listens there) but no client can connect to it
-    return check_connect_endpoint(check_endpoint(v))
 
 
 def _name(v: Any) -> str:

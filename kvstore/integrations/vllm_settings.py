@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.client import KVStoreClient
-from kvstore.config import check_endpoint
+from kvstore.config import check_connect_endpoint
 from kvstore.errors import ConfigError, KVStoreError, LayoutError
 from kvstore.integrations.backoff import Backoff
 from kvstore.integrations.weights import Weights, weights_id
@@ -129,7 +129,7 @@ def _text(v: Any) -> str:
 
 def _endpoint(v: Any) -> str:
     try:
-        return check_endpoint(v)
+        return check_connect_endpoint(v)  # tcp://*:5555 is where a daemon listens, not an address
     except ConfigError as e:
         raise ValueError(str(e)) from None
 

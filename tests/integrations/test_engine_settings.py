@@ -68,6 +68,8 @@ def test_flags_and_numbers_given_as_text_mean_what_they_say() -> None:
         ({"block_tokens": "inf"}, "'block_tokens'.*positive integer"),
         ({"max_variants": 0}, "'max_variants'.*positive integer"),
         ({"endpoint": "localhost:5555"}, "'endpoint'.*tcp://host:port"),
+        ({"endpoint": "tcp://*:5555"}, "'endpoint'.*where a daemon listens \\(every interface\\)"),
+        ({"endpoint": "tcp://127.0.0.1:0"}, "'endpoint'.*where a daemon listens \\(any free port\\)"),
         ({"tenant": 7}, "'tenant'.*string"),
     ],
 )
