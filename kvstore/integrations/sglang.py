@@ -51,9 +51,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvstore.chains import KeyChain
 from kvstore.client import KVStoreClient
 from kvstore.config import check_connect_endpoint
-from kvstore.errors import ConfigError, LayoutError
+from kvstore.errors import ClientClosed, ConfigError, LayoutError
 from kvstore.integrations.backoff import Backoff
-from kvstore.integrations.vllm_settings import ClientsClosed, seconds
+from kvstore.integrations.vllm_settings import seconds
 from kvstore.integrations.weights import weights_id
 from kvstore.kvbuffers import PagedKV
 from kvstore.layout import KVLayout, dtype_name
@@ -301,7 +301,7 @@ class KVStoreHiCache(HiCacheStorage):
         self._client()  # attached, or LayoutError
         with self._saver_lock:
             if self._closed:
-                raise ClientsClosed("kvstore's backend is closed (SGLang shut it down)")
+                raise ClientClosed("kvstore's backend is closed (SGLang shut it down)")
             if self._saver is None:
                 self._saver = self._new_client(wait_when_busy=True)
             return self._saver

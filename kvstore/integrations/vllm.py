@@ -78,17 +78,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.errors import LayoutError
 from kvstore.integrations import vllm_layout
-from kvstore.integrations.vllm_layout import split_kv
+from kvstore.integrations.vllm_clients import Clients, VariantRefused, worker_ranks
+from kvstore.integrations.vllm_layout import check_attention, model_layout, split_kv
 from kvstore.integrations.vllm_saver import Saver, Transfer
-from kvstore.integrations.vllm_settings import (
-    Clients,
-    Settings,
-    Variant,
-    VariantRefused,
-    check_attention,
-    model_layout,
-    worker_ranks,
-)
+from kvstore.integrations.vllm_settings import Settings, Variant
 from kvstore.integrations.vllm_tracking import Load, Poisoned, Tracked, Unsettled
 from kvstore.kvbuffers import PagedKV
 

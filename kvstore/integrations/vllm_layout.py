@@ -1,4 +1,5 @@
-"""Where K and V lie in vLLM's paged KV caches, per attention backend: views, never copies.
+"""Where K and V lie in vLLM's paged KV caches, per attention backend (views, never copies), and
+which models' caches the connector can read at all (``model_layout``, ``check_attention``).
 
 vLLM 0.32+ gives each layer one ``[num_blocks, H, block_size, 2*D]`` tensor. FlashAttention,
 FlashInfer, Triton and FlexAttention keep K and V side by side in the last dimension; the CPU
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from kvstore.errors import LayoutError
+from kvstore.layout import KVLayout, dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +110,88 @@ def cpu_isa(vllm_config: Any, cache: torch.Tensor, head_dim: int) -> str:
     except Exception as e:
         log.debug("CPU attention flavour not found (%s)", e)
         return ""
+
+
+def model_layout(vllm_config: Any, block_tokens: int) -> KVLayout:
+    """The K/V layout of this vLLM instance's share of the model (its pipeline stage's layers, its
+    tensor-parallel rank's KV heads), in the dtype vLLM keeps K/V in."""
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    if getattr(mc, "use_mla", False):
+        raise LayoutError("kvstore's vLLM connector keeps per-head K and V; MLA models are not supported")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        # a drafter's attention layers (EAGLE, MTP, a draft model) share the target's KV cache: their
+        # K/V is no function of the target's layers kvstore keeps, and vLLM registers them beside
+        raise LayoutError(
+            "kvstore's vLLM connector keeps the target model's layers; speculative decoding "
+            "(--speculative-config) is not supported with it"
+        )
+    cache_dtype = str(getattr(cc, "cache_dtype", "auto"))
+    if cache_dtype not in ("auto", str(mc.dtype).removeprefix("torch.")):
+        raise LayoutError(
+            f"kvstore keeps K/V in the model's dtype ({mc.dtype}); --kv-cache-dtype {cache_dtype} is not supported"
+        )
+    return KVLayout(
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        dtype=dtype_name(mc.dtype),
+        block_tokens=block_tokens,
+    )
+
+
+# The KV cache groups whose blocks stay the request's for its whole life: a group of another kind
+# (sliding window, chunked local, R-SWA) frees the blocks behind its window while the request runs, and
+# a save planned on the request's block list would read blocks vLLM has given to another request.
+_WHOLE_ATTENTION = ("FullAttentionSpec",)
+
+
+def check_attention(vllm_config: Any, kv_cache_config: Any) -> None:
+    """LayoutError unless every layer keeps the K/V of every token of a request in the blocks vLLM
+    gave it, in the order of its block table: no sliding-window or chunked-local attention (vLLM
+    frees their blocks behind the window as the request runs), no decode context parallelism
+    (tokens interleaved across ranks)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    if int(getattr(pc, "decode_context_parallel_size", 1) or 1) > 1:
+        raise LayoutError(
+            "kvstore's vLLM connector reads a request's tokens in the order of its block table; "
+            "--decode-context-parallel-size > 1 is not supported"
+        )
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) > 1:  # the connector follows one block table per request: the first group's
+        raise LayoutError(
+            f"kvstore's vLLM connector follows one block table per request, and this model's KV cache "
+            f"has {len(groups)} groups ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}); "
+            "it is not supported"
+        )
+    kinds = {type(s).__name__ for group in groups for s in _members(group.kv_cache_spec)}
+    packed = [
+        s
+        for group in groups
+        for s in _members(group.kv_cache_spec)
+        if getattr(s, "num_head_slots", None) is not None
+        or getattr(s, "state_content_bytes", None) is not None
+    ]
+    if packed:  # B12X, ROCm's, quantized caches: K and V are not one head's side by side
+        raise LayoutError(
+            "this model's attention backend packs its KV cache pages "
+            f"({getattr(packed[0], 'num_head_slots', None) or 'per head'} head slots of "
+            f"{getattr(packed[0], 'state_content_bytes', None) or 'dense'} bytes); kvstore's vLLM "
+            "connector reads unpacked caches only (FlashAttention, FlashInfer, Triton, FlexAttention "
+            "or the CPU backend, without a quantized KV cache)"
+        )
+    other = sorted(kinds - set(_WHOLE_ATTENTION))
+    window = getattr(mc, "get_sliding_window", lambda: None)() if kv_cache_config is None else None
+    chunk = getattr(mc, "attention_chunk_size", None) if kv_cache_config is None else None
+    if other or window or chunk:
+        what = ", ".join(other) if other else "sliding-window" if window else "chunked-local"
+        raise LayoutError(
+            f"kvstore's vLLM connector keeps every token's K/V, and this model's attention ({what}) "
+            "has vLLM free the blocks behind its window while a request runs; it is not supported "
+            "(a model of full attention only, or one vLLM runs with --disable-sliding-window)"
+        )
+
+
+def _members(spec: Any) -> list[Any]:
+    """The specs of a group's layers: UniformTypeKVCacheSpecs holds one kind per layer."""
+    members = getattr(spec, "kv_cache_specs", None)
+    return list(members.values()) if isinstance(members, dict) else [spec]

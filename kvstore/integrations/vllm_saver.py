@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import ClientClosed
-from kvstore.integrations.vllm_settings import Clients, ClientsClosed, Variant, VariantRefused
+from kvstore.integrations.vllm_clients import Clients, VariantRefused
+from kvstore.integrations.vllm_settings import Variant
 from kvstore.kvbuffers import PagedKV
 from kvstore.results import MISSING_PARENT
 
@@ -207,7 +208,7 @@ class Saver:
                 pass  # logged once by Clients
             except _Cancelled:
                 self._count("cancelled_saves")
-            except (ClientClosed, ClientsClosed):  # shutting down: the save is dropped, quietly
+            except ClientClosed:  # shutting down: the save is dropped, quietly
                 self._count("dropped_saves")
             except Exception as e:  # never the engine's problem: the blocks are simply not cached
                 self._count("failed_saves")

@@ -11,6 +11,8 @@
     restore.py    rebuilding the index from LMDB at start
     sessions.py   sessions and the prefix each last stored
     pins.py       pins as leases
+    admin.py      evict and prefetch, for operators
+    reports.py    sessions, usage, stats and the integrity check: reads only
     cluster.py    the shared tier below nvme: write-through to it, reads from it on a local miss
     cluster_admin.py  sessions other hosts stored, evict and prefetch on the cluster; [cluster] -> tier
 """

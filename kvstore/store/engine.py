@@ -16,7 +16,8 @@ write and report.
            ├─ Mover        room, demotion, promotion       (movement.py)
            ├─ DataPath     placing and reading blocks      (datapath.py)
            ├─ WriteBack    write-through, TTL, flush       (writeback.py, writer.py; with nvme)
-           ├─ AdminOps     evict, prefetch, stats          (admin.py)
+           ├─ AdminOps     evict, prefetch                 (admin.py)
+           ├─ Reports      sessions, usage, stats          (reports.py)
            ├─ ClusterLink  the shared tier below nvme      (cluster.py, cluster_admin.py, adoption.py)
            └─ PinTable, SessionTable, NamespaceTable, Journal
 
@@ -72,6 +73,7 @@ from kvstore.store.parts import StoreParts
 from kvstore.store.pins import PinHandle, PinTable
 from kvstore.store.puts import Putter
 from kvstore.store.reads import Located, Reader
+from kvstore.store.reports import Reports
 from kvstore.store.restore import restore, trim_disk
 from kvstore.store.resume import restore_sessions
 from kvstore.store.sessions import SessionState, SessionTable
@@ -178,14 +180,9 @@ class Store:
             self._cluster = ClusterLink(parts, cluster, self.put, offer, queue=cluster_queue, tick=tick)
             self._cluster_admin = ClusterAdmin(parts, self._cluster, self._journal, self.get)
         self._admin = AdminOps(
-            parts,
-            self._mover,
-            self._data,
-            self._journal,
-            self._writeback,
-            lease=self._lease,
-            cluster=self._cluster_admin,
+            parts, self._mover, self._data, self._journal, lease=self._lease, cluster=self._cluster_admin
         )
+        self._reports = Reports(parts, self._mover, self._writeback, self._cluster_admin)
         through = self._writeback if self._write_through and self._admit is Admission.ALWAYS else None
         self._puts = Putter(
             parts,
@@ -415,7 +412,7 @@ class Store:
         with self._lock:
             return self._pins.release(handle)
 
-    # -- operator operations (admin.py) --------------------------------------------------
+    # -- operator operations (admin.py, reports.py) --------------------------------------------------
     def evict(self, flt: EvictFilter, *, dry_run: bool = False) -> EvictResult:
         """See AdminOps.evict."""
         self._check_open()
@@ -451,25 +448,25 @@ class Store:
         return None if found is None else found["ns"].tenant
 
     def sessions(self, tenant: str | None = None) -> list[SessionInfo]:
-        """See AdminOps.sessions."""
+        """See Reports.sessions."""
         self.settle()
-        return self._admin.sessions(tenant)
+        return self._reports.sessions(tenant)
 
     def usage(self, tenant: str | None = None) -> list[NamespaceUsage]:
-        """See AdminOps.usage."""
+        """See Reports.usage."""
         self.settle()
-        return self._admin.usage(tenant)
+        return self._reports.usage(tenant)
 
     def session(self, name: str) -> SessionDetail:
         self.settle()
-        return self._admin.session(name)
+        return self._reports.session(name)
 
     def stats(self) -> StoreStats:
         self.settle()
-        return self._admin.stats()
+        return self._reports.stats()
 
     def check_integrity(self) -> list[str]:
-        return self._admin.check_integrity()
+        return self._reports.check_integrity()
 
     # -- durability and state --------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

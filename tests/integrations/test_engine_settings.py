@@ -1,6 +1,6 @@
-"""What the engine connectors share, without an engine: vLLM's connector settings and namespaces
-(kvstore.integrations.vllm_settings) against a real daemon, and a busy daemon on an engine's
-critical path (kvstore.connection)."""
+"""What the engine connectors share, without an engine: vLLM's connector settings, namespaces and
+clients (kvstore.integrations.vllm_settings, vllm_clients) against a real daemon, and a busy daemon
+on an engine's critical path (kvstore.connection)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,9 @@ import pytest
 import torch
 
 from kvstore.connection import Connection
-from kvstore.errors import ConfigError
-from kvstore.integrations.vllm_settings import (
-    Clients,
-    ClientsClosed,
-    Settings,
-    Variant,
-    VariantRefused,
-    namespace_revision,
-)
+from kvstore.errors import ClientClosed, ConfigError
+from kvstore.integrations.vllm_clients import Clients, VariantRefused
+from kvstore.integrations.vllm_settings import Settings, Variant, namespace_revision
 from kvstore.integrations.weights import Weights
 from kvstore.layout import KVLayout
 from kvstore.wire.errors import ServerError
@@ -214,7 +208,7 @@ def test_the_least_recently_used_client_is_closed_without_waiting_for_its_call(
 ) -> None:
     """Past MAX_CLIENTS the least recently used client goes: its close waits for the call another
     thread runs on it (a save and its retries), and the thread that made the new client does not."""
-    import kvstore.integrations.vllm_settings as vs
+    import kvstore.integrations.vllm_clients as vs
 
     monkeypatch.setattr(vs, "MAX_CLIENTS", 2)
     clients = Clients(vllm_config(), Settings(endpoint=daemon.endpoint, max_variants=4), LAYOUT, (0, 0))
@@ -276,10 +270,10 @@ def test_a_client_made_while_the_clients_close_is_closed_not_kept(daemon: Any) -
         daemon.proc.send_signal(signal.SIGCONT)
     thread.join(30)
     assert not thread.is_alive()
-    assert len(outcome) == 1 and isinstance(outcome[0], ClientsClosed), outcome
+    assert len(outcome) == 1 and isinstance(outcome[0], ClientClosed), outcome
     assert len(made) == 1 and made[0]._conn.sock is None  # closed: its socket is gone
     assert clients._clients == {}
-    with pytest.raises(ClientsClosed):
+    with pytest.raises(ClientClosed):
         clients.get(Variant(), "lookup")
 
 
