@@ -38,6 +38,7 @@ Frames = Mapping[bytes, tuple[int, Buffer]]  # key -> (tier, frame) encoded befo
 NO_FRAMES: Frames = MappingProxyType({})
 
 _SCAN = 64  # LRU entries examined for a leaf before settling for the oldest candidate
+_TAIL_WALKS = 8  # nvme: prefixes whose tail victim() looks at for one nvme alone holds
 PLACE_TRIES = 8  # puts into a tier that said it was full after room was made for the block
 DISK_BACKOFF = 1.0  # seconds after the disk refused a block in which no block pushed down tries it again
 
@@ -119,12 +120,16 @@ class Mover:
         of a cold block is an eviction, while dropping the disk copy of one in
         memory breaks what a flush promised. Among those, one with no child on
         nvme goes first, and never an ancestor of a block being written: the
-        disk keeps the heads of prefixes, not their tails.
+        disk keeps the heads of prefixes, not their tails. An old prefix nvme
+        alone holds whose tail on nvme a memory tier also holds (its head is
+        older than the tail: a put continued it) counts as such a block.
         """
         bit, upto = 1 << t, (2 << t) - 1
         disk = t == self.tiers.nvme_t
         fallback: Entry | None = None
         held: list[Entry] = []  # nvme: blocks a memory tier also holds, oldest first
+        held_tail: Entry | None = None  # nvme: the oldest prefix nvme alone holds but for its tail
+        walks = 0  # tails walked for that (each a prefix long, under the lock: a few only)
         scanned = 0
         refusing = self.disk_refusing()
         for e in self.index.lru(t):
@@ -134,7 +139,14 @@ class Mover:
                 if e.children is None:
                     return e
                 if fallback is None and not self.subtree_pinned(e) and not (refusing and self._owes_below(e)):
-                    fallback = e
+                    if not disk:
+                        fallback = e
+                    elif walks < _TAIL_WALKS:  # (past them: a leaf, or the first such prefix)
+                        walks += 1
+                        if self._tail(e, bit, exclude).tiers & TIER_MASK == bit:
+                            fallback = e
+                        elif held_tail is None:
+                            held_tail = e
             elif disk:
                 held.append(e)
             else:
@@ -143,12 +155,14 @@ class Mover:
                 if fallback is None:
                     fallback = e
             scanned += 1
-            if scanned >= _SCAN and fallback is not None or scanned >= _SCAN * 16 and held:
+            if scanned >= _SCAN and fallback is not None or scanned >= _SCAN * 16 and (held or held_tail):
                 break
         if fallback is not None and t == self.tiers.last and fallback.tiers & TIER_MASK == bit:
             return self._tail(fallback, bit, exclude)
         if fallback is None and held:
             return self._displacement(held, bit, exclude)
+        if fallback is None and held_tail is not None:
+            return self._tail(held_tail, bit, exclude)
         return fallback
 
     def _displacement(self, held: list[Entry], bit: int, exclude: set[bytes]) -> Entry | None:
@@ -282,9 +296,11 @@ class Mover:
 
     def demote(self, e: Entry, t: int, ready: Frames = NO_FRAMES) -> bool:
         """Move ``e`` from ``t`` to ``t+1``, re-encoded from ``t``'s copy (the best one left), or
-        as the frame ``ready`` holds for it. False when it stays: something in its subtree is pinned,
-        or it owes nvme a copy and the disk refuses writes (a block flush must write is never dropped
-        for room: a flush after the disk is back would call the store durable without it)."""
+        as the frame ``ready`` holds for it; when ``t+1`` has no room (its blocks pinned, or smaller
+        than the block), to the first tier below that has. Dropped only when no tier below takes it.
+        False when it stays: something in its subtree is pinned, or it owes nvme a copy and the disk
+        refuses writes (a block flush must write is never dropped for room: a flush after the disk
+        is back would call the store durable without it)."""
         owed = self.owed(e)
         if owed and t + 1 == self.tiers.nvme_t and self.disk_refusing():
             return False
@@ -307,6 +323,10 @@ class Mover:
             if e.tiers & TIER_MASK & ~(1 << t):
                 self.drop_copy(e, t)  # no room below, but a copy further down remains
                 return True
+            placed = self._place_further(e, t, block, ready)
+            if self.index.get(e.key) is not e:
+                return True
+        if not placed:
             if self.subtree_pinned(e) or owed and self.disk_refusing():
                 return False
             self.drop_block(e)
@@ -314,6 +334,26 @@ class Mover:
         self.drop_copy(e, t)
         self.counters[t].demotions += 1
         return True
+
+    def _place_further(self, e: Entry, t: int, block: torch.Tensor | None, ready: Frames) -> bool:
+        """(``demote``.) Place ``e``, held in ``t`` alone, in the first tier below ``t+1`` with room:
+        the block must not go for want of room in one tier while another below has it."""
+        for below in range(t + 2, len(self.tiers)):
+            if below == self.tiers.nvme_t and self.owed(e) and self.disk_refusing():
+                return False
+            try:
+                block = block if block is not None else self.tiers[t].get(e.key)
+            except (FrameError, KeyError):
+                return False  # (the copy read well a moment ago: it goes as if nothing took it)
+            self.busy.add(e.key)
+            try:
+                if self.place(e, block, below, ready):
+                    return True
+            finally:
+                self.busy.discard(e.key)
+            if self.index.get(e.key) is not e:
+                return False
+        return False
 
     def place(self, e: Entry, block: torch.Tensor | None, t: int, ready: Frames = NO_FRAMES) -> bool:
         """Put ``block`` into tier ``t`` for indexed block ``e``, making room first. False: no room.

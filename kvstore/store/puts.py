@@ -114,13 +114,17 @@ class Putter:
                 with self._lock:
                     self._check_open(adopted)
                     fresh = [k for k in job.keys[c0:c1] if k not in self._index]
+                    known = self._namespaces.get(ns.id) is not None
                     try:
                         with self._tiers.batched_writes():  # landed before the lock is let go
                             new = self._chunk(job, c0, c1, ready)
                     except BaseException:
-                        # a batched copy failed: the chunk's new blocks are indexed, their bytes not
-                        # all written; none of them may be served
+                        # a batched copy failed, or a tier or codec raised what no tier should: the
+                        # chunk's new blocks are indexed, their bytes not all written; none of them
+                        # may be served, and a namespace they registered has no block left
                         self._withdraw(fresh)
+                        if not known:
+                            self._namespaces.discard(ns.id)
                         raise
                     if hold is not None:
                         self._pins.release(hold)
@@ -165,6 +169,9 @@ class Putter:
             return []
         if job.base is None:  # an engine chain's positions continue its parent's (the tree depth)
             job.base = parent.position() + 1 - c0 if isinstance(job.chain, KeyChain) and parent else 0
+            if parent is not None:  # a put continuing a prefix used it, root first as a get does:
+                for a in self._index.chain(parent):  # its head must not look colder than its tail
+                    self._touch(a, now)
         new: list[bytes] = []
         T = job.ns.layout.block_tokens
         added = False  # this put registered the namespace

@@ -31,6 +31,7 @@ from kvstore.store.adoption import Adoption
 from kvstore.store.cluster import ClusterLink
 from kvstore.store.datapath import DataPath, Read
 from kvstore.store.index import Entry
+from kvstore.store.movement import NO_FRAMES, Frames
 from kvstore.store.parts import StoreParts
 from kvstore.store.pins import PinHandle
 from kvstore.tiers.paged import PagedTier, Place
@@ -163,11 +164,14 @@ class Reader:
                 block, t = got  # block: a view of out (what promotion copies up)
                 read.append((e, block, t))
         finally:
-            ready = self._data.prepare_promotions(read)
-            with self._lock:
-                self._pins.release(handle)  # before promoting: the chain itself may need to make room
-                self._data.after_get(read, want - len(read), self._clock(), ready)
-                self._counts.tokens_served += len(read) * T
+            ready: Frames = NO_FRAMES
+            try:  # (a codec that raises what no codec should: the pin still ends here, not at its lease)
+                ready = self._data.prepare_promotions(read)
+            finally:
+                with self._lock:
+                    self._pins.release(handle)  # before promoting: the chain itself may need to make room
+                    self._data.after_get(read, want - len(read), self._clock(), ready)
+                    self._counts.tokens_served += len(read) * T
         tiers = [self._tiers.names[t] for _, _, t in read]
         if self._cluster is not None and read:
             self._cluster.touch([e.key for e, _, _ in read])
@@ -278,13 +282,18 @@ class Reader:
         T = located.ns.layout.block_tokens
         used = max(0, min(used, len(located.places)))
         read: list[Read] = []
-        for e, t, _ in located.places[:used]:
-            block = None
-            if t > 0 and self._data.promotes:
-                got = self._data.read(e, torch.device("cpu"), layout=located.ns.layout)
-                block = None if got is None else got[0]
-            read.append((e, block, t))
-        ready = self._data.prepare_promotions(read)
+        try:
+            for e, t, _ in located.places[:used]:
+                block = None
+                if t > 0 and self._data.promotes:
+                    got = self._data.read(e, torch.device("cpu"), layout=located.ns.layout)
+                    block = None if got is None else got[0]
+                read.append((e, block, t))
+            ready = self._data.prepare_promotions(read)
+        except BaseException:  # (what no tier or codec should raise): the pin ends now, not at its lease
+            with self._lock:
+                self._pins.release(located.handle)
+            raise
         with self._lock:
             self._pins.release(located.handle)
             if self._closed():

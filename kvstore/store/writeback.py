@@ -95,6 +95,7 @@ class WriteBack:
         self._roomless: dict[bytes, int] = {}
         self._records_failing = False  # the last update of block records failed (logged once a run)
         self._dirty: set[bytes] = set()  # blocks whose nvme record lags their tags / access time
+        self._strays: set[bytes] = set()  # nvme copies of blocks the index dropped, whose delete failed
         self.writing: set[bytes] = set()  # being written: the nvme copy may lead the index a moment
         self._waiting: Counter[bytes] = Counter()  # times queued by ``submit``, not yet taken by ``write``
         self._ready: dict[bytes, Buffer] = {}  # frames in nvme's codec already (from the cluster tier)
@@ -367,7 +368,7 @@ class WriteBack:
             self._mover.disk_took()
             now = self._index.get(key)
             if now is None or not now.tiers & TIER_MASK:
-                nvme.drop(key)  # dropped while it was being written: do not resurrect it
+                self._drop_stray(key)  # dropped while it was being written: do not resurrect it
                 return
             if not now.tiers & (1 << t_n) and key not in nvme:
                 # its nvme copy was written (a demotion) and dropped again meanwhile: not on nvme
@@ -378,6 +379,30 @@ class WriteBack:
             self._counts.written += 1
             if now.sessions != rec.sessions or now.last_access != rec.last_access:
                 self._dirty.add(key)
+
+    def _drop_stray(self, key: bytes) -> None:
+        """(Lock held.) Delete nvme's copy of ``key``, a block the index dropped; when the disk refuses,
+        kept and tried again each tick: it would take room no eviction frees, and be read back as a
+        block at the next start (an evicted block back)."""
+        try:
+            self._nvme.drop(key)
+        except KVStoreError as e:
+            if not self._strays:
+                log.warning(
+                    "nvme could not delete block %s the store dropped (%s); retrying", key.hex()[:16], e
+                )
+            self._strays.add(key)
+        else:
+            self._strays.discard(key)
+
+    def _drop_strays(self) -> None:
+        with self._lock:
+            for k in list(self._strays):
+                e = self._index.get(k)
+                if e is not None and e.tiers & (1 << self._t):  # stored and written again meanwhile
+                    self._strays.discard(k)
+                elif k not in self.writing:  # (being written: _written decides)
+                    self._drop_stray(k)
 
     def _requeue(self, most: int | None, *, wait: float) -> None:
         """Queue (up to ``most`` of) the deferred keys that are not queued already; they stay deferred
@@ -459,6 +484,7 @@ class WriteBack:
         """Periodic upkeep on the writer thread; pins lapse whatever the disk does."""
         try:
             self.expire()
+            self._drop_strays()
             self._requeue(1024, wait=0.0)
             self.persist_dirty()
         finally:

@@ -32,9 +32,9 @@ def test_evicting_a_block_drops_its_descendants(make_store) -> None:
     clock = Clock()
     s = make_store(clock=clock, hbm_blocks=8, ram_blocks=8)
     toks, data = tokens(4), kv(4 * T)
-    s.put(NS, toks, data[:, :, : 2 * T])  # [0, 1] now
+    s.put(NS, toks, data)  # [0, 1, 2, 3] now
     clock.advance(3600)
-    s.put(NS, toks, data[:, :, 2 * T :], start_block=2)  # [2, 3] an hour later
+    assert s.get(NS, toks, start_block=2).matched_blocks == 2  # [2, 3] read an hour later, alone
     s.lookup(NS, toks)  # a lookup is not an access
     # older than 30 min selects [0, 1]; their descendants [2, 3] go with them
     dry = s.evict(EvictFilter(older_than=1800), dry_run=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvstore.keys import block_keys
-from kvstore.results import NO_ROOM
-from tests.store.storekit import NS, T, close_to, kv, same, tokens
+from kvstore.results import NO_ROOM, EvictFilter
+from tests.store.storekit import NS, Clock, T, close_to, kv, same, tokens
 
 
 def tiers_of(s, toks) -> list[str]:
@@ -261,3 +261,72 @@ def test_a_located_block_is_not_moved_up_under_its_reader(make_store) -> None:
     assert s.get(NS, a).tiers == ["ram", "ram"]
     assert s.lookup(NS, a).tiers == ["hbm", "hbm"]
     assert s.check_integrity() == []
+
+
+def test_a_block_ram_has_no_room_for_goes_on_to_nvme_not_away(make_store) -> None:
+    """hbm [2]  ram [3, every block pinned by a read]  nvme (write-through off: nothing there yet)
+
+    put A (2 blocks) -> hbm holds A;  put B (2 blocks) -> A must leave hbm, ram cannot take it:
+    A goes on to nvme (re-encoded there), not out of every tier, and a flush is durable with it."""
+    s = make_store(hbm_blocks=2, ram_blocks=3, write_through=False)
+    c = tokens(3, seed=7)
+    s.put(NS, c, kv(3 * T, 7))
+    s.evict(EvictFilter(tier="hbm"))  # C in ram, filling it
+    assert s.lookup(NS, c).tiers == ["ram"] * 3
+    handle = s.pin(block_keys(NS, c))  # a reader holds C's pages
+    a, b = tokens(2, seed=1), tokens(2, seed=2)
+    assert s.put(NS, a, kv(2 * T, 1)).stored == 2
+    assert s.put(NS, b, kv(2 * T, 2)).stored == 2
+    assert s.lookup(NS, a).tiers == ["nvme", "nvme"]  # moved past the full tier, not dropped
+    assert s.lookup(NS, b).tiers == ["hbm", "hbm"] and s.lookup(NS, c).tiers == ["ram"] * 3
+    got = s.get(NS, a)
+    assert got.matched_blocks == 2 and close_to(got.kv, kv(2 * T, 1))
+    s.release(handle)
+    assert s.flush(10) and s.check_integrity() == []
+
+
+def test_an_operator_evicting_hbm_past_a_full_ram_moves_blocks_to_nvme(make_store) -> None:
+    s = make_store(hbm_blocks=2, ram_blocks=3, write_through=False)
+    c = tokens(3, seed=7)
+    s.put(NS, c, kv(3 * T, 7))
+    s.evict(EvictFilter(tier="hbm"))
+    handle = s.pin(block_keys(NS, c))
+    a = tokens(2, seed=1)
+    s.put(NS, a, kv(2 * T, 1))
+    r = s.evict(EvictFilter(tier="hbm"))
+    assert r.blocks == 2 and s.lookup(NS, a).tiers == ["nvme", "nvme"]  # "moved" is what happened
+    s.release(handle)
+
+
+def test_nvme_drops_a_cold_prefix_it_alone_holds_before_the_disk_copy_of_one_in_memory(make_store) -> None:
+    """nvme: [A0 .. A68 | A69 also in ram]  [B0 B1]     (A older than B; a get read A69 alone)
+
+    A's head is the oldest on nvme, but the tail a drop of it starts from is held in memory: nvme lets
+    go of B, which it alone holds, before A69's disk copy (whose loss leaves a flush not durable)."""
+    clock = Clock()
+    s = make_store(clock=clock)
+    a, b = tokens(70), tokens(2, seed=5)
+    s.put(NS, a, kv(70 * T))
+    clock.advance(10)
+    s.put(NS, b, kv(2 * T, 5))
+    assert s.flush(10)
+    s.evict(EvictFilter(tier="hbm"))
+    s.evict(EvictFilter(tier="ram"))
+    clock.advance(10)
+    assert s.get(NS, a, start_block=69).matched_blocks == 1  # A69 read: promoted to ram
+    assert s.lookup(NS, a).tiers == ["nvme"] * 69 + ["ram"]
+    with s._lock:
+        victim = s._mover.victim(2, set())
+    assert victim is not None and victim.key == block_keys(NS, b)[1]
+
+
+def test_a_put_continuing_a_prefix_keeps_its_head_as_warm_as_its_tail(make_store) -> None:
+    clock = Clock()
+    s = make_store(clock=clock)
+    a, full = tokens(4), kv(4 * T)
+    s.put(NS, a[: 2 * T], full[:, :, : 2 * T])
+    clock.advance(100)
+    s.put(NS, a, full[:, :, 2 * T :], start_block=2)  # an engine stores only the new blocks
+    with s._lock:
+        times = [s._index.get(k).last_access for k in block_keys(NS, a)]
+    assert times == [clock()] * 4
