@@ -190,11 +190,15 @@ def open_plane(config: Config) -> SharedPlane | None:
     otherwise (tcp clients are on other hosts, or confined by CURVE: they use the socket). "auto"
     degrades to the socket, with a warning, where shared memory cannot be had (no /dev/shm, or one
     too small for the pools: a container's 64 MiB default); a ``shm_dir`` the operator set must work."""
+    from kvstore.shm.segment import default_dir, sweep_leftovers
+
     cfg = config.server
     if cfg.shared_memory == "off" or not cfg.endpoint.startswith("ipc://"):
+        gone = sweep_leftovers(cfg.shm_dir or default_dir())  # pools a crashed daemon left: GBs of RAM
+        if gone:
+            log.info("removed %d shared-memory segment(s) left by a daemon that is gone", gone)
         return None
     from kvstore.shm.plane import SharedPlane
-    from kvstore.shm.segment import default_dir
 
     try:
         plane = SharedPlane(

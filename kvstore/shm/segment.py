@@ -73,12 +73,27 @@ def private_dir(path: Path) -> Path:
             f"shared memory directory {path.parent} does not exist; set [server] shm_dir"
         ) from None
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    if not _private(st):
         raise ConfigError(
             f"{path} must be a directory owned by uid {os.geteuid()} with mode 0700 "
             f"(it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it or set [server] shm_dir"
         )
     return path
+
+
+def _private(st: os.stat_result) -> bool:
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def sweep_leftovers(path: Path) -> int:
+    """``sweep`` of ``path`` if it is a directory this user keeps private, else 0 (nothing made): a
+    daemon started without shared memory still removes the segments one that had it left at a crash."""
+    try:
+        if not _private(os.lstat(path)):
+            return 0
+        return sweep(path)
+    except OSError:
+        return 0
 
 
 def sweep(path: Path) -> int:

@@ -103,6 +103,20 @@ def test_clients_survive_a_restart_and_a_kill_and_dead_segments_are_removed(
         assert c.shared_memory
 
 
+def test_a_daemon_started_without_shared_memory_removes_what_a_killed_one_left(
+    daemons: Any, tmp_path: Path
+) -> None:
+    cfg = write_config(tmp_path, server=SHM)
+    d = daemons(cfg)
+    with attached(endpoint_of(cfg)) as c:
+        segments = [Path(p) for p in shm_stats(c)["segments"]]
+    d.stop(signal.SIGKILL)  # its pools (GBs of RAM on a real host) stay in the directory
+    assert segments and all(p.exists() for p in segments)
+    off = write_config(tmp_path, server={**SHM, "shared_memory": "off"})
+    daemons(off)  # the same shm_dir, shared memory off: nothing of its own there, the dead one's removed
+    assert not any(p.exists() for p in segments)
+
+
 def test_segments_that_cannot_be_mapped_mean_the_socket(daemons: Any, tmp_path: Path) -> None:
     cfg = write_config(tmp_path, server=SHM)
     ep = endpoint_of(cfg)
