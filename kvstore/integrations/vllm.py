@@ -109,11 +109,6 @@ def _token_ids(request: Any) -> list[int] | None:
     return getattr(request, "prompt_token_ids", None)
 
 
-def _running(request: Any) -> bool:
-    """Whether vLLM has ``request`` running (holding its blocks): not waiting, preempted or done."""
-    return getattr(getattr(request, "status", None), "name", "") == "RUNNING"
-
-
 def _session(request: Any) -> str | None:
     params = getattr(request, "kv_transfer_params", None) or {}
     s = params.get("kvstore_session") if isinstance(params, dict) else None
@@ -319,13 +314,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta.released += self._dropped
         self._dropped = []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
-        if self._poison.blocks and meta.preempted:
-            # poisoned blocks a preempted request held, left in vLLM's prefix cache while it was to
-            # compute them again: nobody will now, unless a running request holds them
-            preempted = [self._tracked[rid] for rid in meta.preempted if rid in self._tracked]
-            theirs = {b for p in preempted for b in p.block_ids}
-            if gone := (theirs & self._poison.blocks) - self._running_blocks():
-                self._uncache(gone)
         self._loads.clear()
         for rid in list(self._hits):  # asked again only if it goes back to waiting
             if rid in self._tracked:
@@ -379,8 +367,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
         vLLM (with ``kv_load_failure_policy = "recompute"``) leaves the failed blocks, and those
         computed over them, in its prefix cache: they are poisoned until a request computes them
-        again (see Poisoned), which a request rolled back does, and an aborted or preempted one does
-        not; the connector drops them from vLLM's prefix cache (0.33), so no later request takes them.
+        again (see Poisoned), and the connector drops every one of them from vLLM's prefix cache
+        (0.33) at once, those a running request holds too: the loader rolled back recomputes them a
+        chunk at a time, and a request in flight meanwhile (async scheduling) or added between two
+        chunks must not take the ones not yet recomputed. (What is recomputed is not cached again:
+        lost prefix-cache hits, never wrong K/V.)
 
         With steps in flight (async scheduling) a request sharing a failed block is not rolled back
         all the way (see _keeps_wrong_kv): it is tainted at that block, as if it had taken a
@@ -388,13 +379,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return
-        # a block a running request holds is computed again by it (vLLM rolls it back): kept in
-        # vLLM's prefix cache; one no running request holds (its loader aborted, or preempted: vLLM
-        # freed its blocks) is dropped from there
-        held = self._running_blocks()
-        self._poison.poison(invalid, held)
+        self._poison.poison(invalid)
         for t in self._tracked.values():
-            first = self._poison.failed(t.block_ids, invalid, held)
+            first = self._poison.failed(t.block_ids, invalid)
             if first is None:
                 continue
             t.saved = min(t.saved, first * self._bs // self._T * self._T)
@@ -409,16 +396,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 # it again: looked at when it is next scheduled (see Poisoned.scheduled)
                 t.relies_at = first if t.relies_at is None else min(t.relies_at, first)
         for rid, (t, _) in list(self._deferred.items()):
-            if self._poison.failed(t.block_ids, invalid, held) is not None:
+            if self._poison.failed(t.block_ids, invalid) is not None:
                 del self._deferred[rid]
                 self._dropped.append(rid)
         for _, block_ids in self._gone:
-            self._poison.failed(block_ids, invalid, held)
-
-    def _running_blocks(self) -> set[int]:
-        """The vLLM blocks the running requests hold: vLLM rolls a running holder of a failed block
-        back to compute it again, so these stay in its prefix cache."""
-        return {b for t in self._tracked.values() if _running(t.request) for b in t.block_ids}
+            self._poison.failed(block_ids, invalid)
 
     def _uncache(self, block_ids: set[int]) -> None:
         """Drop ``block_ids`` from vLLM's prefix cache (their hashes; whoever holds them keeps them):

@@ -9,7 +9,6 @@ cache may still hand them out. kvstore.integrations.vllm decides from these what
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,27 +139,24 @@ class Poisoned:
         self.blocks: set[int] = set()
         self.tainted: set[str] = set()  # requests with poisoned_at set
 
-    def poison(self, block_ids: Iterable[int], recomputed: AbstractSet[int] = frozenset()) -> None:
-        """``block_ids`` hold wrong K/V: poisoned, and dropped from vLLM's prefix cache, but for those
-        in ``recomputed`` (a running request holds them: vLLM rolls it back to compute them again)."""
+    def poison(self, block_ids: Iterable[int]) -> None:
+        """``block_ids`` hold wrong K/V: poisoned, and dropped from vLLM's prefix cache (whoever holds
+        them keeps them: a request rolled back to compute them again does, a chunk at a time)."""
         new = set(block_ids) - self.blocks
         if new:
             self.blocks |= new
-            if self._evict is not None and new - recomputed:
-                self._evict(new - recomputed)
+            if self._evict is not None:
+                self._evict(new)
 
     def active(self) -> bool:
         return bool(self.blocks or self.tainted)
 
-    def failed(
-        self, block_ids: Sequence[int], invalid: set[int], recomputed: AbstractSet[int] = frozenset()
-    ) -> int | None:
+    def failed(self, block_ids: Sequence[int], invalid: set[int]) -> int | None:
         """The loads into ``invalid`` failed: poison them, and the blocks after the first of them in a
-        request's ``block_ids`` (computed over it; see ``poison`` for ``recomputed``). Returns that
-        first position, or None."""
+        request's ``block_ids`` (computed over it). Returns that first position, or None."""
         first = next((i for i, b in enumerate(block_ids) if b in invalid), None)
         if first is not None:
-            self.poison(block_ids[first:], recomputed)
+            self.poison(block_ids[first:])
         return first
 
     def scheduled(self, steps: list[tuple[Tracked, int, int, bool]]) -> None:

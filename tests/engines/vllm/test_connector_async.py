@@ -21,6 +21,7 @@ from tests.engines.vllm.test_connector import (
     prompt,
     request,
     setup,  # noqa: F401  (a fixture)
+    stored_then_forgotten,
 )
 from tests.engines.vllm.test_connector_poison import half_stored_then_forgotten
 
@@ -33,14 +34,16 @@ class AsyncEngine:
     in order), and the scheduler takes the oldest step's output only once the queue is full.
 
     The worker keeps track of which of vLLM's blocks hold wrong K/V (a failed load, or computed over
-    one), and computes wrong K/V over them, as a real model would."""
+    one), and computes wrong K/V over them, as a real model would. ``depth=1``: vLLM's own Scheduler,
+    without async scheduling (each step's output taken before the next is scheduled)."""
 
-    def __init__(self, U: Any, vllm_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-        vllm_config.scheduler_config.async_scheduling = True
-        assert vllm_config.max_concurrent_batches == 2
-        self.U = U
+    def __init__(self, U: Any, vllm_config: Any, monkeypatch: pytest.MonkeyPatch, depth: int = 2) -> None:
+        vllm_config.scheduler_config.async_scheduling = depth == 2
+        assert vllm_config.max_concurrent_batches == depth
+        self.U, self.depth = U, depth
         self.sched = U.create_scheduler(vllm_config, num_blocks=NUM_BLOCKS)
-        assert type(self.sched).__name__ == "AsyncScheduler" and self.sched.connector._depth == 2
+        assert (type(self.sched).__name__ == "AsyncScheduler") == (depth == 2)
+        assert self.sched.connector._depth == depth
         self.worker = Worker(vllm_config, "FLASH_ATTN", monkeypatch)
         self.requests: dict[str, Any] = {}
         self.queue: deque[tuple[Any, Any]] = deque()  # (scheduler output, model runner output)
@@ -57,7 +60,9 @@ class AsyncEngine:
         if self.sched.has_requests():
             so = self.sched.schedule()
             self.queue.appendleft((so, self._execute(so)))
-            if len(self.queue) < 2 and (so.total_num_scheduled_tokens > 0 or self.sched.has_requests()):
+            if len(self.queue) < self.depth and (
+                so.total_num_scheduled_tokens > 0 or self.sched.has_requests()
+            ):
                 return
         if self.queue:
             self.sched.update_from_output(*self.queue.pop())
@@ -177,6 +182,67 @@ def test_a_request_that_computes_over_a_failed_load_in_a_step_in_flight_stores_n
     assert_holds(check, a, 160)
     # S shares [0, 144) with a: its own kvstore block [128, 160) holds its wrong tokens 144.., never stored
     assert_holds(check, s, 128)
+    filler.worker.c.shutdown()
+    e.worker.c.shutdown()
+
+
+def test_blocks_computed_over_a_failed_load_in_flight_leave_vllms_prefix_cache_and_nobody_takes_them(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The story above (S in the next step): S's own blocks hold wrong K/V for good. They must not
+    stay in vLLM's prefix cache, where a later request T sharing S's prompt would take them (S was
+    running as the load failed: it does not compute them again)."""
+    U, vcfg, ep = setup
+    a = prompt(170, 41)
+    s = a[:144] + prompt(40, 42)
+    filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = half_stored_then_forgotten(U, filler, a)
+    e = AsyncEngine(U, vcfg, monkeypatch)
+    with operator(ep) as op:
+        e.before_load = lambda: op.evict(session="late")
+        e.add(request(U, a, "L", max_tokens=3))
+        e.step()
+        e.add(request(U, s, "S", max_tokens=30))
+        e.before_load = None
+        for _ in range(6):
+            e.step()
+    pool = e.sched.kv_cache_manager.block_pool
+    assert e.wrong and all(pool.blocks[b].block_hash is None for b in e.wrong)
+    e.run()
+    t = s[:176] + prompt(20, 45)  # S's prompt and more
+    e.add(request(U, t, "T", max_tokens=2))
+    e.run()
+    assert e.over_missing == {"L", "S"}  # not T
+    assert_holds(check, t, check.lookup(t).matched_tokens)
+    filler.worker.c.shutdown()
+    e.worker.c.shutdown()
+
+
+def test_a_request_taking_blocks_a_rolled_back_loader_has_not_computed_again_yet_takes_none(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without async scheduling: L's load finds nothing (evicted after the lookup), vLLM rolls L back,
+    and L computes its blocks again 32 tokens a step (long_prefill_token_threshold). N, added while
+    it does, shares L's first 144 tokens: it must not take from vLLM's prefix cache the blocks L has
+    not computed again yet."""
+    U, vcfg, ep = setup
+    vcfg.scheduler_config.long_prefill_token_threshold = 32
+    a = prompt(150, 61)
+    filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    stored_then_forgotten(U, filler, a)  # kvstore holds a[:128]
+    e = AsyncEngine(U, vcfg, monkeypatch, depth=1)
+    with operator(ep) as op:
+        e.before_load = lambda: op.evict(all=True)
+        e.add(request(U, a, "L", max_tokens=3))
+        e.add(request(U, prompt(400, 99), "other", max_tokens=3))  # two prefills: the threshold applies
+        e.step()
+        e.before_load = None
+    e.step()  # L rolled back: computing its blocks again, a chunk a step
+    e.add(request(U, a[:144] + prompt(30, 62), "N", max_tokens=3))
+    e.run()
+    assert e.over_missing == {"L"}  # L in the step its load failed (then rolled back), never N
     filler.worker.c.shutdown()
     e.worker.c.shutdown()
 

@@ -94,12 +94,14 @@ def test_blocks_of_a_failed_load_nobody_recomputes_leave_vllms_prefix_cache(
     e.worker.c.shutdown()
 
 
-def test_blocks_of_a_failed_load_the_loader_computes_again_are_saved_from_vllms_prefix_cache(
+def test_blocks_of_a_failed_load_the_loader_computes_again_are_saved_and_read_from_kvstore(
     setup: Any,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The same failed load, the loader running: vLLM rolls it back and it computes blocks 4..7 again.
-    They are good, and so is b, which takes them from vLLM's prefix cache afterwards: saved."""
+    They are good, and saved; the connector dropped them from vLLM's prefix cache as the load failed
+    (a request meanwhile must not take those not computed again yet), so b, later, takes 0..3 from
+    there and 4..7 from kvstore: its own blocks are saved."""
     U, vcfg, ep = setup
     a = prompt(150, 35)
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
@@ -112,9 +114,9 @@ def test_blocks_of_a_failed_load_the_loader_computes_again_are_saved_from_vllms_
     assert e.worker.loads[-1] == ("again", 0, 128) and "again" in e.over_missing
     assert wait_until(lambda: check.lookup(a).matched_tokens == 128, 10)  # computed again, saved
     b = a[:144] + prompt(40, 36)
-    e.add(request(U, b, "b"))  # [0, 144) from vLLM's prefix cache
+    e.add(request(U, b, "b"))  # [0, 64) from vLLM's prefix cache, [64, 128) from kvstore
     e.run()
-    assert e.worker.loads[-1] == ("again", 0, 128)
+    assert e.worker.loads[-1] == ("b", 64, 128) and "b" not in e.over_missing
     assert wait_until(lambda: check.lookup(b).matched_tokens == 160, 10)
     e.worker.c.shutdown()
 
