@@ -333,15 +333,16 @@ def test_evict_of_the_cluster_tier_keeps_to_every_criterion(host: HostFactory) -
 def test_evict_of_the_cluster_tier_by_age_takes_what_follows_the_old_blocks(
     rc: LocalCluster, host: HostFactory
 ) -> None:
-    # an engine saves a prefix as it computes it: its first blocks are old, the later ones young.
-    # Only the old blocks' cluster copies went: the young ones stayed there, unreachable by any host
+    # an engine read the later blocks of a prefix alone (from block 3): the first blocks are old, the
+    # later ones young. Only the old blocks' cluster copies went: the young ones stayed there,
+    # unreachable by any host
     clock = Clock()
     a, c = host("a", clock=clock), host("c")
     toks, x = tokens(6, seed=11), kv(24, seed=11)
-    a.put(NS, toks[: 3 * T], x[:, :, : 3 * T])
-    clock.advance(7200)
-    a.put(NS, toks, x[:, :, 3 * T :], start_block=3)
+    a.put(NS, toks, x)
     written(a, 6)
+    clock.advance(7200)
+    assert a.get(NS, toks, start_block=3).matched_blocks == 3
     r = a.evict(EvictFilter(older_than=3600, tier="cluster"))
     assert r.blocks == 6 and c.lookup(NS, toks).matched_blocks == 0
     assert not [k for p in rc.live_masters() for k in rc.node(p).scan_iter(match="kvstore:b:*")]

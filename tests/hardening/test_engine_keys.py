@@ -128,9 +128,11 @@ def test_evicting_a_parent_page_drops_its_children(daemons: Any, tmp_path: Path)
     parents, children = page_keys(2, "p"), page_keys(2, "c")
     with client(d.endpoint) as c:
         c.put_from_keys(parents, page_kv(parents))
-        time.sleep(1.5)
         # the children name the parents as their prefix: they hang below the last parent
         assert c.put_from_keys(children, page_kv(children), prefix=parents).stored == 2
+        time.sleep(1.5)
+        out = torch.zeros_like(page_kv(children))
+        assert c.get_into_keys(children, out, prefix=parents).matched_blocks == 2  # the children read alone
         # evict the old pages -> the parents, and with them (prefix-closed) the newer children
         r = c.evict(older_than=1.0)
         assert r.blocks == 4
