@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstore.daemon.tenancy import TenantOps
+from kvstore.daemon.tenancy import SHARED_OPS, TenantOps
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter
@@ -63,7 +63,6 @@ if TYPE_CHECKING:
     from kvstore.shm.plane import SharedPlane
     from kvstore.store.engine import Store
 
-SHARED_OPS = (Locate, Finish, Reserve, Commit)
 STAGING = -1  # a located block's segment index when it is in the client's staging segment
 
 _EXTENT = struct.Struct("<qq")  # one (offset, length) run of a located block, as the client reads it
@@ -137,10 +136,10 @@ class Handlers:
         TenantOps, which limits it to that tenant's sessions and blocks.
         """
         try:
-            if request.tenant is not None:
-                return self.tenant_ops.handle(request.msg, request.namespace, request.tenant, self._run)
             if isinstance(request.msg, SHARED_OPS):
                 return self._shared(request)
+            if request.tenant is not None:
+                return self.tenant_ops.handle(request.msg, request.namespace, request.tenant, self._run)
             return self._run(request.msg, request.namespace)
         except (KVStoreError, ProtocolError) as e:
             return ErrorReply(code=wire_code(getattr(e, "code", None)), message=str(e))
@@ -364,7 +363,7 @@ class Handlers:
     # -- the same-host data plane (kvstore.shm) ------------------------------------------
     def _shared(self, request: Request) -> Message:
         plane = self.plane
-        if plane is None or not plane.offered:
+        if plane is None or not plane.offered or request.tenant is not None:  # (a CURVE client: tcp)
             raise ProtocolError(
                 "no_shared_memory",
                 f"{request.msg.op}: this daemon offers no shared memory on this endpoint "

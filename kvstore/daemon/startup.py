@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore.config import Config
+from kvstore.units import format_bytes
 
 if TYPE_CHECKING:
     from kvstore.store.engine import Store
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.daemon.server")
 
 RECORDS_DB = b"records"  # tiers/nvme.py: one entry per block
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def stored_blocks(path: Path) -> int | None:
@@ -92,7 +89,7 @@ class Startup:
         """Log what start-up will do, then start building the store."""
         cfg = self.config
         nvme = (
-            f"nvme {cfg.nvme.path} ({cfg.nvme.codec}, map {gib(cfg.nvme.capacity)})"
+            f"nvme {cfg.nvme.path} ({cfg.nvme.codec}, map {format_bytes(cfg.nvme.capacity)})"
             if cfg.nvme.enabled
             else "nvme off"
         )
@@ -100,9 +97,9 @@ class Startup:
             "starting (pid %d) on %s: allocating hbm %s on %s, ram %s (%s); %s",
             os.getpid(),
             cfg.server.endpoint,
-            gib(cfg.hbm.capacity),
+            format_bytes(cfg.hbm.capacity),
             cfg.hbm.resolved_device(),
-            gib(cfg.ram.capacity),
+            format_bytes(cfg.ram.capacity),
             cfg.ram.codec,
             nvme,
         )

@@ -35,13 +35,16 @@ from kvstore.keys import Namespace
 from kvstore.results import SessionInfo
 from kvstore.wire.errors import ProtocolError
 from kvstore.wire.messages import (
+    Commit,
     DataOk,
     ErrorReply,
     Evict,
+    Finish,
     Flush,
     Get,
     Hello,
     Inspect,
+    Locate,
     Lookup,
     Message,
     Pin,
@@ -49,6 +52,7 @@ from kvstore.wire.messages import (
     Prefetch,
     Put,
     Release,
+    Reserve,
     Stats,
 )
 
@@ -60,6 +64,7 @@ CONFINED_OPS: frozenset[type[Message]] = frozenset(
     {Hello, Ping, Lookup, Get, Put, Pin, Release, Flush, Evict, Inspect, Stats, Prefetch}
 )
 SERVER_FIELDS = ("endpoint", "pid", "protocol", "uptime", "limits")  # server info a tenant may see
+SHARED_OPS = (Locate, Finish, Reserve, Commit)  # the same-host data plane: ipc clients only
 
 
 def qualify(tenant: str, session: str) -> str:
@@ -75,6 +80,11 @@ def unqualify(tenant: str, name: str) -> str | None:
 
 def admit(msg: Message, namespace: Namespace | None, tenant: str) -> ErrorReply | None:
     """Why a request of a client confined to ``tenant`` must not run (an error reply), or None. No I/O."""
+    if isinstance(msg, SHARED_OPS):  # a confined client is a tcp one
+        return ErrorReply(
+            code="no_shared_memory",
+            message=f"{msg.op}: shared memory is for clients of the daemon's ipc socket; use get and put",
+        )
     if type(msg) not in CONFINED_OPS:
         return ErrorReply(
             code="forbidden",

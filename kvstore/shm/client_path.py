@@ -220,11 +220,15 @@ class SharedPath:
             chunk = max(1, min(chunk, _pages(m.per_client // 2) // nb))
         starts = list(range(first, total, chunk))
         answered: set[int] = set()  # the chunks whose commit was answered
+        # two ranges in turn need room for two: a block over half the staging goes one range at a time
+        two = 2 * -(-chunk * nb // ALIGN) * ALIGN <= m.per_client
         try:
-            if len(starts) > 1:
+            if len(starts) > 1 and two:
                 self._pipelined_commits(m, ns, tokens, src, starts, chunk, total, session, tally, answered)
             else:
-                tally.add(self._commit_chunk(m, ns, tokens, src, first, total, session))
+                for i, s in enumerate(starts):
+                    tally.add(self._commit_chunk(m, ns, tokens, src, s, min(s + chunk, total), session))
+                    answered.add(i)
         except (ServerError, ShmUnavailable) as err:
             if isinstance(err, ShmUnavailable):  # this client's staging cannot be mapped: the socket
                 log.warning("shared-memory put failed (%s); using the socket", err)  # from now on

@@ -26,8 +26,10 @@ a freed segment is a miss too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +81,17 @@ def _first_moved(located: list[_Located]) -> int | None:
     return int(np.repeat(rows, [len(g) for g in then])[moved.argmax()])
 
 
+def _unregister_all(registered: list[int]) -> None:
+    """Undo the page locks of ``registered`` (what ``close`` left: none after it)."""
+    if registered:
+        from kvstore.shm.cuda import host_unregister
+
+        for ptr in registered:
+            with contextlib.suppress(Exception):
+                host_unregister(ptr)
+        registered.clear()
+
+
 class SharedMapping:
     """A daemon's shared segments, mapped in this process. ShmUnavailable when they cannot be."""
 
@@ -97,6 +110,10 @@ class SharedMapping:
         self._pinned = False
         self._gpu = 0  # the GPU whose context page-locks the mappings (the first copy's)
         self._registered: list[int] = []  # host addresses page-locked here (unregistered before unmapping)
+        # a mapping dropped without close() (its client never closed) unmaps its segments as they are
+        # collected: their page locks go first, or the driver keeps those pages locked for good and the
+        # next mapping at the same address cannot be locked
+        weakref.finalize(self, _unregister_all, self._registered)
         self.moved = 0  # blocks not served because their pages changed while they were read
         self.torn = 0  # frames that failed their checks while being read (and were not served)
         try:

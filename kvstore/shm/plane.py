@@ -15,9 +15,10 @@ A lease ends at ``take`` or when it lapses, so a client that dies between
 reserve and commit, or in the middle of a get, leaks nothing: ``sweep`` (run
 by every staging call and by ``stats``) takes back what lapsed, and removes
 the staging segment of a client that holds no lease and has been idle for
-IDLE seconds (a later request makes a new one): its memory is freed as it is
-removed, so a client that still maps it holds no pages of it (and reads zeros
-there). Each client's segment is ``per_client`` bytes (rounded down to whole
+IDLE seconds (a later request makes a new one), or sooner, least recently used
+first, when a new client's segment would not fit otherwise: its memory is freed
+as it is removed, so a client that still maps it holds no pages of it (and reads
+zeros there). Each client's segment is ``per_client`` bytes (rounded down to whole
 pages: every range takes whole pages); all of them together stay within
 ``staging_bytes``.
 
@@ -46,13 +47,12 @@ import numpy as np
 import torch
 
 from kvstore.errors import KVStoreError
-from kvstore.shm.segment import NoRoom, Segment, ShmUnavailable, private_dir, sweep
+from kvstore.shm.segment import ALIGN, NoRoom, Segment, ShmUnavailable, private_dir, sweep
 from kvstore.tiers.pool import PoolMemory
 from kvstore.wire.errors import ProtocolError
 
 log = logging.getLogger("kvstore.shm")
 
-ALIGN = 4096  # staging ranges start on a page: client copies stay aligned
 IDLE = 60.0  # seconds a client's unused staging segment is kept
 MIN_RESERVE_LEASE = 1.0  # a put's reservation lasts at least this long, whatever the pin lease
 MAX_LEASES_PER_CLIENT = 64  # live leases one client holds at once (a client pipelines two or three)
@@ -358,8 +358,8 @@ class SharedPlane:
         finally:
             with self._lock:
                 del self._making[peer]
-                if seg is not None and self._closed:
-                    seg.close(free=True)
+                if seg is not None and (self._closed or peer in self._clients):
+                    seg.close(free=True)  # (or another request of peer's made one meanwhile: _client)
                 elif seg is not None:
                     self._clients[peer] = _Staging(
                         seg,
@@ -370,9 +370,15 @@ class SharedPlane:
             making.set()
 
     def _check_room(self) -> None:
-        """(Lock held.) StagingFull when one more client's segment would pass ``staging_bytes``."""
+        """(Lock held.) Room for one more client's segment within ``staging_bytes``: the least recently
+        used segment no lease holds goes now if need be (a client that closed tells nothing, and its
+        segment would keep a new client on the socket for IDLE seconds); else StagingFull."""
         held = len(self._clients) + len(self._making)
         if (held + 1) * self.per_client > self.staging_bytes:
+            idle = [(s.last_used, peer) for peer, s in self._clients.items() if s.leases == 0]
+            if idle:
+                self._drop_staging(min(idle)[1])
+                return
             raise StagingFull(
                 f"{held} clients hold staging segments of {self.per_client} bytes, all "
                 f"[server] shm_staging ({self.staging_bytes}) allows; retry shortly"
@@ -505,12 +511,17 @@ class SharedPlane:
         self.lapsed += lapsed
         for peer, staging in list(self._clients.items()):
             if staging.leases == 0 and now - staging.last_used > IDLE:
-                del self._clients[peer]
-                staging.tensor = torch.empty(0, dtype=torch.uint8)
-                # freed, not only removed: the client keeps its mapping (it is not told), and with it
-                # the segment's memory, for as long as it lives
-                staging.segment.close(free=True)
+                self._drop_staging(peer)
         return lapsed
+
+    def _drop_staging(self, peer: bytes) -> None:
+        """(Lock held.) Remove ``peer``'s staging segment, which no lease holds; its next request makes
+        another."""
+        staging = self._clients.pop(peer)
+        staging.tensor = torch.empty(0, dtype=torch.uint8)
+        # freed, not only removed: the client keeps its mapping (it is not told), and with it the
+        # segment's memory, for as long as it lives
+        staging.segment.close(free=True)
 
     def _end(self, lease: Lease) -> None:
         """Forget ``lease`` (lock held) and give its range back."""

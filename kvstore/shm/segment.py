@@ -45,7 +45,7 @@ log = logging.getLogger("kvstore.shm")
 _NAME = re.compile(r"kvs-\d+-[0-9a-f]{24}-[a-z]+")
 _NEW = re.compile(r"\.kvs-\d+-[0-9a-f]{24}-[a-z]+\.new")  # one being made (Segment.create)
 NEW_GRACE = 60.0  # seconds: an unlocked segment being made, younger than this, may be about to be locked
-ALIGN = 4096
+ALIGN = 4096  # segments and staging ranges start on a page: client copies stay aligned
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 
 

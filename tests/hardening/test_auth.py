@@ -19,7 +19,7 @@ from kvstore.config import with_overrides
 from kvstore.daemon.auth import ClientKeys, ServerAuth, parse_allow_list, read_allow_list, write_keypair
 from kvstore.daemon.endpoint import UnsafeEndpoint, secure_dir
 from kvstore.daemon.process import serve
-from kvstore.errors import ConfigError, Forbidden
+from kvstore.errors import ConfigError, Forbidden, KVStoreError
 from kvstore.wire.errors import RequestTimeout
 from tests.hardening.conftest import (
     LAYOUT,
@@ -319,6 +319,20 @@ def test_the_environment_gives_a_tcp_client_its_keys(
     monkeypatch.setenv("KVSTORE_CURVE_SECRET_KEY", str(curve.keys["operator"].secret_file))
     with KVStoreClient(curve.endpoint, timeout=5.0, retries=0) as c:
         assert c.ping()["pid"] == curve.daemon.proc.pid
+
+
+def test_a_curve_client_asking_for_shared_memory_is_told_it_has_none(curve: CurveDaemon) -> None:
+    from kvstore.wire.messages import Finish, Reserve
+
+    for who in ("alice", "operator"):
+        with curve.client(who) as c:
+            for msg in (Reserve(nbytes=4096), Finish(handle=1, used=0)):
+                with pytest.raises(KVStoreError) as e:
+                    c._call(msg)
+                # not an internal error with a traceback in the log: a tcp client has no shared memory
+                assert e.value.code == "no_shared_memory", e.value
+            assert c.ping()["pid"] == curve.daemon.proc.pid
+    assert "Traceback" not in curve.daemon.output()
 
 
 def test_a_hello_for_another_tenant_than_the_key_is_forbidden(curve: CurveDaemon) -> None:

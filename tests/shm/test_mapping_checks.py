@@ -1,4 +1,5 @@
-"""A client checks every located block before reading it, and every page's generation after."""
+"""A client checks every located block before reading it, and every page's generation after; what it
+page-locked for GPU copies is unlocked before its mapping goes, closed or not."""
 
 from __future__ import annotations
 
@@ -58,3 +59,25 @@ def test_the_first_block_whose_generations_moved_ends_the_result() -> None:
     assert _first_moved(located) is None
     GENS[2] = 6  # block 1's second page was freed
     assert _first_moved(located) == 1
+
+
+def test_a_mapping_dropped_without_close_undoes_its_page_locks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a client that never closed: its segments unmap as they are collected, and the driver must not
+    # keep their pages locked (the lock itself needs a GPU: it is the bookkeeping that is tested)
+    import gc
+
+    import kvstore.shm.cuda as cuda
+    from kvstore.shm.mapping import SharedMapping
+
+    undone: list[int] = []
+    monkeypatch.setattr(cuda, "host_unregister", undone.append)
+    m = SharedMapping({"instance": "test", "per_client": 4096, "segments": []})
+    m._registered.extend([0x7F0000000000, 0x7F0000100000])  # as two GPU reads locked them
+    del m
+    gc.collect()
+    assert undone == [0x7F0000000000, 0x7F0000100000]
+    closed = SharedMapping({"instance": "test", "per_client": 4096, "segments": []})
+    closed.close()  # close() unlocks what it locked itself: nothing is left for the collector
+    del closed
+    gc.collect()
+    assert undone == [0x7F0000000000, 0x7F0000100000]

@@ -293,3 +293,39 @@ def test_a_pipelined_put_writes_no_staging_once_a_hello_names_another_daemon(
         assert r.stored + r.present == 100 and not r.failed, r
         monkeypatch.undo()
         assert_served(c, toks)
+
+
+def test_blocks_over_half_a_client_s_staging_go_through_it_one_range_at_a_time(
+    daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 40 KiB blocks, 64 KiB of staging per client: two ranges of a block each never fit at once
+    import torch
+
+    import kvstore.socket_path as socket_path
+    from kvstore.client import KVStoreClient
+    from kvstore.layout import KVLayout
+
+    cfg = write_config(
+        tmp_path, server=CHUNKED, hbm={"device": "cpu", "capacity": "1MiB"}, ram={"capacity": "1MiB"}
+    )
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16", block_tokens=160)
+    assert 64 << 10 < 2 * layout.block_nbytes <= 2 * (64 << 10)
+    over_socket: list[int] = []
+    real = socket_path.SocketPath.put_from
+
+    def counted(self: Any, *args: Any, **kw: Any) -> Any:
+        over_socket.append(kw.get("first", 0))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(socket_path.SocketPath, "put_from", counted)
+    toks = np.arange(3 * 160, dtype=np.uint32)
+    kv = torch.randn(layout.shape(3 * 160)).half()
+    with KVStoreClient(ep, model="big-blocks", layout=layout, timeout=10.0) as c:
+        r = c.put(toks, kv)
+        assert r.stored == 3 and not r.failed, r
+        assert c.shared_memory and over_socket == []  # staged, a block at a time, not the socket
+        got = c.get(toks)
+        assert got.kv is not None and torch.equal(got.kv, kv)
+        assert wait_until(lambda: shm_stats(c)["leases"] == 0, 5)
