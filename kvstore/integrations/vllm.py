@@ -10,20 +10,20 @@ holds (a lookup: no side effects, asked once per request; the last prompt token 
 compute). The step's metadata then tells the workers which tokens to load into which of vLLM's
 blocks, and which newly computed full blocks to save.
 
-Worker side: loads run before the forward pass, straight into vLLM's paged caches (``get_into``
-with the request's block ids, from the first token vLLM does not hold itself, never writing a block
-it shares). A block that vanished between the lookup and the load is reported through
-``get_block_ids_with_load_errors``; with ``kv_load_failure_policy = "recompute"`` vLLM recomputes
-it, and what every running request holding it computed over it in that step (what one computed over
-it in a later step scheduled before vLLM heard of it, with async scheduling, is kept: such a request
-saves nothing from the block on). A loader aborted or preempted before vLLM heard of it recomputes
-nothing: the connector drops the block, and those computed over it, from vLLM's prefix cache (vLLM
-0.33 lends it the cache manager), so no later request computes over it; with vLLM 0.32 they stay,
-and a request that takes them from there saves nothing from them on, until a request computes them
-again. Saves are queued after the
-step and run on a thread (vllm_saver.py: a copy out of vLLM's blocks into shared staging, then the daemon stores
-them); a finished request's blocks are kept until its saves are done (``request_finished`` returns
-True, ``get_finished`` reports it), and its last save may wait for a load it shares to settle.
+Loads are asynchronous in vLLM's terms (``get_num_new_matched_tokens`` says so): vLLM gives the
+request its blocks and leaves it waiting (WAITING_FOR_REMOTE_KVS); the workers load into them in
+that step, straight into vLLM's paged caches (``get_into`` with the request's block ids, from the
+first token vLLM does not hold itself, never writing a block it shares), and report the load
+finished (``finished_recving``) with the blocks that failed (``get_block_ids_with_load_errors``: a
+block evicted since the lookup, a daemon away or busy). Only then does vLLM schedule the request,
+set back to its first failed block (``kv_load_failure_policy = "recompute"``), and put the blocks
+before it in its prefix cache: no request computes over a block whose load failed, nor finds one
+in vLLM's prefix cache, with or without async scheduling. The cost: a request with a hit is
+scheduled a step later than it would compute.
+
+Saves are queued after the step and run on a thread (vllm_saver.py: a copy out of vLLM's blocks
+into shared staging, then the daemon stores them); a finished request's blocks are kept until its
+saves are done (``request_finished`` returns True, ``get_finished`` reports it).
 
 The namespace holds everything that changes K/V: the model and its revision, the weights'
 quantization and ``hf_overrides``, the KV layout (layers, KV heads per rank, head size, dtype,
@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -82,7 +81,6 @@ from kvstore.integrations.vllm_clients import Clients, VariantRefused, worker_ra
 from kvstore.integrations.vllm_layout import check_attention, model_layout, split_kv
 from kvstore.integrations.vllm_saver import Saver, Transfer
 from kvstore.integrations.vllm_settings import Settings, Variant
-from kvstore.integrations.vllm_tracking import Load, Poisoned, Tracked, Unsettled
 from kvstore.kvbuffers import PagedKV
 
 log = logging.getLogger(__name__)
@@ -96,10 +94,18 @@ class KVStoreMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    # finished requests whose last save waits for a later step: the workers keep their blocks
-    held: list[str] = field(default_factory=list)
-    # held requests whose last save, if any, is in this step's saves: their blocks go back once it is done
-    released: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Tracked:
+    """A scheduled request, on the scheduler side."""
+
+    request: Any
+    variant: Variant
+    block_ids: list[int]
+    saved: int  # tokens [0, saved) are in kvstore, or on their way
+    session: str | None
+    saving: bool = False  # a save was scheduled: its blocks are freed only when the workers say
 
 
 def _token_ids(request: Any) -> list[int] | None:
@@ -145,33 +151,23 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._bs = int(vllm_config.cache_config.block_size)  # vLLM's block size
         # scheduler side
         self._hits: dict[str, tuple[int, int]] = {}  # request -> (kvstore's tokens, vLLM's own)
-        self._loads: dict[str, tuple[int, int]] = {}  # request -> (start, end) to load this step
+        # requests vLLM allocated blocks to load into -> (start, end, their blocks): this step's loads
+        self._loads: dict[str, tuple[int, int, list[int]]] = {}
+        # requests waiting for their load (WAITING_FOR_REMOTE_KVS) -> the blocks it loads into
+        self._loading: dict[str, list[int]] = {}
         self._requests: dict[str, Any] = {}
         self._variant_of: dict[str, Variant] = {}  # request -> its variant, named at its lookup
         self._tracked: dict[str, Tracked] = {}
         self._final: list[Transfer] = []  # saves of finished requests, for the next step's workers
-        # finished requests sharing blocks of a load not settled: (request, its tokens computed)
-        self._deferred: dict[str, tuple[Tracked, int]] = {}
-        self._held: list[str] = []  # requests deferred since the last step (KVStoreMetadata.held)
-        self._dropped: list[str] = []  # deferred requests whose shared load failed: nothing saved
-        self._step = 0  # steps scheduled (build_connector_meta calls)
-        self._unsettled = Unsettled()  # loads of the last ``depth`` steps (see _shares_unsettled)
-        self._poison = Poisoned(self._bs, evict=self._uncache)
-        # block tables of requests that finished while a load they hold was not settled, by step: a
-        # failed load poisons the blocks they computed over it (see update_connector_output)
-        self._gone: deque[tuple[int, list[int]]] = deque()
-        # Steps in flight at once: with async scheduling (vLLM's default) step N+1 is scheduled before
-        # step N's output, its load errors included, reaches the scheduler; step N+depth only after.
-        self._depth = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
         self._lookup_failures = 0
         # worker side
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self._ratio = 1  # kernel blocks of the caches per block of the scheduler (register_kv_caches)
         self._load_errors: set[int] = set()
+        self._recving: set[str] = set()  # requests whose load ran this step (get_finished says so)
         self._saving: set[str] = set()  # requests with saves queued at some point
         self._finishing: set[str] = set()  # finished requests whose saves are still running
-        self._kept: set[str] = set()  # finished requests whose last save is not planned yet
         self._saver: Saver | None = None
         self._submitted: KVStoreMetadata | None = None  # the metadata whose saves are queued
         self.loaded_tokens = 0
@@ -219,13 +215,16 @@ class KVStoreConnector(KVConnectorBase_V1):
             held = (hit, num_computed_tokens)
         held = (held[0], num_computed_tokens)
         self._hits[rid] = held
-        return max(0, held[0] - num_computed_tokens), False
+        n = max(0, held[0] - num_computed_tokens)
+        # loaded asynchronously, in vLLM's terms (see the module's docstring): the request waits
+        # until the load's outcome has reached the scheduler, and nobody reads a block it loads before
+        return n, n > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         if num_external_tokens > 0 and rid in self._hits:
             local = self._hits[rid][1]
-            self._loads[rid] = (local, local + num_external_tokens)
+            self._loads[rid] = (local, local + num_external_tokens, list(blocks.get_block_ids()[0]))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreMetadata:
         t0 = time.perf_counter()
@@ -236,44 +235,33 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def _build_meta(self, scheduler_output: Any) -> KVStoreMetadata:
         meta = KVStoreMetadata()
-        self._step += 1
-        self._unsettled.settle(self._step - self._depth + 1)
-        while self._gone and self._gone[0][0] <= self._step - self._depth:
-            self._gone.popleft()
         so = scheduler_output
-        # loads first, saves after: a request's save waits for every load of this step into its blocks
-        computed: list[tuple[Tracked, int]] = []  # requests not loading, and their tokens after this step
-        watch = self._poison.active()
-        steps: list[tuple[Tracked, int, int, bool]] = []  # see Poisoned.scheduled
-        bs = self._bs
+        for rid, (start, end, block_ids) in self._loads.items():  # requests waiting for their load
+            self._plan_load(meta, rid, start, end, block_ids)
+        self._loads.clear()
+        computed: list[tuple[Tracked, int]] = []  # scheduled requests, and their tokens after this step
         for nr in so.scheduled_new_reqs:
             rid = nr.req_id
             request = self._requests.get(rid)
             if request is None:
                 continue
-            after = nr.num_computed_tokens + so.num_scheduled_tokens[rid]
-            if watch:  # its own blocks start after vLLM's prefix-cache hit (a load writes its own)
-                local = self._loads[rid][0] if rid in self._loads else nr.num_computed_tokens
-                own = -(-local // bs)
+            hit = self._hits.get(rid, (0, 0))[0]
             t = Tracked(
                 request,
                 self._variant_of.pop(rid) if rid in self._variant_of else self._clients.variant(request),
                 list(nr.block_ids[0]),
-                saved=self._hits.get(rid, (0, 0))[0],
+                # what kvstore holds of it: its hit, or less where its load failed (see _finished_loads)
+                saved=min(hit, nr.num_computed_tokens // self._T * self._T),
                 session=_session(request),
-                scheduled_at=self._step,
             )
             old = self._tracked.get(rid)
             if old is not None:
                 # resumed after a preemption (vLLM's model runner V2 sends those as new requests): its
                 # earlier saves are still the workers' to report (request_finished must keep its
-                # blocks for that report), and a load of it not settled yet still is not settled
-                t.saving, t.loaded_at = old.saving, old.loaded_at
+                # blocks for that report)
+                t.saving = old.saving
             self._tracked[rid] = t
-            if watch:
-                steps.append((t, own, after, True))
-            if not self._plan_load(meta, t):
-                computed.append((t, after))
+            computed.append((t, nr.num_computed_tokens + so.num_scheduled_tokens[rid]))
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, rid in enumerate(cached.req_ids):
@@ -281,164 +269,69 @@ class KVStoreConnector(KVConnectorBase_V1):
             if known is None:
                 continue
             new = cached.new_block_ids[i]
-            nc = cached.num_computed_tokens[i]
-            after = nc + so.num_scheduled_tokens[rid]
-            known.scheduled_at = self._step
-            if watch:
-                if rid in resumed:
-                    local = self._loads[rid][0] if rid in self._loads else nc
-                    steps.append((known, -(-local // bs), after, True))
-                else:  # a block it began in an earlier step is its own too
-                    steps.append((known, nc // bs, after, False))
-            loading = False
             if rid in resumed:  # back from preemption: these are all its blocks now
                 known.block_ids = list(new[0]) if new else []
-                loading = self._plan_load(meta, known)
             elif new:
                 known.block_ids.extend(new[0])
-            if not loading:
-                computed.append((known, after))
-        if watch:
-            self._poison.scheduled(steps)
+            computed.append((known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid]))
         for t, n in computed:
-            if self._settled(t):
-                self._plan_save(meta.saves, t, n)
+            self._plan_save(meta.saves, t, n)
         meta.saves += self._final
         self._final = []
-        meta.held, self._held = self._held, []
-        for rid, (t, n) in list(self._deferred.items()):
-            if not self._shares_unsettled(t):  # the loads it shares are good (else it was dropped)
-                del self._deferred[rid]
-                self._plan_save(meta.saves, t, n)
-                meta.released.append(rid)
-        meta.released += self._dropped
-        self._dropped = []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
-        self._loads.clear()
-        for rid in list(self._hits):  # asked again only if it goes back to waiting
-            if rid in self._tracked:
+        for rid in list(self._hits):  # asked again only if it goes back to waiting (not for its load)
+            if rid in self._tracked and rid not in self._loading:
                 del self._hits[rid]
         return meta
 
-    def _plan_load(self, meta: KVStoreMetadata, t: Tracked) -> bool:
-        """Load what vLLM counted on from kvstore; True when a load is planned. The request's save
-        then waits for a later step: the tokens this step computes after the load are computed over
-        its blocks, and only once the workers' load errors reached vLLM (which recomputes what
-        followed a failed block) are they known good. Saved now, a failed load on any rank would
-        store K/V computed over missing blocks under the right keys."""
-        rid = t.request.request_id
-        span = self._loads.get(rid)
-        tokens = _token_ids(t.request)
-        if span is None or tokens is None:
-            return False
-        start, end = span
-        meta.loads.append(Transfer(rid, t.variant, list(tokens[:end]), list(t.block_ids), start, end))
-        t.loaded_at = self._step
-        first, last = start // self._bs, -(-end // self._bs)
-        self._unsettled.add(Load(self._step, rid, first, last, tuple(t.block_ids[first:last])))
-        return True
-
-    def _settled(self, t: Tracked) -> bool:
-        """Whether the output of the step that last loaded ``t`` has reached vLLM (its load errors
-        applied: the request rolled back to the first failed block) before this step was scheduled,
-        and no block of ``t`` is in another request's load not settled yet."""
-        return self._step - t.loaded_at >= self._depth and not self._shares_unsettled(t)
-
-    def _shares_unsettled(self, t: Tracked) -> bool:
-        """Whether ``t`` holds a block that another request loads in a step not settled yet: vLLM's
-        prefix cache hands the blocks of a load to the requests scheduled after it, which compute
-        over them in the same step. Had the load failed, what they computed is wrong until vLLM,
-        given the step's load errors, rolls them back and they compute it again (see
-        update_connector_output), so nothing of it is saved before the load is known good. Only
-        the positions loads filled are looked at (see Unsettled): the cost is the loaded blocks',
-        not the requests' lengths (64 requests of 8192 blocks and a load of 64 blocks: 16 ms a step
-        walking every block, 0.08 ms so)."""
-        return self._unsettled.shared_by(t)
+    def _plan_load(self, meta: KVStoreMetadata, rid: str, start: int, end: int, block_ids: list[int]) -> None:
+        """The load of ``rid``'s tokens ``start .. end`` into ``block_ids``: vLLM does not schedule it
+        until the load's outcome has reached the scheduler (``finished_recving``, and its failed
+        blocks), and caches its blocks only then, those before its first failed block."""
+        request = self._requests.get(rid)
+        tokens = None if request is None else _token_ids(request)
+        if request is None or tokens is None:  # (it was looked up: cannot be) a load of nothing
+            meta.loads.append(Transfer(rid, Variant(), [], block_ids, start, start))
+            return
+        known = self._tracked.get(rid)  # resumed after a preemption
+        variant = known.variant if known is not None else self._variant_of.get(rid)
+        if variant is None:
+            variant = self._variant_of[rid] = self._clients.variant(request)
+        meta.loads.append(Transfer(rid, variant, list(tokens[:end]), block_ids, start, end))
+        self._loading[rid] = block_ids
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The workers' output of a step, on the scheduler: blocks whose load failed. vLLM (0.32 and
-        0.33, ``_update_requests_with_invalid_blocks``) has rolled back every running request holding
-        one among the tokens it had computed before the step, the loader and those sharing the block
-        through its prefix cache alike, and dropped that step's output: they compute again over the
-        recomputed blocks. So what each has in kvstore is taken to end at its first failed block
-        (in kvstore's blocks), and its saves go on from there once it is settled. A finished
-        request waiting for such a load (see request_finished) was not rolled back: what it computed
-        over the failed blocks is never saved, and its blocks go back with the next step.
-
-        vLLM (with ``kv_load_failure_policy = "recompute"``) leaves the failed blocks, and those
-        computed over them, in its prefix cache: they are poisoned until a request computes them
-        again (see Poisoned), and the connector drops every one of them from vLLM's prefix cache
-        (0.33) at once, those a running request holds too: the loader rolled back recomputes them a
-        chunk at a time, and a request in flight meanwhile (async scheduling) or added between two
-        chunks must not take the ones not yet recomputed. (What is recomputed is not cached again:
-        lost prefix-cache hits, never wrong K/V.)
-
-        With steps in flight (async scheduling) a request sharing a failed block is not rolled back
-        all the way (see _keeps_wrong_kv): it is tainted at that block, as if it had taken a
-        poisoned block from the prefix cache."""
+        """The workers' output of a step, on the scheduler: the loads they finished, and the blocks
+        whose load failed. vLLM (``_update_requests_with_invalid_blocks``, ``finished_recving``) sets
+        each loading request back to its first failed block and schedules it from there: no request
+        ever read such a block, nor found it in vLLM's prefix cache. kvstore's hit of the request is
+        cut there too, so that a request set back to nothing is not sent to load it again."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
-        if not invalid:
-            return
-        self._poison.poison(invalid)
-        for t in self._tracked.values():
-            first = self._poison.failed(t.block_ids, invalid)
-            if first is None:
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            block_ids = self._loading.pop(rid, None)
+            if block_ids is None:
                 continue
-            t.saved = min(t.saved, first * self._bs // self._T * self._T)
-            if t.request.num_computed_tokens <= first * self._bs:
-                continue  # vLLM set it back to the block (it holds it first): it computes it again
-            if self._keeps_wrong_kv(t, first):
-                at = first * self._bs
-                t.poisoned_at = at if t.poisoned_at is None else min(t.poisoned_at, at)
-                self._poison.tainted.add(t.request.request_id)
-            elif not self._loads_itself(t, first):
-                # vLLM counts the block as computed for it, relying on the load's request to compute
-                # it again: looked at when it is next scheduled (see Poisoned.scheduled)
-                t.relies_at = first if t.relies_at is None else min(t.relies_at, first)
-        for rid, (t, _) in list(self._deferred.items()):
-            if self._poison.failed(t.block_ids, invalid) is not None:
-                del self._deferred[rid]
-                self._dropped.append(rid)
-        for _, block_ids in self._gone:
-            self._poison.failed(block_ids, invalid)
+            first = next((i for i, b in enumerate(block_ids) if b in invalid), None)
+            if first is not None and rid in self._hits:
+                hit, local = self._hits[rid]
+                self._hits[rid] = (min(hit, first * self._bs // self._T * self._T), local)
+            invalid.difference_update(block_ids)
+        if invalid:  # a failed block of no load this connector knows (cannot be): kept out of use
+            log.warning(
+                "kvstore: %d failed blocks of no known load; dropped from vLLM's prefix cache", len(invalid)
+            )
+            self._uncache(invalid)
 
     def _uncache(self, block_ids: set[int]) -> None:
-        """Drop ``block_ids`` from vLLM's prefix cache (their hashes; whoever holds them keeps them):
-        their K/V is wrong, and no later request may take them from there. vLLM 0.33 lends the
-        connector its KV cache manager for this; 0.32 does not, and they stay (see Poisoned)."""
+        """Drop ``block_ids`` from vLLM's prefix cache (their hashes; whoever holds them keeps them).
+        vLLM 0.33 lends the connector its KV cache manager for this; 0.32 does not."""
         manager = getattr(self, "_kv_cache_manager", None)
         if manager is None:
             return
         try:
             manager.evict_blocks(block_ids)
-        except Exception as e:  # a vLLM whose cache manager differs: the blocks stay (Poisoned)
+        except Exception as e:  # a vLLM whose cache manager differs: the blocks stay
             log.warning("kvstore could not drop %d blocks from vLLM's prefix cache: %s", len(block_ids), e)
-
-    def _keeps_wrong_kv(self, t: Tracked, first: int) -> bool:
-        """Whether vLLM keeps what ``t`` computed over its failed block at position ``first``.
-
-        vLLM recomputes a failed block with the first running request holding it (the loader, rolled
-        back to it); any other holder is set back only by the tokens it was scheduled in the failed
-        step (``num_computed_tokens`` less that step's), none if it was not in it. With one step in
-        flight that is all it computed over the block. With more, whatever it was scheduled in the
-        steps after the failed one, scheduled before vLLM had its output, is kept, computed over the
-        block before it was recomputed, and never computed again::
-
-            step N      loader L loads X: fails        sharer S in N (or not)
-            step N+1    (scheduled before N's output)  S computes c over X (a chunk, or a decode)
-            N's output  L rolled back to X             S back by its N tokens only: len(c) kept, wrong
-
-        A holder other than the loader scheduled after the load's step is so taken as wrong from the
-        failed block on. When the loader is gone (aborted, preempted) the first of those holders
-        recomputes the block instead: vLLM set it back to the block, and it is not looked at here."""
-        u = self._unsettled.load_of(t.block_ids[first], first)
-        return u is not None and u.req_id != t.request.request_id and t.scheduled_at > u.step
-
-    def _loads_itself(self, t: Tracked, first: int) -> bool:
-        """Whether ``t`` is the request whose load filled its failed block at position ``first`` (the
-        one vLLM rolls back to it, to compute it again); unknown loads count as another's."""
-        u = self._unsettled.load_of(t.block_ids[first], first)
-        return u is not None and u.req_id == t.request.request_id
 
     def _save_end(self, t: Tracked, computed: int) -> int:
         """Where a save of what ``t`` computed up to token ``computed`` would end (whole blocks); not
@@ -446,22 +339,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not self.settings.save or _token_ids(t.request) is None:
             return t.saved
         tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
-        end = min(computed, len(tokens))
-        if t.poisoned_at is not None:  # computed over a poisoned block from there on
-            end = min(end, t.poisoned_at)
-        if self._poison.blocks and end > t.saved:  # never a block whose K/V may be wrong, whatever
-            first = t.saved // self._bs  # the tracking above says of the request
-            hit = next(
-                (
-                    first + i
-                    for i, b in enumerate(t.block_ids[first : -(-end // self._bs)])
-                    if b in self._poison.blocks
-                ),
-                None,
-            )
-            if hit is not None:
-                end = min(end, hit * self._bs)
-        return end // self._T * self._T
+        return min(computed, len(tokens)) // self._T * self._T
 
     def _plan_save(self, saves: list[Transfer], t: Tracked, computed: int) -> None:
         """Save what ``t`` computed up to token ``computed`` that is not saved yet (whole blocks)."""
@@ -479,28 +357,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests.pop(rid, None)
         self._variant_of.pop(rid, None)
         self._hits.pop(rid, None)
-        self._loads.pop(rid, None)
+        self._loads.pop(rid, None)  # (a load planned is vLLM's to wait for: finished_recving)
         t = self._tracked.pop(rid, None)
         if t is None:
             return False, None
-        self._poison.finished(t)
-        aborted = getattr(getattr(request, "status", None), "name", "") == "FINISHED_ABORTED"
-        own_settled = self._step - t.loaded_at >= self._depth
-        if not own_settled or self._shares_unsettled(t):
-            self._gone.append((self._step, t.block_ids))
-        computed = request.num_computed_tokens
-        # What it computed after its last load may not be saved yet (see _plan_load). Finished by its
-        # own output, vLLM had that output's load errors and rolled it back to the first failed block:
-        # what it counts as computed is sound. Aborted (a stop string, a client gone), that holds once
-        # its load's step is settled; else nothing more is saved.
-        if (own_settled or not aborted) and self._save_end(t, computed) > t.saved:
-            if self._shares_unsettled(t):
-                # vLLM asks this before it hands the step's load errors to update_connector_output:
-                # the last save waits for the loads it shares to settle, in a later step's metadata
-                self._deferred[rid] = (t, computed)
-                self._held.append(rid)
-                return True, None
-            self._plan_save(self._final, t, computed)  # the next step's workers save it
+        self._plan_save(self._final, t, request.num_computed_tokens)  # the next step's workers save it
         # saves read the request's blocks on the workers' thread: keep them until they are done
         return t.saving, None
 
@@ -546,12 +407,13 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVStoreMetadata) or not self._k or not meta.loads:
+        if not isinstance(meta, KVStoreMetadata) or not meta.loads:
             return
         t0 = time.perf_counter()
         for t in meta.loads:
+            self._recving.add(t.req_id)  # done, whatever came of it: its failed blocks say the rest
             got = t.start
-            if self._clients.available():  # else the daemon did not answer lately: recomputed
+            if self._k and t.end > t.start and self._clients.available():  # else recomputed
                 try:
                     r = self._clients.get(t.variant, "load").get_into(t.tokens, self._paged(t), start=t.start)
                     got = r.matched_tokens
@@ -588,8 +450,6 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         self._submitted = meta
         t0 = time.perf_counter()
-        self._kept.update(meta.held)
-        self._finishing.update(meta.held)
         ready = None
         if meta.saves and self._k and self._k[0].is_cuda:  # the forward runs on vLLM's own stream
             ready = torch.cuda.Event()
@@ -597,7 +457,6 @@ class KVStoreConnector(KVConnectorBase_V1):
         for t in meta.saves:
             self._saving.add(t.req_id)
             self._saver.submit(t, self._paged(t), ready)
-        self._kept.difference_update(meta.released)
         self.hook_seconds["save"] += time.perf_counter() - t0
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
@@ -608,16 +467,17 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._saver.cancel(set(preempted))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recving, self._recving = self._recving, set()  # (the loads of this step: start_load_kv)
         if self._saver is None:
-            return None, None
+            return None, recving or None
         self._submit_saves()
         self._finishing |= finished_req_ids & self._saving
-        done = {rid for rid in self._finishing if rid not in self._kept and self._saver.pending(rid) == 0}
+        done = {rid for rid in self._finishing if self._saver.pending(rid) == 0}
         self._finishing -= done
         self._saving -= done
         for rid in done:
             self._saver.forget(rid)
-        return (done or None), None
+        return (done or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -17,7 +17,7 @@ import torch
 from kvstore.client import KVStoreClient
 from kvstore.errors import ConfigError
 from kvstore.integrations import vllm as connector
-from kvstore.integrations import vllm_layout, vllm_tracking
+from kvstore.integrations import vllm_layout
 from kvstore.wire.errors import ServerError
 from tests.hardening.conftest import endpoint_of, wait_until, write_config
 
@@ -161,14 +161,14 @@ class Engine:
                 self.over_missing.append(rid)
             scheduled.append(req)
         if self.finish_first:
-            sending, _ = w.get_finished(so.finished_req_ids)
+            sending, recving = w.get_finished(so.finished_req_ids)
             w.wait_for_save()
         else:
             w.wait_for_save()
-            sending, _ = w.get_finished(so.finished_req_ids)
+            sending, recving = w.get_finished(so.finished_req_ids)
         w.clear_connector_metadata()
         out = self.U.create_model_runner_output(
-            scheduled, finished_sending=sending, invalid_block_ids=errors or None
+            scheduled, finished_sending=sending, finished_recving=recving, invalid_block_ids=errors or None
         )
         if self.before_output is not None:
             self.before_output(meta)
@@ -573,74 +573,40 @@ def test_a_cache_shaped_like_flash_attention_by_another_backend_is_refused(backe
     assert torch.equal(k, K) and torch.equal(v, V)
 
 
-@pytest.mark.parametrize(
-    ("shared", "held"),
-    [(128, 160), (64, 96)],
-    ids=["all-of-the-load", "a-block-table-shorter-than-the-load"],
-)
-@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "two-steps-in-flight"])
-def test_a_request_sharing_the_blocks_of_a_failed_load_computes_again_and_is_saved_as_computed_again(
-    setup: Any, monkeypatch: pytest.MonkeyPatch, shared: int, held: int, depth: int
+@pytest.mark.parametrize("load_fails", [False, True], ids=["load-good", "load-refused"])
+@pytest.mark.parametrize("shared", [128, 64], ids=["all-of-the-load", "a-block-table-shorter-than-the-load"])
+def test_a_request_sharing_a_prefix_with_a_load_never_computes_over_it_and_both_are_saved(
+    setup: Any, monkeypatch: pytest.MonkeyPatch, shared: int, load_fails: bool
 ) -> None:
-    """ "again" loads 128 tokens from kvstore and the load fails; "b", scheduled in the same step,
-    takes the first ``shared`` of them from vLLM's prefix cache and computes its own 40 tokens over
-    them. vLLM rolls b back too and b computes them again over the recomputed blocks: kvstore then
-    keeps b, all of it as the model computes it, none of what the failed step computed. (With 64
-    shared, b's 104 tokens take 7 blocks of vLLM's, the load 8: b's [64, 96) is not saved from the
-    failed step.)"""
+    """ "again" loads 128 tokens from kvstore; "b", added with it, shares the first ``shared`` of them
+    and finishes in its first step. again's blocks are not in vLLM's prefix cache while its load is
+    in flight: b loads its own. When the daemon turns the loads away, both are set back to their
+    first token and compute it all: nobody computes over a block that was not loaded, and kvstore
+    keeps a and b as the model computes them."""
     U, vcfg, ep = setup
     a = prompt(150, 11)
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
-    e.sched.connector._depth = depth
     check = stored_then_forgotten(U, e, a)
-    refuse_loads(e, monkeypatch)
+    refused = refuse_loads(e, monkeypatch) if load_fails else []
     b = a[:shared] + prompt(40, 12)
-    e.add(request(U, a, "again"))  # 128 loaded, 22 computed
-    e.add(request(U, b, "b"))  # ``shared`` from vLLM's prefix cache (again's blocks), 40 computed
+    e.add(request(U, a, "again"))
+    e.add(request(U, b, "b", max_tokens=1))
     e.run()
-    assert e.worker.loads[-1] == ("again", 0, 128)
-    assert "b" in e.over_missing and e.requests["b"].is_finished()
-    # 40 + 2 fed back, computed again after the failed step, never the failed step's
-    assert_holds(check, b, held)
+    assert sorted(e.worker.loads) == [("again", 0, 128), ("b", 0, shared)]  # once each, failed or not
+    assert len(refused) == (2 if load_fails else 0)
+    assert not e.over_missing and e.requests["b"].is_finished()
+    assert_holds(check, a, 128)
+    assert_holds(check, b, (shared + 40) // 32 * 32)
     e.worker.c.shutdown()
 
 
-@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "two-steps-in-flight"])
-@pytest.mark.parametrize("finish_first", [False, True], ids=["save-then-finished", "finished-then-save"])
-def test_a_request_that_shares_a_load_and_finishes_in_that_step_is_saved_once_the_load_is_settled(
-    setup: Any, monkeypatch: pytest.MonkeyPatch, depth: int, finish_first: bool
-) -> None:
-    """vLLM asks request_finished for b before it hands the step's load errors to the connector: b's
-    last save waits for the next steps' metadata (the workers keep its blocks meanwhile), and is
-    made once again's load is known good. With two steps in flight (async scheduling) it waits a
-    step more."""
-    U, vcfg, ep = setup
-    a = prompt(150, 11)
-    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch, finish_first)
-    e.sched.connector._depth = depth
-    check = stored_then_forgotten(U, e, a)
-    b = a[:128] + prompt(40, 12)
-    e.add(request(U, a, "again"))  # 128 loaded from kvstore, 22 computed
-    e.add(request(U, b, "b", max_tokens=1))  # 128 from vLLM's prefix cache, 40 computed: done in one step
-    metas: list[Any] = []
-    e.before_output = metas.append
-    e.run()
-    assert e.worker.loads[-1] == ("again", 0, 128) and not e.over_missing
-    assert e.requests["b"].is_finished()
-    assert_holds(check, b, 160)
-    held = [i for i, m in enumerate(metas) if "b" in m.held]
-    released = [i for i, m in enumerate(metas) if "b" in m.released]
-    assert len(held) == 1 and released == [held[0] + depth - 1]
-    e.worker.c.shutdown()
-
-
-@pytest.mark.parametrize("load_fails", [False, True], ids=["load-good", "load-failed"])
-def test_a_request_aborted_while_sharing_a_load_not_settled_is_saved_only_if_the_load_was_good(
+@pytest.mark.parametrize("load_fails", [False, True], ids=["load-good", "load-refused"])
+def test_a_request_aborted_while_its_load_is_in_flight_gives_its_blocks_back_and_saves_nothing(
     setup: Any, monkeypatch: pytest.MonkeyPatch, load_fails: bool
 ) -> None:
-    """b is aborted after the step where it computed over again's load, before vLLM had that step's
-    output: vLLM never rolls b back. Its last save waits for the load to settle: made if the load
-    was good, dropped if it failed; its blocks go back either way."""
+    """again is aborted in the step its load runs, before vLLM has that step's output: its blocks go
+    back once the load is reported (finished_recving), nothing of it is saved, and a later request
+    of the same prompt computes (or loads) it right."""
     from vllm.v1.request import RequestStatus
 
     U, vcfg, ep = setup
@@ -649,44 +615,24 @@ def test_a_request_aborted_while_sharing_a_load_not_settled_is_saved_only_if_the
     check = stored_then_forgotten(U, e, a)
     if load_fails:
         refuse_loads(e, monkeypatch)
-    b = a[:128] + prompt(40, 14)
 
     def abort(meta: Any) -> None:
         if any(t.req_id == "again" for t in meta.loads):
-            e.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+            e.sched.finish_requests("again", RequestStatus.FINISHED_ABORTED)
 
     e.before_output = abort
     e.add(request(U, a, "again"))
-    e.add(request(U, b, "b", max_tokens=5))
-    e.run()  # returns once every block is back: b's too
-    assert e.worker.loads[-1] == ("again", 0, 128) and e.requests["b"].is_finished()
-    assert ("b" in e.over_missing) == load_fails
-    if load_fails:
-        time.sleep(0.5)  # a save would have landed by now
-        assert_holds(check, b, 128)  # again's prefix, stored before; nothing b computed
-    else:
-        assert_holds(check, b, 160)
+    e.run()  # returns once every block is back
+    e.before_output = None
+    assert e.worker.loads == [("again", 0, 128)] and e.requests["again"].is_finished()
+    assert not e.sched.connector._loading and not e.sched.connector._tracked
+    time.sleep(0.5)  # a save would have landed by now
+    assert_holds(check, a, 128)  # what was stored before; nothing of again
+    e.add(request(U, a, "later"))
+    e.run()
+    assert not e.over_missing
+    assert_holds(check, a, 128)
     e.worker.c.shutdown()
-
-
-def test_a_request_shares_a_load_only_where_the_load_filled_its_own_positions() -> None:
-    """The scheduler looks at the positions loads filled, not at every block of every request:
-    vLLM's prefix cache shares a block only at its own position."""
-    loads = vllm_tracking.Unsettled()
-    loads.add(vllm_tracking.Load(step=1, req_id="loader", first=2, end=5, block_ids=(20, 21, 22)))
-    loads.add(vllm_tracking.Load(step=2, req_id="other", first=4, end=6, block_ids=(40, 41)))
-
-    def tracked(rid: str, block_ids: list[int]) -> Any:
-        return vllm_tracking.Tracked(SimpleNamespace(request_id=rid), connector.Variant(), block_ids, 0, None)
-
-    assert not loads.shared_by(tracked("loader", [1, 2, 20, 21, 22, 9]))  # its own load
-    assert loads.shared_by(tracked("b", [1, 2, 20]))  # a block table shorter than the load
-    assert loads.shared_by(tracked("c", [1, 2, 3, 4, 5, 41, 7]))  # the second load's last block
-    assert not loads.shared_by(tracked("d", [1, 2]))  # shorter still: nothing loaded held
-    assert not loads.shared_by(tracked("e", []))
-    loads.settle(2)  # step 1's output reached the scheduler: its load is good or rolled back
-    assert not loads.shared_by(tracked("b", [1, 2, 20]))
-    assert loads.shared_by(tracked("c", [1, 2, 3, 4, 5, 41, 7]))
 
 
 def test_a_save_that_failed_is_sent_again_with_the_next_one(

@@ -23,7 +23,7 @@ from tests.engines.vllm.test_connector import (
     setup,  # noqa: F401  (a fixture)
     stored_then_forgotten,
 )
-from tests.engines.vllm.test_connector_poison import half_stored_then_forgotten
+from tests.engines.vllm.test_connector_failed_loads import half_stored_then_forgotten
 
 SAMPLED = 0  # the token every step samples (vLLM's test helpers' model runner output)
 
@@ -43,7 +43,6 @@ class AsyncEngine:
         self.U, self.depth = U, depth
         self.sched = U.create_scheduler(vllm_config, num_blocks=NUM_BLOCKS)
         assert (type(self.sched).__name__ == "AsyncScheduler") == (depth == 2)
-        assert self.sched.connector._depth == depth
         self.worker = Worker(vllm_config, "FLASH_ATTN", monkeypatch)
         self.requests: dict[str, Any] = {}
         self.queue: deque[tuple[Any, Any]] = deque()  # (scheduler output, model runner output)
@@ -106,11 +105,15 @@ class AsyncEngine:
             if wrong:
                 self.over_missing.add(req.request_id)
         w.wait_for_save()
-        sending, _ = w.get_finished(so.finished_req_ids)
+        sending, recving = w.get_finished(so.finished_req_ids)
         w.clear_connector_metadata()
         reqs = [b[0] for b in batch]
         out = self.U.create_model_runner_output(
-            reqs, finished_sending=sending, invalid_block_ids=errors or None, token_id=SAMPLED
+            reqs,
+            finished_sending=sending,
+            finished_recving=recving,
+            invalid_block_ids=errors or None,
+            token_id=SAMPLED,
         )
         # a step that ends inside the prompt samples nothing
         out.sampled_token_ids = [[] if r.is_prefill_chunk else [SAMPLED] for r in reqs]
@@ -139,99 +142,64 @@ class AsyncEngine:
             over |= more
 
 
-@pytest.mark.parametrize(
-    "sharer",
-    ["new-in-the-next-step", "new-in-the-same-step"],
-)
-def test_a_request_that_computes_over_a_failed_load_in_a_step_in_flight_stores_nothing_from_it(
+@pytest.mark.parametrize("sharer", ["new-in-the-next-step", "new-in-the-same-step"])
+def test_a_request_sharing_a_prefix_with_a_load_that_fails_in_flight_never_computes_over_it(
     setup: Any,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
     sharer: str,
 ) -> None:
     """L counts on kvstore for 128 tokens of a; [64, 128) are evicted before the load, so L's vLLM
-    blocks 4..7 are not loaded (step N). S (a's first 144 tokens and 40 of its own) takes L's blocks
-    0..8 from vLLM's prefix cache and computes its own over them: in step N+1, scheduled before vLLM
-    has step N's output, or in step N with a decode token in N+1. Step N's output rolls L back to
-    block 4, and S only by what it was scheduled in step N: what S computed in step N+1 (its prompt,
-    or the first of its prompt's own tokens) is kept, wrong, and never computed again.
+    blocks 4..7 are not loaded (step N). S (a's first 144 tokens and 40 of its own) is added in
+    step N or N+1, scheduled before vLLM has step N's output. L waits for its load (vLLM caches none
+    of its blocks meanwhile): S cannot take them from vLLM's prefix cache, and loads from kvstore
+    (or computes) its own. Nobody computes over a failed block, and vLLM's prefix cache never holds
+    one; kvstore ends with a and s as the model computes them.
 
-        L   [ 0 .. 3 | 4 .. 7 failed | 8 | 9 | 10 ]    recomputed from 4: saved, right
-        S   [ 0 .. 3 | 4 .. 7 failed | 8 | own 9.. ]   own blocks wrong for good: never saved
-
-    kvstore ends up with L's recomputed blocks, and never with S's past what L stored."""
+        L   [ 0 .. 3 loaded | 4 .. 7 failed ]  waits; set back to 4; computes 4.. itself
+        S   [ its own blocks, loaded or computed ]"""
     U, vcfg, ep = setup
     a = prompt(170, 41)
     s = a[:144] + prompt(40, 42)
     filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)  # stores [0, 64) and, under "late", [64, 128)
     check = half_stored_then_forgotten(U, filler, a)
     e = AsyncEngine(U, vcfg, monkeypatch)
+    pool = e.sched.kv_cache_manager.block_pool
     with operator(ep) as op:
         e.before_load = lambda: op.evict(session="late")  # after the scheduler counted on them
         e.add(request(U, a, "L", max_tokens=3))
         if sharer == "new-in-the-same-step":
             e.add(request(U, s, "S", max_tokens=3))
         e.step()  # step N scheduled and run: L loads; vLLM has not got its output
-        assert len(e.queue) == 1 and e.worker.loads == [("L", 0, 128)]
+        assert len(e.queue) == 1 and e.worker.loads[0] == ("L", 0, 128)
         if sharer == "new-in-the-next-step":
-            e.add(request(U, s, "S", max_tokens=3))  # step N+1 takes L's blocks from the prefix cache
+            e.add(request(U, s, "S", max_tokens=3))
         e.before_load = None
-        e.run()
-    assert e.worker.loads == [("L", 0, 128)] and e.over_missing >= {"L", "S"}
-    assert all(r.is_finished() for r in e.requests.values())
-    # L computed [64, 173) again and saved it (a's [64, 160)): right
-    assert_holds(check, a, 160)
-    # S shares [0, 144) with a: its own kvstore block [128, 160) holds its wrong tokens 144.., never stored
-    assert_holds(check, s, 128)
-    filler.worker.c.shutdown()
-    e.worker.c.shutdown()
-
-
-def test_blocks_computed_over_a_failed_load_in_flight_leave_vllms_prefix_cache_and_nobody_takes_them(
-    setup: Any,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The story above (S in the next step): S's own blocks hold wrong K/V for good. They must not
-    stay in vLLM's prefix cache, where a later request T sharing S's prompt would take them (S was
-    running as the load failed: it does not compute them again)."""
-    U, vcfg, ep = setup
-    a = prompt(170, 41)
-    s = a[:144] + prompt(40, 42)
-    filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
-    check = half_stored_then_forgotten(U, filler, a)
-    e = AsyncEngine(U, vcfg, monkeypatch)
-    with operator(ep) as op:
-        e.before_load = lambda: op.evict(session="late")
-        e.add(request(U, a, "L", max_tokens=3))
-        e.step()
-        e.add(request(U, s, "S", max_tokens=30))
-        e.before_load = None
-        for _ in range(6):
+        while e.sched.has_requests() or e.queue:
             e.step()
-    pool = e.sched.kv_cache_manager.block_pool
-    assert e.wrong and all(pool.blocks[b].block_hash is None for b in e.wrong)
-    e.run()
-    t = s[:176] + prompt(20, 45)  # S's prompt and more
-    e.add(request(U, t, "T", max_tokens=2))
-    e.run()
-    assert e.over_missing == {"L", "S"}  # not T
-    assert_holds(check, t, check.lookup(t).matched_tokens)
+            assert not any(pool.blocks[b].block_hash is not None for b in e.wrong)  # never cached
+        e.run()
+    assert not e.over_missing and all(r.is_finished() for r in e.requests.values())
+    assert e.worker.loads.count(("L", 0, 128)) == 1  # not sent to load what failed again
+    assert_holds(check, a, 160)  # L computed [64, 173) again and saved its whole blocks
+    assert_holds(check, s, check.lookup(s).matched_tokens)  # whatever S saved, as the model computes it
+    assert check.lookup(s).matched_tokens >= 128
     filler.worker.c.shutdown()
     e.worker.c.shutdown()
 
 
-def test_a_request_taking_blocks_a_rolled_back_loader_has_not_computed_again_yet_takes_none(
+def test_a_request_taking_blocks_of_a_prefix_whose_load_failed_takes_only_those_computed(
     setup: Any,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Without async scheduling: L's load finds nothing (evicted after the lookup), vLLM rolls L back,
-    and L computes its blocks again 32 tokens a step (long_prefill_token_threshold). N, added while
-    it does, shares L's first 144 tokens: it must not take from vLLM's prefix cache the blocks L has
-    not computed again yet."""
+    """Without async scheduling: L's load finds nothing (evicted after the lookup), so vLLM sets L
+    back to its first token, and L computes its blocks 32 tokens a step (long_prefill_token_threshold).
+    N, added while it does, shares L's first 144 tokens: it takes from vLLM's prefix cache only the
+    blocks L has computed, and L is not sent to load again what failed."""
     U, vcfg, ep = setup
     vcfg.scheduler_config.long_prefill_token_threshold = 32
     a = prompt(150, 61)
     filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
-    stored_then_forgotten(U, filler, a)  # kvstore holds a[:128]
+    check = stored_then_forgotten(U, filler, a)  # kvstore holds a[:128]
     e = AsyncEngine(U, vcfg, monkeypatch, depth=1)
     with operator(ep) as op:
         e.before_load = lambda: op.evict(all=True)
@@ -239,24 +207,23 @@ def test_a_request_taking_blocks_a_rolled_back_loader_has_not_computed_again_yet
         e.add(request(U, prompt(400, 99), "other", max_tokens=3))  # two prefills: the threshold applies
         e.step()
         e.before_load = None
-    e.step()  # L rolled back: computing its blocks again, a chunk a step
+    e.step()
+    e.step()  # L computing its blocks, a chunk a step
     e.add(request(U, a[:144] + prompt(30, 62), "N", max_tokens=3))
     e.run()
-    assert e.over_missing == {"L"}  # L in the step its load failed (then rolled back), never N
+    assert not e.over_missing
+    assert e.worker.loads == [("L", 0, 128)]
+    assert_holds(check, a, 128)
     filler.worker.c.shutdown()
     e.worker.c.shutdown()
 
 
-def test_a_request_vllm_sets_back_to_a_failed_block_computes_it_again_and_is_saved(
+def test_a_request_aborted_while_its_load_is_in_flight_leaves_nothing_behind(
     setup: Any,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The same failed load, L aborted before vLLM has step N's output: S, scheduled in step N+1 over
-    L's blocks, is then the first running request holding them, and vLLM sets it back to block 4,
-    not by its step-N tokens. S computes blocks 4.. again itself: right, saved, and good for a later
-    request that takes them from vLLM's prefix cache.
-
-        S   [ 0 .. 3 | 4 .. 7 failed | 8 | own 9.. ]   set back to 4, computed again: all saved"""
+    """L aborted after its load failed, before vLLM has that step's output: its blocks go back when
+    the load is reported (vLLM's part), none of them cached; S, added next, computes right."""
     from vllm.v1.request import RequestStatus
 
     U, vcfg, ep = setup
@@ -272,14 +239,16 @@ def test_a_request_vllm_sets_back_to_a_failed_block_computes_it_again_and_is_sav
         assert len(e.queue) == 1 and e.worker.loads == [("L", 0, 128)]
         e.before_load = None
         e.sched.finish_requests("L", RequestStatus.FINISHED_ABORTED)
-        e.add(request(U, s, "S", max_tokens=3))  # step N+1 takes L's blocks from the prefix cache
-        e.run()
-    assert "S" in e.over_missing  # in step N+1, over the failed blocks
-    assert not e.sched.connector._poison.tainted
-    assert_holds(check, s, 160)  # all of S's whole blocks, computed again from block 4
+        e.add(request(U, s, "S", max_tokens=3))
+        e.run()  # (checks that every block is back)
+    assert not e.over_missing
+    assert not e.sched.connector._loading and not e.sched.connector._tracked
+    assert_holds(check, s, check.lookup(s).matched_tokens)
+    assert check.lookup(s).matched_tokens >= 64
     t = s[:176] + prompt(20, 45)  # takes S's blocks from vLLM's prefix cache: good, saved on
     e.add(request(U, t, "T"))
     e.run()
+    assert not e.over_missing
     assert_holds(check, t, 192)
     filler.worker.c.shutdown()
     e.worker.c.shutdown()

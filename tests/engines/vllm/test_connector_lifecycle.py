@@ -1,5 +1,5 @@
 """The connector's hold on a request's blocks over its whole life under vLLM 0.33's real Scheduler:
-preempted and resumed, finished while loads it shares are not settled, with a real daemon. See
+preempted and resumed, finished, shut down, with a real daemon. See
 test_connector.py for the engine these tests step."""
 
 from __future__ import annotations
@@ -50,6 +50,40 @@ def test_a_request_resumed_among_the_new_ones_keeps_its_blocks_until_the_workers
     e.run()  # resumed: 96 loaded from kvstore, 4 + 2 computed, nothing more to save
     assert e.worker.loads == [("a", 0, 96)] and e.requests["a"].is_finished()
     assert_holds(check, a, 96)
+    e.worker.c.shutdown()
+
+
+def test_a_request_resumed_after_its_queued_save_was_dropped_saves_from_what_kvstore_holds(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "a" computes its first 64 tokens in a chunk and is preempted: the save of that chunk, queued,
+    is dropped (vLLM hands its blocks to others). Resumed, its next save, refused from 64 for its
+    missing parent, is sent again from what kvstore holds (0): the prompt is stored whole."""
+    U, vcfg, ep = setup
+    vcfg.scheduler_config.long_prefill_token_threshold = 64
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.sched.use_v2_model_runner = False  # resumed requests come back among the cached ones
+    saver = e.worker.c._saver
+    assert saver is not None
+    submit = saver.submit
+    monkeypatch.setattr(saver, "submit", lambda *args, **kw: None)  # the first chunk's save: dropped
+    a = prompt(150, 47)
+    e.add(request(U, a, "a"))
+    e.add(request(U, prompt(400, 48), "other", max_tokens=3))  # two prefills: the threshold applies
+
+    def preempt(meta: Any) -> None:
+        if any(t.req_id == "a" for t in meta.saves):
+            req = e.requests["a"]
+            e.sched.running.remove(req)
+            e.sched._preempt_request(req, time.monotonic())
+            monkeypatch.setattr(saver, "submit", submit)
+            e.before_output = None
+
+    e.before_output = preempt
+    e.run()
+    assert e.requests["a"].num_preemptions == 1
+    assert_holds(check_client(e), a, 128)
     e.worker.c.shutdown()
 
 

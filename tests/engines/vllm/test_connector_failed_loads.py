@@ -1,0 +1,91 @@
+"""Loads that fail (blocks evicted between the lookup and the load), under vLLM 0.33's real Scheduler
+with a real daemon: the request waits for its load, is set back to its first failed block, and is
+not sent to load it again; nobody computes over a failed block, and kvstore keeps what the model
+computes. See test_connector.py for the engine these tests step."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from kvstore.client import KVStoreClient
+from tests.engines.vllm.test_connector import (
+    Engine,
+    assert_holds,
+    check_client,
+    operator,
+    prompt,
+    request,
+    setup,  # noqa: F401  (a fixture)
+    stored_then_forgotten,
+)
+from tests.hardening.conftest import wait_until
+
+
+def half_stored_then_forgotten(U: Any, e: Engine, tokens: list[int]) -> KVStoreClient:
+    """kvstore holds tokens [0, 64) of ``tokens`` plainly and [64, 128) under session "late" (so those
+    can be evicted alone); vLLM's prefix cache holds nothing of them. Returns check_client(e)."""
+    e.add(request(U, tokens[:64], "early"))
+    e.run()
+    late = request(U, tokens[:128], "late")
+    late.kv_transfer_params = {"kvstore_session": "late"}
+    e.add(late)  # [0, 64) from vLLM's prefix cache, [64, 128) computed and saved in the session
+    e.run()
+    check = check_client(e)
+    assert wait_until(lambda: check.lookup(tokens).matched_tokens == 128, 10)
+    assert e.sched.reset_prefix_cache()
+    return check
+
+
+@pytest.mark.parametrize("evicted", ["from-block-4", "all"])
+def test_a_failed_load_sets_its_request_back_to_the_failed_block_once(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    evicted: str,
+) -> None:
+    """ "again" counts on kvstore for 128 tokens; before the load, [64, 128) (or everything) is
+    evicted: vLLM's blocks 4..7 (or 0..7) are not loaded. vLLM sets again back to block 4 (or 0),
+    caches only the blocks before it, and again computes the rest: it is not sent to load the
+    failed blocks again. b, later, takes a's prefix from vLLM's prefix cache: all of it right."""
+    U, vcfg, ep = setup
+    a = prompt(150, 31)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = half_stored_then_forgotten(U, e, a)
+    with operator(ep) as op:
+        e.before_load = (
+            (lambda: op.evict(session="late")) if evicted == "from-block-4" else (lambda: op.evict(all=True))
+        )
+        e.add(request(U, a, "again", max_tokens=5))
+        e.run()
+        e.before_load = None
+    assert e.worker.loads == [("again", 0, 128)] and not e.over_missing
+    assert_holds(check, a, 128)  # computed again from the failed block, saved
+    b = a[:144] + prompt(40, 32)
+    e.add(request(U, b, "b"))
+    e.run()
+    assert not e.over_missing and e.worker.loads == [("again", 0, 128)]  # all from vLLM's prefix cache
+    assert wait_until(lambda: check.lookup(b).matched_tokens == 160, 10)
+    assert_holds(check, b, 160)
+    e.worker.c.shutdown()
+
+
+def test_a_load_refused_by_a_busy_daemon_is_computed_and_saved_as_computed(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The daemon turns the load away (busy): nothing loaded, again computes all of it, once."""
+    from tests.engines.vllm.test_connector import refuse_loads
+
+    U, vcfg, ep = setup
+    a = prompt(150, 33)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = stored_then_forgotten(U, e, a)
+    refused = refuse_loads(e, monkeypatch)
+    e.add(request(U, a, "again", max_tokens=5))
+    e.run()
+    assert refused == [True] and e.worker.loads == [("again", 0, 128)] and not e.over_missing
+    time.sleep(0.5)
+    assert_holds(check, a, 128)
+    e.worker.c.shutdown()
