@@ -184,11 +184,12 @@ def _ask(prompt: str) -> bool:
 
 
 def _no_session(client: KVStoreClient, name: str) -> bool:
-    """Whether the daemon knows no session ``name`` (for a hint only: False when it cannot say)."""
+    """Whether the daemon knows no session ``name`` (False when it cannot say)."""
     try:
-        return all(s.name != name for s in client.sessions())
-    except KVStoreError:
-        return False
+        client.inspect(session=name)
+    except KVStoreError as e:
+        return e.code == "not_found"
+    return False
 
 
 def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
@@ -211,18 +212,15 @@ def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
         unknown = args.session is not None and _no_session(client, args.session)
         if not (args.yes or args.dry_run) and interactive:
             preview = plain(client.evict(**flt, dry_run=True))
-            if not preview["blocks"]:
-                _emit(args, preview, display.render_evict, out)
-                return EXIT_FAILED if preview.get("not_done") else EXIT_OK
-            if not _ask(f"{display.render_evict(preview)}.\nProceed? [y/N] "):
+            # nothing to evict: nothing to ask (the evict below says so, as what it did)
+            if preview["blocks"] and not _ask(f"{display.render_evict(preview)}.\nProceed? [y/N] "):
                 sys.stderr.write("nothing evicted\n")
                 return EXIT_FAILED
         result = plain(client.evict(**flt, dry_run=args.dry_run))
         _emit(args, result, display.render_evict, out)
-        if (
-            unknown and not result["blocks"] and not result.get("not_done") and not args.json
-        ):  # a typo, most likely
+        if unknown and not result["blocks"] and not result.get("not_done"):  # a typo, most likely
             sys.stderr.write(f"no session {args.session!r} here (kvstore inspect lists them)\n")
+            return EXIT_FAILED  # as inspect and prefetch of it: scripts see it
     return EXIT_FAILED if result.get("not_done") else EXIT_OK  # a part left to do: scripts see it
 
 
@@ -268,7 +266,7 @@ def cmd_prefetch(args: argparse.Namespace, out: IO[str], err: IO[str] | None = N
         display.render_prefetch,
         out,
     )
-    return EXIT_OK
+    return EXIT_FAILED if total["failed"] else EXIT_OK  # blocks that could not be read: scripts see it
 
 
 def cmd_keygen(args: argparse.Namespace, out: IO[str]) -> int:

@@ -294,8 +294,8 @@ def render_evict(result: Mapping[str, Any]) -> str:
     )
     moved_text = f" ({format_count(moved)} of them moved down a tier)" if moved else ""
     if dry:
-        return f"would evict {format_count(blocks)} blocks{moved_text}; would free {freed_text}{not_done}"
-    return f"evicted {format_count(blocks)} blocks{moved_text}; freed {freed_text}{not_done}"
+        return f"would evict {_plural(blocks, 'block')}{moved_text}; would free {freed_text}{not_done}"
+    return f"evicted {_plural(blocks, 'block')}{moved_text}; freed {freed_text}{not_done}"
 
 
 def format_seconds(seconds: float | None) -> str:

@@ -187,7 +187,12 @@ def test_operator_commands_against_a_real_daemon(daemon: Path, tmp_path: Path) -
         "kvstore: no session 'nope'; list them with inspect [not_found]"
     ]
     typo = run_cli("evict", "--session", "nope", "--config", str(daemon))  # nothing to evict, and says why
-    assert typo.returncode == 0 and "no blocks matched" in typo.stdout
+    assert typo.returncode == 1 and "no blocks matched" in typo.stdout  # as inspect: scripts see it
+    assert typo.stderr.strip().splitlines() == ["no session 'nope' here (kvstore inspect lists them)"]
+    typo = run_cli("evict", "--session", "nope", "--json", "--config", str(daemon))
+    assert (
+        typo.returncode == 1 and json.loads(typo.stdout)["blocks"] == 0
+    )  # --json: the same exit, the same hint
     assert typo.stderr.strip().splitlines() == ["no session 'nope' here (kvstore inspect lists them)"]
 
 
@@ -235,6 +240,9 @@ def test_evict_asks_on_a_terminal(daemon: Path) -> None:
     assert rc == 0 and out.startswith("evicted 2 blocks; freed hbm")
     with KVStoreClient(endpoint, model="m", layout=layout, timeout=30) as c:
         assert c.lookup(tokens).matched_blocks == 0
+    # nothing to evict: nothing asked, and what is said is what was done, not a dry run
+    rc, out, err = run_on_terminal(["evict", "--older-than", "3650d", "--config", str(daemon)], "y")
+    assert rc == 0 and out.strip() == "no blocks matched" and "Proceed" not in err
 
 
 def block_tiers(cfg: Path, session: str) -> list[list[str]]:
@@ -337,6 +345,22 @@ def test_prefetch_warms_a_session_up_from_nvme_after_a_restart(tmp_path: Path) -
         missing = run_cli("prefetch", "--session", "nope", "--config", str(cfg))
         assert missing.returncode == 1
         assert missing.stderr.strip().splitlines() == ["kvstore: no session 'nope' to prefetch [not_found]"]
+    finally:
+        stop(proc)
+    # every frame on disk damaged: the first block cannot be read, the prefetch stops there, exit 1
+    import lmdb
+
+    env = lmdb.open(str(load_config(cfg, env={}).nvme.path), max_dbs=8, subdir=True)
+    try:
+        with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+            for key, frame in list(txn.cursor()):
+                txn.put(key, frame[:-1] + bytes([frame[-1] ^ 0xFF]))
+    finally:
+        env.close()
+    proc = serve(cfg)
+    try:
+        r = run_cli("prefetch", "--session", "conv-9", "--to", "ram", "--config", str(cfg))
+        assert r.returncode == 1 and " 1 failed" in r.stdout, (r.stdout, r.stderr)
     finally:
         stop(proc)
 
