@@ -167,7 +167,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._recving: set[str] = set()  # requests whose load ran this step (get_finished says so)
         self._saving: set[str] = set()  # requests with saves queued at some point
-        self._finishing: set[str] = set()  # finished requests whose saves are still running
+        # finished requests whose saves are still running -> when they finished
+        self._finishing: dict[str, float] = {}
+        self.late_saves = 0  # finished requests whose saves were given up for holding blocks too long
+        self._late = max(1.0, self.settings.timeout)  # seconds a finished request's blocks wait on saves
         self._saver: Saver | None = None
         self._submitted: KVStoreMetadata | None = None  # the metadata whose saves are queued
         self.loaded_tokens = 0
@@ -471,12 +474,28 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._saver is None:
             return None, recving or None
         self._submit_saves()
-        self._finishing |= finished_req_ids & self._saving
+        now = time.monotonic()
+        for rid in finished_req_ids & self._saving:
+            self._finishing.setdefault(rid, now)
         done = {rid for rid in self._finishing if self._saver.pending(rid) == 0}
-        self._finishing -= done
-        self._saving -= done
+        # a daemon that keeps up with none of them must not keep finished requests' blocks from vLLM
+        # for long (it would preempt running requests for want of them): past the call timeout their
+        # saves are given up as a preemption's are (the copy under way waited for, no daemon call)
+        late = {rid for rid, since in self._finishing.items() if rid not in done and now - since > self._late}
+        if late:
+            self._saver.cancel(late)
+            self.late_saves += len(late)
+            if self.late_saves == len(late):
+                log.warning(
+                    "kvstore: the daemon did not take the saves of finished requests within %.0f s; they "
+                    "are given up so that vLLM gets their blocks back (later ones are counted, not logged)",
+                    self._late,
+                )
+            done |= late
         for rid in done:
+            del self._finishing[rid]
             self._saver.forget(rid)
+        self._saving -= done
         return (done or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -488,11 +507,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._saver.close()
             log.info(
                 "kvstore connector: loaded %d tokens, saved %d blocks, %d saves failed, %d dropped "
-                "for preemptions, %d dropped behind a daemon that did not keep up",
+                "for preemptions or finished requests' blocks (%d requests), %d dropped behind a daemon "
+                "that did not keep up",
                 self.loaded_tokens,
                 self._saver.saved_blocks,
                 self._saver.failed_saves,
                 self._saver.cancelled_saves,
+                self.late_saves,
                 self._saver.dropped_saves,
             )
         self._clients.close()  # a save still waiting on the daemon ends with its client

@@ -187,3 +187,34 @@ def test_a_preemption_waits_for_no_call_of_a_daemon_that_does_not_answer(
         assert time.monotonic() - t0 < 3.0
     finally:
         daemon.send_signal(signal.SIGCONT)
+
+
+def test_a_daemon_that_keeps_up_with_no_save_holds_finished_requests_blocks_only_for_its_timeout(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every put takes the daemon 1 s (a loaded host): six requests finish at once, their saves queue
+    behind one another. Their blocks go back to vLLM within the call timeout (2 s here), their
+    saves given up, not after the whole queue (6 s and more): vLLM would preempt running requests
+    for want of them meanwhile."""
+    from kvstore.client import KVStoreClient
+
+    U, vcfg, ep = setup
+    vcfg.kv_transfer_config.kv_connector_extra_config["timeout"] = 2.0
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    put_from = KVStoreClient.put_from
+
+    def slow(self: Any, *args: Any, **kw: Any) -> Any:
+        time.sleep(1.0)
+        return put_from(self, *args, **kw)
+
+    monkeypatch.setattr(KVStoreClient, "put_from", slow)
+    for i in range(6):
+        e.add(request(U, prompt(64, 80 + i), f"r{i}", max_tokens=2))
+    while any(not r.is_finished() for r in e.requests.values()):
+        e.step()
+    t0 = time.monotonic()
+    e.run()  # until every block is back
+    assert time.monotonic() - t0 < 4.0
+    assert e.worker.c.late_saves >= 1
+    e.worker.c.shutdown()
