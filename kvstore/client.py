@@ -505,6 +505,7 @@ class KVStoreClient:
             list(reply.keys),
             dry_run,
             reply.not_done or "",
+            max(0, reply.displaced or 0),
         )
 
     def sessions(self) -> list[SessionInfo]:

@@ -129,7 +129,9 @@ class EvictResult:
     """``blocks`` affected (dropped or moved, descendants included), bytes freed per tier,
     ``moved`` (of ``blocks``, those that went down a tier instead of away), their keys.
     ``not_done``: a part that could not be done, and why (the cluster's part of an evict of a
-    session while the cluster is down); empty when all was done."""
+    session while the cluster is down); empty when all was done. ``displaced``: other blocks the
+    moves pushed out of the store (the tier below full, and nothing below it to take them), not
+    among ``blocks``; a dry run cannot say."""
 
     blocks: int
     bytes_freed: dict[str, int]
@@ -137,6 +139,7 @@ class EvictResult:
     keys: list[bytes]
     dry_run: bool = False
     not_done: str = ""
+    displaced: int = 0
 
 
 @dataclass(frozen=True)

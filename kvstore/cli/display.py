@@ -293,6 +293,9 @@ def render_evict(result: Mapping[str, Any]) -> str:
         or "nothing"
     )
     moved_text = f" ({format_count(moved)} of them moved down a tier)" if moved else ""
+    displaced = int(result.get("displaced") or 0)
+    if displaced:  # the tier below was full, and nothing below it took its blocks: they went
+        not_done = f"; {_plural(displaced, 'other block')} dropped to make room below{not_done}"
     if dry:
         return f"would evict {_plural(blocks, 'block')}{moved_text}; would free {freed_text}{not_done}"
     return f"evicted {_plural(blocks, 'block')}{moved_text}; freed {freed_text}{not_done}"

@@ -234,6 +234,7 @@ class Handlers:
             moved=r.moved,
             keys=list(r.keys),
             not_done=r.not_done or None,
+            displaced=r.displaced or None,
         )
 
     def _stats(self, msg: Stats, ns: Namespace | None) -> Message:

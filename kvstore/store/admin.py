@@ -139,8 +139,10 @@ class AdminOps:
                     down = t < self._tiers.last and not e.tiers & (bit - 1) and not e.tiers & (bit << 1)
                     moved += down
                     plan.append((e, False, down))
+            displaced = 0
             if not dry_run:
                 stayed: set[bytes] = set()
+                before = len(self._index)
                 for e, drops_all, down in plan:
                     if self._index.get(e.key) is not e:
                         continue
@@ -155,7 +157,11 @@ class AdminOps:
                         stayed.add(e.key)
                         freed[self._tiers.names[t]] -= nbytes
                         moved -= down
+                    elif down and self._index.get(e.key) is not e:
+                        moved -= 1  # no tier below had room for it: it went, not down
                 keys = [k for k in keys if k not in stayed]
+                # blocks that left the store and were not chosen: room made below for the moved ones
+                displaced = max(0, before - len(self._index) - sum(1 for k in keys if k not in self._index))
                 # the conversation goes with its blocks: all of them (the session the only criterion),
                 # or the last of those it tagged; evict --session S --older-than D keeps its younger part
                 if (
@@ -171,6 +177,7 @@ class AdminOps:
             moved=moved,
             keys=keys,
             dry_run=dry_run,
+            displaced=displaced,
         )
         if flt.session is not None and t is None and self._cluster is not None:
             try:  # the whole conversation, or its cluster copies among the blocks chosen here
@@ -192,6 +199,7 @@ class AdminOps:
                 keys=gone,
                 dry_run=dry_run,
                 not_done=remote.not_done,
+                displaced=displaced,
             )
         return result
 

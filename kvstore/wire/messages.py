@@ -440,12 +440,14 @@ class EvictOk(Message):
         "moved": F.nonneg_int,
         "keys": F.a_list,
         "not_done": F.opt_text,
+        "displaced": F.opt_int,
     }
     blocks: int
     bytes_freed: dict[str, int]
     moved: int
     keys: list[bytes]
     not_done: str | None = None  # a part not done, and why (see results.EvictResult)
+    displaced: int | None = None  # other blocks the moves pushed out of the store (EvictResult)
 
 
 @dataclass(frozen=True)

@@ -236,6 +236,11 @@ def test_render_session_prefix_evict_prefetch() -> None:
         {"blocks": 2, "bytes_freed": {"hbm": 1024}, "not_done": "the cluster is down"}
     ).splitlines() == ["evicted 2 blocks; freed hbm 1.0 KiB", "not done: the cluster is down"]
     assert (
+        display.render_evict({"blocks": 1, "moved": 1, "bytes_freed": {"hbm": 1024}, "displaced": 3})
+        == "evicted 1 block (1 of them moved down a tier); freed hbm 1.0 KiB; 3 other blocks dropped "
+        "to make room below"
+    )
+    assert (
         display.render_prefetch({"session": "s", "to": "hbm", "moved": 2, "present": 1, "failed": 0})
         == "session s: 2 blocks brought up to hbm, 1 already there, 0 failed"
     )

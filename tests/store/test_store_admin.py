@@ -102,6 +102,25 @@ def test_evict_by_tier_counts_a_block_moved_down_also_when_nvme_holds_a_copy(mak
     assert r.blocks == 3 and r.moved == 0 and s.lookup(NS, toks).tiers == ["nvme"] * 3
 
 
+def test_evict_by_tier_says_which_other_blocks_its_moves_pushed_out_of_the_store(make_store) -> None:
+    """hbm [4] holds A (4 blocks); ram [3] holds B (3 blocks); no nvme. evict --tier hbm moves A to
+    ram, whose room is made the usual way: B, with nothing below ram, leaves the store, and so does
+    A's tail, for which there is no room left. The result says so: B is not among the blocks
+    evicted, and A's tail did not move down."""
+    s = make_store(nvme=False, hbm_blocks=4, ram_blocks=3)
+    b, a = tokens(3, seed=1), tokens(4, seed=2)
+    s.put(NS, b, kv(3 * T, 1))
+    s.evict(EvictFilter(tier="hbm"))  # B in ram
+    s.put(NS, a, kv(4 * T, 2))
+    r = s.evict(EvictFilter(tier="hbm"))
+    assert r.blocks == 4 and r.moved == 3  # ram took three of A; its tail went (nothing below ram)
+    assert s.lookup(NS, a).tiers == ["ram"] * 3 and s.lookup(NS, b).matched_blocks == 0
+    assert r.displaced == 3
+    dry = s.evict(EvictFilter(tier="ram"), dry_run=True)
+    assert dry.displaced == 0
+    assert s.check_integrity() == []
+
+
 def test_evict_by_model_and_tenant_and_all(make_store) -> None:
     s = make_store(hbm_blocks=8, ram_blocks=8)
     other = Namespace("other-model", NS.layout, tenant="t2")

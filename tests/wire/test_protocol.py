@@ -475,7 +475,7 @@ def test_a_field_left_unset_is_not_sent_so_older_peers_still_read_the_message() 
     from kvstore.wire.messages import EvictOk
 
     plain = EvictOk(blocks=1, bytes_freed={}, moved=0, keys=[])
-    assert "not_done" not in plain.header_fields()
+    assert "not_done" not in plain.header_fields() and "displaced" not in plain.header_fields()
     assert EvictOk.from_fields(plain.header_fields(), []) == plain
-    told = EvictOk(blocks=1, bytes_freed={}, moved=0, keys=[], not_done="the cluster is down")
+    told = EvictOk(blocks=1, bytes_freed={}, moved=0, keys=[], not_done="the cluster is down", displaced=3)
     assert EvictOk.from_fields(told.header_fields(), []) == told
