@@ -462,6 +462,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._saver.submit(t, self._paged(t), ready)
         self.hook_seconds["save"] += time.perf_counter() - t0
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM puts its KV caches to sleep (their memory discarded, or lent out): no save reads them
+        after this returns (those queued are given up, counted; a copy out of them under way is waited
+        for). Loads and saves come again only with steps, after ``restore_kv_caches``."""
+        if self._saver is not None:
+            self._saver.cancel_all()
+
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # a preempted request's blocks are free again: none of its saves may read them after this
         # (those queued are dropped, the one running waited for); other requests' saves run on

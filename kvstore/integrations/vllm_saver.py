@@ -124,6 +124,12 @@ class Saver:
                 self._cancelled.add(self._running)
             self._cv.wait_for(lambda: self._running not in req_ids or not self._reading)
 
+    def cancel_all(self) -> None:
+        """``cancel`` every request's saves (vLLM is putting its KV caches to sleep)."""
+        with self._cv:
+            req_ids = set(self._pending) | ({self._running} if self._running else set())
+        self.cancel(req_ids)
+
     def close(self) -> None:
         """Stop, once the queued saves are done or CLOSE_WAIT seconds have passed (the rest dropped).
         A save still waiting on the daemon then ends as its client is closed (Clients.close, which

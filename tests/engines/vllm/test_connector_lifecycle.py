@@ -218,3 +218,35 @@ def test_a_daemon_that_keeps_up_with_no_save_holds_finished_requests_blocks_only
     assert time.monotonic() - t0 < 4.0
     assert e.worker.c.late_saves >= 1
     e.worker.c.shutdown()
+
+
+def test_caches_put_to_sleep_are_read_by_no_save_after(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's sleep mode discards the KV caches' memory once unregister_kv_caches returns: a save
+    still queued must not read them after that, nor one waiting for its forward pass."""
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    w, saver = e.worker, e.worker.c._saver
+    assert saver is not None
+    jobs = {}
+    for i, (rid, tokens) in enumerate([("a", prompt(64, 51)), ("b", prompt(64, 52))]):
+        blocks = list(range(4 * i, 4 * i + 4))
+        w.forward(blocks, tokens, 0, 64)
+        jobs[rid] = Transfer(rid, Variant(base=w.c._clients.base), tokens, blocks, 0, 64)
+    forward = threading.Event()
+    saver.submit(jobs["a"], w.c._paged(jobs["a"]), SimpleNamespace(synchronize=lambda: forward.wait(30)))
+    saver.submit(jobs["b"], w.c._paged(jobs["b"]))
+    assert wait_until(lambda: saver._running == "a", 10)
+    t0 = time.monotonic()
+    w.c.unregister_kv_caches()
+    assert time.monotonic() - t0 < 1.0  # not held up by the forward pass, nor by the daemon
+    forward.set()
+    assert wait_until(lambda: saver.pending("a") == 0 and saver.pending("b") == 0, 10)
+    check = check_client(e)
+    assert (
+        check.lookup(jobs["a"].tokens).matched_tokens == 0
+        and check.lookup(jobs["b"].tokens).matched_tokens == 0
+    )
+    w.c.shutdown()
