@@ -8,41 +8,31 @@ an ErrorReply with a stable code, so no request can take the daemon down.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
-import struct
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from kvstore.daemon.pin_quota import PinLedger, PinQuota
+from kvstore.daemon.shared_ops import SharedOps
 from kvstore.daemon.tenancy import SHARED_OPS, TenantOps
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, block_keys
 from kvstore.results import EvictFilter
-from kvstore.shm.plane import StagingFull
 from kvstore.store.adoption import Adoption
-from kvstore.store.reads import Located
 from kvstore.tiers.base import TierName
 from kvstore.wire.errors import ProtocolError, wire_code
 from kvstore.wire.messages import (
-    Commit,
     DataOk,
     ErrorReply,
     Evict,
     EvictOk,
-    Finish,
-    FinishOk,
     Flush,
     FlushOk,
     Get,
     GetOk,
     Inspect,
-    Locate,
-    LocateOk,
     Lookup,
     LookupOk,
     Message,
@@ -53,8 +43,6 @@ from kvstore.wire.messages import (
     PutOk,
     Release,
     ReleaseOk,
-    Reserve,
-    ReserveOk,
     Stats,
 )
 from kvstore.wire.protocol import Request, payload_tensor, tensor_payload
@@ -63,30 +51,14 @@ if TYPE_CHECKING:
     from kvstore.shm.plane import SharedPlane
     from kvstore.store.engine import Store
 
-STAGING = -1  # a located block's segment index when it is in the client's staging segment
-
-_EXTENT = struct.Struct("<qq")  # one (offset, length) run of a located block, as the client reads it
 log = logging.getLogger("kvstore.daemon.server")
 
 PREFETCH_TARGETS = (TierName.RAM.value, TierName.HBM.value)  # nvme holds everything already
-# Pins held through the protocol at once, and the block references they hold in all (each costs the
-# store's pin table an entry): bounds what clients pinning in a loop can make the daemon keep. Each
-# tenant holds at most its quota of them (PinQuota), so one tenant cannot fill the table for all.
-MAX_PINS = 4096
-MAX_PINNED_KEYS = 1 << 18
 MAX_FLUSH_WAIT = 60.0  # seconds one flush request may hold a worker; the client asks again
 FLUSH_SLACK = 0.05  # seconds: a flush that ended this close to its time ran out of it
 # Longest lookup answered on the event loop (blocks): about 0.6 us a block hashed and found (16384 in 10 ms),
 # so about a ms at most; longer ones (block_tokens = 1 makes a block of every token) go to a worker
 INLINE_BLOCKS = 2048
-
-
-@dataclass(frozen=True)
-class PinQuota:
-    """What one tenant (its namespaces' ``tenant``) may hold pinned through the protocol at once."""
-
-    pins: int = 1024
-    blocks: int = 65536
 
 
 class Handlers:
@@ -105,15 +77,8 @@ class Handlers:
         self.store = store
         self.server_info = server_info
         self.max_lease = max_lease  # a client's pin never outlives this (the store's pin lease)
-        self.pin_quota = pin_quota or PinQuota()
+        self.pins = PinLedger(pin_quota or PinQuota())
         self.failed_blocks = 0  # blocks put replies named as not stored (stats: server.put_failed_blocks)
-        # pin handles given to clients: a random id (unguessable by other clients) ->
-        # (store handle, expiry, tenant)
-        self._pins: dict[int, tuple[Any, float, str]] = {}
-        # same-host reads' pins (a locate's blocks, until its finish or its lease's end), counted in the
-        # same quota: id of the Located -> (blocks, expiry, tenant)
-        self._located: dict[int, tuple[int, float, str]] = {}
-        self._pins_lock = threading.Lock()
         self._ops: dict[type[Message], Callable[[Any, Namespace | None], Message]] = {
             Lookup: self._lookup,
             Get: self._get,
@@ -127,7 +92,7 @@ class Handlers:
             Release: self._release,
         }
         self.tenant_ops = TenantOps(store, server_info)  # requests of CURVE clients confined to a tenant
-        self.plane = plane
+        self.shared = SharedOps(store, plane, self.pins, self._put)  # the same-host data plane
 
     def handle(self, request: Request) -> Message:
         """The reply to ``request``: its op's result, or an ErrorReply. Never raises.
@@ -137,7 +102,7 @@ class Handlers:
         """
         try:
             if isinstance(request.msg, SHARED_OPS):
-                return self._shared(request)
+                return self.shared.handle(request)
             if request.tenant is not None:
                 return self.tenant_ops.handle(request.msg, request.namespace, request.tenant, self._run)
             return self._run(request.msg, request.namespace)
@@ -299,228 +264,10 @@ class Handlers:
         matched = self.store.lookup(ns, msg.tokens, count=False).matched_blocks  # the get after counts
         if matched == 0:  # nothing to hold: a handle that release() will not know, and no table slot
             return PinOk(handle=secrets.randbits(63), blocks=0, lease=lease)
-        now = time.monotonic()
-        quota = self.pin_quota
-        with self._pins_lock:
-            pins, blocks = self._held(ns.tenant, now)
-            if pins >= quota.pins or blocks + matched > quota.blocks:
-                # the caller's own figures only: nothing about other tenants' pins
-                raise ProtocolError(
-                    "busy",
-                    f"tenant {ns.tenant!r} holds {pins} pins of {blocks} blocks (same-host reads' "
-                    f"included); its quota is {quota.pins} pins and {quota.blocks} blocks ([server] "
-                    f"max_pins_per_tenant, max_pinned_blocks_per_tenant), and this pin needs {matched} "
-                    "more blocks. Release some or wait for their leases to end",
-                )
-            if not self._daemon_room(matched):
-                raise ProtocolError(
-                    "busy", "the daemon holds all the pins it can; release yours or wait for leases to end"
-                )
-            handle = self.store.pin(block_keys(ns, msg.tokens)[:matched], lease)
-            hid = secrets.randbits(63)
-            self._pins[hid] = (handle, now + lease, ns.tenant)
+        keys = block_keys(ns, msg.tokens)[:matched]
+        hid, handle = self.pins.pin(ns.tenant, matched, lease, lambda: self.store.pin(keys, lease))
         return PinOk(handle=hid, blocks=len(handle.keys), lease=lease)
 
-    def _held(self, tenant: str, now: float) -> tuple[int, int]:
-        """(``_pins_lock`` held.) The pins and pinned blocks ``tenant`` holds, its same-host reads'
-        included; lapsed ones are forgotten first (the store has let go of them already)."""
-        for hid in [h for h, (_, exp, _) in self._pins.items() if exp <= now]:
-            del self._pins[hid]
-        for lid in [i for i, (_, exp, _) in self._located.items() if exp <= now]:
-            del self._located[lid]
-        mine = [len(h.keys) for h, _, t in self._pins.values() if t == tenant]
-        located = [n for n, _, t in self._located.values() if t == tenant]
-        return len(mine) + len(located), sum(mine) + sum(located)
-
-    def _daemon_room(self, blocks: int) -> bool:
-        """(``_pins_lock`` held, after ``_held``.) Whether the daemon-wide tables take one more pin of
-        ``blocks`` blocks."""
-        held = sum(len(h.keys) for h, _, _ in self._pins.values()) + sum(
-            n for n, _, _ in self._located.values()
-        )
-        return len(self._pins) + len(self._located) < MAX_PINS and held + blocks <= MAX_PINNED_KEYS
-
-    def _charge_located(self, located: Located, tenant: str, lease: float) -> bool:
-        """Count a locate's pinned blocks in ``tenant``'s pin quota; False (nothing counted) when they
-        do not fit it, or the daemon's tables."""
-        n = len(located.places)
-        if not n:
-            return True
-        now = time.monotonic()
-        quota = self.pin_quota
-        with self._pins_lock:
-            pins, blocks = self._held(tenant, now)
-            if pins >= quota.pins or blocks + n > quota.blocks or not self._daemon_room(n):
-                return False
-            self._located[id(located)] = (n, now + lease, tenant)
-        return True
-
-    def _finish_located(self, located: Located, used: int) -> None:
-        """A same-host read is over: its pins are let go, in the store and in the quota."""
-        with self._pins_lock:
-            self._located.pop(id(located), None)
-        self.store.finish(located, used)
-
-    # -- the same-host data plane (kvstore.shm) ------------------------------------------
-    def _shared(self, request: Request) -> Message:
-        plane = self.plane
-        if plane is None or not plane.offered or request.tenant is not None:  # (a CURVE client: tcp)
-            raise ProtocolError(
-                "no_shared_memory",
-                f"{request.msg.op}: this daemon offers no shared memory on this endpoint "
-                '(tcp, [server] shared_memory = "off", or not on this machine); use get and put',
-            )
-        msg, ns = request.msg, request.namespace
-        if isinstance(msg, Locate):
-            assert ns is not None
-            return self._locate(plane, request.peer, msg, ns)
-        if isinstance(msg, Finish):
-            lease = plane.take(msg.handle, request.peer)
-            if lease is not None and lease.held is not None:
-                self._finish_located(lease.held, msg.used)
-            return FinishOk(released=lease is not None)
-        if isinstance(msg, Reserve):
-            if msg.nbytes < 1:  # a lease of nothing holds no staging, only the daemon's bookkeeping
-                raise ProtocolError("invalid_argument", f"reserve of {msg.nbytes} bytes: reserve at least 1")
-            got = plane.reserve(request.peer, msg.nbytes)
-            seg = got.staging
-            return ReserveOk(
-                handle=got.handle,
-                instance=plane.instance,
-                offset=got.offset,
-                nbytes=got.nbytes,
-                path="" if seg is None else str(seg.path),
-                size=0 if seg is None else seg.size,
-                lease=max(0.0, got.expires - plane.clock()),
-            )
-        assert isinstance(msg, Commit) and ns is not None
-        return self._commit(plane, request.peer, msg, ns)
-
-    def _locate(self, plane: SharedPlane, peer: bytes, msg: Locate, ns: Namespace) -> Message:
-        plane.admit(peer)  # before anything is pinned: a client at its lease bound pins nothing
-        names = self.store.tiers.names
-        shared = {t for t, name in enumerate(names) if name in msg.tiers and plane.shares(name)}
-
-        def locate(tiers: set[int], count: bool) -> Located:
-            return self.store.locate(
-                ns,
-                msg.chain,
-                tiers,
-                start_block=msg.start_block,
-                max_blocks=msg.max_blocks,
-                lease=plane.lease,
-                count=count,
-            )
-
-        located = locate(shared, False)
-        if self._charge_located(located, ns.tenant, plane.lease):
-            self.store.count_located(located)
-        else:  # past the tenant's pin quota: nothing stays pinned, the blocks are copied into staging
-            self.store.unlocate(located)
-            located = locate(set(), True)
-        blocks: list[list[Any]] = []
-        tiers: list[str] = []
-        segments = {t: plane.segment_index(names[t]) for t in {t for _, t, _ in located.places}}
-        for _, t, place in located.places:
-            blocks.append(
-                [
-                    segments[t],
-                    _EXTENT.pack(*place.extents[0])
-                    if len(place.extents) == 1
-                    else np.asarray(place.extents, dtype="<i8").tobytes(),
-                    place.pages.astype("<i8", copy=False).tobytes(),
-                    place.gens.astype("<u8", copy=False).tobytes(),
-                ]
-            )
-            tiers.append(names[t])
-        layout = ns.layout
-        nb = layout.block_nbytes
-        k = min(located.rest, plane.per_client // nb)
-        rest = located.rest
-        try:
-            try:
-                lease = plane.reserve(peer, k * nb, held=located, armed=False)
-            except (ProtocolError, StagingFull):  # no staging room now: the client reads these next time
-                k = 0
-                lease = plane.reserve(peer, 0, held=located, armed=False)
-        except BaseException:
-            self._finish_located(located, 0)  # the located blocks' pins, at once: not at their lease's end
-            raise
-        try:
-            if k:  # blocks no shared pool holds (nvme): decoded by the daemon into staging
-                buf = plane.staging_tensor(lease).view(layout.torch_dtype)
-                shape = layout.shape(layout.block_tokens)
-                per = nb // layout.torch_dtype.itemsize
-                outs = [buf[b * per : (b + 1) * per].view(shape) for b in range(k)]  # block-major
-                # blocks from the cluster are stored here from staging after the client copied them
-                # (its finish, or the lease's end): the range is kept for that, whatever the client does
-                plane.reading(lease)
-                r = self.store.get(
-                    ns,
-                    msg.chain,
-                    start_block=msg.start_block + len(located.places),
-                    max_blocks=k,
-                    out=outs,
-                    adopted=Adoption(lambda: plane.done_reading(lease, keep=True), lease.copied, plane.lease),
-                    lookup=False,  # the locate's own, counted once
-                )
-                for j in range(r.matched_blocks):
-                    extent = np.asarray([[lease.offset + j * nb, nb]], dtype="<i8").tobytes()
-                    blocks.append([STAGING, extent, b"", b""])
-                tiers.extend(r.tiers)
-                rest = located.rest - k if r.matched_blocks == k else 0  # short: the chain broke there
-                if not rest:  # the last round of this read: what is not held after it is counted now
-                    self.store.missed(located)
-        except BaseException:
-            plane.take(lease.handle)
-            self._finish_located(located, 0)
-            raise
-        plane.arm(lease)
-        seg = lease.staging
-        return LocateOk(
-            handle=lease.handle,
-            instance=plane.instance,
-            start_block=msg.start_block,
-            blocks=blocks,
-            tiers=tiers,
-            lease=plane.lease,
-            staging=None if seg is None else [str(seg.path), seg.size],
-            rest=rest,
-        )
-
-    def _commit(self, plane: SharedPlane, peer: bytes, msg: Commit, ns: Namespace) -> Message:
-        lease = plane.hold(msg.handle, peer)
-        if lease is None:
-            raise ProtocolError(
-                "not_found",
-                "commit: the staging lease is unknown or lapsed (nothing was stored); reserve again",
-            )
-        try:
-            need = math.prod(msg.shape) * ns.layout.torch_dtype.itemsize
-            if need > lease.nbytes:
-                raise ProtocolError(
-                    "invalid_argument",
-                    f"commit of shape {list(msg.shape)} needs {need} bytes; the reservation holds {lease.nbytes}",
-                )
-            kv = plane.staging_tensor(lease)[:need].view(ns.layout.torch_dtype).view(msg.shape)
-            return self._put(
-                Put(
-                    ns=msg.ns,
-                    tokens=msg.tokens,
-                    keys=msg.keys,
-                    parent=msg.parent,
-                    shape=msg.shape,
-                    dtype=msg.dtype,
-                    start_block=msg.start_block,
-                    session=msg.session,
-                ),
-                ns,
-                kv=kv,
-            )
-        finally:  # kept: the client writes its next chunk there
-            plane.done_reading(lease, keep=msg.keep)
-
     def _release(self, msg: Release, ns: Namespace | None) -> Message:
-        with self._pins_lock:
-            got = self._pins.pop(msg.handle, None)
-        return ReleaseOk(released=got is not None and bool(self.store.release(got[0])))
+        handle = self.pins.release(msg.handle)
+        return ReleaseOk(released=handle is not None and bool(self.store.release(handle)))

@@ -57,9 +57,10 @@ from kvstore.daemon.auth import OPERATOR, ServerAuth
 from kvstore.daemon.budget import InflightBudget
 from kvstore.daemon.dispatch import Dispatch
 from kvstore.daemon.endpoint import ipc_path, remove_socket, socket_identity
-from kvstore.daemon.handlers import Handlers, PinQuota
+from kvstore.daemon.handlers import Handlers
 from kvstore.daemon.metrics import Metrics
 from kvstore.daemon.outbox import SNDHWM, Outbox, Sent
+from kvstore.daemon.pin_quota import PinQuota
 from kvstore.daemon.startup import Startup
 from kvstore.daemon.tenancy import admit
 from kvstore.daemon.zap import ZapHandler, peer_tenant

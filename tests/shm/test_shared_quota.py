@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.daemon.handlers import STAGING
+from kvstore.daemon.shared_ops import STAGING
 from kvstore.wire.errors import ServerError
 from kvstore.wire.messages import Finish, Locate, LocateOk
 from tests.hardening.conftest import (
