@@ -15,8 +15,8 @@ A lease ends at ``take`` or when it lapses, so a client that dies between
 reserve and commit, or in the middle of a get, leaks nothing: ``sweep`` (run
 by every staging call and by ``stats``) takes back what lapsed, and removes
 the staging segment of a client that holds no lease and has been idle for
-IDLE seconds (a later request makes a new one), or sooner, least recently used
-first, when a new client's segment would not fit otherwise: its memory is freed
+IDLE seconds (a later request makes a new one), or after PRESSED_IDLE, least
+recently used first, when a new client's segment would not fit otherwise: its memory is freed
 as it is removed, so a client that still maps it holds no pages of it (and reads
 zeros there). Each client's segment is ``per_client`` bytes (rounded down to whole
 pages: every range takes whole pages); all of them together stay within
@@ -54,6 +54,10 @@ from kvstore.wire.errors import ProtocolError
 log = logging.getLogger("kvstore.shm")
 
 IDLE = 60.0  # seconds a client's unused staging segment is kept
+# ... or, when a new client's segment would not fit the budget otherwise, this many: a client that
+# closed (it tells nothing) does not keep a new one on the socket for a minute, and live clients
+# between two calls do not take each other's segments (each would make its own again, and map it)
+PRESSED_IDLE = 5.0
 MIN_RESERVE_LEASE = 1.0  # a put's reservation lasts at least this long, whatever the pin lease
 MAX_LEASES_PER_CLIENT = 64  # live leases one client holds at once (a client pipelines two or three)
 MAX_LEASES = 4096  # live leases of all clients: each holds pins, and a sweep looks at the lapsed ones
@@ -371,11 +375,15 @@ class SharedPlane:
 
     def _check_room(self) -> None:
         """(Lock held.) Room for one more client's segment within ``staging_bytes``: the least recently
-        used segment no lease holds goes now if need be (a client that closed tells nothing, and its
-        segment would keep a new client on the socket for IDLE seconds); else StagingFull."""
+        used segment no lease has held for PRESSED_IDLE seconds goes now if need be; else StagingFull."""
         held = len(self._clients) + len(self._making)
         if (held + 1) * self.per_client > self.staging_bytes:
-            idle = [(s.last_used, peer) for peer, s in self._clients.items() if s.leases == 0]
+            now = self.clock()
+            idle = [
+                (s.last_used, peer)
+                for peer, s in self._clients.items()
+                if s.leases == 0 and now - s.last_used > PRESSED_IDLE
+            ]
             if idle:
                 self._drop_staging(min(idle)[1])
                 return

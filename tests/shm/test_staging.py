@@ -12,7 +12,7 @@ import torch
 
 from kvstore.layout import KVLayout
 from kvstore.shm.mapping import SharedMapping
-from kvstore.shm.plane import ALIGN, IDLE, SharedPlane, StagingFull
+from kvstore.shm.plane import ALIGN, IDLE, PRESSED_IDLE, SharedPlane, StagingFull
 from kvstore.shm.segment import Segment, private_dir
 from tests.hardening.conftest import (
     LAYOUT,
@@ -66,9 +66,9 @@ def test_an_idle_client_s_staging_segment_is_freed_as_it_is_removed(shm_dir: Pat
 
 
 def test_a_new_client_takes_the_staging_of_the_least_recently_used_idle_one(shm_dir: Path) -> None:
-    """staging for two clients: a and b hold one each, then finish; c asks -> a's (the older) goes at
-    once, not after IDLE seconds (a client that closed tells the daemon nothing); one a lease holds
-    never goes."""
+    """staging for two clients: a and b hold one each, then finish; c asks -> a's (the older) goes
+    once idle PRESSED_IDLE seconds, not IDLE (a client that closed tells the daemon nothing); one a
+    lease holds never goes."""
     clock = Clock()
     plane = SharedPlane(shm_dir, staging_bytes=512 << 10, per_client=256 << 10, lease=5.0, clock=clock)
     try:
@@ -79,8 +79,12 @@ def test_a_new_client_takes_the_staging_of_the_least_recently_used_idle_one(shm_
         plane.take(a.handle)
         plane.take(b.handle)
         clock.now += 1
-        c = plane.reserve(b"c", 64 << 10)  # no waiting IDLE seconds on the socket
+        with pytest.raises(StagingFull):  # a and b may be between two calls: theirs stay a while
+            plane.reserve(b"c", 64 << 10)
+        clock.now += PRESSED_IDLE
+        c = plane.reserve(b"c", 64 << 10)  # not IDLE seconds on the socket
         assert c.staging is not None and not a.staging.path.exists() and b.staging.path.exists()
+        clock.now += PRESSED_IDLE + 1
         d = plane.reserve(b"a", 64 << 10)  # a comes back: b, idle, makes way
         assert d.staging is not None and not b.staging.path.exists()
         with pytest.raises(StagingFull):  # c and a hold leases: nobody makes way for b
