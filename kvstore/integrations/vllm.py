@@ -225,8 +225,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
-        if num_external_tokens > 0 and rid in self._hits:
-            local = self._hits[rid][1]
+        if num_external_tokens > 0:  # a load vLLM waits for (finished_recving): planned, whatever else
+            # vLLM's own hit, as the lookup was told it; a load vLLM deferred (0.33's HiSparse) comes
+            # after the request's tokens were counted (its lookup's record may be gone by then)
+            held = self._hits.get(rid)
+            local = held[1] if held is not None else max(0, request.num_computed_tokens - num_external_tokens)
             self._loads[rid] = (local, local + num_external_tokens, list(blocks.get_block_ids()[0]))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreMetadata:
@@ -282,9 +285,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta.saves += self._final
         self._final = []
         meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
-        for rid in list(self._hits):  # asked again only if it goes back to waiting (not for its load)
-            if rid in self._tracked and rid not in self._loading:
-                del self._hits[rid]
+        for rid in meta.preempted:  # vLLM took its blocks back: its saves are the workers' to drop
+            if rid in self._tracked:  # (handle_preemptions), and nobody waits for their report
+                self._tracked[rid].saving = False
+        for t, _ in computed:  # asked again only if it goes back to waiting
+            self._hits.pop(t.request.request_id, None)
         return meta
 
     def _plan_load(self, meta: KVStoreMetadata, rid: str, start: int, end: int, block_ids: list[int]) -> None:
@@ -326,8 +331,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._uncache(invalid)
 
     def _uncache(self, block_ids: set[int]) -> None:
-        """Drop ``block_ids`` from vLLM's prefix cache (their hashes; whoever holds them keeps them).
-        vLLM 0.33 lends the connector its KV cache manager for this; 0.32 does not."""
+        """Drop ``block_ids`` from vLLM's prefix cache (their hashes; whoever holds them keeps them),
+        through the KV cache manager vLLM lends the connector (``bind_kv_cache_manager``)."""
         manager = getattr(self, "_kv_cache_manager", None)
         if manager is None:
             return
@@ -360,9 +365,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._requests.pop(rid, None)
         self._variant_of.pop(rid, None)
         self._hits.pop(rid, None)
-        self._loads.pop(rid, None)  # (a load planned is vLLM's to wait for: finished_recving)
+        # a load planned is vLLM's to wait for (finished_recving), and it frees the blocks then: the
+        # load still runs (of nothing, once the request is gone: _plan_load), and nothing is saved
+        loading = rid in self._loads or rid in self._loading
         t = self._tracked.pop(rid, None)
-        if t is None:
+        if t is None or loading:
             return False, None
         self._plan_save(self._final, t, request.num_computed_tokens)  # the next step's workers save it
         # saves read the request's blocks on the workers' thread: keep them until they are done
@@ -475,6 +482,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         preempted = getattr(kv_connector_metadata, "preempted", None)
         if self._saver is not None and preempted:
             self._saver.cancel(set(preempted))
+            # nor are they reported: vLLM waits for no save of a preempted request (and one finished
+            # later whose saves it was told nothing of would fail its check of the report)
+            self._saving.difference_update(preempted)
+            for rid in preempted:
+                self._finishing.pop(rid, None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         recving, self._recving = self._recving, set()  # (the loads of this step: start_load_kv)

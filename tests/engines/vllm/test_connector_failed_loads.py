@@ -89,3 +89,34 @@ def test_a_load_refused_by_a_busy_daemon_is_computed_and_saved_as_computed(
     time.sleep(0.5)
     assert_holds(check, a, 128)
     e.worker.c.shutdown()
+
+
+def test_a_load_vllm_defers_is_planned_and_reported_even_for_a_request_gone_meanwhile(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.33 may defer an async load (HiSparse): update_state_after_alloc comes after the step,
+    with the request's tokens counted, when the record of its lookup may be gone. The load is
+    planned all the same, and one whose request was aborted before it was planned is planned as a
+    load of nothing: vLLM frees the request's blocks only once the workers report it."""
+    from types import SimpleNamespace
+
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    c = e.sched.connector
+    none = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    step = SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=none, num_scheduled_tokens={}, preempted_req_ids=set()
+    )
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(10, 18)),))
+    for rid, gone in (("deferred", False), ("aborted", True)):
+        r = request(U, prompt(150, 34), rid)
+        c._requests[rid] = r  # (its lookup's, whose record of vLLM's own hit is gone)
+        r.num_computed_tokens = 128  # vLLM's 64 and kvstore's 64, counted as the load began
+        c.update_state_after_alloc(r, blocks, 64)
+        if gone:
+            assert c.request_finished(r, list(range(10, 18))) == (False, None)  # no save, no hold
+        (load,) = c.build_connector_meta(step).loads
+        assert (load.req_id, load.start, load.end) == ((rid, 64, 128) if not gone else (rid, 64, 64))
+        assert load.block_ids == list(range(10, 18))
+    e.worker.c.shutdown()
