@@ -210,13 +210,16 @@ def cmd_evict(args: argparse.Namespace, out: IO[str]) -> int:
     with connect(args) as client:
         # asked before the evict, which may take the session's record with its blocks
         unknown = args.session is not None and _no_session(client, args.session)
+        result: dict[str, Any] | None = None
         if not (args.yes or args.dry_run) and interactive:
             preview = plain(client.evict(**flt, dry_run=True))
-            # nothing to evict: nothing to ask (the evict below says so, as what it did)
-            if preview["blocks"] and not _ask(f"{display.render_evict(preview)}.\nProceed? [y/N] "):
+            if not preview["blocks"]:  # nothing to ask, and nothing evicted: said as it is, not as a preview
+                result = {**preview, "dry_run": False}  # (blocks stored meanwhile are not evicted unasked)
+            elif not _ask(f"{display.render_evict(preview)}.\nProceed? [y/N] "):
                 sys.stderr.write("nothing evicted\n")
                 return EXIT_FAILED
-        result = plain(client.evict(**flt, dry_run=args.dry_run))
+        if result is None:
+            result = plain(client.evict(**flt, dry_run=args.dry_run))
         _emit(args, result, display.render_evict, out)
         if unknown and not result["blocks"] and not result.get("not_done"):  # a typo, most likely
             sys.stderr.write(f"no session {args.session!r} here (kvstore inspect lists them)\n")

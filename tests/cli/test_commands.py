@@ -55,6 +55,7 @@ def test_plain_makes_results_json_ready() -> None:
         "keys": ["01ff"],
         "dry_run": True,
         "not_done": "",
+        "displaced": 0,
     }
     assert json.loads(json.dumps(r)) == r
 
