@@ -8,6 +8,8 @@
     index.py      which blocks exist, their prefix tree, tier bits and LRU order
     movement.py   making room: demotion, leaf-first dropping, promotion, corruption
     writer.py     the write-through thread and its bounded queue
+    writeback.py  what that thread writes, flush, and the nvme records kept up to date
+    expiry.py     TTL: blocks not accessed for ttl seconds leave, with their descendants
     restore.py    rebuilding the index from LMDB at start
     sessions.py   sessions and the prefix each last stored
     pins.py       pins as leases

@@ -5,7 +5,7 @@
     write(key)   lock: find the block's best copy, build its record
                  no lock: read + decode it, encode int4, LMDB put        <- the expensive part
                  lock: mark it on nvme; if it was dropped meanwhile, drop the new copy again
-    idle()       every tick: expire blocks past the TTL (with descendants), requeue deferred keys,
+    idle()       every tick: expire blocks past the TTL (expiry.py), requeue deferred keys,
                  persist changed session tags / access times into the nvme records, purge lapsed pins
     flush()      requeue deferred keys (with write-through off or admission on second use: every block
                  without an nvme copy, parents first), wait until the queue is empty, fsync: the
@@ -33,6 +33,7 @@ from dataclasses import replace
 from kvstore.codecs.frame import Buffer, read_header
 from kvstore.errors import CodecError, FrameError, KVStoreError
 from kvstore.record import BlockRecord
+from kvstore.store.expiry import Expiry
 from kvstore.store.index import TIER_MASK, Entry
 from kvstore.store.movement import PLACE_TRIES, Mover
 from kvstore.store.parts import StoreParts
@@ -42,7 +43,6 @@ from kvstore.tiers.nvme import NvmeTier
 
 log = logging.getLogger(__name__)
 
-_EXPIRE_BATCH = 10000  # blocks dropped per tick at most, so the lock is never held for long
 _RECORD_BATCH = 4096
 _READY = 4096  # frames offered ahead of their write, at most
 _READY_BYTES = 256 << 20  # and at most this many bytes of them
@@ -57,7 +57,8 @@ def access_slot(ttl: float) -> float:
 
 
 class WriteBack:
-    """The write-through to nvme, TTL expiry and record upkeep over one store's index.
+    """The write-through to nvme, and record upkeep, over one store's index; its ticks run TTL
+    expiry (expiry.py).
 
     ``writer`` is started here with this object's ``write`` and ``idle``. Every
     method takes ``lock`` itself unless its docstring says the caller holds it.
@@ -82,7 +83,9 @@ class WriteBack:
         self._t = parts.tiers.last  # nvme is the last tier
         self._mover = mover
         self._writer = writer
-        self._ttl = ttl
+        self._expiry = Expiry(
+            parts, ttl, pinned=mover.pinned, drop=mover.drop_block, record_changed=self.record_changed
+        )
         self._slot = access_slot(ttl)
         self._backpressure = backpressure
         self._sweep = sweep
@@ -483,54 +486,13 @@ class WriteBack:
     def idle(self) -> None:
         """Periodic upkeep on the writer thread; pins lapse whatever the disk does."""
         try:
-            self.expire()
+            self._expiry.expire()
             self._drop_strays()
             self._requeue(1024, wait=0.0)
             self.persist_dirty()
         finally:
             with self._lock:
                 self._pins.purge()
-
-    def expire(self) -> int:
-        """Drop blocks not accessed for ``ttl`` seconds, with their descendants. Returns blocks dropped."""
-        if not math.isfinite(self._ttl):
-            return 0
-        dropped = 0
-        with self._lock:
-            cutoff = self._clock() - self._ttl
-            old: list[Entry] = []
-            for e in self._index.entries():  # least recently accessed first: stop at the first fresh one
-                if e.last_access >= cutoff or len(old) >= _EXPIRE_BATCH:
-                    break
-                old.append(e)
-            for e in old:
-                if self._index.get(e.key) is not e:
-                    continue
-                sub = self._index.subtree(e)
-                fresh = max(d.last_access for d in sub)
-                if fresh >= cutoff:  # continued since (a put from a later block): it lives as they do,
-                    self.record_changed(e, fresh)  # and goes with them (see below)
-                    self._index.touch(e, fresh)
-                elif not any(self._mover.pinned(d) for d in sub):
-                    parent = e.parent
-                    dropped += len(self._mover.drop_block(e))
-                    dropped += self._expire_up(parent, cutoff)
-            self._counts.expired += dropped
-        return dropped
-
-    def _expire_up(self, e: Entry | None, cutoff: float) -> int:
-        """(Lock held.) The ancestors of a block just expired that were kept only for it (``expire``
-        gave them its access time, which is past ``cutoff`` now): each goes once nothing under it is
-        fresh or pinned. Returns blocks dropped."""
-        dropped = 0
-        while e is not None and self._index.get(e.key) is e and e.last_access < cutoff:
-            sub = self._index.subtree(e)
-            if any(d.last_access >= cutoff or self._mover.pinned(d) for d in sub):
-                break
-            parent = e.parent
-            dropped += len(self._mover.drop_block(e))
-            e = parent
-        return dropped
 
     def persist_dirty(self) -> None:
         """Write changed session tags and access times into the blocks' nvme records."""
