@@ -8,8 +8,8 @@ Every message is a list of frames::
 A ``ClientProtocol`` turns typed requests into frames and frames back into
 typed replies, matching them by request id (replies may come out of order).
 A ``ServerProtocol`` turns frames into validated requests (or a
-RemoteProtocolError carrying the code of the error reply to send), keeps the
-namespace registry (``hello``) and counts each peer's requests in flight.
+RemoteProtocolError carrying the code of the error reply to send), registers
+namespaces (``hello``; registry.py) and counts each peer's requests in flight.
 Moving frames is the job of client.py and server.py; tests join the two
 objects in memory.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,15 +43,9 @@ from kvstore.wire.messages import (
     Named,
     Put,
 )
+from kvstore.wire.registry import NAMESPACES_PER_TENANT, NamespaceRegistry
 
 PROTOCOL_VERSION = 1
-MAX_NAMESPACES = 4096  # distinct namespaces one daemon registers; more is almost surely a bug
-NAMESPACES_PER_TENANT = 256  # default share of MAX_NAMESPACES one tenant may register
-# A registration no put went through, unused this long, is given up when a hello finds the table (or
-# its tenant's quota) full: without CURVE a tenant is whatever a hello says, so hellos alone could
-# fill the table, and would lock real engines out for good. A client whose registration went says
-# hello again on its next request (the reply "unknown_namespace" asks it to; KVStoreClient does).
-NAMESPACE_IDLE = 300.0
 
 
 def tensor_payload(kv: torch.Tensor) -> Buffer:
@@ -263,15 +256,18 @@ class ServerProtocol:
         for how long a registration has been idle (NAMESPACE_IDLE)."""
         self.limits = limits
         self.server = server
-        self.namespaces_per_tenant = namespaces_per_tenant
-        self.namespaces: dict[str, Namespace] = {}
-        self._per_tenant: dict[str, int] = {}  # tenant -> namespaces registered
-        # registrations no put or commit went through (they hold no block stored through them), by
-        # when last used, oldest first: those that may be given up (_expire)
-        self._idle: OrderedDict[str, float] = OrderedDict()
-        self._clock = clock
-        self.expired = 0  # registrations given up (NAMESPACE_IDLE)
+        self.registry = NamespaceRegistry(namespaces_per_tenant, clock)
         self.inflight: dict[bytes, int] = {}
+
+    @property
+    def namespaces(self) -> dict[str, Namespace]:
+        """The registered namespaces, by id (read only)."""
+        return self.registry.namespaces
+
+    @property
+    def expired(self) -> int:
+        """Registrations given up for being idle (NAMESPACE_IDLE)."""
+        return self.registry.expired
 
     def receive(
         self,
@@ -338,8 +334,8 @@ class ServerProtocol:
         ns_id = getattr(msg, "ns", None)
         if ns_id is None:
             return None
-        namespace = self.namespaces.get(ns_id)
-        if namespace is None or (tenant is not None and namespace.tenant != tenant):
+        namespace = self.registry.get(ns_id, tenant)
+        if namespace is None:
             raise RemoteProtocolError(
                 "unknown_namespace", f"namespace {ns_id!r:.80} is not registered; send hello first"
             )
@@ -377,11 +373,7 @@ class ServerProtocol:
             raise RemoteProtocolError(
                 "invalid_argument", f"{msg.op} max_blocks must be at least 1 (or absent)"
             )
-        if isinstance(msg, (Put, Commit)):
-            self._idle.pop(ns_id, None)  # it may hold blocks now: never given up
-        elif ns_id in self._idle:
-            self._idle[ns_id] = self._clock()
-            self._idle.move_to_end(ns_id)
+        self.registry.used(ns_id, stores=isinstance(msg, (Put, Commit)))
         return namespace
 
     def hello(self, request: Request, shm: dict[str, Any] | None = None) -> list[Buffer]:
@@ -404,57 +396,11 @@ class ServerProtocol:
                     f"{self.limits.max_message_bytes}: fewer tokens a block (block_tokens) or a smaller layout"
                 ),
             )
-        if ns.id not in self.namespaces and (
-            self._per_tenant.get(ns.tenant, 0) >= self.namespaces_per_tenant
-            or len(self.namespaces) >= MAX_NAMESPACES
-        ):
-            self._expire()
-        if ns.id not in self.namespaces:
-            # the tenant's quota first: its refusal tells the tenant only its own figures
-            mine = self._per_tenant.get(ns.tenant, 0)
-            if mine >= self.namespaces_per_tenant:
-                return ErrorReply(
-                    code="quota_exceeded",
-                    message=(
-                        f"tenant {ns.tenant!r} has registered {mine} namespaces, its quota "
-                        f"([server] max_namespaces_per_tenant = {self.namespaces_per_tenant}); use one of "
-                        "them (the same model, revision and layout) or ask the operator for more"
-                    ),
-                )
-            if len(self.namespaces) >= MAX_NAMESPACES:
-                return ErrorReply(
-                    code="quota_exceeded",
-                    message=(
-                        "the daemon's namespace table is full; a namespace that stored nothing and went "
-                        f"unused for {NAMESPACE_IDLE:.0f} s makes room, so retry later, or ask the operator "
-                        "to restart the daemon or to lower max_namespaces_per_tenant"
-                    ),
-                )
-            self._per_tenant[ns.tenant] = mine + 1
-            self._idle[ns.id] = self._clock()
-        elif ns.id in self._idle:
-            self._idle[ns.id] = self._clock()
-            self._idle.move_to_end(ns.id)
-        self.namespaces[ns.id] = ns
+        try:
+            self.registry.register(ns)
+        except RemoteProtocolError as e:
+            return ErrorReply(code=e.code, message=e.message)
         return HelloOk(ns=ns.id, limits=self.limits.to_dict(), server=self.server, shm=shm)
-
-    def _expire(self) -> None:
-        """Give up the registrations no put went through that were unused for NAMESPACE_IDLE seconds
-        (oldest first: O(those given up)). Their clients' next requests are answered
-        ``unknown_namespace``, and they say hello again."""
-        now = self._clock()
-        while self._idle:
-            ns_id, used = next(iter(self._idle.items()))
-            if now - used < NAMESPACE_IDLE:
-                break
-            del self._idle[ns_id]
-            ns = self.namespaces.pop(ns_id)
-            left = self._per_tenant.get(ns.tenant, 0) - 1
-            if left > 0:
-                self._per_tenant[ns.tenant] = left
-            else:
-                self._per_tenant.pop(ns.tenant, None)
-            self.expired += 1
 
     def reply(self, request: Request, msg: Message) -> list[Buffer]:
         """Frames answering ``request`` with ``msg``; the request stops counting as in flight."""

@@ -22,13 +22,8 @@ from kvstore.keys import Namespace
 from kvstore.layout import KVLayout
 from kvstore.wire.errors import RemoteProtocolError
 from kvstore.wire.messages import ErrorReply, Hello, HelloOk, Lookup, LookupOk, Message, Put
-from kvstore.wire.protocol import (
-    MAX_NAMESPACES,
-    NAMESPACE_IDLE,
-    ClientProtocol,
-    Limits,
-    ServerProtocol,
-)
+from kvstore.wire.protocol import ClientProtocol, Limits, ServerProtocol
+from kvstore.wire.registry import MAX_NAMESPACES, NAMESPACE_IDLE
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float16", block_tokens=4)
 PEER = b"peer"
