@@ -106,6 +106,7 @@ class Tracked:
     saved: int  # tokens [0, saved) are in kvstore, or on their way
     session: str | None
     saving: bool = False  # a save was scheduled: its blocks are freed only when the workers say
+    preemptions: int = 0  # vLLM's count of its preemptions when it was last scheduled from waiting
 
 
 def _token_ids(request: Any) -> list[int] | None:
@@ -242,55 +243,59 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _build_meta(self, scheduler_output: Any) -> KVStoreMetadata:
         meta = KVStoreMetadata()
         so = scheduler_output
+        # preempted (in this schedule, or outside it: reset_prefix_cache): vLLM took its blocks back.
+        # Its saves are the workers' to drop (handle_preemptions) and nobody waits for their report;
+        # it is tracked afresh, with its new blocks, once scheduled again
+        meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
+        for rid in meta.preempted:
+            self._tracked.pop(rid, None)
         for rid, (start, end, block_ids) in self._loads.items():  # requests waiting for their load
             self._plan_load(meta, rid, start, end, block_ids)
         self._loads.clear()
         computed: list[tuple[Tracked, int]] = []  # scheduled requests, and their tokens after this step
-        for nr in so.scheduled_new_reqs:
-            rid = nr.req_id
-            request = self._requests.get(rid)
-            if request is None:
-                continue
-            hit = self._hits.get(rid, (0, 0))[0]
-            t = Tracked(
-                request,
-                self._variant_of.pop(rid) if rid in self._variant_of else self._clients.variant(request),
-                list(nr.block_ids[0]),
-                # what kvstore holds of it: its hit, or less where its load failed (see _finished_loads)
-                saved=min(hit, nr.num_computed_tokens // self._T * self._T),
-                session=_session(request),
-            )
-            old = self._tracked.get(rid)
-            if old is not None:
-                # resumed after a preemption (vLLM's model runner V2 sends those as new requests): its
-                # earlier saves are still the workers' to report (request_finished must keep its
-                # blocks for that report)
-                t.saving = old.saving
-            self._tracked[rid] = t
-            computed.append((t, nr.num_computed_tokens + so.num_scheduled_tokens[rid]))
+        for nr in so.scheduled_new_reqs:  # (model runner V2: resumed ones too)
+            t = self._track(nr.req_id, list(nr.block_ids[0]), nr.num_computed_tokens)
+            if t is not None:
+                computed.append((t, nr.num_computed_tokens + so.num_scheduled_tokens[nr.req_id]))
         cached = so.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, rid in enumerate(cached.req_ids):
-            known = self._tracked.get(rid)
-            if known is None:
-                continue
             new = cached.new_block_ids[i]
-            if rid in resumed:  # back from preemption: these are all its blocks now
-                known.block_ids = list(new[0]) if new else []
+            nc = cached.num_computed_tokens[i]
+            known = self._tracked.get(rid)
+            if rid in resumed or known is None:  # back from preemption: these are all its blocks now
+                known = self._track(rid, list(new[0]) if new else [], nc) if rid in resumed else None
             elif new:
                 known.block_ids.extend(new[0])
-            computed.append((known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid]))
+            if known is not None:
+                computed.append((known, nc + so.num_scheduled_tokens[rid]))
         for t, n in computed:
             self._plan_save(meta.saves, t, n)
         meta.saves += self._final
         self._final = []
-        meta.preempted = sorted(getattr(so, "preempted_req_ids", None) or ())
-        for rid in meta.preempted:  # vLLM took its blocks back: its saves are the workers' to drop
-            if rid in self._tracked:  # (handle_preemptions), and nobody waits for their report
-                self._tracked[rid].saving = False
         for t, _ in computed:  # asked again only if it goes back to waiting
             self._hits.pop(t.request.request_id, None)
         return meta
+
+    def _track(self, rid: str, block_ids: list[int], computed: int) -> Tracked | None:
+        """Track ``rid``, scheduled from waiting (new, or resumed after a preemption) with
+        ``block_ids`` and ``computed`` tokens (vLLM's own hit and what it loaded); None for a
+        request this connector was not asked about."""
+        request = self._requests.get(rid)
+        if request is None:
+            return None
+        hit = self._hits.get(rid, (0, 0))[0]
+        t = Tracked(
+            request,
+            self._variant_of.pop(rid) if rid in self._variant_of else self._clients.variant(request),
+            block_ids,
+            # what kvstore holds of it: its hit, or less where its load failed (see _finished_loads)
+            saved=min(hit, computed // self._T * self._T),
+            session=_session(request),
+            preemptions=int(getattr(request, "num_preemptions", 0) or 0),
+        )
+        self._tracked[rid] = t
+        return t
 
     def _plan_load(self, meta: KVStoreMetadata, rid: str, start: int, end: int, block_ids: list[int]) -> None:
         """The load of ``rid``'s tokens ``start .. end`` into ``block_ids``: vLLM does not schedule it
@@ -307,6 +312,15 @@ class KVStoreConnector(KVConnectorBase_V1):
             variant = self._variant_of[rid] = self._clients.variant(request)
         meta.loads.append(Transfer(rid, variant, list(tokens[:end]), block_ids, start, end))
         self._loading[rid] = block_ids
+
+    def reset_cache(self) -> bool:
+        """vLLM resets its caches (``reset_prefix_cache(reset_connector=True)``: after its weights
+        were updated in place, as RL weight syncs do): what kvstore holds was computed by other
+        weights. Lookups and saves go to a new namespace from now on (Clients.reset); the requests
+        scheduled already keep theirs. True: done."""
+        self._clients.reset()
+        log.info("kvstore: vLLM reset its caches; its K/V is looked up and saved under a new namespace now")
+        return True
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' output of a step, on the scheduler: the loads they finished, and the blocks
@@ -369,7 +383,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         # load still runs (of nothing, once the request is gone: _plan_load), and nothing is saved
         loading = rid in self._loads or rid in self._loading
         t = self._tracked.pop(rid, None)
-        if t is None or loading:
+        # preempted since it was tracked (the connector hears of it with the next schedule): its
+        # blocks are gone, and with them what it could save; its queued saves the workers drop
+        preempted = t is not None and int(getattr(request, "num_preemptions", 0) or 0) != t.preemptions
+        if t is None or loading or preempted:
             return False, None
         self._plan_save(self._final, t, request.num_computed_tokens)  # the next step's workers save it
         # saves read the request's blocks on the workers' thread: keep them until they are done

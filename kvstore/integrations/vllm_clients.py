@@ -52,7 +52,8 @@ class Clients:
         # connector is made before: a hub model may be downloading still); files rewritten while
         # vLLM runs are not what it serves
         mc = vllm_config.model_config
-        self.base = weights_id(str(mc.model), mc.revision)
+        self.base = self._loaded = weights_id(str(mc.model), mc.revision)
+        self.resets = 0  # reset_cache calls: weights changed in place since they were loaded
         self.weights = Weights()  # LoRA adapters' names
         self._adapters: dict[str, str] = {}  # each LoRA adapter's name -> its variant as first seen here
         self._changed: set[str] = set()  # adapters whose files changed since: no namespace until restart
@@ -152,6 +153,14 @@ class Clients:
                 raise VariantRefused(str(e)) from e
             raise
         return c
+
+    def reset(self) -> None:
+        """vLLM's weights changed in place (an RL weight sync resets its caches): the K/V of the
+        weights named so far must never be found again. The weights' name gets a new generation:
+        every variant's namespace is a new one from now on, and the old blocks age out of kvstore."""
+        with self._lock:
+            self.resets += 1
+            self.base = f"{self._loaded}+reset{self.resets}"
 
     def variant(self, request: Any) -> Variant:
         """``request``'s variant, on the base weights this process named (the scheduler's: see

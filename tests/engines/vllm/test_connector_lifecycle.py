@@ -25,6 +25,7 @@ from tests.engines.vllm.test_connector import (
     prompt,
     request,
     setup,  # noqa: F401  (a fixture)
+    stored_then_forgotten,
 )
 from tests.hardening.conftest import wait_until
 
@@ -299,4 +300,102 @@ def test_a_preempted_request_aborted_while_it_loads_again_takes_the_engine_down_
         e.run()
     assert r.is_finished() and "R" not in e.worker.c._saving
     assert_holds(check, a, 192)
+    e.worker.c.shutdown()
+
+
+def test_a_request_preempted_outside_a_schedule_and_aborted_is_not_waited_for(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """reset_prefix_cache(reset_running_requests=True) preempts "a" (its saves the workers drop when
+    they hear of it), and "a" is aborted before the next schedule: vLLM must not be told to wait for
+    saves nobody will report (it would keep "a" for good)."""
+    from vllm.v1.request import RequestStatus
+
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    a = prompt(200, 21)
+    e.add(request(U, a, "a", max_tokens=20))
+    e.step()  # [0, 96) computed, its save queued
+    assert e.sched.reset_prefix_cache(reset_running_requests=True)  # "a" preempted
+    e.sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    e.run(timeout=20)  # (fails if "a" is kept: the engine never goes idle)
+    assert "a" not in e.sched.requests
+    e.worker.c.shutdown()
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["model-runner-v1", "model-runner-v2"])
+def test_a_request_preempted_outside_a_schedule_and_resumed_next_is_saved_and_reported_once(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    v2: bool,
+) -> None:
+    """ "a" (no kvstore hit: loads off) is preempted by reset_prefix_cache and resumed by the next
+    schedule, which plans its save of what it computes again: that save is waited for and reported
+    (vLLM checks a report against the requests it holds: reporting one it freed fails its check)."""
+    U, vcfg, ep = setup
+    vcfg.kv_transfer_config.kv_connector_extra_config["load"] = False
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.sched.use_v2_model_runner = v2
+    a = prompt(100, 31)
+    e.add(request(U, a, "a", max_tokens=3))
+    e.step()  # 96 computed, [0, 96) saved
+    assert e.sched.reset_prefix_cache(reset_running_requests=True)
+    e.add(request(U, prompt(40, 77), "other", max_tokens=8))  # traffic goes on
+    e.run(timeout=30)
+    assert e.requests["a"].is_finished() and "a" not in e.sched.requests
+    assert_holds(check_client(e), a, 96)
+    e.worker.c.shutdown()
+
+
+def test_a_request_preempted_and_aborted_after_its_load_was_reported_saves_nothing(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """R computed and saved 96 tokens; kvstore holds 192 of its prompt (another engine's); R is
+    preempted, loads 192 when admitted again, and is aborted once that load was reported, before it
+    is scheduled: its last save must not be planned out of the blocks it held before the preemption
+    (fewer than 192 tokens need, and freed)."""
+    from vllm.v1.request import RequestStatus
+
+    from tests.engines.vllm.test_connector import expected
+
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = check_client(e)
+    L = check._ns().layout
+    a = prompt(214, 23)
+    e.add(request(U, a, "R", max_tokens=50))
+    r = e.requests["R"]
+    e.step()
+    check.put(a[:192], expected(a, 0, 192, L.num_layers, L.num_kv_heads, L.head_dim))
+    assert wait_until(lambda: check.lookup(a).matched_tokens == 192, 10)
+    e.sched.running.remove(r)
+    e.sched._preempt_request(r, time.monotonic())
+    e.sched.reset_prefix_cache()
+
+    e.step()  # R admitted again: its load planned, run, and reported with this step's output
+    assert e.worker.loads[-1] == ("R", 0, 192) and "R" not in e.sched.connector._loading
+    e.sched.finish_requests("R", RequestStatus.FINISHED_ABORTED)  # before it is scheduled
+    e.run(timeout=20)
+    assert r.is_finished() and not e.sched.connector._final
+    assert_holds(check, a, 192)
+    e.worker.c.shutdown()
+
+
+def test_a_cache_reset_after_a_weight_update_finds_none_of_the_old_k_v(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM resets its caches with the connector's after its weights changed in place (an RL weight
+    sync): what kvstore holds of the old weights must not be loaded any more."""
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    a = prompt(150, 25)
+    check = stored_then_forgotten(U, e, a)  # kvstore holds a[:128]: a new request of a loads it
+    assert e.sched.reset_prefix_cache(reset_connector=True)
+    e.add(request(U, a, "after"))
+    e.run()
+    assert e.worker.loads == []  # computed: the old weights' K/V is not found
+    assert check.lookup(a).matched_tokens == 128  # (still there, under the old weights' namespace)
     e.worker.c.shutdown()
