@@ -504,6 +504,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._saving.difference_update(preempted)
             for rid in preempted:
                 self._finishing.pop(rid, None)
+                self._saver.forget(rid)  # resumed, its next save goes from where kvstore's blocks end
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         recving, self._recving = self._recving, set()  # (the loads of this step: start_load_kv)

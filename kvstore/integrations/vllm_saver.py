@@ -207,7 +207,8 @@ class Saver:
                         0 if first.code == MISSING_PARENT and first.block * T <= start else first.block * T
                     )
                 with self._cv:
-                    self._stored[t.req_id] = stored
+                    if t.req_id not in self._cancelled:  # (cancelled: forgotten, or about to be)
+                        self._stored[t.req_id] = stored
                     self.saved_blocks += r.stored
                     self.failed_saves += bool(r.failed)
             except VariantRefused:

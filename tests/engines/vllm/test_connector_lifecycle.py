@@ -131,6 +131,7 @@ def test_a_preemption_drops_the_preempted_request_s_queued_saves_and_waits_for_n
     forwards["c"].set()
     assert wait_until(lambda: saver.pending("c") == 0, 10) and saver.cancelled_saves == 2
     assert check.lookup(c).matched_tokens == 0
+    assert "a" not in saver._stored and "c" not in saver._stored  # nothing kept of them for good
     w.c.shutdown()
 
 
