@@ -184,6 +184,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.layout,
         )
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: kvstore is a best-effort cache, a save dropped at a preemption is a later miss. (vLLM
+        then keeps a preempted request's output in flight under async scheduling, not resampled.)"""
+        return False
+
     # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

@@ -400,3 +400,12 @@ def test_a_cache_reset_after_a_weight_update_finds_none_of_the_old_k_v(
     assert e.worker.loads == []  # computed: the old weights' K/V is not found
     assert check.lookup(a).matched_tokens == 128  # (still there, under the old weights' namespace)
     e.worker.c.shutdown()
+
+
+def test_vllm_is_told_kvstore_is_a_best_effort_cache(setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A save dropped at a preemption is a later miss, not a lost hand-off: vLLM need not drop and
+    resample a preempted request's output in flight (it does for connectors that must deliver)."""
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    assert e.sched.connector.requires_kv_delivery is False and e.sched.requires_kv_delivery is False
+    e.worker.c.shutdown()
