@@ -11,15 +11,17 @@ compute). The step's metadata then tells the workers which tokens to load into w
 blocks, and which newly computed full blocks to save.
 
 Loads are asynchronous in vLLM's terms (``get_num_new_matched_tokens`` says so): vLLM gives the
-request its blocks and leaves it waiting (WAITING_FOR_REMOTE_KVS); the workers load into them in
-that step, straight into vLLM's paged caches (``get_into`` with the request's block ids, from the
-first token vLLM does not hold itself, never writing a block it shares), and report the load
-finished (``finished_recving``) with the blocks that failed (``get_block_ids_with_load_errors``: a
-block evicted since the lookup, a daemon away or busy). Only then does vLLM schedule the request,
-set back to its first failed block (``kv_load_failure_policy = "recompute"``), and put the blocks
-before it in its prefix cache: no request computes over a block whose load failed, nor finds one
-in vLLM's prefix cache, with or without async scheduling. The cost: a request with a hit is
-scheduled a step later than it would compute.
+request its blocks and leaves it waiting (WAITING_FOR_REMOTE_KVS); each worker queues the load to
+its loading thread (vllm_loader.py: off the engine's thread, on its own CUDA stream on a GPU), which
+writes straight into vLLM's paged caches (``get_into`` with the request's block ids, from the first
+token vLLM does not hold itself, never writing a block it shares); the step after it ends reports
+the load finished (``finished_recving``) with the blocks that failed
+(``get_block_ids_with_load_errors``: a block evicted since the lookup, a daemon away or busy). Only
+then does vLLM schedule the request, set back to its first failed block (``kv_load_failure_policy =
+"recompute"``), and put the blocks before it in its prefix cache: no request computes over a block
+whose load failed, nor finds one in vLLM's prefix cache, with or without async scheduling. The
+cost: a request with a hit is scheduled a step or more later than it would compute; the engine's
+steps meanwhile run on.
 
 Saves are queued after the step and run on a thread (vllm_saver.py: a copy out of vLLM's blocks
 into shared staging, then the daemon stores them); a finished request's blocks are kept until its
@@ -79,6 +81,7 @@ from kvstore.errors import LayoutError
 from kvstore.integrations import vllm_layout
 from kvstore.integrations.vllm_clients import Clients, VariantRefused, worker_ranks
 from kvstore.integrations.vllm_layout import check_attention, model_layout, split_kv
+from kvstore.integrations.vllm_loader import Loader
 from kvstore.integrations.vllm_saver import Saver, Transfer
 from kvstore.integrations.vllm_settings import Settings, Variant
 from kvstore.kvbuffers import PagedKV
@@ -166,15 +169,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._v: list[torch.Tensor] = []
         self._ratio = 1  # kernel blocks of the caches per block of the scheduler (register_kv_caches)
         self._load_errors: set[int] = set()
-        self._recving: set[str] = set()  # requests whose load ran this step (get_finished says so)
+        self._recving: set[str] = set()  # requests whose load ended with nothing to load into
         self._saving: set[str] = set()  # requests with saves queued at some point
         # finished requests whose saves are still running -> when they finished
         self._finishing: dict[str, float] = {}
         self.late_saves = 0  # finished requests whose saves were given up for holding blocks too long
         self._late = max(1.0, self.settings.timeout)  # seconds a finished request's blocks wait on saves
         self._saver: Saver | None = None
+        self._loader: Loader | None = None
         self._submitted: KVStoreMetadata | None = None  # the metadata whose saves are queued
-        self.loaded_tokens = 0
         # seconds spent in this connector's hooks, on the engine's own thread (what it adds to a step)
         self.hook_seconds: dict[str, float] = {"lookup": 0.0, "meta": 0.0, "load": 0.0, "save": 0.0}
         log.info(
@@ -426,6 +429,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._ratio = self._bs // kernel
         self._k, self._v = k, v
         self._saver = Saver(self._clients)
+        self._loader = Loader(self._clients, self._paged, k[0].device, self._bs)
         log.info(
             "kvstore connector: %d layers, blocks of %d tokens, %s",
             len(k),
@@ -443,25 +447,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not isinstance(meta, KVStoreMetadata) or not meta.loads:
             return
         t0 = time.perf_counter()
+        ready = None
+        if self._k and self._k[0].is_cuda:  # after what the engine's stream has queued (its forward)
+            ready = torch.cuda.Event()
+            ready.record()
         for t in meta.loads:
-            self._recving.add(t.req_id)  # done, whatever came of it: its failed blocks say the rest
-            got = t.start
-            if self._k and t.end > t.start and self._clients.available():  # else recomputed
-                try:
-                    r = self._clients.get(t.variant, "load").get_into(t.tokens, self._paged(t), start=t.start)
-                    got = r.matched_tokens
-                except VariantRefused:
-                    pass  # recomputed; logged once by Clients
-                except Exception as e:  # the blocks are recomputed, never read as garbage
-                    self._clients.failed(f"load of {t.req_id}", e)
-            self.loaded_tokens += max(0, min(got, t.end) - t.start)
-            if got < t.end:  # in the scheduler's blocks
-                first = max(got, t.start) // self._bs
-                self._load_errors.update(t.block_ids[first : -(-t.end // self._bs)])
+            if self._loader is not None:
+                self._loader.submit(t, ready)
+            else:  # no caches registered: nothing to load into, all of it recomputed
+                self._recving.add(t.req_id)
+                self._load_errors.update(t.block_ids)
         self.hook_seconds["load"] += time.perf_counter() - t0
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        return  # a loading request is not in a forward pass until its load is reported done
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -498,6 +497,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         for). Loads and saves come again only with steps, after ``restore_kv_caches``."""
         if self._saver is not None:
             self._saver.cancel_all()
+        if self._loader is not None:
+            self._loader.cancel_all()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         # a preempted request's blocks are free again: none of its saves may read them after this
@@ -513,7 +514,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self._saver.forget(rid)  # resumed, its next save goes from where kvstore's blocks end
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        recving, self._recving = self._recving, set()  # (the loads of this step: start_load_kv)
+        recving, self._recving = self._recving, set()
+        if self._loader is not None:  # their failed blocks go to vLLM in this step's output with them
+            loaded, failed = self._loader.finished()
+            recving |= loaded
+            self._load_errors |= failed
         if self._saver is None:
             return None, recving or None
         self._submit_saves()
@@ -545,7 +550,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    @property
+    def loaded_tokens(self) -> int:
+        """Tokens this worker loaded into vLLM's blocks (of the loads reported done or still running)."""
+        return self._loader.loaded_tokens if self._loader is not None else 0
+
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
         if self._saver is not None:
             self._saver.close()
             log.info(
@@ -559,7 +571,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self.late_saves,
                 self._saver.dropped_saves,
             )
-        self._clients.close()  # a save still waiting on the daemon ends with its client
+        self._clients.close()  # a load or save still waiting on the daemon ends with its client
+        if self._loader is not None:
+            self._loader.join()
         if self._saver is not None:
             self._saver.join()
 

@@ -12,7 +12,7 @@ miss, never a wrong block.
 The generation check relies on the daemon bumping a page's counter before the
 page can be written again, and on this process's loads of the counters not
 passing its loads of the data: x86's memory order (the copy has finished, and
-on a GPU it is synchronized, before the counters are read). Elsewhere (aarch64
+on a GPU its stream is synchronized, before the counters are read). Elsewhere (aarch64
 and other weakly ordered machines) a counter could be read before the data it
 guards, and Python has no portable fence: the daemon offers shared memory on
 x86_64 only (kvstore.shm.plane).
@@ -304,10 +304,12 @@ class SharedMapping:
             self._write_run(target, t0 + j * T, src, scatters)
             j = k
         scatters.finish()
-        # every copy has finished (on either side of PCIe) before the generations are read
+        # every copy has finished (on either side of PCIe) before the generations are read: they ran
+        # on this thread's current streams, which are waited for (not the whole device: an engine's
+        # forward pass on its own stream goes on)
         for dev in {m.arena.device for m, _, _, _ in located} | {device}:
             if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+                torch.cuda.current_stream(dev).synchronize()
         moved = _first_moved(located[:good])  # after every copy has finished
         if moved is None:
             moved = self._first_freed(located[:good])

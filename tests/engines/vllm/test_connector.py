@@ -56,18 +56,51 @@ class Worker:
         monkeypatch.setattr(vllm_layout, "cpu_isa", lambda *_: isa)
         self.c.register_kv_caches(self.caches)
         self.loads: list[tuple[str, int, int]] = []
+        self.in_flight: dict[str, Any] = {}  # request -> its load (a Transfer) not reported done yet
+        # the loads end before the step does (the forward pass takes longer), as with a quick daemon;
+        # False: each is reported whenever the loading thread has ended it
+        self.settle = True
 
-    def start_step(self, meta: Any, before_load: Any = None) -> set[int]:
+    def start_step(self, meta: Any, before_load: Any = None) -> None:
         """The worker's side of a step up to its forward pass, as vLLM's model runner orders it: the
         step's metadata bound, preemptions handled, ``before_load()`` (a test's hook, when the step
-        loads), the loads started; returns the blocks whose load failed. The loads are recorded."""
+        loads), the loads started. The loads are recorded."""
         self.c.bind_connector_metadata(meta)
         self.c.handle_preemptions(meta)
         if before_load is not None and meta.loads:
             before_load()
         self.c.start_load_kv(None)
         self.loads.extend((t.req_id, t.start, t.end) for t in meta.loads)
-        return set(self.c.get_block_ids_with_load_errors())
+        self.in_flight.update((t.req_id, t) for t in meta.loads)
+
+    def loading(self) -> set[int]:
+        """vLLM's blocks that loads not reported done yet write into."""
+        return {b for t in self.in_flight.values() for b in t.block_ids[t.start // BS : -(-t.end // BS)]}
+
+    def finish_step(
+        self, finished: set[str], finish_first: bool = False
+    ) -> tuple[Any, Any, set[int], list[Any]]:
+        """The worker's side of a step after its forward pass, as vLLM's model runner orders it: saves
+        queued, what finished asked for (``finish_first``: in the other order, as with speculative
+        decoding), then the blocks whose load failed. Returns (finished_sending, finished_recving,
+        failed blocks, the loads reported done); every token of those loads not failed is checked
+        where the kernels read it."""
+        if self.settle:
+            assert self.c._loader is not None and self.c._loader.drain(30)
+        if finish_first:
+            sending, recving = self.c.get_finished(finished)
+            self.c.wait_for_save()
+        else:
+            self.c.wait_for_save()
+            sending, recving = self.c.get_finished(finished)
+        errors = set(self.c.get_block_ids_with_load_errors())
+        done = [self.in_flight.pop(rid) for rid in recving or ()]
+        L = self.layout
+        for t in done:
+            if not set(t.block_ids) & errors:
+                want = expected(t.tokens, t.start, t.end, L.num_layers, L.num_kv_heads, L.head_dim)
+                assert torch.equal(self.kv_at(t.block_ids, t.start, t.end), want)
+        return sending, recving, errors, done
 
     def kv_at(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """Tokens start..end-1 as the attention kernels would read them: [L, 2, n, H, D]."""
@@ -129,6 +162,8 @@ class Engine:
         self.worker = Worker(vllm_config, backend, monkeypatch)
         self.requests: dict[str, Any] = {}
         self.before_load: Any = None  # a hook run between scheduling and loading
+        self.during_load: Any = None  # a hook run after the loads were started, before the forward pass
+        self.reported: list[tuple[set[str], set[int]]] = []  # each step's loads done, and failed blocks
         self.before_output: Any = None  # a hook run after the workers' step, before vLLM takes its output
         self.over_missing: list[str] = []  # requests that computed over a failed load, once per step
 
@@ -140,32 +175,28 @@ class Engine:
         so = self.sched.schedule()
         w = self.worker.c
         meta = so.kv_connector_metadata
-        errors = self.worker.start_step(meta, self.before_load)
-        for t in meta.loads:
-            bad = set(t.block_ids) & errors
-            if not bad:  # every loaded token where the kernels read it
-                got = self.worker.kv_at(t.block_ids, t.start, t.end)
-                L = self.worker.layout
-                assert torch.equal(
-                    got, expected(t.tokens, t.start, t.end, L.num_layers, L.num_kv_heads, L.head_dim)
-                )
-        scheduled = []
+        self.worker.start_step(meta, self.before_load)
+        if self.during_load is not None and meta.loads:
+            self.during_load(meta)
+        loading = self.worker.loading()
+        scheduled, forwards = [], []
         for rid, n in so.num_scheduled_tokens.items():
             req = self.requests[rid]
             ids = list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
             start = req.num_computed_tokens - n  # the scheduler has counted this step's tokens already
-            # computed over a failed load: its own, or one into blocks it shares (vLLM's prefix cache)
-            over_missing = bool(set(ids) & errors)
-            self.worker.forward(ids, list(req.all_token_ids), start, start + n, over_missing)
+            forwards.append((rid, ids, list(req.all_token_ids), start, start + n))
+            scheduled.append(req)
+        for rid, ids, tokens, start, end in forwards:
+            # computed over blocks a load has not written yet (its own, or ones it shares)
+            over_missing = bool(set(ids) & loading)
+            self.worker.forward(ids, tokens, start, end, over_missing)
             if over_missing:
                 self.over_missing.append(rid)
-            scheduled.append(req)
-        if self.finish_first:
-            sending, recving = w.get_finished(so.finished_req_ids)
-            w.wait_for_save()
-        else:
-            w.wait_for_save()
-            sending, recving = w.get_finished(so.finished_req_ids)
+        sending, recving, errors, _ = self.worker.finish_step(so.finished_req_ids, self.finish_first)
+        self.reported.append((set(recving or ()), errors))
+        for rid, ids, _, _, _ in forwards:  # or over blocks whose load failed in this step
+            if set(ids) & errors and rid not in self.over_missing:
+                self.over_missing.append(rid)
         w.clear_connector_metadata()
         out = self.U.create_model_runner_output(
             scheduled, finished_sending=sending, finished_recving=recving, invalid_block_ids=errors or None

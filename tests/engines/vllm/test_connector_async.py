@@ -83,10 +83,8 @@ class AsyncEngine:
         requests' num_computed_tokens already count its tokens)."""
         w = self.worker.c
         meta = so.kv_connector_metadata
-        errors = self.worker.start_step(meta, self.before_load)
-        for t in meta.loads:
-            loaded = set(t.block_ids[t.start // BS : -(-t.end // BS)])
-            self.wrong = (self.wrong - loaded) | (loaded & errors)
+        self.worker.start_step(meta, self.before_load)
+        self.wrong |= self.worker.loading()  # not written yet
         batch = []
         for rid, n in so.num_scheduled_tokens.items():
             req = self.requests[rid]
@@ -104,8 +102,10 @@ class AsyncEngine:
             self.wrong = self.wrong | written if wrong else self.wrong - written
             if wrong:
                 self.over_missing.add(req.request_id)
-        w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
+        sending, recving, errors, loaded = self.worker.finish_step(so.finished_req_ids)
+        for t in loaded:
+            blocks = set(t.block_ids[t.start // BS : -(-t.end // BS)])
+            self.wrong = (self.wrong - blocks) | (blocks & errors)
         w.clear_connector_metadata()
         reqs = [b[0] for b in batch]
         out = self.U.create_model_runner_output(

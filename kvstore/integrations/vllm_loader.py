@@ -1,0 +1,160 @@
+"""The worker's loads from kvstore for vLLM's connector (kvstore.integrations.vllm): a thread that runs
+them one after another, off the engine's thread.
+
+A load waits on the daemon (where the blocks are, their leases) and copies tens of MB into vLLM's
+blocks; vLLM leaves the request waiting (WAITING_FOR_REMOTE_KVS) until a worker reports the load
+done, so the engine's thread only queues it and goes on with its step::
+
+    step n     start_load_kv: queued ---------.
+    thread                                    load (daemon, copies) -> done, failed blocks
+    step n+k   get_finished: reported done, with its failed blocks (vLLM recomputes from the first)
+
+On a GPU the loads run on the thread's own CUDA stream, after the work the engine's stream had
+queued when the load was (``ready``: the forward pass, vLLM's zeroing of new blocks): the engine's
+stream never waits on them, and their end is waited for on the thread alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvstore.integrations.vllm_clients import Clients, VariantRefused
+from kvstore.integrations.vllm_saver import Transfer
+from kvstore.kvbuffers import PagedKV
+
+log = logging.getLogger("kvstore.integrations.vllm")
+
+CLOSE_WAIT = 10.0  # seconds shutdown and a sleep wait for the load under way (the daemon's calls time out)
+
+
+class Loader:
+    """Loads run one after another on a thread. Each ends done, whatever came of it: the blocks it did
+    not fill (a block evicted since the lookup, a daemon away, busy or refusing the request's variant)
+    are reported failed with it, never left as they were (``finished``)."""
+
+    def __init__(
+        self,
+        clients: Clients,
+        paged: Callable[[Transfer], PagedKV],
+        device: torch.device,
+        vllm_block: int,
+    ) -> None:
+        """``paged(t)``: vLLM's blocks of ``t``, on ``device``; ``vllm_block``: vLLM's block size in
+        tokens (the failed blocks are named in the scheduler's blocks)."""
+        self._clients = clients
+        self._device = device
+        self._paged = paged
+        self._bs = vllm_block
+        self._jobs: deque[tuple[Transfer, Any]] = deque()
+        self._running: str | None = None
+        self._done: set[str] = set()  # requests whose load ended since ``finished`` was last asked
+        self._failed: set[int] = set()  # and the blocks they did not fill
+        self._cv = threading.Condition()
+        self._stop = False
+        self._stream: Any = None  # the thread's CUDA stream, made with its first load onto a GPU
+        self.loaded_tokens = 0
+        self.busy_seconds = 0.0  # spent loading, on the thread
+        self._thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
+        self._thread.start()
+
+    def submit(self, t: Transfer, ready: Any = None) -> None:
+        """Queue ``t``'s load; ``ready``: a CUDA event recorded on the engine's stream when the load was
+        asked for, waited for before vLLM's blocks are written (its stream may still be zeroing them)."""
+        with self._cv:
+            if self._stop:  # shut down: nothing written, all of it failed
+                self._end(t, t.start)
+                return
+            self._jobs.append((t, ready))
+            self._cv.notify_all()
+
+    def finished(self) -> tuple[set[str], set[int]]:
+        """The requests whose load ended since the last call, and the blocks they did not fill: given
+        to vLLM together (a failed block no later than its request is reported done)."""
+        with self._cv:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), set()
+            return done, failed
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no load is queued or running; False when ``timeout`` passed first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._jobs and self._running is None, timeout)
+
+    def cancel_all(self) -> None:
+        """vLLM is putting its KV caches to sleep: the queued loads end failed, writing nothing, and the
+        one under way is waited for (its copies into the caches finish before this returns)."""
+        with self._cv:
+            while self._jobs:
+                self._end(self._jobs.popleft()[0], 0)
+        # the load under way ends within its daemon calls' time-outs (its copies cannot be stopped)
+        if not self.drain(CLOSE_WAIT + 2 * self._clients.timeout):
+            log.warning("kvstore: a load into vLLM's KV caches still runs as they are put to sleep")
+
+    def close(self) -> None:
+        """Stop: the queued loads end failed; the one under way ends as its client is closed
+        (Clients.close, which the connector calls next), and ``join`` waits for that."""
+        with self._cv:
+            while self._jobs:
+                self._end(self._jobs.popleft()[0], 0)
+            self._stop = True
+            self._cv.notify_all()
+
+    def join(self, timeout: float = CLOSE_WAIT) -> None:
+        self._thread.join(timeout)
+
+    def _end(self, t: Transfer, got: int) -> None:
+        """``t`` done with tokens up to ``got`` in vLLM's blocks (under the lock)."""
+        self._done.add(t.req_id)
+        self.loaded_tokens += max(0, min(got, t.end) - t.start)
+        if got < t.end:  # in the scheduler's blocks, from the one holding the first token not loaded
+            first = max(got, t.start) // self._bs
+            self._failed.update(t.block_ids[first : -(-t.end // self._bs)])
+
+    def _load(self, t: Transfer, ready: Any) -> int:
+        """Load ``t``; the tokens in vLLM's blocks after it (``t.start`` when none were written)."""
+        if t.end <= t.start or not self._clients.available():
+            return t.start
+        try:
+            if ready is not None:
+                ready.synchronize()
+            stream: Any = contextlib.nullcontext()
+            if self._device.type == "cuda":
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(self._device)
+                stream = torch.cuda.stream(self._stream)
+            with stream:  # (get_into waits for its copies on this stream before it returns)
+                paged = self._paged(t)
+                r = self._clients.get(t.variant, "load").get_into(t.tokens, paged, start=t.start)
+            return r.matched_tokens
+        except VariantRefused:
+            return t.start  # recomputed; logged once by Clients
+        except Exception as e:  # the blocks are recomputed, never read as garbage
+            self._clients.failed(f"load of {t.req_id}", e)
+            return t.start
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._stop)
+                if not self._jobs:
+                    return
+                t, ready = self._jobs.popleft()
+                self._running = t.req_id
+            began = time.perf_counter()
+            got = t.start
+            try:
+                got = self._load(t, ready)
+            finally:
+                with self._cv:
+                    self._end(t, got)
+                    self.busy_seconds += time.perf_counter() - began
+                    self._running = None
+                    self._cv.notify_all()
