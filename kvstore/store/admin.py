@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from dataclasses import replace
 
 import torch
@@ -34,6 +35,11 @@ from kvstore.store.index import TIER_MASK, Entry
 from kvstore.store.journal import Journal
 from kvstore.store.movement import NO_FRAMES, Frames, Mover
 from kvstore.store.parts import StoreParts
+from kvstore.store.writeback import WriteBack
+
+# seconds an evict waits for what it dropped to be off the disk too: a block being written as it was
+# dropped (one block's commit), the session's row (behind at most one block's write)
+OFF_DISK_WAIT = 5.0
 
 
 class AdminOps:
@@ -47,6 +53,7 @@ class AdminOps:
         journal: Journal,
         *,
         lease: float,
+        writeback: WriteBack | None = None,
         cluster: ClusterAdmin | None = None,
     ) -> None:
         self._lock, self._clock, self._tiers, self._index = parts.lock, parts.clock, parts.tiers, parts.index
@@ -54,6 +61,7 @@ class AdminOps:
         self._mover = mover
         self._data = data
         self._journal = journal
+        self._writeback = writeback
         self._lease = lease
         self._cluster = cluster
         self._parts = parts
@@ -140,6 +148,8 @@ class AdminOps:
                     moved += down
                     plan.append((e, False, down))
             displaced = 0
+            row: threading.Event | None = None  # the evicted session's row deleted from the disk
+            dropped: list[bytes] = []  # the blocks that left the store
             if not dry_run:
                 stayed: set[bytes] = set()
                 before = len(self._index)
@@ -170,7 +180,8 @@ class AdminOps:
                     and (whole or not any(flt.session in e.sessions for e in self._index.entries()))
                     and self._sessions.remove(flt.session)
                 ):
-                    self._journal.forget_session(flt.session)
+                    row = self._journal.forget_session(flt.session)
+                dropped = [k for k in keys if k not in self._index]
         result = EvictResult(
             blocks=len(keys),
             bytes_freed={k: v for k, v in freed.items() if v},
@@ -178,6 +189,7 @@ class AdminOps:
             keys=keys,
             dry_run=dry_run,
             displaced=displaced,
+            not_done="" if dry_run else self._off_disk(dropped, row),
         )
         if flt.session is not None and t is None and self._cluster is not None:
             try:  # the whole conversation, or its cluster copies among the blocks chosen here
@@ -198,10 +210,28 @@ class AdminOps:
                 moved=moved,
                 keys=gone,
                 dry_run=dry_run,
-                not_done=remote.not_done,
+                not_done="; ".join(x for x in (result.not_done, remote.not_done) if x),
                 displaced=displaced,
             )
         return result
+
+    def _off_disk(self, keys: list[bytes], row: threading.Event | None) -> str:
+        """Wait (lock not held) until what an evict dropped is off the disk too, as a kill would find
+        it: blocks the writer was writing as they were dropped (it deletes them again once written)
+        and the session's row (deleted on the writer's thread). What is not, said: a kill before it
+        is would bring it back at the next start."""
+        left = self._writeback.settle(keys, OFF_DISK_WAIT) if self._writeback is not None and keys else []
+        parts = []
+        if left:
+            parts.append(
+                f"{len(left)} evicted block(s) are still on disk (a write under way, or a delete the disk "
+                "refused, retried each second); until they are gone a daemon killed brings them back"
+            )
+        if row is not None and not row.wait(OFF_DISK_WAIT):
+            parts.append(
+                "the session's row is not deleted from disk yet; a daemon killed before it is keeps it"
+            )
+        return "; ".join(parts)
 
     def prefetch(
         self, session: str, to: str = "ram", *, start_block: int = 0, max_blocks: int | None = None

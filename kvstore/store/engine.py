@@ -180,7 +180,13 @@ class Store:
             self._cluster = ClusterLink(parts, cluster, self.put, offer, queue=cluster_queue, tick=tick)
             self._cluster_admin = ClusterAdmin(parts, self._cluster, self._journal, self.get)
         self._admin = AdminOps(
-            parts, self._mover, self._data, self._journal, lease=self._lease, cluster=self._cluster_admin
+            parts,
+            self._mover,
+            self._data,
+            self._journal,
+            lease=self._lease,
+            writeback=self._writeback,
+            cluster=self._cluster_admin,
         )
         self._reports = Reports(parts, self._mover, self._writeback, self._cluster_admin)
         through = self._writeback if self._write_through and self._admit is Admission.ALWAYS else None

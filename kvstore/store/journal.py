@@ -68,14 +68,24 @@ class Journal:
             d = s.to_dict()
             self._run(("session", s.name), lambda: nvme.put_session(s.name, d))
 
-    def forget_session(self, name: str) -> None:
+    def forget_session(self, name: str) -> threading.Event | None:
+        """Delete the session's row (on the writer thread). Returns an event set once the delete has
+        run (a failed one is kept and run again, as any row's write), or None without nvme. A later
+        row of the session queued before the delete ran (the session made again) replaces it, and
+        the event is then never set."""
         nvme = self._nvme
-        if nvme is not None:
+        if nvme is None or self._writer is None:
+            return None
+        done = threading.Event()
 
-            def drop() -> None:
+        def drop() -> None:
+            try:
                 nvme.drop_session(name)
+            finally:
+                done.set()
 
-            self._run(("session", name), drop)
+        self._run(("session", name), drop)
+        return done
 
     def namespace(self, ns: Namespace) -> None:
         nvme = self._nvme

@@ -27,7 +27,7 @@ log = logging.getLogger("kvstore.store")
 
 
 def restore_sessions(
-    parts: StoreParts, rows: Iterable[tuple[str, dict[str, Any]]], forget: Callable[[str], None]
+    parts: StoreParts, rows: Iterable[tuple[str, dict[str, Any]]], forget: Callable[[str], object]
 ) -> None:
     """(At start, before the store serves.) Put the sessions of the disk's ``rows`` (name, fields)
     into ``parts.sessions``, each ending where it can resume (see the module sketch); ``forget(name)``

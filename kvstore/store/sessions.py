@@ -156,7 +156,7 @@ class SessionTable:
 
     def __init__(
         self,
-        forget: Callable[[str], None] | None = None,
+        forget: Callable[[str], object] | None = None,
         tenant_of: Callable[[str], str] | None = None,
         *,
         per_tenant: int | None = None,

@@ -28,6 +28,7 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import replace
 
 from kvstore.codecs.frame import Buffer, read_header
@@ -263,11 +264,23 @@ class WriteBack:
         finally:
             with self._lock:
                 self.writing.discard(key)
+                self._queued.notify_all()  # (settle waits for it)
                 self._requeued.discard(key)
                 if self._settled(key):
                     self.deferred.pop(key, None)
                 if key not in self.deferred:
                     self._roomless.pop(key, None)
+
+    def settle(self, keys: Iterable[bytes], timeout: float) -> list[bytes]:
+        """Wait (up to ``timeout`` seconds; lock not held) until none of ``keys``, dropped from the
+        index, is being written. A write under way commits its nvme copy before it learns of the drop,
+        then deletes it again (``_written``): a kill in between would bring the block back at the
+        next start. Returns those whose nvme copy may be there still: being written at the timeout,
+        or kept to delete again (the disk refused; tried each tick)."""
+        want = set(keys)
+        with self._queued:
+            self._queued.wait_for(lambda: not want & self.writing, timeout)
+            return [k for k in want if k in self.writing or k in self._strays]
 
     def _settled(self, key: bytes) -> bool:
         """(Lock held.) Nothing is owed of ``key``: written, gone, or with nothing to write it from."""

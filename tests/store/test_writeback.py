@@ -263,3 +263,77 @@ def test_two_puts_of_one_new_prefix_queue_its_blocks_once(make_store: StoreFacto
     keys = block_keys(NS, toks)
     assert sorted(queued) == sorted(keys)
     assert s.stats().written == 4
+
+
+def _paused_writes(nvme: NvmeTier, key: bytes) -> tuple[threading.Event, threading.Event]:
+    """The writer's LMDB commit of ``key`` pauses right after it commits, until the second event is
+    set; the first is set when it pauses."""
+    committed, go_on = threading.Event(), threading.Event()
+    for name in ("put", "put_frame"):
+        orig = getattr(nvme, name)
+
+        def hooked(k: bytes, *a: Any, _orig: Any = orig, **kw: Any) -> Any:
+            r = _orig(k, *a, **kw)
+            if k == key and on_writer():
+                committed.set()
+                assert go_on.wait(10)
+            return r
+
+        setattr(nvme, name, hooked)
+    return committed, go_on
+
+
+def _in_background(fn: Callable[[], Any]) -> tuple[threading.Event, list[Any]]:
+    done, out = threading.Event(), []
+
+    def run() -> None:
+        out.append(fn())
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done, out
+
+
+def test_an_evict_of_a_block_being_written_returns_once_its_disk_copy_is_gone_too(
+    make_store: StoreFactory, tmp_path: Path
+) -> None:
+    """the writer has committed block K to LMDB and not yet told the index; an operator evicts K
+    ->  the evict answers only once the writer has deleted that copy again: a daemon killed after the
+        answer finds no K on disk at its next start (before, K came back)"""
+    s = make_store(path=tmp_path / "nvme")
+    toks = tokens(1, seed=11)
+    key = block_keys(NS, toks)[0]
+    nvme = s.tiers[2]
+    assert isinstance(nvme, NvmeTier)
+    committed, go_on = _paused_writes(nvme, key)
+    s.put(NS, toks, kv(T, 11))
+    assert committed.wait(10) and key in nvme
+    replied, result = _in_background(lambda: s.evict(EvictFilter(all=True)))
+    assert not replied.wait(0.3)  # K's copy is on the disk still: the evict waits for it
+    go_on.set()
+    assert replied.wait(10)
+    assert result[0].blocks == 1 and result[0].not_done == ""
+    assert key not in nvme  # what a kill now would leave on disk
+    assert s.lookup(NS, toks).matched_tokens == 0
+
+
+def test_an_evicted_session_s_row_is_off_the_disk_when_the_evict_answers(make_store: StoreFactory) -> None:
+    """the writer is in the middle of another block's write; an operator evicts session S
+    ->  the evict answers once S's row is deleted from disk too (the writer deletes it next): a daemon
+        killed after the answer does not bring S back at its next start (before, the row's delete
+        was still queued)"""
+    s = make_store()
+    nvme = s.tiers[2]
+    assert isinstance(nvme, NvmeTier)
+    s.put(NS, tokens(2, seed=12), kv(2 * T, 12), session="S")
+    assert s.flush(10) and "S" in dict(nvme.iter_sessions())
+    other = tokens(1, seed=13)
+    committed, go_on = _paused_writes(nvme, block_keys(NS, other)[0])
+    s.put(NS, other, kv(T, 13))
+    assert committed.wait(10)  # the writer is busy with it
+    replied, result = _in_background(lambda: s.evict(EvictFilter(session="S")))
+    assert not replied.wait(0.3)
+    go_on.set()
+    assert replied.wait(10)
+    assert result[0].blocks == 2 and result[0].not_done == ""
+    assert "S" not in dict(nvme.iter_sessions())
