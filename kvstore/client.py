@@ -410,7 +410,9 @@ class KVStoreClient:
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         names = as_chain(token_ids)
-        layout.check_tensor(kv)
+        if not isinstance(kv, torch.Tensor):
+            raise LayoutError(f"kv must be a tensor [L, 2, T, H, D], got {type(kv).__name__}")
+        check_target(kv, layout, "kv")
         _covers(kv, names, T, "kv")
         total = names.blocks(T)
         if total == 0:

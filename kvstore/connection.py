@@ -205,11 +205,11 @@ class Connection:
             return
         self._deferred[rid] = msg
 
-    def _await_deferred(self, timeout: float | None = None) -> None:
+    def _await_deferred(self, timeout: float | None = None) -> bool:
         """Receive the replies ``defer`` left due (usually here already), for up to ``timeout`` (default:
         the connection's) in all. One answered ``busy`` (nothing was done) is sent again after a
         pause, as ``call`` would. None within the time: the daemon is gone or stuck, and what is sent
-        next goes on a fresh socket (what was deferred lapses)."""
+        next goes on a fresh socket (what was deferred lapses); returns False then."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         pause = BACKOFF
         try:
@@ -217,7 +217,7 @@ class Connection:
                 got = self._recv(deadline)
                 if got is None:
                     self.reconnect()
-                    return
+                    return False
                 rid, reply = got
                 msg = self._deferred.pop(rid, None)
                 busy = isinstance(reply, ErrorReply) and reply.code == "busy"
@@ -227,6 +227,7 @@ class Connection:
                     self.defer(msg)
         except RemoteProtocolError:  # garbled: this socket is not trusted further, as in pipeline
             self.reconnect()
+        return True
 
     def _recv(self, deadline: float) -> tuple[int, Message] | None:
         """The next awaited reply, or None at ``deadline`` (or once nothing has listened on an ipc
@@ -339,8 +340,9 @@ class Connection:
         when retries run out, RemoteProtocolError for a garbled reply that a
         retry did not cure.
         """
-        if self._deferred:
-            self._await_deferred()
+        # a daemon that did not answer what was deferred within the time-out has had this call's
+        # first wait: the call's retries, and so its time, count it (the call is not sent yet)
+        lapsed = bool(self._deferred) and not self._await_deferred()
         budget = self.retries if retries is None else retries
         todo: deque[int] = deque(range(n))
         inflight: dict[int, int] = {}  # request id -> index
@@ -351,8 +353,15 @@ class Connection:
         forgotten = False  # the daemon said it does not know the namespace: said hello again once
 
         def again(
-            reason: str, *, fresh_socket: bool, backoff: bool = False, cause: Exception | None = None
+            reason: str,
+            *,
+            fresh_socket: bool,
+            backoff: bool = False,
+            cause: Exception | None = None,
+            unsent: bool = False,
         ) -> None:
+            """Another attempt, or the call's error when none is left (or the request is not idempotent
+            and was sent: ``unsent``, it was not)."""
             nonlocal attempts, inflight
             if self._absent:  # nothing listens on the socket file: no retry can be answered
                 self._absent = False
@@ -363,7 +372,7 @@ class Connection:
                     f"no kvstore daemon is running at {self.endpoint}: nothing has listened on "
                     f"{self._socket_file} for {ABSENT_GRACE:g}s; start one (kvstore serve --config FILE)"
                 )
-            if not idempotent or attempts >= budget:
+            if (not idempotent and not unsent) or attempts >= budget:
                 for rid in inflight:
                     self.proto.forget(rid)
                 if cause is not None:
@@ -396,6 +405,8 @@ class Connection:
             if backoff:
                 time.sleep(BACKOFF * 2 ** (attempts - 1))
 
+        if lapsed:  # (on the fresh socket the wait left)
+            again("timeout of a reply due before it", fresh_socket=False, unsent=True)
         try:
             while todo or inflight:
                 if greet:  # the hello a reconnect needs spends this call's retries, not retries of its own

@@ -185,8 +185,18 @@ class PagedKV:
             raise LayoutError(
                 f"{what} name {twice} more than once: each of the sequence's tokens has a place of its own"
             )
+        if kv is not None:
+            kv = list(kv)
+            if len(kv) != len(k) or not all(
+                c.dim() >= 1 and c.shape[0] == 2 and _same_view(c[0], kk) and _same_view(c[1], vv)
+                for c, kk, vv in zip(kv, k, v, strict=False)
+            ):
+                raise LayoutError(
+                    "PagedKV's kv must be each layer's K and V as one tensor: kv[i][0] the very memory of "
+                    "k[i] and kv[i][1] that of v[i] (the same shape and strides)"
+                )
         self.k, self.v = k, v
-        self.kv = None if kv is None else list(kv)
+        self.kv = kv
         self.block_size = int(first.shape[1])
         self.ids = ids.to(first.device)
         self.num_tokens = num_tokens
@@ -303,6 +313,17 @@ class PagedKV:
 
 
 KVTarget = torch.Tensor | PagedKV
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same elements of the same memory."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def target_tokens(target: KVTarget) -> int:

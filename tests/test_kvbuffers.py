@@ -164,3 +164,18 @@ def test_an_empty_sequence_of_slots_or_block_ids_is_no_tokens() -> None:
     assert PagedKV.blocks(k, v, [], 0).num_tokens == 0
     assert PagedKV.blocks(k, v, (), 0).num_tokens == 0
     assert PagedKV([b[:, 0] for b in k], [b[:, 0] for b in v], []).num_tokens == 0
+
+
+def test_a_combined_kv_that_is_not_the_k_and_v_given_is_refused() -> None:
+    """``kv`` (each layer's K and V in one tensor, written with one scatter) must be the very memory of
+    ``k`` and ``v``: otherwise a get would write one and report the other filled."""
+    ids, nb = torch.arange(4), 4
+    caches = [torch.zeros(2, nb, 8, 2, 8, dtype=torch.float16) for _ in range(3)]
+    k, v = [c[0] for c in caches], [c[1] for c in caches]
+    PagedKV.blocks(k, v, ids, 32, kv=caches)  # the same memory: taken
+    unrelated = [torch.zeros_like(c) for c in caches]
+    fewer_blocks = [c[:, :2] for c in caches]
+    other_dtype = [c.float() for c in caches]
+    for bad in (unrelated, fewer_blocks, other_dtype, caches[:2], [c[0] for c in caches]):
+        with pytest.raises(LayoutError, match="kv must be each layer's K and V"):
+            PagedKV.blocks(k, v, ids, 32, kv=bad)

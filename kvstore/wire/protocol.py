@@ -50,7 +50,8 @@ PROTOCOL_VERSION = 1
 
 def tensor_payload(kv: torch.Tensor) -> Buffer:
     """The bytes of ``kv`` (on the CPU, contiguous) as a buffer zmq can send without copying."""
-    kv = kv.detach().to("cpu").contiguous()
+    # (a lazily negated or conjugated view holds other bytes than its values: resolved first)
+    kv = kv.detach().to("cpu").resolve_neg().resolve_conj().contiguous()
     return kv.view(-1).view(torch.uint8).numpy()
 
 

@@ -265,3 +265,17 @@ def test_several_clients_at_once(shared_daemon: Daemon) -> None:
     for t in threads:
         t.join(120)
     assert not errors, errors
+
+
+def test_a_put_over_the_socket_checks_its_tensor_as_shared_memory_does(shared_daemon: Daemon) -> None:
+    """A tensor with no data is refused with the error the shared-memory path gives (nothing stored);
+    one viewed negated is stored as its values, not as the bytes under the view."""
+    tokens = list(range(9000, 9000 + 2 * T))
+    kv = kv_for(tokens, seed=4)
+    with client(shared_daemon, shared_memory=False) as c:
+        with pytest.raises(LayoutError, match="meta device"):
+            c.put(tokens, torch.empty(kv.shape, dtype=kv.dtype, device="meta"))
+        assert c.lookup(tokens).matched_tokens == 0
+        assert c.put(tokens, torch._neg_view(-kv)).stored == 2
+        got = c.get(tokens)
+    assert got.kv is not None and torch.equal(got.kv, kv)

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from kvstore.connection import CLOSE_WAIT, Connection
+from kvstore.wire.errors import RequestTimeout
 from kvstore.wire.messages import ErrorReply, Finish, FinishOk, Message
 from kvstore.wire.protocol import encode, read_header
 
@@ -103,18 +104,40 @@ def test_a_deferred_request_answered_with_an_error_changes_nothing_for_the_next(
     assert out == [FinishOk(released=True)]
 
 
-def test_a_deferred_request_never_answered_delays_the_next_by_the_timeout_at_most(pair) -> None:
-    conn, daemon = pair
-    conn.defer(Finish(handle=1, used=0))
-    peer, rid_a, _ = daemon.next_request(2.0)
-    t, out = call_in_thread(conn, Finish(handle=2, used=0))
-    got = daemon.next_request(3.0)  # sent once the connection's time-out (1.5 s) has passed
-    assert got is not None and got[2]["handle"] == 2
-    daemon.answer(peer, rid_a, FinishOk(released=True))  # late: dropped, not taken for B's reply
-    daemon.answer(got[0], got[1], FinishOk(released=False))
-    t.join(5)
-    assert out == [FinishOk(released=False)]
-    assert conn.reconnects == 1  # B went on a fresh socket: the old one's daemon did not answer
+def test_a_deferred_request_never_answered_is_the_next_call_s_first_wait(tmp_path: Path) -> None:
+    """A daemon that does not answer what was deferred within the time-out has had the next call's
+    first attempt: with a retry left, the call goes on a fresh socket (within (retries + 1) time-outs
+    in all, as documented); without one, it times out after one time-out, never sent."""
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    daemon = ScriptedDaemon(endpoint)
+    retrying = Connection(endpoint, timeout=1.5, retries=1, namespace=None)
+    once = Connection(endpoint, timeout=1.0, retries=0, namespace=None)
+    try:
+        retrying.defer(Finish(handle=1, used=0))
+        first = daemon.next_request(2.0)
+        assert first is not None
+        peer, rid_a, _ = first
+        t0 = time.monotonic()
+        t, out = call_in_thread(retrying, Finish(handle=2, used=0))
+        got = daemon.next_request(3.0)  # sent once the connection's time-out (1.5 s) has passed
+        assert got is not None and got[2]["handle"] == 2
+        daemon.answer(peer, rid_a, FinishOk(released=True))  # late: dropped, not taken for B's reply
+        daemon.answer(got[0], got[1], FinishOk(released=False))
+        t.join(5)
+        assert out == [FinishOk(released=False)] and time.monotonic() - t0 < 3.0
+        assert retrying.reconnects == 1  # B went on a fresh socket: the old one's daemon did not answer
+
+        once.defer(Finish(handle=3, used=0))
+        assert daemon.next_request(2.0) is not None
+        t0 = time.monotonic()
+        with pytest.raises(RequestTimeout, match="timeout of a reply due before it"):
+            once.call(Finish(handle=4, used=0), idempotent=False)
+        assert time.monotonic() - t0 < 1.8  # one time-out, not two
+        assert daemon.next_request(0.3) is None  # never sent
+    finally:
+        retrying.close()
+        once.close()
+        daemon.close()
 
 
 def test_a_reconnect_drops_what_was_deferred_on_the_old_socket(pair) -> None:
