@@ -14,14 +14,15 @@ A block whose pages were reused meanwhile ends the read (a miss, never a wrong b
 naming another daemon instance (it restarted) gives back what it leased, says hello again, maps the
 new segments and starts over, up to STALE_RETRIES times; a daemon that answers ``no_shared_memory``
 (restarted with ``shared_memory = "off"``) gets a hello too, its offer of none unmaps the old
-segments and the call goes over the socket. Segments that cannot be mapped send this client to the
-socket for that instance. The caller (KVStoreClient) holds its lock and has said hello.
+segments and the call goes over the socket. Segments that cannot be mapped (or fail a read) send this
+client to the socket for REFUSED_FOR seconds. The caller (KVStoreClient) holds its lock and has said hello.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -41,6 +42,9 @@ from kvstore.wire.messages import Commit, Finish, Locate, LocateOk, Message, Res
 log = logging.getLogger("kvstore.client")
 
 STALE_RETRIES = 2  # times a shared-memory call starts over on a restarted daemon's new segments
+# seconds a daemon's segments that failed to map or read are left alone before they are tried again:
+# a cause may pass (this process out of file descriptors or address space for a while)
+REFUSED_FOR = 60.0
 
 _T = TypeVar("_T")
 
@@ -57,7 +61,8 @@ class SharedPath:
         self._conn = conn
         self._socket = socket
         self._mapping: SharedMapping | None = None
-        self._refused: set[str] = set()  # instances whose segments could not be mapped
+        self._refused: dict[str, float] = {}  # instance -> until when its segments are not tried
+        self._warned: set[str] = set()  # instances whose failure was logged as a warning
         self._copier = Copier()  # at the thread count this process gives torch
 
     def close(self) -> None:
@@ -78,7 +83,7 @@ class SharedPath:
                 self._unmap()  # a daemon that offers none now (restarted with shared_memory = "off")
                 return None
             instance = str(offer.get("instance"))
-            if instance in self._refused:  # its segments failed once: not used again
+            if time.monotonic() < self._refused.get(instance, 0.0):  # its segments failed a moment ago
                 self._unmap()
                 return None
             m = self._mapping
@@ -95,8 +100,7 @@ class SharedPath:
                     self._conn.hello_again()
                     if str((self._conn.shm_offer or {}).get("instance")) != instance:
                         continue
-                log.warning("shared memory offered but not usable (%s); using the socket", e)
-                self._refused.add(instance)
+                self._refuse(instance, "shared memory offered but not usable", e)
                 return None
         return None
 
@@ -123,10 +127,19 @@ class SharedPath:
                 self._hello_again(m)  # its reply offers none: mapping() unmaps the old segments
                 continue
             except ShmUnavailable as e:
-                log.warning("shared-memory %s failed (%s); using the socket", what, e)
-                self._refused.add(m.instance)
+                self._refuse(m.instance, f"shared-memory {what} failed", e)
                 return None
         return None
+
+    def _refuse(self, instance: str, what: str, err: Exception) -> None:
+        """The daemon ``instance``'s segments failed: the socket carries everything for REFUSED_FOR
+        seconds, then they are tried again (a warning the first time, a debug line after)."""
+        self._refused[instance] = time.monotonic() + REFUSED_FOR
+        if instance in self._warned:
+            log.debug("%s (%s); using the socket for %.0f s", what, err, REFUSED_FOR)
+        else:
+            self._warned.add(instance)
+            log.warning("%s (%s); using the socket, trying again every %.0f s", what, err, REFUSED_FOR)
 
     def _hello_again(self, m: SharedMapping) -> None:
         """A reply contradicted the offer ``m`` was mapped from (the daemon restarted): hello again,
@@ -231,8 +244,7 @@ class SharedPath:
                     answered.add(i)
         except (ServerError, ShmUnavailable) as err:
             if isinstance(err, ShmUnavailable):  # this client's staging cannot be mapped: the socket
-                log.warning("shared-memory put failed (%s); using the socket", err)  # from now on
-                self._refused.add(m.instance)
+                self._refuse(m.instance, "shared-memory put failed", err)
             elif err.code not in ("no_staging", "not_found", "too_many_leases"):
                 raise  # no_shared_memory among them: a daemon that restarted, which holds none of it
             # no staging room or lease now, or a range lapsed under a paused client: the rest one way

@@ -138,11 +138,14 @@ def test_a_mapping_the_client_s_address_space_cannot_hold_means_the_socket(
     daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """mmap itself failing in the client (an address-space limit, vm.max_map_count: ENOMEM), for the
-    pools on the first get and for staging on a put: the call is served over the socket."""
+    pools on the first get and for staging on a put: the call is served over the socket, and once
+    the cause has passed, shared memory is used again (tried again after REFUSED_FOR seconds)."""
     import errno
     import mmap
 
-    from kvstore.shm import segment
+    from kvstore.shm import client_path, segment
+
+    monkeypatch.setattr(client_path, "REFUSED_FOR", 0.5)
 
     cfg = write_config(tmp_path, server=SHM)
     ep = endpoint_of(cfg)
@@ -171,6 +174,11 @@ def test_a_mapping_the_client_s_address_space_cannot_hold_means_the_socket(
         assert c.put(b, prefix_kv(b)).stored == 3
         assert not c.shared_memory
         assert_served(c, b)
+        monkeypatch.setattr(segment.mmap, "mmap", real)  # the address space has room again
+        assert wait_until(lambda: c.shared_memory, 5)
+        d = random_tokens(rng, 3)
+        assert c.put(d, prefix_kv(d)).stored == 3 and shm_stats(c)["staging_clients"] == 1
+        assert_served(c, d)
 
 
 def test_a_hello_for_shared_memory_over_the_raw_socket_is_answered_with_the_offer(
