@@ -96,7 +96,7 @@ class DataPath:
         with self._lock:
             cost = max(1, hbm.block_cost(ns.layout))
             room = sum(1 for k in keys if k not in self._index) - hbm.usage().free_bytes // cost
-            victims = [e.key for e in self._mover.predict_victims(0, room)] if room > 0 else []
+            victims = [e.key for e in self._mover.victims.predict(0, room)] if room > 0 else []
         frames: dict[bytes, tuple[int, Buffer]] = {}
         for k in victims:
             try:

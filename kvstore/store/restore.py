@@ -98,7 +98,7 @@ def trim_disk(parts: StoreParts, mover: Mover, nvme: NvmeTier) -> None:
     before, t, tried = len(index), parts.tiers.last, set[bytes]()
     with parts.lock:
         while nvme.over_capacity():
-            e = mover.victim(t, tried)
+            e = mover.victims.victim(t, tried)
             if e is None:
                 break
             tried.add(e.key)

@@ -316,7 +316,7 @@ def test_nvme_drops_a_cold_prefix_it_alone_holds_before_the_disk_copy_of_one_in_
     assert s.get(NS, a, start_block=69).matched_blocks == 1  # A69 read: promoted to ram
     assert s.lookup(NS, a).tiers == ["nvme"] * 69 + ["ram"]
     with s._lock:
-        victim = s._mover.victim(2, set())
+        victim = s._mover.victims.victim(2, set())
     assert victim is not None and victim.key == block_keys(NS, b)[1]
 
 
