@@ -112,7 +112,7 @@ def serve(config: Config) -> int:
         plane = open_plane(config)
         try:
             store = Store.from_config(
-                config, memory=None if plane is None else plane.pool_memory, copier=copier
+                config, memory=None if plane is None else plane.pools.memory, copier=copier
             )
         except NoRoom as e:
             assert plane is not None

@@ -97,7 +97,7 @@ class SharedOps:
     def _locate(self, plane: SharedPlane, peer: bytes, msg: Locate, ns: Namespace) -> Message:
         plane.admit(peer)  # before anything is pinned: a client at its lease bound pins nothing
         names = self.store.tiers.names
-        shared = {t for t, name in enumerate(names) if name in msg.tiers and plane.shares(name)}
+        shared = {t for t, name in enumerate(names) if name in msg.tiers and plane.pools.shares(name)}
 
         def locate(tiers: set[int], count: bool) -> Located:
             return self.store.locate(
@@ -118,7 +118,7 @@ class SharedOps:
             located = locate(set(), True)
         blocks: list[list[Any]] = []
         tiers: list[str] = []
-        segments = {t: plane.segment_index(names[t]) for t in {t for _, t, _ in located.places}}
+        segments = {t: plane.pools.index(names[t]) for t in {t for _, t, _ in located.places}}
         for _, t, place in located.places:
             blocks.append(
                 [

@@ -2,7 +2,7 @@
 
 ::
 
-    SharedPlane ─┬─ pool_memory("hbm"|"ram")  arenas + page generations in segments (PagePool memory)
+    SharedPlane ─┬─ pools.memory("hbm"|"ram") arenas + page generations in segments (pools.py)
                  ├─ a staging segment per client (a socket identity), made on its first need:
                  │     ranges leased to one request each
                  │       reserve -> client writes K/V -> commit (a put)
@@ -43,12 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvstore.errors import KVStoreError
-from kvstore.shm.segment import ALIGN, NoRoom, Segment, ShmUnavailable, private_dir, sweep
-from kvstore.tiers.pool import PoolMemory
+from kvstore.shm.pools import SharedPools
+from kvstore.shm.segment import ALIGN, NoRoom, Segment, private_dir, sweep
 from kvstore.wire.errors import ProtocolError
 
 log = logging.getLogger("kvstore.shm")
@@ -133,21 +132,6 @@ class RangeAllocator:
 
 
 @dataclass
-class _Pool:
-    role: str
-    segment: Segment | None  # None: the arena is on a GPU (see cuda_export)
-    capacity: int
-    num_pages: int
-    gens_offset: int
-    gens_segment: Segment
-    device: torch.device
-    kind: str  # "raw" blocks or codec "frames"
-    page_bytes: int = 0
-    ipc: bytes | None = None
-    keep: Any = None  # what keeps a GPU arena alive
-
-
-@dataclass
 class SharedPlane:
     """Segments for the pools and a staging area in ``directory``; leases on staging and reads."""
 
@@ -177,7 +161,7 @@ class SharedPlane:
         gone = sweep(self.directory)
         if gone:
             log.info("removed %d shared-memory segment(s) left by a daemon that is gone", gone)
-        self._pools: list[_Pool] = []
+        self.pools = SharedPools(self.directory)
         self._lock = threading.Lock()
         self._leases: dict[int, Lease] = {}
         self._per_peer: dict[bytes, int] = {}  # live leases by client
@@ -188,92 +172,17 @@ class SharedPlane:
         self.lapsed = 0  # leases taken back because they ran out
 
     # -- pools ------------------------------------------------------------------------
-    def pool_memory(self, role: str, kind: str) -> PoolMemory:
-        """PagePool memory in segments: the arena (host pools) and the page generations."""
-
-        def allocate(
-            capacity: int, page_bytes: int, num_pages: int, device: torch.device
-        ) -> tuple[torch.Tensor, np.ndarray] | None:
-            gens_offset = -(-capacity // ALIGN) * ALIGN
-            if device.type == "cpu":
-                seg = Segment.create(self.directory, role, gens_offset + 8 * num_pages)
-                arena = torch.from_numpy(seg.array(0, capacity))
-                pool = _Pool(role, seg, capacity, num_pages, gens_offset, seg, device, kind, page_bytes)
-            else:
-                from kvstore.shm.cuda import cuda_arena
-
-                try:
-                    arena, handle, keep = cuda_arena(capacity, device)
-                except ShmUnavailable as e:  # no cupy that works: the pool is the daemon's own
-                    log.warning(
-                        "the %s pool on %s is not shared: %s; same-host clients read it through staging",
-                        role,
-                        device,
-                        e,
-                    )
-                    return None
-                gens_seg = Segment.create(self.directory, role + "gens", 8 * num_pages)
-                pool = _Pool(
-                    role,
-                    None,
-                    capacity,
-                    num_pages,
-                    0,
-                    gens_seg,
-                    device,
-                    kind,
-                    page_bytes,
-                    ipc=handle,
-                    keep=keep,
-                )
-            gens = pool.gens_segment.array(pool.gens_offset, 8 * num_pages).view(np.uint64)
-            self._pools.append(pool)
-            return arena, gens
-
-        return allocate
-
     def offer(self) -> dict[str, Any] | None:
-        """What a hello reply tells a same-host client: the segments to map and how to read them; None
-        where none is offered (not ``offered``: not x86_64). A GPU pool is named by its device's UUID
-        too: ``cuda:N`` is another GPU in a process that sees another set of devices
-        (CUDA_VISIBLE_DEVICES)."""
-        from kvstore.shm.cuda import device_uuid
-
+        """What a hello reply tells a same-host client: the segments to map and how to read them
+        (``pools.segments``); None where none is offered (not ``offered``: not x86_64)."""
         if not self.offered:
             return None
-        segments = []
-        for p in self._pools:
-            segments.append(
-                {
-                    "role": p.role,
-                    "kind": p.kind,
-                    "path": None if p.segment is None else str(p.segment.path),
-                    "size": 0 if p.segment is None else p.segment.size,
-                    "capacity": p.capacity,
-                    "page_bytes": p.page_bytes,
-                    "num_pages": p.num_pages,
-                    "gens_path": str(p.gens_segment.path),
-                    "gens_size": p.gens_segment.size,
-                    "gens_offset": p.gens_offset,
-                    "device": str(p.device),
-                    "uuid": None if p.ipc is None else device_uuid(p.device),
-                    "ipc": p.ipc,
-                }
-            )
         return {
             "instance": self.instance,
-            "segments": segments,
+            "segments": self.pools.segments(),
             "per_client": self.per_client,
             "lease": self.lease,
         }
-
-    def shares(self, role: str) -> bool:
-        """Whether the pool ``role`` ("hbm", "ram") lives in shared memory."""
-        return any(p.role == role for p in self._pools)
-
-    def segment_index(self, role: str) -> int:
-        """The index of pool ``role`` in the offer's segments."""
-        return next(i for i, p in enumerate(self._pools) if p.role == role)
 
     # -- leases -----------------------------------------------------------------------
     def reserve(
@@ -555,7 +464,7 @@ class SharedPlane:
             return {
                 "directory": str(self.directory),
                 "segments": [
-                    *(str(p.segment.path) for p in self._pools if p.segment is not None),
+                    *self.pools.paths(),
                     *(str(c.segment.path) for c in staging),
                 ],
                 "staging_bytes": self.staging_bytes,
@@ -576,16 +485,11 @@ class SharedPlane:
         needs it (a host's page-locked mapping, on a GPU host, holds it until the client lets go).
         Not ``free`` where the tiers may still read the pools (their close failed): a block encoded
         from freed memory would be zeros."""
-        for p in self._pools:
-            p.gens_segment.array(p.gens_offset, 8 * p.num_pages).view(np.uint64)[:] += 1
+        self.pools.retire()
         with self._lock:
             self._closed = True  # a staging segment made meanwhile is removed as it is done
             for c in self._clients.values():
                 c.tensor = torch.empty(0, dtype=torch.uint8)
                 c.segment.close(free=True)
             self._clients.clear()
-        for p in self._pools:
-            if p.segment is not None:
-                p.segment.close(free=free)
-            if p.gens_segment is not p.segment:
-                p.gens_segment.close(free=free)
+        self.pools.close(free=free)

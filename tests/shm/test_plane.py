@@ -445,7 +445,7 @@ def test_a_stopping_daemon_moves_every_page_s_generation(shm_dir: Path) -> None:
     # a client mapped the generations and located a block; the daemon stops before the client's copy
     # is checked: the block reads as moved (a GPU arena is freed at exit, its bytes are anyone's)
     plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
-    hbm = HbmTier(16 * 1024, page_bytes=1024, memory=plane.pool_memory("hbm", "raw"))
+    hbm = HbmTier(16 * 1024, page_bytes=1024, memory=plane.pools.memory("hbm", "raw"))
     hbm.put(b"x" * 32, kv(4)[:, :, :4].contiguous())
     offer = plane.offer()
     assert offer is not None
@@ -462,7 +462,7 @@ def test_a_stopped_daemon_s_pools_are_freed_under_a_client_s_mapping(shm_dir: Pa
     # an idle client keeps its mappings of the pools: their memory is given back all the same, and
     # what the client would read there now (zeros) matches no block it was told of
     plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
-    hbm = HbmTier(64 * 1024, page_bytes=1024, memory=plane.pool_memory("hbm", "raw"))
+    hbm = HbmTier(64 * 1024, page_bytes=1024, memory=plane.pools.memory("hbm", "raw"))
     hbm.put(b"x" * 32, kv(4)[:, :, :4].contiguous())
     place = hbm.locate(b"x" * 32)
     offer = plane.offer()
@@ -511,8 +511,10 @@ def resident(seg: Segment) -> int:
 def test_a_located_block_reads_back_from_its_extents(shm_dir: Path) -> None:
     plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
     try:
-        hbm = HbmTier(16 * 1024, page_bytes=1024, memory=plane.pool_memory("hbm", "raw"))
-        ram = RamTier(16 * 1024, get_codec("raw"), page_bytes=1024, memory=plane.pool_memory("ram", "frames"))
+        hbm = HbmTier(16 * 1024, page_bytes=1024, memory=plane.pools.memory("hbm", "raw"))
+        ram = RamTier(
+            16 * 1024, get_codec("raw"), page_bytes=1024, memory=plane.pools.memory("ram", "frames")
+        )
         block = kv(4)[:, :, :4].contiguous()
         hbm.put(b"x" * 32, block)
         place = hbm.locate(b"x" * 32)
@@ -570,11 +572,13 @@ def test_a_gpu_pool_without_cupy_is_the_daemons_own_and_not_offered(
     # the offer names only the pools that are shared (clients read the rest through staging)
     plane = SharedPlane(shm_dir, staging_bytes=1 << 20, per_client=1 << 20, lease=5.0)
     with caplog.at_level(logging.WARNING, logger="kvstore.shm"):
-        got = plane.pool_memory("hbm", "raw")(16 * 1024, 1024, 16, torch.device("cuda:0"))
-    assert got is None and not plane.shares("hbm")
+        got = plane.pools.memory("hbm", "raw")(16 * 1024, 1024, 16, torch.device("cuda:0"))
+    assert got is None and not plane.pools.shares("hbm")
     assert "the hbm pool on cuda:0 is not shared: sharing a pool on a GPU needs cupy" in caplog.text
-    ram = RamTier(16 * 1024, get_codec("raw"), page_bytes=1024, memory=plane.pool_memory("ram", "frames"))
+    ram = RamTier(16 * 1024, get_codec("raw"), page_bytes=1024, memory=plane.pools.memory("ram", "frames"))
     offer = plane.offer()
-    assert offer is not None and [s["role"] for s in offer["segments"]] == ["ram"] and plane.shares("ram")
+    assert (
+        offer is not None and [s["role"] for s in offer["segments"]] == ["ram"] and plane.pools.shares("ram")
+    )
     ram.close()
     plane.close()
