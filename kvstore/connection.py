@@ -116,6 +116,7 @@ class Connection:
         self._deferred: dict[int, Message] = {}  # requests sent by ``defer`` whose replies are due
         self._socket_file = ipc_socket_path(endpoint)
         self._absent = False  # the last wait ended because nothing listened on the socket file
+        self._file_at_send = False  # the socket file was there when the last request was sent
         self._aborting = False  # set by another thread (``abort``): the wait under way ends
 
     def _open(self) -> zmq.Socket:
@@ -180,6 +181,8 @@ class Connection:
         except zmq.Again:  # not even queued within the timeout: nothing was sent
             self.proto.forget(rid)
             raise
+        if self._socket_file is not None:  # (see _recv)
+            self._file_at_send = self._socket_file.exists()
         return rid
 
     def notify(self, msg: Message) -> None:
@@ -235,9 +238,12 @@ class Connection:
         sock = self._open()
         self._absent = False
         look_at = time.monotonic() + ABSENT_AFTER if self._socket_file is not None else None
-        # a file removed during the wait may be a live daemon's (a tmp cleaner): its connection is
-        # open still, and its reply awaited to the time-out as before; one never there is no daemon
-        missing_before = self._socket_file is not None and not self._socket_file.exists()
+        # a file removed since the request was sent may be a live daemon's (a tmp cleaner): its
+        # connection is open still, and its reply awaited to the time-out as before; one not there
+        # when the request was sent, nor now, is no daemon
+        missing_before = (
+            self._socket_file is not None and not self._file_at_send and not self._socket_file.exists()
+        )
         absent_since: float | None = None
         while True:
             if self._aborting:

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,11 +74,24 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(connection, "ABSENT_GRACE", 0.5)
 
 
-def test_a_live_daemon_whose_socket_file_goes_away_is_still_waited_for(tmp_path: Path, quick: None) -> None:
-    # a tmp cleaner removes the file while a reply is awaited: the connection is open, the reply comes
+@pytest.mark.parametrize("wait", ["at once", "late"])
+def test_a_live_daemon_whose_socket_file_goes_away_is_still_waited_for(
+    tmp_path: Path, quick: None, monkeypatch: pytest.MonkeyPatch, wait: str
+) -> None:
+    # a tmp cleaner removes the file while a reply is awaited: the connection is open, the reply comes;
+    # "late": the call's thread begins its wait only after the file went (a busy machine)
     path = tmp_path / "d.sock"
     daemon = ScriptedDaemon(f"ipc://{path}")
     conn = Connection(f"ipc://{path}", timeout=10.0, retries=0, namespace=None)
+    if wait == "late":
+        recv = conn._recv
+
+        def late(deadline: float) -> Any:
+            while path.exists():
+                time.sleep(0.01)
+            return recv(deadline)
+
+        monkeypatch.setattr(conn, "_recv", late)
     try:
         t, out = call_in_thread(conn, Finish(handle=1, used=0))
         got = daemon.next_request(2.0)
