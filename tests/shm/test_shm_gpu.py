@@ -128,3 +128,37 @@ def test_a_lapsed_lease_on_gpu_hbm_is_a_miss(daemons: Any, tmp_path: Path) -> No
         out = torch.zeros(LAYOUT.shape(6 * T), dtype=torch.float16, device="cuda")
         assert m.read_blocks(reply.blocks, LAYOUT, out, 0, reply.staging) == 0
         c._conn.call(Finish(handle=reply.handle, used=0), idempotent=True)
+
+
+@pytest.mark.parametrize("tier", ["hbm", "ram"])
+def test_a_read_on_a_side_stream_waits_for_its_own_copies_not_the_engine_s_stream(
+    daemons: Any, tmp_path: Path, tier: str
+) -> None:
+    """An engine's loading thread reads on its own stream while the engine's stream runs a forward
+    pass: get_into returns once its copies are done (the blocks checked right), while the engine's
+    stream still runs (a whole-device wait would have waited for it)."""
+    cfg = gpu_config(tmp_path)
+    ep = endpoint_of(cfg)
+    daemons(cfg)
+    rng = np.random.default_rng(4)
+    a = random_tokens(rng, 6)
+    want = prefix_kv(a)
+    with attached(ep) as c, socket_client(ep) as s:
+        assert c.put(a, want).stored == 6
+        if tier == "ram":
+            c.evict(tier="hbm")
+        ref = s.get(a)
+        assert ref.tiers == [tier] * 6 and ref.kv is not None
+        caches, ids = vllm_buffers(len(a) // 2)
+        paged = PagedKV.vllm([x.cuda() for x in caches], ids, len(a))
+        side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(4_000_000_000)  # the engine's forward pass: seconds of GPU time on its stream
+        engine = torch.cuda.current_stream()
+        with torch.cuda.stream(side):
+            r = c.get_into(a, paged)
+        assert not engine.query(), "get_into waited for the engine's stream"
+        assert r.matched_blocks == 6 and r.tiers == [tier] * 6
+        back = paged.read(0, torch.empty(LAYOUT.shape(6 * T), dtype=torch.float16, device="cuda"))
+        torch.cuda.synchronize()
+        torch.testing.assert_close(back.cpu(), ref.kv, rtol=0, atol=0)
