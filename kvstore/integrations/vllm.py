@@ -177,6 +177,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._late = max(1.0, self.settings.timeout)  # seconds a finished request's blocks wait on saves
         self._saver: Saver | None = None
         self._loader: Loader | None = None
+        # a vLLM that puts its caches to sleep without telling connectors (before 0.33: no
+        # unregister_kv_caches) could discard them under a load still running: loads end in their step
+        self._sync_loads = bool(
+            getattr(vllm_config.model_config, "enable_sleep_mode", False)
+        ) and not hasattr(KVConnectorBase_V1, "unregister_kv_caches")
         self._submitted: KVStoreMetadata | None = None  # the metadata whose saves are queued
         # seconds spent in this connector's hooks, on the engine's own thread (what it adds to a step)
         self.hook_seconds: dict[str, float] = {"lookup": 0.0, "meta": 0.0, "load": 0.0, "save": 0.0}
@@ -338,15 +343,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         ever read such a block, nor found it in vLLM's prefix cache. kvstore's hit of the request is
         cut there too, so that a request set back to nothing is not sent to load it again."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
-        for rid in getattr(connector_output, "finished_recving", None) or ():
-            block_ids = self._loading.pop(rid, None)
-            if block_ids is None:
-                continue
+        # with several workers a load's failed blocks come as the first worker reports them, its end
+        # when the last one does (vLLM's aggregator): any step's failures cut the hit of a load
+        known: set[int] = set()
+        for rid, block_ids in self._loading.items() if invalid else ():
             first = next((i for i, b in enumerate(block_ids) if b in invalid), None)
             if first is not None and rid in self._hits:
                 hit, local = self._hits[rid]
                 self._hits[rid] = (min(hit, first * self._bs // self._T * self._T), local)
-            invalid.difference_update(block_ids)
+            known.update(block_ids)
+        invalid -= known
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._loading.pop(rid, None)
         if invalid:  # a failed block of no load this connector knows (cannot be): kept out of use
             log.warning(
                 "kvstore: %d failed blocks of no known load; dropped from vLLM's prefix cache", len(invalid)
@@ -452,7 +460,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             ready = torch.cuda.Event()
             ready.record()
         for t in meta.loads:
-            if self._loader is not None:
+            if self._loader is not None and self._sync_loads:
+                self._loader.run_now(t, ready)
+            elif self._loader is not None:
                 self._loader.submit(t, ready)
             else:  # no caches registered: nothing to load into, all of it recomputed
                 self._recving.add(t.req_id)
@@ -516,6 +526,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         recving, self._recving = self._recving, set()
         if self._loader is not None:  # their failed blocks go to vLLM in this step's output with them
+            self._loader.drop(finished_req_ids)  # (aborted while their loads waited)
             loaded, failed = self._loader.finished()
             recving |= loaded
             self._load_errors |= failed

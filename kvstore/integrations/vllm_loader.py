@@ -75,6 +75,28 @@ class Loader:
             self._jobs.append((t, ready))
             self._cv.notify_all()
 
+    def run_now(self, t: Transfer, ready: Any = None) -> None:
+        """Load ``t`` on the calling thread (the engine's, where vLLM does not say when its caches go
+        to sleep: a load must not outlive its step there); it is reported as a queued one is."""
+        got = t.start
+        try:
+            got = self._load(t, ready)
+        finally:
+            with self._cv:
+                self._end(t, got)
+
+    def drop(self, req_ids: set[str]) -> None:
+        """The queued loads of ``req_ids`` (finished: aborted while they waited) end now, writing
+        nothing; the one under way runs on (its copies cannot be stopped)."""
+        with self._cv:
+            kept: deque[tuple[Transfer, Any]] = deque()
+            for job in self._jobs:
+                if job[0].req_id in req_ids:
+                    self._end(job[0], job[0].start)
+                else:
+                    kept.append(job)
+            self._jobs = kept
+
     def finished(self) -> tuple[set[str], set[int]]:
         """The requests whose load ended since the last call, and the blocks they did not fill: given
         to vLLM together (a failed block no later than its request is reported done)."""
@@ -94,9 +116,13 @@ class Loader:
         with self._cv:
             while self._jobs:
                 self._end(self._jobs.popleft()[0], 0)
-        # the load under way ends within its daemon calls' time-outs (its copies cannot be stopped)
-        if not self.drain(CLOSE_WAIT + 2 * self._clients.timeout):
-            log.warning("kvstore: a load into vLLM's KV caches still runs as they are put to sleep")
+        # the load under way ends within its daemon calls' time-outs (its copies cannot be stopped):
+        # waited for whatever it takes, since the caches' memory goes once this returns
+        if not self.drain(CLOSE_WAIT):
+            log.warning(
+                "kvstore: a load into vLLM's KV caches still runs as they go to sleep; waiting for it"
+            )
+            self.drain()
 
     def close(self) -> None:
         """Stop: the queued loads end failed; the one under way ends as its client is closed
@@ -139,8 +165,13 @@ class Loader:
         except Exception as e:  # the blocks are recomputed, never read as garbage
             self._clients.failed(f"load of {t.req_id}", e)
             return t.start
+        finally:  # a load that failed after queueing copies: they end before it is reported done
+            if self._stream is not None:
+                self._stream.synchronize()
 
     def _run(self) -> None:
+        if self._device.type == "cuda":  # a new thread starts on device 0: a worker's GPU may be another
+            torch.cuda.set_device(self._device)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._jobs or self._stop)

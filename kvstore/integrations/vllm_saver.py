@@ -12,6 +12,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kvstore.errors import ClientClosed
 from kvstore.integrations.vllm_clients import Clients, VariantRefused
 from kvstore.integrations.vllm_settings import Variant
@@ -184,6 +186,8 @@ class Saver:
                 # the first save of a request starts where kvstore's lookup said its prefix ends
                 start = min(t.start, self._stored.setdefault(t.req_id, t.start))
             try:
+                if paged.device.type == "cuda":  # (a new thread starts on device 0)
+                    torch.cuda.set_device(paged.device)
                 if ready is not None:
                     ready.synchronize()
                 if not self._clients.available():

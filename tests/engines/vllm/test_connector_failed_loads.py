@@ -120,3 +120,40 @@ def test_a_load_vllm_defers_is_planned_and_reported_even_for_a_request_gone_mean
         assert (load.req_id, load.start, load.end) == ((rid, 64, 128) if not gone else (rid, 64, 64))
         assert load.block_ids == list(range(10, 18))
     e.worker.c.shutdown()
+
+
+def test_a_rank_whose_load_failed_reporting_before_the_others_sets_the_request_back_once(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two workers (tensor parallel), as vLLM's aggregator joins their outputs: rank 1's load of L
+    misses at once and its failed blocks reach the scheduler in step n; rank 0's load ends a step
+    later, and only then is L reported done (finished_recving waits for every rank). L is set back
+    to its first failed block and computes from there: it is not sent to load again and again."""
+    U, vcfg, ep = setup
+    a = prompt(150, 81)
+    filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    stored_then_forgotten(U, filler, a)
+    sched = U.create_scheduler(vcfg, num_blocks=96)
+    L = request(U, a, "L")
+    sched.add_request(L)
+    loads, outputs = [], []
+    for _ in range(12):
+        so = sched.schedule()
+        loads += [(t.req_id, t.start, t.end) for t in so.kv_connector_metadata.loads]
+        if "L" in so.num_scheduled_tokens:
+            break
+        scheduled = [sched.requests[r] for r in so.num_scheduled_tokens]
+        if so.kv_connector_metadata.loads:  # rank 1: every block failed, reported at once
+            (t,) = so.kv_connector_metadata.loads
+            out = U.create_model_runner_output(scheduled, invalid_block_ids=set(t.block_ids))
+            outputs.append("failed blocks")
+        elif outputs == ["failed blocks"]:  # rank 0: done a step later; now L is done on both
+            out = U.create_model_runner_output(scheduled, finished_recving={"L"})
+            outputs.append("done")
+        else:
+            out = U.create_model_runner_output(scheduled)
+        sched.update_from_output(so, out)
+    assert loads == [("L", 0, 128)] and outputs == ["failed blocks", "done"]
+    assert so.num_scheduled_tokens.get("L", 0) > 0 and L.num_computed_tokens <= 96  # computes it all
+    filler.worker.c.shutdown()

@@ -124,3 +124,62 @@ def test_caches_put_to_sleep_wait_for_the_load_under_way_and_the_queued_ones_end
     assert e.worker.c.loaded_tokens == 128 and l_load.end == 128
     e.worker.c.shutdown()
     filler.worker.c.shutdown()
+
+
+def test_a_request_aborted_while_its_load_waits_in_the_queue_is_reported_without_loading(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """L's load waits on the daemon, M's is queued behind it; M is aborted. M's load is ended at the
+    next report without reaching the daemon (vLLM gives its blocks back then), L's runs on."""
+    from vllm.v1.request import RequestStatus
+
+    U, vcfg, ep = setup
+    a, b = prompt(150, 75), prompt(150, 76)
+    filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    stored_then_forgotten(U, filler, a)
+    filler.add(request(U, b[:128], "b"))
+    filler.run()
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.worker.settle = False
+    gate, waiting = gate_loads(e, monkeypatch)
+    e.add(request(U, a, "L"))
+    e.add(request(U, b, "M"))
+    e.step()
+    assert wait_until(lambda: len(waiting) == 1, 10)
+    e.sched.finish_requests("M", RequestStatus.FINISHED_ABORTED)
+    e.step()
+    assert e.reported[-1][0] == {"M"}  # ended, nothing written: its blocks go back to vLLM
+    assert "M" not in e.sched.requests
+    gate.set()
+    e.run()
+    assert len(waiting) == 1 and e.worker.c.loaded_tokens == 128  # only L's load reached the daemon
+    assert not e.over_missing and e.requests["L"].is_finished()
+    e.worker.c.shutdown()
+    filler.worker.c.shutdown()
+
+
+def test_where_vllm_does_not_say_when_its_caches_sleep_loads_end_in_their_step(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM before 0.33 discards its caches in sleep mode without calling unregister_kv_caches: with
+    sleep mode on there, each load runs within its step, on the engine's thread, and is reported in
+    that step (no load outlives the step that could be the last before a sleep)."""
+    U, vcfg, ep = setup
+    a = prompt(150, 77)
+    filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    check = stored_then_forgotten(U, filler, a)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.worker.settle = False
+    monkeypatch.setattr(e.worker.c, "_sync_loads", True)
+    gate, waiting = gate_loads(e, monkeypatch)
+    gate.set()
+    e.add(request(U, a, "L"))
+    e.step()
+    assert waiting == ["MainThread"] and e.reported[-1][0] == {"L"}
+    e.run()
+    assert not e.over_missing and e.worker.c.loaded_tokens == 128
+    assert_holds(check, a, 128)
+    e.worker.c.shutdown()
+    filler.worker.c.shutdown()
