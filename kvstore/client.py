@@ -257,6 +257,16 @@ class KVStoreClient:
             return self._shm.mapping() is not None
 
     @property
+    def timeout(self) -> float:
+        """Seconds a call waits for each reply."""
+        return self._conn.timeout
+
+    @property
+    def retries(self) -> int:
+        """Times a call that timed out is sent again (``timeout`` each)."""
+        return self._conn.retries
+
+    @property
     def max_tokens(self) -> int | None:
         """The daemon's max_tokens_per_request, as its last hello said (None before the first call):
         a lookup, get or put naming more tokens is refused before it is sent."""

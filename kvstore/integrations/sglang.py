@@ -12,7 +12,8 @@ SGLang names each page by its own chained page hash (64 hex digits); kvstore
 stores the page under that key (kvstore.chains.KeyChain), namespaced by the
 model SGLang serves (its model path, not the served name, an alias) and its
 weights (revision, content, quantization, config overrides: see
-kvstore.integrations.weights), this rank's shard (tp, pp, attention-cp and dcp rank and size), the
+kvstore.integrations.weights; its ``--lora-paths`` adapters' and draft model's
+too), this rank's shard (tp, pp, attention-cp and dcp rank and size), the
 host pool's layout (layers, kv heads, head_dim, dtype, page size) and the
 tenant. Pages move between the store and SGLang's host pool in place: the
 pool's ``kv_buffer`` is viewed per layer as K and V pages ``[pages,
@@ -27,8 +28,10 @@ fails its checksum is reported False (never filled with wrong data). A daemon
 that fails, times out or is busy is a miss or a page not stored, logged, never
 an exception in SGLang. Lookups and loads (SGLang's prefetch) never wait on a
 busy daemon: a miss at once, recomputed; stores (its backup thread) wait out
-``busy`` within the timeout, on a client of their own, so that a long store
-never holds a lookup up.
+``busy`` within the timeout. Lookups, loads and stores each have a client of
+their own, so that a long transfer never holds a lookup up, and no hook runs
+past HOOK_BUDGET seconds (SGLang waits 10 s for its storage threads at a cache
+flush or detach, and fails past it).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -63,17 +67,24 @@ log = logging.getLogger("kvstore.integrations.sglang")
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 _OPTIONS = {"endpoint", "tenant", "model", "revision", "timeout"}
+# seconds one hook takes at most, whatever the daemon does: SGLang joins its storage threads for 10 s
+# at a cache flush, reset or detach, and raises past it (a hook stops before a call that could run over)
+HOOK_BUDGET = 8.0
+LOOKUP_TIMEOUT = 2.0  # seconds a lookup waits at most (one takes about a millisecond on the same host)
+STORE_RETRIES = 1  # a store that timed out is sent once more (within HOOK_BUDGET)
 
 
 class KVStoreHiCache(HiCacheStorage):
     """SGLang's L3 in a kvstore daemon. Built by SGLang as ``cls(storage_config, kwargs)``; the host
-    pool arrives through ``register_mem_pool_host``. Thread-safe: lookups and loads take turns on
-    ``client``, stores on a client of their own."""
+    pool arrives through ``register_mem_pool_host``. Thread-safe: lookups (SGLang's prefetch
+    thread), loads (its I/O thread) and stores (its backup thread) each have a client of their own,
+    so that none waits behind another's transfer."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         """Reads ``endpoint``, ``tenant``, ``model`` (default: the model path SGLang's server args
-        name, else the config's model_name), ``revision`` and ``timeout`` (seconds, default 10) from
-        the config's ``extra_config``. Raises ValueError for an MLA model or a setting kvstore cannot
+        name, else the config's model_name), ``revision`` and ``timeout`` (seconds a call waits for
+        the daemon, default 5; lookups wait LOOKUP_TIMEOUT at most, and no hook runs past
+        HOOK_BUDGET) from the config's ``extra_config``. Raises ValueError for an MLA model or a setting kvstore cannot
         use (naming the key)."""
         if storage_config.is_mla_model:
             raise ValueError(
@@ -110,7 +121,7 @@ class KVStoreHiCache(HiCacheStorage):
         self.model = str(model) if len(str(model).encode()) <= 200 else "sha256:" + _sha(str(model), 64)
         self.tenant: str = _option(extra, "tenant", _name, "default")
         self.endpoint: str | None = _option(extra, "endpoint", check_connect_endpoint, None)
-        self.timeout: float = _option(extra, "timeout", seconds, 10.0)
+        self.timeout: float = _option(extra, "timeout", seconds, 5.0)
         c = storage_config
         shard = f"tp{c.tp_rank}of{c.tp_size}/pp{c.pp_rank}of{c.pp_size}/cp{c.attn_cp_rank}of{c.attn_cp_size}"
         if c.dcp_size > 1:
@@ -118,7 +129,8 @@ class KVStoreHiCache(HiCacheStorage):
         rev: str = _option(extra, "revision", _revision, "")
         weights = "" if served is None else _weights(served, path)
         self.revision = "/".join(part for part in (rev, weights, shard) if part)
-        self.client: KVStoreClient | None = None  # lookups and loads: a busy daemon is a miss
+        self.client: KVStoreClient | None = None  # loads: a busy daemon is a miss
+        self._lookups: KVStoreClient | None = None  # lookups: the same, never behind a load
         self._saver: KVStoreClient | None = None  # stores: made on the first, waits out busy
         self._saver_lock = threading.Lock()
         self._closed = False  # no saver is made after close
@@ -136,6 +148,7 @@ class KVStoreHiCache(HiCacheStorage):
             # alone: another split gives the same rank other layers, whose K/V these pages are not
             self.revision += f"/layers{int(first)}-{int(last)}"
         self.client = self._new_client(wait_when_busy=False)
+        self._lookups = self._new_client(wait_when_busy=False, timeout=LOOKUP_TIMEOUT)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Pools beside the K/V (a hybrid model's SWA, Mamba or indexer state) are refused: kvstore
@@ -150,26 +163,30 @@ class KVStoreHiCache(HiCacheStorage):
             )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
-    def _new_client(self, *, wait_when_busy: bool) -> KVStoreClient:
+    def _new_client(self, *, wait_when_busy: bool, timeout: float = math.inf) -> KVStoreClient:
+        """Lookups and loads (not ``wait_when_busy``): one time-out at most (a dead daemon would cost
+        three, retried); stores ask again once, off SGLang's way, as vLLM's connector's saves do.
+        Either way a call's time-outs take half of HOOK_BUDGET at most: a hook's next call (pages past
+        the daemon's limit of one request, a store sent again without its missing prefix) fits too."""
         assert self._pages is not None
+        retries = STORE_RETRIES if wait_when_busy else 0
         return KVStoreClient(
             self.endpoint,
             model=self.model,
             layout=self._pages.layout,
             tenant=self.tenant,
             revision=self.revision,
-            timeout=self.timeout,
+            timeout=min(self.timeout, timeout, HOOK_BUDGET / 2 / (retries + 1)),
             wait_when_busy=wait_when_busy,
-            # lookups and loads: one time-out at most (a dead daemon cost three, retried); stores
-            # ask again, off SGLang's way, as vLLM's connector's saves do
-            retries=2 if wait_when_busy else 0,
+            retries=retries,
         )
 
     def close(self) -> None:
         """Close the clients at once: a call another SGLang thread has under way on a daemon that does
         not answer ends now (a miss, or pages not stored), not after its time-outs."""
-        if self.client is not None:
-            self.client.close(abort=True)
+        for client in (self.client, self._lookups):
+            if client is not None:
+                client.close(abort=True)
         with self._saver_lock:
             self._closed = True
             saver, self._saver = self._saver, None
@@ -182,9 +199,14 @@ class KVStoreHiCache(HiCacheStorage):
         if not keys or not self.backoff.available():
             return 0
         n = 0
+        deadline = time.monotonic() + HOOK_BUDGET
         try:
-            client = self._client()
+            self._client()  # attached, or LayoutError
+            client = self._lookups
+            assert client is not None
             for part in self._parts(client, len(keys)):  # a page held names all before it
+                if part.start and not _in_time(client, deadline):
+                    break
                 got = client.lookup_keys(keys[part]).matched_blocks
                 n += got
                 if got < len(keys[part]):
@@ -201,12 +223,15 @@ class KVStoreHiCache(HiCacheStorage):
         if not keys:
             return []
         got = 0
+        deadline = time.monotonic() + HOOK_BUDGET
         if self.backoff.available():
             try:
                 host, client = self._host(), self._client()
                 host.paged(host_indices, len(keys))  # whole pages, or nothing is read
                 ps = host.page_size
                 for part in self._parts(client, len(keys)):
+                    if part.start and not _in_time(client, deadline):
+                        break
                     dst = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
                     n = client.get_into(KeyChain.of(keys[part]), dst).matched_blocks
                     got += n
@@ -229,15 +254,22 @@ class KVStoreHiCache(HiCacheStorage):
         prefix = list((extra_info.prefix_keys if extra_info is not None else None) or ())
         stored = [False] * len(keys)
         began = time.monotonic()
+        deadline = began + HOOK_BUDGET
+        saver: KVStoreClient | None = None
         try:
             host = self._host()
             host.paged(host_indices, len(keys))  # whole pages, or nothing is stored
             ps, saver = host.page_size, self._saving_client()
             for part in self._parts(saver, len(keys)):
+                if part.start and not _in_time(saver, deadline):
+                    break
                 src = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
                 before = [*prefix, *keys[: part.start]]
                 r = saver.put_from(KeyChain.of(keys[part], before), src)
-                if before and r.failed and r.failed[0].block == 0 and r.failed[0].code == MISSING_PARENT:
+                missing = (
+                    before and r.failed and r.failed[0].block == 0 and r.failed[0].code == MISSING_PARENT
+                )
+                if missing and _in_time(saver, deadline):
                     # the prefix pages are not in the store (evicted, or never written): the pages are
                     # still findable by their keys, which name their whole prefix; store them as a chain
                     r = saver.put_from(KeyChain.of(keys[part]), src)
@@ -247,7 +279,7 @@ class KVStoreHiCache(HiCacheStorage):
         except Exception as e:  # the pages not stored yet are simply not stored
             # a store waits on a busy daemon up to its time-out: one that waited it out backs off, or
             # every backup batch would wait as long
-            waited = time.monotonic() - began >= self.timeout
+            waited = saver is not None and time.monotonic() - began >= saver.timeout
             self.backoff.failed(f"batch_set_v1 of {len(keys)} pages", e, waited=waited)
         return stored
 
@@ -312,6 +344,12 @@ class KVStoreHiCache(HiCacheStorage):
         return self._pages
 
 
+def _in_time(client: KVStoreClient, deadline: float) -> bool:
+    """Whether another call of ``client`` ends by ``deadline`` even if the daemon answers none of its
+    tries (a hook's first call always does: its time-outs fit HOOK_BUDGET, see _new_client)."""
+    return time.monotonic() + client.timeout * (client.retries + 1) <= deadline
+
+
 def _server_args() -> Any | None:
     """The ServerArgs of the SGLang process this backend runs in, or None where it publishes none
     (a backend made outside a scheduler)."""
@@ -343,7 +381,33 @@ def _weights(served: Any, path: str) -> str:
     overrides = getattr(served, "json_model_override_args", None)
     if overrides and overrides != "{}":
         parts.append(f"ov={_sha(str(overrides), 16)}")
+    # SGLang seeds a --lora-paths adapter's page hashes with an id made of its name and path only:
+    # an adapter rewritten in place would find the old one's pages. Its content is named here (a
+    # change of any adapter's files starts every page afresh; adapters loaded later get random ids)
+    adapters = sorted(_adapters(getattr(served, "lora_paths", None)))
+    if adapters:
+        parts.append("lora=" + _sha("\0".join(f"{n}\0{p}\0{weights_id(p)}" for n, p in adapters), 16))
+    # a speculative draft model's layers may share the host pool's pages
+    draft = getattr(served, "speculative_draft_model_path", None)
+    if draft:
+        named = weights_id(str(draft), getattr(served, "speculative_draft_model_revision", None))
+        parts.append("draft=" + _sha(f"{draft}\0{named}", 16))
     return ";".join(parts)
+
+
+def _adapters(lora_paths: Any) -> list[tuple[str, str]]:
+    """(name, path) of each adapter of SGLang's ``lora_paths``: LoRARef records once SGLang has read
+    its arguments, or as given (``name=path`` or ``path`` strings, dicts)."""
+    out = []
+    for item in lora_paths or ():
+        if isinstance(item, str):
+            name, _, path = item.partition("=")
+            out.append((name, path or name))
+        elif isinstance(item, dict):
+            out.append((str(item.get("lora_name", "")), str(item.get("lora_path", ""))))
+        else:
+            out.append((str(getattr(item, "lora_name", "")), str(getattr(item, "lora_path", ""))))
+    return out
 
 
 def _sha(text: str, n: int) -> str:

@@ -272,6 +272,65 @@ def test_a_daemon_stopped_mid_use_is_a_miss_in_every_hook_after_one_timeout(daem
         daemon.proc.send_signal(signal.SIGCONT)
 
 
+def test_no_hook_outlasts_sglangs_wait_for_its_storage_threads_whatever_the_timeout(
+    daemon: Any, monkeypatch: Any
+) -> None:
+    """SGLang waits 10 s for its storage threads at a cache flush or detach, then raises: with a long
+    timeout set and a daemon that never answers, each hook ends within HOOK_BUDGET (a store's retry
+    included), as a miss or pages not stored."""
+    import signal
+    import time
+
+    from kvstore.integrations import sglang
+
+    monkeypatch.setattr(sglang, "HOOK_BUDGET", 1.0)
+    pool = host_pool("page_first")
+    keys = page_hashes(3, salt=12)
+    fill(pool, [0, 1, 2], seed=12)
+    stores = {hook: timed_backend(daemon.endpoint, pool, 30.0) for hook in HOOKS}
+    for store in stores.values():
+        assert all(store.batch_set_v1(keys, slots([0, 1, 2])))
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        for hook, store in stores.items():
+            t0 = time.monotonic()
+            got, miss = call_hook(store, hook, keys, [4, 5, 6])
+            assert got == miss and time.monotonic() - t0 < 1.5, hook
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_lookup_does_not_wait_behind_a_load(daemon: Any, monkeypatch: Any) -> None:
+    """SGLang's prefetch thread looks pages up while its I/O thread loads others: the lookup answers
+    at once, not after the load."""
+    import threading
+    import time
+
+    pool = host_pool("page_first")
+    keys = page_hashes(3, salt=13)
+    fill(pool, [0, 1, 2], seed=13)
+    store = backend(daemon.endpoint, pool)
+    assert all(store.batch_set_v1(keys, slots([0, 1, 2])))
+    read_into = store.client._shm.read_into
+    loading = threading.Event()
+
+    def slow(*args: Any, **kw: Any) -> Any:  # a long load: the load's client is busy all along
+        loading.set()
+        time.sleep(1.0)
+        return read_into(*args, **kw)
+
+    monkeypatch.setattr(store.client._shm, "read_into", slow)
+    loaded: list[Any] = []
+    t = threading.Thread(target=lambda: loaded.append(store.batch_get_v1(keys, slots([4, 5, 6]))))
+    t.start()
+    assert loading.wait(5)
+    t0 = time.monotonic()
+    assert store.batch_exists(keys) == 3
+    assert time.monotonic() - t0 < 0.5
+    t.join(10)
+    assert loaded == [[True] * 3]
+
+
 def test_a_killed_daemon_is_a_miss_and_a_restarted_one_is_used_again(daemons: Any, tmp_path: Any) -> None:
     import signal
     import time
@@ -641,6 +700,22 @@ def test_servers_of_other_weights_under_one_served_name_share_no_pages(
     (base / "model.safetensors").write_bytes(b"base weights, rewritten in place")
     serving(base)
     assert backend(daemon.endpoint, pool, model="chat").batch_exists(keys) == 0
+    # a --lora-paths adapter's pages are keyed by its name and path only: retrained in place, the old
+    # adapter's pages must not be found (a runtime adapter gets a random id of its own)
+    from sglang.srt.lora.lora_registry import LoRARef
+
+    adapter, draft = tmp_path / "adapter", tmp_path / "draft"
+    for d in (adapter, draft):
+        d.mkdir()
+        (d / "adapter_model.safetensors").write_bytes(b"trained once")
+    refs = [LoRARef(lora_id="x", lora_name="sql", lora_path=str(adapter))]
+    serving(base, lora_paths=refs, speculative_draft_model_path=str(draft))
+    c = backend(daemon.endpoint, pool, model="chat")
+    assert all(c.batch_set_v1(keys, slots([0, 1, 2])))
+    assert backend(daemon.endpoint, pool, model="chat").batch_exists(keys) == 3  # the same server again
+    for rewritten in (adapter, draft):
+        (rewritten / "adapter_model.safetensors").write_bytes(b"trained again, in place")
+        assert backend(daemon.endpoint, pool, model="chat").batch_exists(keys) == 0, rewritten.name
 
 
 def test_batches_over_the_daemons_token_limit_go_in_runs_it_takes(daemons: Any, tmp_path: Path) -> None:
