@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, LayoutError
 from kvstore.integrations import vllm as connector
 from kvstore.integrations import vllm_layout
+from kvstore.integrations.vllm_settings import Variant
 from kvstore.wire.errors import ServerError
 from tests.hardening.conftest import endpoint_of, wait_until, write_config
 
@@ -279,7 +280,7 @@ def operator(ep: str) -> KVStoreClient:
 def check_client(e: Engine) -> KVStoreClient:
     """The connector's own client of the engine's namespace, to see what kvstore holds."""
     clients = e.worker.c._clients
-    return clients.get(connector.Variant(base=clients.base), "check")
+    return clients.get(Variant(base=clients.base), "check")
 
 
 def assert_holds(check: KVStoreClient, tokens: list[int], n: int) -> None:
@@ -306,7 +307,7 @@ def refuse_loads(e: Engine, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Every load of ``e`` is turned away by the daemon from now on (busy); returns the list that
     records each refusal."""
     clients = e.worker.c._clients
-    load = clients.get(connector.Variant(base=clients.base), "load")
+    load = clients.get(Variant(base=clients.base), "load")
     refused: list[bool] = []
 
     def busy(*args: Any, **kw: Any) -> Any:
@@ -544,9 +545,9 @@ def test_attention_that_frees_blocks_behind_a_window_is_refused_at_start(
         num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], window)]
     )
     for role in (connector.KVConnectorRole.SCHEDULER, connector.KVConnectorRole.WORKER):
-        with pytest.raises(connector.LayoutError, match="SlidingWindowSpec.*not supported"):
+        with pytest.raises(LayoutError, match="SlidingWindowSpec.*not supported"):
             connector.KVStoreConnector(vcfg, role, only_windows)
-    with pytest.raises(connector.LayoutError, match="2 groups"):
+    with pytest.raises(LayoutError, match="2 groups"):
         connector.KVStoreConnector(
             vcfg, connector.KVConnectorRole.SCHEDULER, vllm_utils.make_kv_cache_config(BS, swa_enabled=True)
         )
@@ -563,18 +564,16 @@ def test_attention_that_frees_blocks_behind_a_window_is_refused_at_start(
         num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], packed)]
     )
     for role in (connector.KVConnectorRole.SCHEDULER, connector.KVConnectorRole.WORKER):
-        with pytest.raises(
-            connector.LayoutError, match="packs its KV cache pages .2 head slots of 256 bytes"
-        ):
+        with pytest.raises(LayoutError, match="packs its KV cache pages .2 head slots of 256 bytes"):
             connector.KVStoreConnector(vcfg, role, two_slots)
     vcfg.parallel_config.decode_context_parallel_size = 2
-    with pytest.raises(connector.LayoutError, match="decode-context-parallel"):
+    with pytest.raises(LayoutError, match="decode-context-parallel"):
         connector.KVStoreConnector(vcfg, connector.KVConnectorRole.SCHEDULER, full)
     # a drafter's layers share the KV cache: the worker died at start on "registered 33 KV caches"
     vcfg.parallel_config.decode_context_parallel_size = 1
     vcfg.speculative_config = SimpleNamespace(method="eagle")
     for role in (connector.KVConnectorRole.SCHEDULER, connector.KVConnectorRole.WORKER):
-        with pytest.raises(connector.LayoutError, match="speculative decoding"):
+        with pytest.raises(LayoutError, match="speculative decoding"):
             connector.KVStoreConnector(vcfg, role, full)
 
 
@@ -582,11 +581,11 @@ def test_cpu_kernels_that_pack_k_otherwise_are_refused_at_start(
     setup: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     U, vcfg, _ = setup
-    with pytest.raises(connector.LayoutError, match="packs K for amx"):
+    with pytest.raises(LayoutError, match="packs K for amx"):
         Worker(vcfg, "CPU_ATTN", monkeypatch, isa="amx")
-    with pytest.raises(connector.LayoutError, match="packs K for neon"):
+    with pytest.raises(LayoutError, match="packs K for neon"):
         connector.split_kv(torch.zeros(4, 3, 16, 128), "CPU_ATTN", 3, 64, "neon")
-    with pytest.raises(connector.LayoutError, match="cannot find K and V"):
+    with pytest.raises(LayoutError, match="cannot find K and V"):
         connector.split_kv(torch.zeros(4, 5, 16, 128), "FLASH_ATTN", 3, 64)
 
 
@@ -597,7 +596,7 @@ def test_a_cache_shaped_like_flash_attention_by_another_backend_is_refused(backe
     nb, bs, H, D = 4, 16, 2, 8
     K, V = torch.randn(nb, bs, H, D), torch.randn(nb, bs, H, D)
     b12x = torch.stack([K.flatten(2), V.flatten(2)], dim=1)
-    with pytest.raises(connector.LayoutError, match="has not been checked against"):
+    with pytest.raises(LayoutError, match="has not been checked against"):
         connector.split_kv(b12x, backend, H, D)
     flash = torch.cat([K, V], dim=-1).permute(0, 2, 1, 3)  # [nb, H, bs, 2D]: each head's K then V
     k, v = connector.split_kv(flash, "FLASH_ATTN", H, D)
@@ -675,7 +674,7 @@ def test_a_save_that_failed_is_sent_again_with_the_next_one(
     a = prompt(300, 13)
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
     clients = e.worker.c._clients
-    save = clients.get(connector.Variant(base=clients.base), "save")
+    save = clients.get(Variant(base=clients.base), "save")
     put_from = save.put_from
     starts: list[int] = []
 

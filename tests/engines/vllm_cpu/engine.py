@@ -115,7 +115,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         rounds[-1]["reset"] = bool(llm.reset_prefix_cache())
     result: dict[str, Any] = {"load_seconds": load_s, "rounds": rounds}
     if conn is not None:
-        from kvstore.integrations.vllm import Variant
+        from kvstore.integrations.vllm_settings import Variant
 
         client = conn._clients.get(Variant(base=conn._clients.base), "check")
         ns = client.namespace
