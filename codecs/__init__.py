@@ -23,7 +23,7 @@ from kvstore.codecs.frame import FrameHeader, check_frame, read_header, read_spl
 from kvstore.codecs.int4 import Int4Codec
 from kvstore.codecs.int8 import Int8Codec
 from kvstore.codecs.raw import RawCodec
-from kvstore.errors import CodecError, FrameError
+from kvstore.errors import CodecError, FrameError, UnsupportedVersion
 from kvstore.layout import KVLayout
 
 CODECS: dict[str, type[Codec]] = {c.name: c for c in (RawCodec, Fp8Codec, Int8Codec, Int4Codec)}
@@ -53,7 +53,10 @@ def codec_for_frame(header: FrameHeader) -> type[Codec]:
     for cls in CODECS.values():
         if cls.codec_id == header.codec_id:
             return cls
-    raise FrameError(f"frame was written by unknown codec id {header.codec_id}")
+    # a codec of a later build (this one is older): not understood, not damaged
+    raise UnsupportedVersion(
+        f"frame was written by codec id {header.codec_id}, which this build does not know"
+    )
 
 
 def decode_frame(

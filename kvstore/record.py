@@ -13,7 +13,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from kvstore.errors import FrameError
+from kvstore.errors import FrameError, UnsupportedVersion
 from kvstore.keys import KEY_BYTES
 
 RECORD_VERSION = 1
@@ -87,6 +87,13 @@ class BlockRecord:
         """Decode a packed record; anything malformed raises FrameError."""
         try:
             d = msgpack.unpackb(data, raw=False)
+        except Exception as e:  # msgpack raises many types on damaged input
+            raise FrameError(f"block record does not decode: {e}") from e
+        if isinstance(d, dict) and isinstance(d.get("v"), int) and d["v"] > RECORD_VERSION:
+            raise UnsupportedVersion(
+                f"block record version {d['v']}; this build reads version {RECORD_VERSION}"
+            )
+        try:
             if not isinstance(d, dict) or d.get("v") != RECORD_VERSION:
                 raise ValueError(f"unknown record version {d.get('v') if isinstance(d, dict) else d!r}")
             sessions = _typed(d, "s", (list, tuple))

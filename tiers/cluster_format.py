@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 import msgpack
 
 from kvstore.config import redact_url
-from kvstore.errors import ConfigError, FrameError
+from kvstore.errors import ConfigError, FrameError, UnsupportedVersion
 from kvstore.record import BlockRecord
 
 MAGIC = b"KVC1"
@@ -134,6 +134,8 @@ def unpack_value(
         raise FrameError(f"cluster value of block {key.hex()[:16]} is truncated ({len(value)} bytes)")
     magic, k, n = _HEAD.unpack_from(value)
     if magic != MAGIC:
+        if magic[:3] == MAGIC[:3]:  # a later format's (KVC2, ...): not understood, not damaged
+            raise UnsupportedVersion(f"cluster value of block {key.hex()[:16]} is in format {magic!r}")
         raise FrameError(f"cluster value of block {key.hex()[:16]} has no kvstore header")
     if k != key:
         raise FrameError(f"cluster value under {key.hex()[:16]} names block {k.hex()[:16]}")

@@ -27,7 +27,7 @@ import torch
 
 from kvstore.chains import Chain, KeyChain
 from kvstore.codecs import decode_frame, decode_placed
-from kvstore.errors import FrameError
+from kvstore.errors import FrameError, UnsupportedVersion
 from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
 from kvstore.results import PutResult, StoreClosed
@@ -61,6 +61,7 @@ class ClusterReads:
         (WriteBack.offer; None without nvme); ``served(keys, sessions)``: blocks read, and the sessions
         the last of them names (their TTLs were set anew; the records' are due)."""
         self.cluster = cluster
+        self._unreadable_logged = False  # a block of a later build's format was read (said once)
         self._lock, self._counts = lock, counts
         self._put, self._offer, self._served = put, offer, served
         # a read's next batch is fetched on one of these while the read decodes the last: one slow read
@@ -198,6 +199,17 @@ class ClusterReads:
                             "read again; a miss",
                             keys[j].hex()[:16],
                         )
+                        return n
+                    except UnsupportedVersion as err:  # written by a later build (a rolling upgrade):
+                        # a miss here, and left for the hosts that read it
+                        if not self._unreadable_logged:
+                            self._unreadable_logged = True
+                            log.warning(
+                                "cluster block %s was written by a later kvstore (%s): read as a miss "
+                                "and left in place (later ones are not logged)",
+                                keys[j].hex()[:16],
+                                err,
+                            )
                         return n
                     except FrameError as err:
                         k = keys[j]

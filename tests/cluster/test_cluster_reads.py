@@ -217,3 +217,41 @@ def test_a_value_of_another_type_under_a_block_key_is_a_damaged_block_not_an_out
     cl = b.stats().cluster
     assert cl["state"] == "up" and cl["corrupt"] == 1  # type: ignore[index]
     assert node.exists(name) == 0  # deleted as a damaged value is
+
+
+@pytest.mark.parametrize("later", ["value format", "record version", "frame codec"])
+def test_a_block_written_by_a_later_build_is_a_miss_left_for_the_hosts_that_read_it(
+    rc: LocalCluster, host: HostFactory, later: str
+) -> None:
+    """A rolling upgrade: a host of a later build writes blocks this build cannot read (another value
+    format, record version or codec). They are a miss here, never deleted: the fleet's newer hosts
+    read them still (a damaged value is deleted, as before)."""
+    import msgpack
+
+    from kvstore.tiers.cluster_format import MAGIC
+
+    b, toks, x = stored_by_a(host, 4, seed=7)
+    node, name = stored(rc, b, block_keys(NS, toks)[2])
+    value = bytearray(node.get(name))
+    if later == "value format":
+        value[:4] = MAGIC[:3] + b"9"
+    elif later == "record version":
+        head = 4 + 32 + 4  # magic, key, record length (cluster_format._HEAD)
+        n = int.from_bytes(value[36:40], "little")
+        rec = msgpack.unpackb(bytes(value[head : head + n]), raw=False)
+        rec["v"] += 1
+        packed = msgpack.packb(rec, use_bin_type=True)
+        value = value[:36] + len(packed).to_bytes(4, "little") + packed + value[head + n :]
+    else:  # a codec id this build does not know, the frame's checksum made anew over it
+        import zlib
+
+        from kvstore.codecs.frame import _CRC_AT, HEADER_SIZE
+
+        at = 40 + int.from_bytes(value[36:40], "little")
+        value[at + 5] = 250  # the frame header's codec id byte
+        crc = zlib.crc32(bytes(value[at + HEADER_SIZE :]), zlib.crc32(bytes(value[at : at + _CRC_AT])))
+        value[at + _CRC_AT : at + _CRC_AT + 4] = crc.to_bytes(4, "little")
+    node.set(name, bytes(value))
+    r = b.get(NS, toks, out=places(4))
+    assert r.matched_blocks == 2
+    assert node.exists(name) == 1 and b.stats().cluster["corrupt"] == 0  # type: ignore[index]
