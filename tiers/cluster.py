@@ -272,8 +272,13 @@ class ClusterTier:
         read = _READS.get(op)
         answers = None
         if read is not None:
+            values = op in _VALUES  # (their answers end within one time-out, however they trickle in)
             answers = by_node(
-                client, [read(self.block_key(k), **kw) for k in keys], values=op in _VALUES, tails=tails
+                client,
+                [read(self.block_key(k), **kw) for k in keys],
+                values=values,
+                tails=tails,
+                deadline=time.monotonic() + self.timeout if values else None,
             )
         if answers is None:
             pipe = client.pipeline(transaction=False)

@@ -80,6 +80,7 @@ def by_node(
     *,
     values: bool = False,
     tails: Sequence[memoryview | None] = (),
+    deadline: float | None = None,
 ) -> list[Any] | None:
     """The answers to ``commands`` (each ``(NAME, key, *args)``: a command on one key), in order, in one
     round trip: the commands grouped by the master of each key's slot in ``client``'s map, written to
@@ -93,7 +94,8 @@ def by_node(
     of memory of its own, read off the socket directly (the module says why). ``tails[i]`` (a
     writable byte view, or None): a value of command ``i`` longer than it comes as ``Received``, its
     last bytes received into it (a block's payload straight into the block's place); the memory
-    may be written whatever the answer (a shorter value, nil, an error, a failure).
+    may be written whatever the answer (a shorter value, nil, an error, a failure). ``deadline``
+    (time.monotonic()): values not all read by then raise redis-py's TimeoutError.
 
     A connection goes back to its pool only with every answer sent on it read, or disconnected:
     one left with an answer unread would hand that answer to the next command sent on it."""
@@ -126,7 +128,7 @@ def by_node(
         for _, conn, indices in taken:
             sock = raw_socket(conn) if values else None
             if sock is not None:
-                reader = ValueReader(sock)
+                reader = ValueReader(sock, deadline)
                 for i in indices:
                     answer = reader.reply(tails[i] if i < len(tails) else None)
                     if isinstance(answer, ResponseError) and redirected(answer):

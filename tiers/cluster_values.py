@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +61,12 @@ class ValueReader:
     a time-out or a closed connection raise what redis-py raises for them. ``by_node`` disconnects
     the connection on any raise, so a reader never leaves it out of step."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, deadline: float | None = None) -> None:
+        """``deadline`` (time.monotonic()): the answers end by then, or TimeoutError: a node that
+        sends each piece just within the socket's time-out holds a read no longer than that."""
         self._sock = sock
+        self._deadline = deadline
+        self._timeout = sock.gettimeout()  # the connection's own, put back after each receive
         self._head = bytearray(HEAD_READ)
         self._view = memoryview(self._head)
         self._start = self._end = 0  # the bytes read and not yet taken: _head[_start:_end]
@@ -69,12 +74,20 @@ class ValueReader:
     def _recv(self, into: memoryview) -> int:
         from redis.exceptions import ConnectionError, TimeoutError
 
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the node's answers did not all come within the time-out")
+            self._sock.settimeout(left if self._timeout is None else min(left, self._timeout))
         try:
             n = self._sock.recv_into(into)
         except builtins.TimeoutError as e:
             raise TimeoutError("Timeout reading from socket") from e
         except OSError as e:
             raise ConnectionError(f"Error while reading from socket: {e}") from e
+        finally:
+            if self._deadline is not None:
+                self._sock.settimeout(self._timeout)
         if n == 0:
             raise ConnectionError("Connection closed by server.")
         return n

@@ -191,6 +191,36 @@ def test_a_node_that_stops_mid_value_times_out_and_one_that_closes_is_a_connecti
         gone.ours.close()
 
 
+def test_a_node_that_trickles_its_answer_times_out_at_the_reads_deadline() -> None:
+    """Each piece within the socket's time-out (0.5 s), the whole answer never: the read ends at its
+    deadline (1 s), not after as many time-outs as the node has pieces; the socket's own time-out is
+    the connection's again after each receive."""
+    slow = Node(timeout=0.5)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        slow.node.sendall(b"$1000\r\n")
+        while not stop.wait(0.2):
+            try:
+                slow.node.sendall(b"x")
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        reader = ValueReader(slow.ours, deadline=time.monotonic() + 1.0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            reader.reply()
+        assert 0.8 < time.monotonic() - t0 < 1.6
+        assert slow.ours.gettimeout() == 0.5
+    finally:
+        stop.set()
+        t.join()
+        slow.close()
+
+
 def test_a_value_longer_than_its_tail_has_its_last_bytes_received_into_it(node: Node) -> None:
     big = os.urandom(HEAD_READ * 2 + 9)
     answers = b"$%d\r\n%s\r\n$4\r\nabcd\r\n$6\r\nheader\r\n$-1\r\n" % (len(big), big)
