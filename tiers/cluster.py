@@ -107,6 +107,7 @@ class ClusterTier:
         self.prefix = prefix
         self.counters = ClusterCounters()
         self._foreign_logged = False  # a session record of another tenant left alone was logged
+        self._foreign_index_logged = False  # the sorted set of sessions held another type (said once)
         self._lock = threading.Lock()  # guards the counters
         self._conn = ClusterConnection(
             nodes, timeout, retry_after, client_factory or open_client, clock, on_error=self._count_error
@@ -297,6 +298,14 @@ class ClusterTier:
             raise errors[0]
         return results
 
+    def _foreign_index(self, client: Any) -> None:
+        """The sorted set of sessions held another type (not kvstore's doing): deleted, and the records
+        are listed in it again as each is next written (said once)."""
+        client.delete(self.sessions_key())
+        if not self._foreign_index_logged:
+            self._foreign_index_logged = True
+            log.warning("the cluster held another type under %s: deleted", self.sessions_key())
+
     def _drop_foreign(self, client: Any, keys: Sequence[bytes]) -> None:
         """Delete the values of another type found under ``keys`` (counted damaged), as far as the
         cluster lets: one that stays is found again, a miss again."""
@@ -342,7 +351,7 @@ class ClusterTier:
         tenant = _tenant_of(info)
 
         def write(c: Any) -> list[Any] | None:
-            held = session_of(c.get(key))
+            held = session_of(_string(c, key))  # (another type there is overwritten: not a record)
             if held is not None and held.get("name") == name and _tenant_of(held) != tenant:
                 return None  # another tenant's conversation of this name, stored from another host
             now = time.time()  # wall time: the score is read by every host
@@ -351,6 +360,12 @@ class ClusterTier:
             pipe.zadd(self.sessions_key(), {key: math.inf if px is None else now + px / 1000})
             pipe.zremrangebyscore(self.sessions_key(), "-inf", f"({now - CLOCK_SLACK}")
             results = list(pipe.execute(raise_on_error=False))
+            if wrong_type(results[1]):  # the sorted set of sessions is another type (not kvstore's
+                self._foreign_index(c)  # doing): replaced, this record listed in it anew
+                results[1:] = [
+                    c.zadd(self.sessions_key(), {key: math.inf if px is None else now + px / 1000}),
+                    0,
+                ]
             errors = [r for r in results if isinstance(r, Exception) and not out_of_memory(r)]
             if errors:  # a node down or moving: as any failed call (_call marks the tier down)
                 raise errors[0]
@@ -391,7 +406,9 @@ class ClusterTier:
                 pipe = c.pipeline(transaction=False)
                 pipe.zadd(self.sessions_key(), dict.fromkeys(live, expires), xx=True)
                 (result,) = pipe.execute(raise_on_error=False)
-                if out_of_memory(result):  # even ZADD XX: refused (the records' TTL is set: their
+                if wrong_type(result):  # the sorted set is another type: replaced, listed anew as written
+                    self._foreign_index(c)
+                elif out_of_memory(result):  # even ZADD XX: refused (the records' TTL is set: their
                     pass  # expiry in the set is older, and they leave it late; no block was refused)
                 elif isinstance(result, Exception):  # a node down or moving: as any failed call
                     raise result
@@ -401,15 +418,19 @@ class ClusterTier:
     def get_session(self, name: str) -> dict[str, Any] | None:
         """The session recorded under ``name`` (None when absent or not a session of this name).
         ClusterUnavailable on an outage."""
-        d = session_of(self._call("session read", lambda c: c.get(self.session_key(name))))
+        d = session_of(self._call("session read", lambda c: _string(c, self.session_key(name))))
         return d if d is not None and d.get("name") == name else None
 
     def drop_session(self, name: str) -> bool:
         key = self.session_key(name)
 
         def drop(c: Any) -> bool:
-            c.zrem(self.sessions_key(), key)
-            c.srem(self._legacy_sessions_key(), key)
+            for index, remove in ((self.sessions_key(), c.zrem), (self._legacy_sessions_key(), c.srem)):
+                try:
+                    remove(index, key)
+                except Exception as e:  # another type there: it lists nothing of kvstore's
+                    if not wrong_type(e):
+                        raise
             return bool(c.delete(key))
 
         return bool(self._call("session delete", drop))
@@ -421,8 +442,9 @@ class ClusterTier:
         at once. ClusterUnavailable on an outage."""
 
         def read(c: Any) -> list[dict[str, Any]]:
-            live = c.zrangebyscore(self.sessions_key(), time.time() - CLOCK_SLACK, "+inf")
-            older = c.smembers(self._legacy_sessions_key())  # hosts of builds before the sorted set
+            # another type under either set (not kvstore's doing) lists nothing: no outage
+            live = _or_empty(lambda: c.zrangebyscore(self.sessions_key(), time.time() - CLOCK_SLACK, "+inf"))
+            older = _or_empty(lambda: c.smembers(self._legacy_sessions_key()))  # builds before the sorted set
             members = sorted(set(live) | set(older))
             out, gone = [], []
             for at in range(0, len(members), SESSION_BATCH):
@@ -430,8 +452,12 @@ class ClusterTier:
                 pipe = c.pipeline(transaction=False)
                 for m in batch:
                     pipe.get(m)
-                for m, raw in zip(batch, pipe.execute(), strict=True):
-                    d = session_of(raw)
+                answers = pipe.execute(raise_on_error=False)
+                failed = [r for r in answers if isinstance(r, Exception) and not wrong_type(r)]
+                if failed:  # a node down or moving: as any failed call
+                    raise failed[0]
+                for m, raw in zip(batch, answers, strict=True):
+                    d = None if wrong_type(raw) else session_of(raw)  # another type: no record
                     if d is None:
                         gone.append(m)
                     elif visit is not None:
@@ -464,6 +490,26 @@ def _tenant_of(info: dict[str, Any]) -> Any:
     """The tenant a session record's namespace names (None when it names none readable)."""
     ns = info.get("ns")
     return ns.get("tenant") if isinstance(ns, dict) else None
+
+
+def _string(client: Any, key: str) -> Any:
+    """GET ``key``; None where it holds another type (not a string: not kvstore's)."""
+    try:
+        return client.get(key)
+    except Exception as e:
+        if wrong_type(e):
+            return None
+        raise
+
+
+def _or_empty(read: Callable[[], Any]) -> Any:
+    """``read()``, or () where the key it reads holds another type."""
+    try:
+        return read()
+    except Exception as e:
+        if wrong_type(e):
+            return ()
+        raise
 
 
 def _px(seconds: float) -> int | None:

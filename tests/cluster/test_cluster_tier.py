@@ -207,6 +207,38 @@ def test_sessions_are_recorded_under_the_hash_of_their_name(
     assert c.drop_session("tenant-a/conv-42") and c.get_session("tenant-a/conv-42") is None
 
 
+def test_values_of_another_type_under_session_keys_are_no_outage(
+    rc: LocalCluster, cluster_tier: ClusterFactory
+) -> None:
+    """Something not kvstore wrote a list under a session's key and a hash under the sorted set of
+    sessions: each session call goes on (those are no records; the set is made anew), the tier stays
+    up, and nothing else is lost."""
+    c = cluster_tier()
+    c.connect()
+    assert c.put_session("kept", {"keys": b"k" * 32, "tokens": None})
+    key, index = c.session_key("odd"), c.sessions_key()
+    rc.node(rc.master_of(key)).rpush(key, "not a record")
+    assert c.get_session("odd") is None
+    assert c.put_session("odd", {"keys": b"o" * 32, "tokens": None})  # written over it
+    assert c.get_session("odd")["keys"] == b"o" * 32  # type: ignore[index]
+    node = rc.node(rc.master_of(index))
+    node.delete(index)
+    node.hset(index, "f", "v")
+    assert [d["name"] for d in c.sessions()] == []  # the set is no set: nothing listed, no outage
+    assert c.put_session("new", {"keys": b"n" * 32, "tokens": None})  # the set made anew
+    c.refresh_sessions(["new"])
+    assert [d["name"] for d in c.sessions()] == ["new"] and c.get_session("kept") is not None
+    other, listed = c.session_key("other"), c.session_key("a list")
+    rc.node(rc.master_of(other)).set(other, b"x")  # a string, not a record: read as none
+    rc.node(rc.master_of(listed)).rpush(listed, "x")  # another type: read as none too
+    node.zadd(index, {other: time.time() + 60, listed: time.time() + 60})
+    assert [d["name"] for d in c.sessions()] == ["new"]
+    node.delete(index)
+    node.sadd(index, "x")
+    assert c.drop_session("new")
+    assert c.available() and c.counters.errors == 0
+
+
 def test_the_set_of_sessions_forgets_those_that_expired(
     rc: LocalCluster, cluster_tier: ClusterFactory
 ) -> None:
