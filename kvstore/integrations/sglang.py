@@ -151,15 +151,21 @@ class KVStoreHiCache(HiCacheStorage):
         self._lookups = self._new_client(wait_when_busy=False, timeout=LOOKUP_TIMEOUT)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Pools beside the K/V (a hybrid model's SWA, Mamba or indexer state) are refused: kvstore
-        keeps attention K/V pages only, and a hit without them would serve an incomplete state.
-        Raises ValueError, which fails SGLang's attach."""
+        """Pools beside the K/V (a hybrid model's SWA, Mamba or indexer state, speculative decoding's
+        draft model) are refused: kvstore keeps the target model's attention K/V pages only, and a
+        hit without them would serve an incomplete state. Raises ValueError, which fails SGLang's
+        attach (SGLang may have started its storage threads by then: restart it without kvstore's L3
+        rather than attach again)."""
         name = str(getattr(host_pool_name, "value", host_pool_name))
         if name != "kv":
+            why = (
+                "speculative decoding's draft model"
+                if name == "draft"
+                else "a hybrid model's SWA, Mamba or indexer state"
+            )
             raise ValueError(
-                f"kvstore's SGLang backend stores attention K/V pages only; this model also keeps a "
-                f"{name!r} host pool (a hybrid SWA/Mamba/indexer model), which it cannot store: run it "
-                "without kvstore's L3"
+                f"kvstore's SGLang backend stores attention K/V pages only; this server also keeps a "
+                f"{name!r} host pool ({why}), which it cannot store: run it without kvstore's L3"
             )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 

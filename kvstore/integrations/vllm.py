@@ -12,16 +12,16 @@ blocks, and which newly computed full blocks to save.
 
 Loads are asynchronous in vLLM's terms (``get_num_new_matched_tokens`` says so): vLLM gives the
 request its blocks and leaves it waiting (WAITING_FOR_REMOTE_KVS); each worker queues the load to
-its loading thread (vllm_loader.py: off the engine's thread, on its own CUDA stream on a GPU), which
-writes straight into vLLM's paged caches (``get_into`` with the request's block ids, from the first
-token vLLM does not hold itself, never writing a block it shares); the step after it ends reports
-the load finished (``finished_recving``) with the blocks that failed
-(``get_block_ids_with_load_errors``: a block evicted since the lookup, a daemon away or busy). Only
+its loading thread (vllm_loader.py: on its own CUDA stream on a GPU), which writes straight into
+vLLM's paged caches (``get_into`` with the request's block ids, from the first token vLLM does not
+hold itself, never writing a block it shares) while the step's forward pass runs; at the step's
+end the worker waits for it and reports the load finished (``finished_recving``) with the blocks
+that failed (``get_block_ids_with_load_errors``: a block evicted since the lookup, a daemon away or
+busy). Only
 then does vLLM schedule the request, set back to its first failed block (``kv_load_failure_policy =
 "recompute"``), and put the blocks before it in its prefix cache: no request computes over a block
 whose load failed, nor finds one in vLLM's prefix cache, with or without async scheduling. The
-cost: a request with a hit is scheduled a step or more later than it would compute; the engine's
-steps meanwhile run on.
+cost: a request with a hit is scheduled a step later than it would compute.
 
 Saves are queued after the step and run on a thread (vllm_saver.py: a copy out of vLLM's blocks
 into shared staging, then the daemon stores them); a finished request's blocks are kept until its

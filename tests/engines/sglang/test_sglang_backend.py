@@ -140,8 +140,10 @@ def test_legacy_calls_say_to_set_interface_v1_and_mla_is_refused(daemon: Any) ->
 
     store.register_mem_host_pool_v2(pool, PoolName.KV)
     for sidecar in (PoolName.SWA, PoolName.MAMBA):
-        with pytest.raises(ValueError, match=f"'{sidecar.value}' host pool"):
+        with pytest.raises(ValueError, match=f"'{sidecar.value}' host pool .a hybrid model's"):
             store.register_mem_host_pool_v2(pool, sidecar)
+    with pytest.raises(ValueError, match="'draft' host pool .speculative decoding's draft model"):
+        store.register_mem_host_pool_v2(pool, PoolName.DRAFT)
     # a misspelt option of ours is refused (a tenant typo would share the default tenant's pages);
     # SGLang's own keys in extra_config are left alone
     for typo, meant in (("tennant", "tenant"), ("timout", "timeout")):

@@ -58,9 +58,6 @@ class Worker:
         self.c.register_kv_caches(self.caches)
         self.loads: list[tuple[str, int, int]] = []
         self.in_flight: dict[str, Any] = {}  # request -> its load (a Transfer) not reported done yet
-        # the loads end before the step does (the forward pass takes longer), as with a quick daemon;
-        # False: each is reported whenever the loading thread has ended it
-        self.settle = True
 
     def start_step(self, meta: Any, before_load: Any = None) -> None:
         """The worker's side of a step up to its forward pass, as vLLM's model runner orders it: the
@@ -86,8 +83,6 @@ class Worker:
         decoding), then the blocks whose load failed. Returns (finished_sending, finished_recving,
         failed blocks, the loads reported done); every token of those loads not failed is checked
         where the kernels read it."""
-        if self.settle:
-            assert self.c._loader is not None and self.c._loader.drain(30)
         if finish_first:
             sending, recving = self.c.get_finished(finished)
             self.c.wait_for_save()
