@@ -30,6 +30,7 @@ class KVStoreMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    idle: bool = False  # the step computes nothing (the engine steps only to hear of transfers)
 
 
 @dataclass
@@ -135,7 +136,7 @@ class SchedulerSide:
             self.hook_seconds["meta"] += time.perf_counter() - t0
 
     def _build_meta(self, scheduler_output: Any) -> KVStoreMetadata:
-        meta = KVStoreMetadata()
+        meta = KVStoreMetadata(idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         so = scheduler_output
         # preempted (in this schedule, or outside it: reset_prefix_cache): vLLM took its blocks back.
         # Its saves are the workers' to drop (handle_preemptions) and nobody waits for their report;

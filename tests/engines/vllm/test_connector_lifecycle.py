@@ -409,3 +409,40 @@ def test_vllm_is_told_kvstore_is_a_best_effort_cache(setup: Any, monkeypatch: py
     e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
     assert e.sched.connector.requires_kv_delivery is False and e.sched.requires_kv_delivery is False
     e.worker.c.shutdown()
+
+
+def test_a_step_that_computes_nothing_waits_a_moment_for_a_finished_requests_saves(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "a" has finished; its save is under way (slow to reach the daemon). The engine, with nothing
+    else to compute, steps only to hear of it: such a step waits for the save (up to IDLE_WAIT), so
+    the saving thread is not left Python's lock once per switch interval by a busy loop, and "a" is
+    reported done in that step. A step that computes is not held up."""
+    from kvstore.integrations import vllm_worker
+
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    clients = e.worker.c._clients
+    saver = clients.get(Variant(base=clients.base), "save")
+    put_from = saver.put_from
+    slow = threading.Event()
+
+    def slow_put(*args: Any, **kw: Any) -> Any:
+        if slow.is_set():
+            time.sleep(0.05)
+        return put_from(*args, **kw)
+
+    monkeypatch.setattr(saver, "put_from", slow_put)
+    monkeypatch.setattr(vllm_worker, "IDLE_WAIT", 1.0)
+    e.add(request(U, prompt(64, 53), "a", max_tokens=1))
+    slow.set()
+    while not e.requests["a"].is_finished():
+        e.step()  # the step that finishes "a" computes: it does not wait for the save
+    assert "a" not in e.sent[-1]
+    t0 = time.monotonic()
+    e.step()  # nothing to compute: waits for the save, which ends within it
+    assert e.sent[-1] == {"a"} and time.monotonic() - t0 < 1.0
+    e.run()
+    assert_holds(check_client(e), prompt(64, 53), 64)
+    e.worker.c.shutdown()
