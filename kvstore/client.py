@@ -267,6 +267,11 @@ class KVStoreClient:
         return self._conn.retries
 
     @property
+    def wait_when_busy(self) -> bool:
+        """Whether a ``busy`` answer is asked again (for up to ``timeout``) rather than raised."""
+        return self._conn.wait_when_busy
+
+    @property
     def max_tokens(self) -> int | None:
         """The daemon's max_tokens_per_request, as its last hello said (None before the first call):
         a lookup, get or put naming more tokens is refused before it is sent."""

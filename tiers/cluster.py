@@ -273,13 +273,15 @@ class ClusterTier:
         read = _READS.get(op)
         answers = None
         if read is not None:
-            values = op in _VALUES  # (their answers end within one time-out, however they trickle in)
+            values = op in _VALUES  # (their answers end in time, however they trickle in)
             answers = by_node(
                 client,
                 [read(self.block_key(k), **kw) for k in keys],
                 values=values,
                 tails=tails,
-                deadline=time.monotonic() + self.timeout if values else None,
+                # (four time-outs: a batch of large blocks on a slow link may take more than one, and a
+                # missed deadline marks the tier down)
+                deadline=time.monotonic() + 4 * self.timeout if values else None,
             )
         if answers is None:
             pipe = client.pipeline(transaction=False)

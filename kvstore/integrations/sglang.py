@@ -176,13 +176,15 @@ class KVStoreHiCache(HiCacheStorage):
         the daemon's limit of one request, a store sent again without its missing prefix) fits too."""
         assert self._pages is not None
         retries = STORE_RETRIES if wait_when_busy else 0
+        # a call's worst: each try's time-out, and waiting out ``busy`` (up to one more) for a store
+        tries = retries + 1 + wait_when_busy
         return KVStoreClient(
             self.endpoint,
             model=self.model,
             layout=self._pages.layout,
             tenant=self.tenant,
             revision=self.revision,
-            timeout=min(self.timeout, timeout, HOOK_BUDGET / 2 / (retries + 1)),
+            timeout=min(self.timeout, timeout, HOOK_BUDGET / 2 / tries),
             wait_when_busy=wait_when_busy,
             retries=retries,
         )
@@ -211,7 +213,7 @@ class KVStoreHiCache(HiCacheStorage):
             client = self._lookups
             assert client is not None
             for part in self._parts(client, len(keys)):  # a page held names all before it
-                if part.start and not _in_time(client, deadline):
+                if not _in_time(client, deadline):
                     break
                 got = client.lookup_keys(keys[part]).matched_blocks
                 n += got
@@ -236,7 +238,7 @@ class KVStoreHiCache(HiCacheStorage):
                 host.paged(host_indices, len(keys))  # whole pages, or nothing is read
                 ps = host.page_size
                 for part in self._parts(client, len(keys)):
-                    if part.start and not _in_time(client, deadline):
+                    if not _in_time(client, deadline):
                         break
                     dst = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
                     n = client.get_into(KeyChain.of(keys[part]), dst).matched_blocks
@@ -267,7 +269,7 @@ class KVStoreHiCache(HiCacheStorage):
             host.paged(host_indices, len(keys))  # whole pages, or nothing is stored
             ps, saver = host.page_size, self._saving_client()
             for part in self._parts(saver, len(keys)):
-                if part.start and not _in_time(saver, deadline):
+                if not _in_time(saver, deadline):
                     break
                 src = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
                 before = [*prefix, *keys[: part.start]]
@@ -352,8 +354,9 @@ class KVStoreHiCache(HiCacheStorage):
 
 def _in_time(client: KVStoreClient, deadline: float) -> bool:
     """Whether another call of ``client`` ends by ``deadline`` even if the daemon answers none of its
-    tries (a hook's first call always does: its time-outs fit HOOK_BUDGET, see _new_client)."""
-    return time.monotonic() + client.timeout * (client.retries + 1) <= deadline
+    tries nor stops being busy (see _new_client: two such calls fit HOOK_BUDGET, the first of a hook
+    and the hello a new client says before it)."""
+    return time.monotonic() + client.timeout * (client.retries + 1 + client.wait_when_busy) <= deadline
 
 
 def _server_args() -> Any | None:
@@ -405,6 +408,8 @@ def _adapters(lora_paths: Any) -> list[tuple[str, str]]:
     """(name, path) of each adapter of SGLang's ``lora_paths``: LoRARef records once SGLang has read
     its arguments, or as given (``name=path`` or ``path`` strings, dicts)."""
     out = []
+    if isinstance(lora_paths, dict):  # {name: path}
+        lora_paths = [{"lora_name": k, "lora_path": v} for k, v in lora_paths.items()]
     for item in lora_paths or ():
         if isinstance(item, str):
             name, _, path = item.partition("=")

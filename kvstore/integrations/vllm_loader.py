@@ -75,7 +75,7 @@ class Loader:
         """Queue ``t``'s load; ``ready``: a CUDA event recorded on the engine's stream when the load was
         asked for, waited for before vLLM's blocks are written (its stream may still be zeroing them)."""
         with self._cv:
-            if self._stop:  # shut down: nothing written, all of it failed
+            if self._stop or not self._thread.is_alive():  # shut down: nothing written, all of it failed
                 self._end(t, t.start)
                 return
             self._jobs.append((t, ready))
@@ -92,7 +92,10 @@ class Loader:
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until no load is queued or running; False when ``timeout`` passed first."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._jobs and self._running is None, timeout)
+            # (a thread that died, which no load should make it, ran its last load: not waited for)
+            return self._cv.wait_for(
+                lambda: not self._jobs and self._running is None or not self._thread.is_alive(), timeout
+            )
 
     def cancel_all(self) -> None:
         """vLLM is putting its KV caches to sleep: the queued loads end failed, writing nothing, and the
@@ -132,6 +135,7 @@ class Loader:
         """Load ``t``; the tokens in vLLM's blocks after it (``t.start`` when none were written)."""
         if t.end <= t.start or not self._clients.available():
             return t.start
+        got = t.start
         try:
             if ready is not None:
                 ready.synchronize()
@@ -142,20 +146,29 @@ class Loader:
                 stream = torch.cuda.stream(self._stream)
             with stream:  # (get_into waits for its copies on this stream before it returns)
                 paged = self._paged(t)
-                r = self._clients.get(t.variant, "load").get_into(t.tokens, paged, start=t.start)
-            return r.matched_tokens
+                got = (
+                    self._clients.get(t.variant, "load")
+                    .get_into(t.tokens, paged, start=t.start)
+                    .matched_tokens
+                )
         except VariantRefused:
-            return t.start  # recomputed; logged once by Clients
+            pass  # recomputed; logged once by Clients
         except Exception as e:  # the blocks are recomputed, never read as garbage
             self._clients.failed(f"load of {t.req_id}", e)
-            return t.start
-        finally:  # a load that failed after queueing copies: they end before it is reported done
-            if self._stream is not None:
+        if self._stream is not None:  # a load that failed after queueing copies: they end before it
+            try:  # is reported done
                 self._stream.synchronize()
+            except Exception as e:  # the device failed: the load failed, the thread lives on
+                self._clients.failed(f"load of {t.req_id}", e)
+                got = t.start
+        return got
 
     def _run(self) -> None:
         if self._device.type == "cuda":  # a new thread starts on device 0: a worker's GPU may be another
-            torch.cuda.set_device(self._device)
+            try:
+                torch.cuda.set_device(self._device)
+            except Exception as e:  # (the loads fail on their own then, each reported)
+                log.warning("kvstore: the loading thread could not select %s: %s", self._device, e)
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._jobs or self._stop)

@@ -136,7 +136,7 @@ class SchedulerSide:
             self.hook_seconds["meta"] += time.perf_counter() - t0
 
     def _build_meta(self, scheduler_output: Any) -> KVStoreMetadata:
-        meta = KVStoreMetadata(idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
+        meta = KVStoreMetadata()
         so = scheduler_output
         # preempted (in this schedule, or outside it: reset_prefix_cache): vLLM took its blocks back.
         # Its saves are the workers' to drop (handle_preemptions) and nobody waits for their report;
@@ -147,6 +147,8 @@ class SchedulerSide:
         for rid, (start, end, block_ids) in self._loads.items():  # requests waiting for their load
             self._plan_load(meta, rid, start, end, block_ids)
         self._loads.clear()
+        # nothing computed, nothing loaded: the engine steps only to hear of transfers
+        meta.idle = not getattr(so, "total_num_scheduled_tokens", 1) and not meta.loads
         computed: list[tuple[Tracked, int]] = []  # scheduled requests, and their tokens after this step
         for nr in so.scheduled_new_reqs:  # (model runner V2: resumed ones too)
             t = self._track(nr.req_id, list(nr.block_ids[0]), nr.num_computed_tokens)

@@ -90,8 +90,11 @@ class WorkerSide:
             raise LayoutError(f"vLLM's {self._bs}-token blocks are not whole {kernel}-token kernel blocks")
         self._ratio = self._bs // kernel
         self._k, self._v = k, v
-        self._saver = Saver(self._clients)
-        self._loader = Loader(self._clients, self._paged, k[0].device, self._bs)
+        # (registered again, after a sleep: the threads made the first time go on, reading these caches)
+        if self._saver is None:
+            self._saver = Saver(self._clients)
+        if self._loader is None:
+            self._loader = Loader(self._clients, self._paged, k[0].device, self._bs)
         log.info(
             "kvstore connector: %d layers, blocks of %d tokens, %s",
             len(k),

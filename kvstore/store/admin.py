@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-import threading
+import time
 from dataclasses import replace
 
 import torch
@@ -32,14 +32,15 @@ from kvstore.results import (
 from kvstore.store.cluster_admin import ClusterAdmin
 from kvstore.store.datapath import DataPath
 from kvstore.store.index import TIER_MASK, Entry
-from kvstore.store.journal import Journal
+from kvstore.store.journal import Journal, RowDrop
 from kvstore.store.movement import NO_FRAMES, Frames, Mover
 from kvstore.store.parts import StoreParts
 from kvstore.store.writeback import WriteBack
 
-# seconds an evict waits for what it dropped to be off the disk too: a block being written as it was
-# dropped (one block's commit), the session's row (behind at most one block's write)
-OFF_DISK_WAIT = 5.0
+# seconds an evict waits in all for what it dropped to be off the disk too: a block being written as
+# it was dropped (one block's commit), the session's row (behind at most one block's write); well
+# under a client's time-out (5 s by default), which would take an evict done for one not done
+OFF_DISK_WAIT = 2.0
 
 
 class AdminOps:
@@ -148,7 +149,7 @@ class AdminOps:
                     moved += down
                     plan.append((e, False, down))
             displaced = 0
-            row: threading.Event | None = None  # the evicted session's row deleted from the disk
+            row: RowDrop | None = None  # the evicted session's row deleted from the disk
             dropped: list[bytes] = []  # the blocks that left the store
             if not dry_run:
                 stayed: set[bytes] = set()
@@ -202,7 +203,8 @@ class AdminOps:
                     within=None if whole else set(keys),
                 )
             except InvalidRequest as e:  # the cluster is down: this host's part stands, and says so
-                return replace(result, not_done=f"{e}; evict --session again once it is back")
+                away = f"{e}; evict --session again once it is back"
+                return replace(result, not_done="; ".join(x for x in (result.not_done, away) if x))
             gone = list(dict.fromkeys([*keys, *remote.keys]))  # a block evicted here and there counts once
             result = EvictResult(
                 blocks=len(gone),
@@ -215,11 +217,12 @@ class AdminOps:
             )
         return result
 
-    def _off_disk(self, keys: list[bytes], row: threading.Event | None) -> str:
+    def _off_disk(self, keys: list[bytes], row: RowDrop | None) -> str:
         """Wait (lock not held) until what an evict dropped is off the disk too, as a kill would find
         it: blocks the writer was writing as they were dropped (it deletes them again once written)
         and the session's row (deleted on the writer's thread). What is not, said: a kill before it
         is would bring it back at the next start."""
+        deadline = time.monotonic() + OFF_DISK_WAIT
         left = self._writeback.settle(keys, OFF_DISK_WAIT) if self._writeback is not None and keys else []
         parts = []
         if left:
@@ -227,10 +230,16 @@ class AdminOps:
                 f"{len(left)} evicted block(s) are still on disk (a write under way, or a delete the disk "
                 "refused, retried each second); until they are gone a daemon killed brings them back"
             )
-        if row is not None and not row.wait(OFF_DISK_WAIT):
-            parts.append(
-                "the session's row is not deleted from disk yet; a daemon killed before it is keeps it"
-            )
+        if row is not None:
+            if not row.settled.wait(max(0.0, deadline - time.monotonic())):
+                parts.append(
+                    "the session's row is not deleted from disk yet; a daemon killed before it is keeps it"
+                )
+            elif row.error is not None:
+                parts.append(
+                    f"the session's row could not be deleted from disk ({row.error}; tried again at each "
+                    "flush): a daemon killed before it is keeps it"
+                )
         return "; ".join(parts)
 
     def prefetch(

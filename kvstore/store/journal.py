@@ -13,6 +13,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvstore.keys import Namespace
 from kvstore.store.sessions import SessionState
@@ -29,6 +30,15 @@ MAX_FAILED_SESSION_ROWS = 4096
 
 _Key = tuple[str, str]
 _REWRITE: _Key = ("sessions", "*")  # the task that writes every session row again
+
+
+@dataclass
+class RowDrop:
+    """A session row's delete queued on the writer thread: ``settled`` once it ran (``error``: why it
+    failed; it is kept and run again) or a later row of the session replaced it before it ran."""
+
+    settled: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
 
 
 class Journal:
@@ -56,6 +66,7 @@ class Journal:
         self._failed_sessions: OrderedDict[_Key, Callable[[], None]] = OrderedDict()  # oldest first
         # rows whose task is queued and not started: the latest write of each (True: a retry's)
         self._waiting: dict[_Key, tuple[Callable[[], None], bool]] = {}
+        self._drops: dict[_Key, RowDrop] = {}  # session rows' deletes queued and not yet run
         self._rewrite_all = False  # session rows were given up: write every session again
         self._failing = 0  # writes failed since the last one that succeeded
         self._warned_given_up = False  # in this run of failures
@@ -68,24 +79,37 @@ class Journal:
             d = s.to_dict()
             self._run(("session", s.name), lambda: nvme.put_session(s.name, d))
 
-    def forget_session(self, name: str) -> threading.Event | None:
-        """Delete the session's row (on the writer thread). Returns an event set once the delete has
-        run (a failed one is kept and run again, as any row's write), or None without nvme. A later
-        row of the session queued before the delete ran (the session made again) replaces it, and
-        the event is then never set."""
+    def forget_session(self, name: str) -> RowDrop | None:
+        """Delete the session's row (on the writer thread). Returns its RowDrop, settled once the
+        delete has run (a failed one says why, and is kept and run again, as any row's write) or a
+        later row of the session replaced it before it ran (the session made again); None without
+        nvme."""
         nvme = self._nvme
         if nvme is None or self._writer is None:
             return None
-        done = threading.Event()
+        row = RowDrop()
+        key = ("session", name)
 
         def drop() -> None:
+            with self._lock:
+                self._drops.pop(key, None)
             try:
                 nvme.drop_session(name)
+            except Exception as e:
+                row.error = str(e) or type(e).__name__
+                raise
             finally:
-                done.set()
+                row.settled.set()
 
-        self._run(("session", name), drop)
-        return done
+        with self._lock:
+            earlier = self._drops.pop(key, None)
+        if earlier is not None:
+            earlier.settled.set()  # this delete replaces it
+        self._run(key, drop)
+        with self._lock:
+            if not row.settled.is_set():
+                self._drops[key] = row
+        return row
 
     def namespace(self, ns: Namespace) -> None:
         nvme = self._nvme
@@ -138,6 +162,9 @@ class Journal:
             if queued and again:
                 return  # the row waiting is later than the one kept to retry
             self._waiting[key] = (write, again)
+            replaced = self._drops.pop(key, None) if queued else None
+        if replaced is not None:  # a later row of the session: the delete queued will not run
+            replaced.settled.set()
         if queued:
             return  # the task queued for this row writes it as it is now
 

@@ -337,3 +337,25 @@ def test_an_evicted_session_s_row_is_off_the_disk_when_the_evict_answers(make_st
     assert replied.wait(10)
     assert result[0].blocks == 2 and result[0].not_done == ""
     assert "S" not in dict(nvme.iter_sessions())
+
+
+def test_an_evicted_session_s_row_the_disk_would_not_delete_is_said_not_done(
+    make_store: StoreFactory,
+) -> None:
+    """the disk refuses to delete session S's row
+    ->  the evict says so (a daemon killed before a later flush deletes it would bring S back)"""
+    s = make_store()
+    nvme = s.tiers[2]
+    assert isinstance(nvme, NvmeTier)
+    s.put(NS, tokens(2, seed=14), kv(2 * T, 14), session="S")
+    assert s.flush(10)
+
+    def refuse(name: str) -> bool:
+        raise TierIOError("injected: the disk refuses the delete")
+
+    nvme.drop_session = refuse  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    r = s.evict(EvictFilter(session="S"))
+    assert r.blocks == 2 and "could not be deleted from disk (injected" in r.not_done
+    assert time.monotonic() - t0 < 1.0  # said at once, not after the wait
+    assert "S" in dict(nvme.iter_sessions())

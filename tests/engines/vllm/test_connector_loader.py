@@ -128,3 +128,23 @@ def test_caches_put_to_sleep_wait_for_the_load_under_way_and_the_queued_ones_end
     assert e.worker.c.loaded_tokens == 128 and l_load.end == 128
     e.worker.c.shutdown()
     filler.worker.c.shutdown()
+
+
+def test_a_step_that_only_loads_is_not_idle(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step whose only work is a load computes no token, and is no idle step: it does not wait for
+    other requests' saves (a hit is not scheduled later for them). A step with neither is idle."""
+    U, vcfg, ep = setup
+    a = prompt(150, 78)
+    filler = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    stored_then_forgotten(U, filler, a)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.add(request(U, a, "L"))
+    meta = e.step()
+    assert [t.req_id for t in meta.loads] == ["L"] and not meta.idle
+    e.run()
+    assert e.step().idle  # nothing left: an idle step
+    e.worker.c.shutdown()
+    filler.worker.c.shutdown()
