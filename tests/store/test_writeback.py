@@ -359,3 +359,28 @@ def test_an_evicted_session_s_row_the_disk_would_not_delete_is_said_not_done(
     assert r.blocks == 2 and "could not be deleted from disk (injected" in r.not_done
     assert time.monotonic() - t0 < 1.0  # said at once, not after the wait
     assert "S" in dict(nvme.iter_sessions())
+
+
+def test_an_evicted_session_made_again_before_its_row_was_deleted_ends_the_evicts_wait(
+    make_store: StoreFactory,
+) -> None:
+    """the writer is busy; an operator evicts session S, and a client puts under S again before the
+    row's delete ran: the new row replaces the delete, and the evict answers at once (its wait for
+    the delete ends: S is a session again, on disk as it should be)"""
+    s = make_store()
+    nvme = s.tiers[2]
+    assert isinstance(nvme, NvmeTier)
+    s.put(NS, tokens(2, seed=15), kv(2 * T, 15), session="S")
+    assert s.flush(10)
+    other = tokens(1, seed=16)
+    committed, go_on = _paused_writes(nvme, block_keys(NS, other)[0])
+    s.put(NS, other, kv(T, 16))
+    assert committed.wait(10)
+    t0 = time.monotonic()
+    replied, result = _in_background(lambda: s.evict(EvictFilter(session="S")))
+    time.sleep(0.2)
+    s.put(NS, tokens(1, seed=17), kv(T, 17), session="S")  # S again: its row is written anew
+    assert replied.wait(5) and time.monotonic() - t0 < 1.5
+    assert result[0].blocks == 2 and result[0].not_done == ""
+    go_on.set()
+    assert s.flush(10) and "S" in dict(nvme.iter_sessions())
