@@ -28,7 +28,7 @@ import torch
 from kvstore.errors import LayoutError
 from kvstore.hostmem import HostBuffers
 from kvstore.layout import KVLayout
-from kvstore.memcopy import CopyBatch, copy_into, scatter_rows
+from kvstore.memcopy import SAME_WIDTH, CopyBatch, copy_into, scatter_rows
 from kvstore.results import as_int
 
 
@@ -294,7 +294,7 @@ class PagedKV:
         pos = t0 + torch.arange(n, dtype=torch.int64, device=self.ids.device) * T
         engine, part = self.ids[pos // bs], (pos % bs) // T
         # moved as integers of the same width: indexed copies of float8 are not defined everywhere
-        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[blocks.element_size()]
+        width = SAME_WIDTH[blocks.element_size()]
         for layer in range(len(self.k)):
             for half, buf in ((0, self.k[layer]), (1, self.v[layer])):
                 parts = buf.view(width).unflatten(1, (bs // T, T))

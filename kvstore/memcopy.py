@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 # numpy has no bfloat16 (nor float8): bytes are moved as unsigned integers of the same width
-_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SMALL = 1 << 16  # below this the two conversions cost more than they save
 PART_BYTES = (
     1 << 23
@@ -68,7 +68,7 @@ class Copier:
         )
         if parts < 2:  # too small to hand out: on this thread, or on torch's threads if it has several
             return copy_into(dst, src, non_blocking=non_blocking)
-        width = _SAME_WIDTH[dst.element_size()]
+        width = SAME_WIDTH[dst.element_size()]
         d, s = dst.view(width).numpy(), src.detach().view(width).numpy()
         bounds = [d.shape[0] * i // parts for i in range(parts + 1)]
         done: list[Future[None]] = []
@@ -226,8 +226,8 @@ def scatter_rows(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Te
             return dst
     flat = src.reshape(*dst.shape[:dim], index.numel(), *dst.shape[dim + 1 :]).to(dst.device)
     into = dst
-    if dst.dtype == src.dtype and dst.element_size() in _SAME_WIDTH:  # fp8 has no index_copy_ of its own
-        width = _SAME_WIDTH[dst.element_size()]
+    if dst.dtype == src.dtype and dst.element_size() in SAME_WIDTH:  # fp8 has no index_copy_ of its own
+        width = SAME_WIDTH[dst.element_size()]
         into, flat = dst.view(width), flat.view(width)
     into.index_copy_(dim, index.reshape(-1).to(dst.device), flat)
     return dst
@@ -250,7 +250,7 @@ def _rows(t: torch.Tensor, k: int) -> np.ndarray | None:
 
 
 def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    width = _SAME_WIDTH[dst.element_size()]
+    width = SAME_WIDTH[dst.element_size()]
     np.copyto(dst.view(width).numpy(), src.detach().view(width).numpy(), casting="no")
 
 
@@ -260,7 +260,7 @@ def _host_bytes(dst: torch.Tensor, src: torch.Tensor) -> bool:
         return False
     if (
         dst.shape != src.shape
-        or dst.element_size() not in _SAME_WIDTH
+        or dst.element_size() not in SAME_WIDTH
         or dst.numel() * dst.element_size() < _SMALL
     ):
         return False

@@ -120,7 +120,7 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         # both sides' state (no threads: those start with register_kv_caches), whatever the role:
         # vLLM calls some hooks of either side on both (shutdown)
         self._init_scheduler()
-        self._init_worker(vllm_config)
+        self._init_worker()
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -67,7 +66,6 @@ class Loader:
         self._stop = False
         self._stream: Any = None  # the thread's CUDA stream, made with its first load onto a GPU
         self.loaded_tokens = 0
-        self.busy_seconds = 0.0  # spent loading, on the thread
         self._thread = threading.Thread(target=self._run, name="kvstore-load", daemon=True)
         self._thread.start()
 
@@ -176,13 +174,11 @@ class Loader:
                     return
                 t, ready = self._jobs.popleft()
                 self._running = t.req_id
-            began = time.perf_counter()
             got = t.start
             try:
                 got = self._load(t, ready)
             finally:
                 with self._cv:
                     self._end(t, got)
-                    self.busy_seconds += time.perf_counter() - began
                     self._running = None
                     self._cv.notify_all()

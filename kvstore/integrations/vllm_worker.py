@@ -50,7 +50,7 @@ class WorkerSide:
 
         def _get_connector_metadata(self) -> Any: ...
 
-    def _init_worker(self, vllm_config: Any) -> None:
+    def _init_worker(self) -> None:
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self._ratio = 1  # kernel blocks of the caches per block of the scheduler (register_kv_caches)
