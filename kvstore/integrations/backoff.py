@@ -9,6 +9,9 @@ BACKOFF = 10.0  # seconds, after a call timed out
 MAX_BACKOFF = 60.0  # seconds: the back-off doubles with each time-out in a row, up to this
 BUSY_BACKOFF = 1.0  # seconds, after a call waited out its time-out on a daemon answering busy
 BUSY_QUIET = 60.0  # seconds between two logs of calls turned away busy (each a miss, at once)
+# seconds an engine's lookup waits at most, whatever its calls' timeout: one takes about a
+# millisecond on the same host, and the engine's scheduler waits on it
+LOOKUP_TIMEOUT = 2.0
 
 
 class Backoff:

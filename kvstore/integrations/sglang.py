@@ -56,7 +56,7 @@ from kvstore.chains import KeyChain
 from kvstore.client import KVStoreClient
 from kvstore.config import check_connect_endpoint
 from kvstore.errors import ClientClosed, ConfigError, LayoutError
-from kvstore.integrations.backoff import Backoff
+from kvstore.integrations.backoff import LOOKUP_TIMEOUT, Backoff
 from kvstore.integrations.vllm_settings import seconds
 from kvstore.integrations.weights import weights_id
 from kvstore.kvbuffers import PagedKV
@@ -70,7 +70,6 @@ _OPTIONS = {"endpoint", "tenant", "model", "revision", "timeout"}
 # seconds one hook takes at most, whatever the daemon does: SGLang joins its storage threads for 10 s
 # at a cache flush, reset or detach, and raises past it (a hook stops before a call that could run over)
 HOOK_BUDGET = 8.0
-LOOKUP_TIMEOUT = 2.0  # seconds a lookup waits at most (one takes about a millisecond on the same host)
 STORE_RETRIES = 1  # a store that timed out is sent once more (within HOOK_BUDGET)
 
 

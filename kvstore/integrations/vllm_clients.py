@@ -14,7 +14,7 @@ from typing import Any
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import ClientClosed, KVStoreError
-from kvstore.integrations.backoff import Backoff
+from kvstore.integrations.backoff import LOOKUP_TIMEOUT, Backoff
 from kvstore.integrations.vllm_settings import Settings, Variant, model_name, namespace_revision
 from kvstore.integrations.weights import Weights, weights_id
 from kvstore.layout import KVLayout
@@ -127,7 +127,9 @@ class Clients:
             model=model_name(self._cfg, s),
             layout=self._layout,
             tenant=s.tenant,
-            timeout=s.timeout,
+            # the scheduler waits on a lookup: a daemon that stopped answering holds it up for
+            # LOOKUP_TIMEOUT at most (then not asked for a while: Backoff)
+            timeout=min(s.timeout, LOOKUP_TIMEOUT) if purpose == "lookup" else s.timeout,
             revision=namespace_revision(self._cfg, self._ranks, variant),
             shared_memory=s.shared_memory,
             # on the scheduler's and workers' critical path a busy daemon is a miss (recomputed),

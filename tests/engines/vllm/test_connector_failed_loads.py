@@ -1,20 +1,25 @@
 """Loads that fail (blocks evicted between the lookup and the load), under vLLM 0.33's real Scheduler
 with a real daemon: the request waits for its load, is set back to its first failed block, and is
 not sent to load it again; nobody computes over a failed block, and kvstore keeps what the model
-computes. See test_connector.py for the engine these tests step."""
+computes. A lookup that fails is a miss within LOOKUP_TIMEOUT. See test_connector.py for the engine
+these tests step."""
 
 from __future__ import annotations
 
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvstore.client import KVStoreClient
+from kvstore.integrations.backoff import LOOKUP_TIMEOUT
 from tests.engines.vllm.test_connector import (
     Engine,
     assert_holds,
     check_client,
+    engine_setup,
     operator,
     prompt,
     request,
@@ -157,3 +162,33 @@ def test_a_rank_whose_load_failed_reporting_before_the_others_sets_the_request_b
     assert loads == [("L", 0, 128)] and outputs == ["failed blocks", "done"]
     assert so.num_scheduled_tokens.get("L", 0) > 0 and L.num_computed_tokens <= 96  # computes it all
     filler.worker.c.shutdown()
+
+
+def test_a_daemon_that_stops_answering_holds_the_scheduler_up_for_a_lookup_time_out_at_most(
+    daemons: Any, tmp_path: Path, vllm_utils: Any, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calls' timeout is 5 s (the default); a lookup on a daemon that stopped (SIGSTOP) is a miss
+    after LOOKUP_TIMEOUT, and the next request's lookup is not sent at all (the back-off)."""
+    started: list[Any] = []
+
+    def start(config: Path, **kw: Any) -> Any:
+        started.append(daemons(config, **kw))
+        return started[-1]
+
+    U, vcfg, _ = engine_setup(start, tmp_path, vllm_utils, model_dir)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    c = e.sched.connector
+    assert c.settings.timeout == 5.0 > LOOKUP_TIMEOUT
+    assert c.get_num_new_matched_tokens(request(U, prompt(100, 71), "hello"), 0) == (0, False)
+    started[0].proc.send_signal(signal.SIGSTOP)
+    try:
+        waited = []
+        for i in range(2):
+            t0 = time.monotonic()
+            assert c.get_num_new_matched_tokens(request(U, prompt(100, 72 + i), f"r{i}"), 0) == (0, False)
+            waited.append(time.monotonic() - t0)
+    finally:
+        started[0].proc.send_signal(signal.SIGCONT)
+    assert LOOKUP_TIMEOUT - 0.1 < waited[0] < LOOKUP_TIMEOUT + 1.0 and waited[1] < 0.1
+    assert c._lookup_failures == 1
+    e.worker.c.shutdown()
