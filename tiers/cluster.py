@@ -3,6 +3,8 @@
 ::
 
     <prefix>:b:<key hex>    block value: b"KVC1" | key (32) | record length (u32 LE) | record | frame
+    <prefix>:e:<key hex>    an evicted block's mark (empty), for as long as a block lives: no host
+                            writes the block back as a lost copy meanwhile; a write of it clears it
     <prefix>:s:<sha256>     a session (msgpack map): namespace, block keys, token ids, time
     <prefix>:session-expiry the session keys, a sorted set scored by expiry (what evict --session must
                             leave alone); the expired leave it as sessions are written
@@ -155,6 +157,10 @@ class ClusterTier:
     def block_key(self, key: bytes) -> str:
         return f"{self.prefix}:b:{key.hex()}"
 
+    def evicted_key(self, key: bytes) -> str:
+        """The mark an operator's evict of the block leaves (see ``delete``)."""
+        return f"{self.prefix}:e:{key.hex()}"
+
     def codec_for(self, position: int | None) -> Codec:
         """``head_codec`` for the first ``head_blocks`` blocks of a prefix, ``codec`` otherwise."""
         if self.head_codec is not None and position is not None and position < self.head_blocks:
@@ -235,7 +241,8 @@ class ClusterTier:
         return [k for k, f in zip(keys, found, strict=True) if not (f is True or f == 1)]
 
     def store(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        """SET each ``(key, value)`` with the TTL; returns how many were stored. A refusal for
+        """SET each ``(key, value)`` with the TTL, and clear its evicted mark (a block written after
+        an evict is the fleet's again); returns how many were stored. A refusal for
         memory (maxmemory) is counted in ``write_refused``; ClusterUnavailable on an outage, also
         when a node failed its part alone (a time-out in the pipeline: the caller's blocks are then
         not written, and must be taken for dropped)."""
@@ -244,13 +251,16 @@ class ClusterTier:
             pipe = c.pipeline(transaction=False)
             for k, v in items:
                 pipe.set(self.block_key(k), v, px=_px(self.ttl))
-            results = list(pipe.execute(raise_on_error=False))
+                pipe.delete(self.evicted_key(k))
+            answers = list(pipe.execute(raise_on_error=False))
+            results, cleared = answers[0::2], answers[1::2]
             ok = sum(1 for r in results if r is True)
             refused = sum(1 for r in results if out_of_memory(r))
             with self._lock:
                 self.counters.written += ok
                 self.counters.write_refused += refused
             failed = [r for r in results if r is not True and not out_of_memory(r)]
+            failed += [r for r in cleared if isinstance(r, Exception)]
             if failed:  # counted in errors, and the tier marked down, by _call
                 err = failed[0]
                 raise err if isinstance(err, Exception) else RuntimeError(f"SET answered {err!r}")
@@ -259,24 +269,57 @@ class ClusterTier:
         return int(self._call("write", run))
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        """Delete the blocks under ``keys``; returns how many existed. ClusterUnavailable on an outage."""
+        """Delete the blocks under ``keys`` (an operator's evict), leaving each an evicted mark that
+        lives as long as a block would (``ttl``): a host that holds a copy and finds the cluster's
+        gone takes it for evicted, not lost, and does not write it back (``evicted``); a put that
+        brings the block to a host that did not hold it writes it, and clears the mark. A mark the
+        cluster refuses for memory is left out (the blocks go all the same). Returns how many
+        blocks existed. ClusterUnavailable on an outage."""
         if not keys:
             return 0
-        found = self._call("delete", lambda c: self._pipeline(c, "delete", keys))
+
+        def run(c: Any) -> list[Any]:
+            found = self._pipeline(c, "delete", keys)
+            pipe = c.pipeline(transaction=False)
+            for k in keys:
+                pipe.set(self.evicted_key(k), b"", px=_px(self.ttl))
+            marked = list(pipe.execute(raise_on_error=False))
+            failed = [r for r in marked if isinstance(r, Exception) and not out_of_memory(r)]
+            if failed:  # a node down or moving: as any failed call (the evict is reported not done)
+                raise failed[0]
+            return found
+
+        found = self._call("delete", run)
         return sum(int(f) for f in found if isinstance(f, int))
 
+    def evicted(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` an operator's evict deleted from the cluster within the TTL (their marks
+        are there). ClusterUnavailable on an outage."""
+        if not keys:
+            return []
+        found = self._call("lookup", lambda c: self._pipeline(c, "exists", keys, name=self.evicted_key))
+        return [f == 1 for f in found]
+
     def _pipeline(
-        self, client: Any, op: str, keys: Sequence[bytes], tails: Sequence[memoryview | None] = (), **kw: Any
+        self,
+        client: Any,
+        op: str,
+        keys: Sequence[bytes],
+        tails: Sequence[memoryview | None] = (),
+        name: Callable[[bytes], str] | None = None,
+        **kw: Any,
     ) -> list[Any]:
-        """``op`` on every key in one round trip: reads straight to the nodes (``by_node``, ``tails`` for
-        its values), anything else (and reads a node redirected) through redis-py's cluster pipeline."""
+        """``op`` on every key (under ``name(key)``, the block's key unless given) in one round trip:
+        reads straight to the nodes (``by_node``, ``tails`` for its values), anything else (and reads
+        a node redirected) through redis-py's cluster pipeline."""
+        name = name or self.block_key
         read = _READS.get(op)
         answers = None
         if read is not None:
             values = op in _VALUES  # (their answers end in time, however they trickle in)
             answers = by_node(
                 client,
-                [read(self.block_key(k), **kw) for k in keys],
+                [read(name(k), **kw) for k in keys],
                 values=values,
                 tails=tails,
                 # (four time-outs: a batch of large blocks on a slow link may take more than one, and a
@@ -286,7 +329,7 @@ class ClusterTier:
         if answers is None:
             pipe = client.pipeline(transaction=False)
             for k in keys:
-                getattr(pipe, op)(self.block_key(k), **kw)
+                getattr(pipe, op)(name(k), **kw)
             answers = list(pipe.execute(raise_on_error=False))
         results: list[Any] = answers
         wrong = [i for i, r in enumerate(results) if wrong_type(r)]

@@ -241,8 +241,9 @@ class ClusterLink:
         self.cluster.count(write_dropped=1)
 
     def forget(self, keys: Sequence[bytes]) -> None:
-        """``keys``' cluster copies are deleted on purpose (an operator's evict): not lost, so this
-        host writes none of them again (``_write_again``), nor sends those it had not sent yet."""
+        """``keys``' cluster copies are deleted on purpose (an operator's evict, here or on another
+        host): not lost, so this host writes none of them again (``_write_again``), nor sends those
+        it had not sent yet."""
         with self._unsent_lock:
             for k in keys:
                 self._there.pop(k, None)
@@ -318,10 +319,20 @@ class ClusterLink:
         self._send_held(lost)
 
     def _send_held(self, keys: Sequence[bytes]) -> None:
-        """(The cluster thread.) Queue those of ``keys`` this host still holds; those the full queue
-        refuses are dropped (counted), to go with the next put of them."""
+        """(The cluster thread.) Queue those of ``keys`` this host still holds and no operator evicted
+        from the cluster (a host's evict leaves marks: ``ClusterTier.delete``; such blocks are
+        forgotten here, as on the host that ran it); those the full queue refuses are dropped
+        (counted), to go with the next put of them."""
         with self._lock:
             held = [k for k in keys if self._index.get(k) is not None]
+        if held:
+            try:
+                evicted = self.cluster.evicted(held)
+            except ClusterUnavailable:  # not written either: to go with the next put of them
+                self._dropped(held)
+                return
+            self.forget([k for k, gone in zip(held, evicted, strict=True) if gone])
+            held = [k for k, gone in zip(held, evicted, strict=True) if not gone]
         if held:
             refused = self._writer.submit(held, 0.0)
             if refused:

@@ -108,7 +108,12 @@ def test_blocks_round_trip_with_a_ttl_refreshed_on_read(
     assert node.pttl(c.block_key(keys[0])) > 50_000  # the read refreshed it
     assert c.delete(keys[:2]) == 2 and c.leading(keys) == 0
     # the key names a block by its hash alone: no token id, no session name in the clear
-    assert all(k.startswith(b"kvstore:b:") and len(k) == len("kvstore:b:") + 64 for k in rc.keys())
+    assert all(k[:10] in (b"kvstore:b:", b"kvstore:e:") and len(k) == 10 + 64 for k in rc.keys())
+    # each deleted block left a mark that lives as long as a block would; a write of it clears it
+    assert c.evicted(keys[:3]) == [True, True, False]
+    mark = c.evicted_key(keys[0])
+    assert 50_000 < rc.node(rc.master_of(mark)).pttl(mark) <= 60_000
+    assert c.store(items[:1]) == 1 and c.evicted(keys[:2]) == [False, True]
 
 
 def test_a_ttl_of_never_writes_and_reads_values_that_do_not_expire(

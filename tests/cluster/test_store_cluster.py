@@ -244,6 +244,36 @@ def test_the_host_that_evicted_the_cluster_copies_does_not_write_them_again(host
     assert host("b").lookup(NS, toks).matched_blocks == 0
 
 
+def test_blocks_evicted_from_the_cluster_by_one_host_are_not_written_back_by_another_that_serves_them(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # B read them from the cluster and serves them from its own tiers since; its next hit a quarter
+    # of the TTL on found the cluster's copies gone and wrote them all back as lost ones: A's evict
+    # undone by any host that held them
+    a, b = host("a", ttl=2.0), host("b", ttl=2.0)
+    toks, x = tokens(4), kv(16, seed=23)
+    a.put(NS, toks, x, session="conv-1")
+    written(a, 4)
+    assert b.get(NS, toks).tiers == ["cluster"] * 4
+    assert a.evict(EvictFilter(session="conv-1", tier="cluster")).blocks == 4
+    time.sleep(0.6)
+    assert b.get(NS, toks).tiers == ["hbm"] * 4  # B's own copies stay: they are its tiers'
+    time.sleep(1.0)
+    assert b.stats().cluster["written"] == 0  # type: ignore[index]
+    assert host("c").lookup(NS, toks).matched_blocks == 0
+    # a put that brings them to a host that did not hold them writes them, and clears the marks:
+    # a copy the cluster loses after that is written again as a lost one
+    d = host("d", ttl=2.0)
+    d.put(NS, toks, x)
+    written(d, 4)
+    key = d._cluster.cluster.block_key(_keys(toks)[0])  # type: ignore[union-attr]
+    assert rc.node(rc.master_of(key)).delete(key) == 1
+    time.sleep(0.6)
+    assert d.get(NS, toks).tiers == ["hbm"] * 4
+    written(d, 5)
+    assert host("e").lookup(NS, toks).tiers == ["cluster"] * 4
+
+
 def test_evict_of_a_session_from_another_host_keeps_the_record_of_blocks_stored_before_it_was_named(
     host: HostFactory,
 ) -> None:
