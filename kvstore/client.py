@@ -32,13 +32,13 @@ the worst case is ``(retries + 1) * timeout``. A client may be shared by
 threads: calls take turns. Error replies raise the kvstore.errors class of
 their code (with ServerError mixed in); a lost daemon raises RequestTimeout.
 
-The public API and its contracts live here; the connection's mechanics in connection.py, K/V over
-the socket in socket_path.py, K/V through shared memory in shm/client_path.py.
+The public API and its contracts live here (the operator calls in client_operator.py, the checks of
+the arguments in client_args.py); the connection's mechanics in connection.py, K/V over the socket in
+socket_path.py, K/V through shared memory in shm/client_path.py.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -48,46 +48,24 @@ import torch
 import zmq
 
 from kvstore.chains import Chain, KeyChain, TokenChain, as_chain
+from kvstore.client_args import count_arg, device_arg, endpoint_arg, seconds_arg, start_arg
+from kvstore.client_operator import OperatorCalls
 from kvstore.connection import Connection
 from kvstore.daemon.auth import ClientKeys
-from kvstore.errors import ConfigError, InvalidNamespace, LayoutError
+from kvstore.errors import InvalidNamespace, LayoutError
 from kvstore.hostmem import HostBuffers
 from kvstore.keys import Namespace, TokenInput
 from kvstore.kvbuffers import KVTarget, PagedKV, check_target, empty_kv, target_tokens
 from kvstore.layout import KVLayout
-from kvstore.results import (
-    BlockInfo,
-    EvictResult,
-    GetResult,
-    InvalidRequest,
-    LookupResult,
-    PrefetchResult,
-    PutResult,
-    SessionDetail,
-    SessionInfo,
-    as_int,
-)
+from kvstore.results import GetResult, LookupResult, PutResult
 from kvstore.shm.client_path import SharedPath
 from kvstore.socket_path import WINDOW, SocketPath
 from kvstore.wire.errors import LocalProtocolError
 from kvstore.wire.messages import (
-    DataOk,
-    Evict,
-    EvictOk,
-    Flush,
-    FlushOk,
-    Inspect,
     Message,
-    Pin,
     Ping,
-    PinOk,
     Pong,
-    Prefetch,
-    Release,
-    ReleaseOk,
-    Stats,
 )
-from kvstore.wire.reply_data import as_list, as_map, build, is_a, malformed
 
 # a same-host get into a fresh host tensor reserves the whole prompt's K/V without asking first (the
 # pages are touched only where written); past this many bytes it asks how much is held, then reserves
@@ -95,62 +73,7 @@ from kvstore.wire.reply_data import as_list, as_map, build, is_a, malformed
 SIZE_BY_LOOKUP = 1 << 30
 
 
-def _endpoint(endpoint: str | None) -> str:
-    """``endpoint`` (default: $KVSTORE_ENDPOINT or $KVSTORE_SERVER_ENDPOINT, else the default
-    socket); ConfigError for one a daemon listens on but nobody can connect to (``tcp://*:5555``),
-    or no text at all, or for the two variables naming different endpoints."""
-    from kvstore.config import check_connect_endpoint, default_endpoint, env_endpoint
-
-    if endpoint is not None and not isinstance(endpoint, str):
-        raise ConfigError(f"endpoint must be a string like 'ipc:///path/kv.sock', got {endpoint!r}")
-    return check_connect_endpoint(endpoint or env_endpoint() or default_endpoint())
-
-
-def _count(name: str, v: Any, *, least: int = 0, none: bool = False) -> Any:
-    """``v``, an int >= ``least`` (or None when ``none``); InvalidRequest naming ``name``."""
-    if v is None and none:
-        return v
-    i = as_int(v, least)
-    if i is None:
-        raise InvalidRequest(
-            f"{name} must be an int of {least} or more{' (or None)' if none else ''}; got {v!r}"
-        )
-    return i
-
-
-def _start(v: Any) -> int:
-    """A ``start`` token position: an int >= 0; LayoutError otherwise."""
-    i = as_int(v)
-    if i is None:
-        raise LayoutError(f"start must be a token position, an int of 0 or more; got {v!r}")
-    return i
-
-
-def _device(v: Any) -> torch.device:
-    """Where ``get`` puts the K/V: a cpu or (on a host that has one) cuda device; InvalidRequest otherwise."""
-    try:
-        d = torch.device(v)
-    except (TypeError, RuntimeError) as e:
-        raise InvalidRequest(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {v!r} ({e})") from None
-    if d.type not in ("cpu", "cuda"):
-        raise InvalidRequest(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {v!r}")
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequest(
-            f"device {v!r}: this process has no CUDA device (torch.cuda.is_available() is False)"
-        )
-    return d
-
-
-def _seconds(name: str, v: Any, *, zero: bool = False) -> float:
-    """``v`` seconds, a finite number above 0 (or 0 when ``zero``); InvalidRequest naming ``name``."""
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-    if not ok or v < 0 or (v == 0 and not zero):
-        least = "0 or more" if zero else "more than 0"
-        raise InvalidRequest(f"{name} must be a finite number of seconds, {least}; got {v!r}")
-    return float(v)
-
-
-class KVStoreClient:
+class KVStoreClient(OperatorCalls):
     """A connection to a kvstore daemon for one namespace (``model``, ``layout``, ``tenant``, ``revision``).
 
     ``model``/``layout`` may be left out for an operator's client (ping, stats,
@@ -198,16 +121,16 @@ class KVStoreClient:
         raises it at once (a caller that would rather recompute than wait)."""
         if (model is None) != (layout is None):
             raise InvalidNamespace("give both model and layout (or neither, for an operator's client)")
-        timeout = _seconds("timeout", timeout)
-        retries = _count("retries", retries)
-        window = _count("window", window, least=1)
-        chunk_blocks = _count("chunk_blocks", chunk_blocks, least=1, none=True)
+        timeout = seconds_arg("timeout", timeout)
+        retries = count_arg("retries", retries)
+        window = count_arg("window", window, least=1)
+        chunk_blocks = count_arg("chunk_blocks", chunk_blocks, least=1, none=True)
         self.namespace = (
             None
             if model is None or layout is None
             else Namespace(model=model, layout=layout, tenant=tenant, revision=revision)
         )
-        self.endpoint = _endpoint(endpoint)
+        self.endpoint = endpoint_arg(endpoint)
         curve = ClientKeys.resolve(self.endpoint, curve_server_key, curve_secret_key, curve_public_key)
         want_shm = self.endpoint.startswith("ipc://") and curve is None and shared_memory is not False
         self._conn = Connection(
@@ -329,7 +252,7 @@ class KVStoreClient:
         """
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
-        device = _device(device)
+        device = device_arg(device)
         with self._lock:
             self._conn.ensure_hello()
             tokens = self._names(token_ids)
@@ -368,7 +291,7 @@ class KVStoreClient:
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         check_target(out, layout, "get_into out", written=True)
-        start = _start(start)
+        start = start_arg(start)
         if start % T and not isinstance(out, PagedKV):
             raise LayoutError(f"start {start} must be a multiple of {T} for a tensor out")
         first = start // T
@@ -403,7 +326,7 @@ class KVStoreClient:
         if isinstance(src, torch.Tensor):  # a PagedKV holds what its slots name: as much is stored
             _covers(src, names, T, "src")
         total = min(names.blocks(T), target_tokens(src) // T)
-        first = _start(start) // T
+        first = start_arg(start) // T
         if total <= first:
             return PutResult(0, 0, [])
         with self._lock:
@@ -475,146 +398,6 @@ class KVStoreClient:
         last of ``prefix`` (which must be stored: else the put fails ``missing_parent``) or of the
         namespace root."""
         return self.put_from(KeyChain.of(keys, prefix), src, session, start=start)
-
-    # ------------------------------------------------------------------ operator calls
-
-    def stats(self) -> dict[str, Any]:
-        """``{"store": StoreStats as a dict, "server": daemon counters}``."""
-        reply = self._call(Stats())
-        assert isinstance(reply, DataOk)
-        data = as_map("stats", reply.data)
-        for part in ("store", "server"):
-            if part in data:
-                as_map("stats", data[part], repr(part))
-        return dict(data)
-
-    def evict(
-        self,
-        *,
-        session: str | None = None,
-        older_than: float | None = None,
-        tier: str | None = None,
-        namespace: str | None = None,
-        model: str | None = None,
-        tenant: str | None = None,
-        all: bool = False,
-        dry_run: bool = False,
-    ) -> EvictResult:
-        """Evict what matches every given filter (see results.EvictFilter). Not retried unless ``dry_run``."""
-        msg = Evict(
-            session=session,
-            older_than=older_than,
-            tier=tier,
-            namespace=namespace,
-            model=model,
-            tenant=tenant,
-            all=all,
-            dry_run=dry_run,
-        )
-        reply = self._call(msg, idempotent=dry_run)
-        assert isinstance(reply, EvictOk)
-        if not is_a(reply.bytes_freed, dict[str, int]) or not is_a(reply.keys, list[bytes]):
-            raise malformed("evict", "bytes_freed is not a map of tier to bytes, or keys not a list of keys")
-        return EvictResult(
-            reply.blocks,
-            dict(reply.bytes_freed),
-            reply.moved,
-            list(reply.keys),
-            dry_run,
-            reply.not_done or "",
-            max(0, reply.displaced or 0),
-        )
-
-    def sessions(self) -> list[SessionInfo]:
-        reply = self._call(Inspect())
-        assert isinstance(reply, DataOk)
-        return [build(SessionInfo, d, "inspect") for d in as_list("inspect", reply.data)]
-
-    def inspect(self, session: str | None = None, token_ids: TokenInput | None = None) -> Any:
-        """Every session (a list of SessionInfo), one session (SessionDetail), or, given ``token_ids``,
-        where each stored block of that prefix lives (a dict)."""
-        if token_ids is not None:
-            with self._lock:
-                self._conn.ensure_hello()
-                names = self._names(token_ids)
-                if not isinstance(names, TokenChain):
-                    raise LocalProtocolError("invalid_argument", "inspect takes token ids, not engine keys")
-                reply = self._call(Inspect(ns=self._ns().id, tokens=names.tokens))
-            assert isinstance(reply, DataOk)
-            return as_map("inspect", reply.data)
-        if session is None:
-            return self.sessions()
-        reply = self._call(Inspect(session=session))
-        assert isinstance(reply, DataOk)
-        data = as_map("inspect", reply.data)
-        return SessionDetail(
-            info=build(SessionInfo, data.get("info"), "inspect"),
-            blocks=[
-                build(BlockInfo, b, "inspect") for b in as_list("inspect", data.get("blocks"), "'blocks'")
-            ],
-        )
-
-    def prefetch(
-        self, session: str, to: str = "ram", *, start_block: int = 0, max_blocks: int | None = None
-    ) -> PrefetchResult:
-        """Bring a session's blocks up into ``to`` ("ram" or "hbm") ahead of use: the whole chain, or
-        blocks ``start_block .. start_block+max_blocks-1`` of it (go on from ``start_block + max_blocks``
-        while the result's ``remaining`` is positive)."""
-        reply = self._call(Prefetch(session=session, to=to, start_block=start_block, max_blocks=max_blocks))
-        assert isinstance(reply, DataOk)
-        return build(PrefetchResult, reply.data, "prefetch")
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every block the daemon stored before this call is on nvme and synced to disk.
-
-        True is the durable acknowledgement: those blocks survive a daemon kill
-        in every durability mode, and a power loss in ``balanced`` and ``safe``
-        (in ``fast``, only until the next write: a power loss after unsynced
-        commits wipes the store), unless evicted for room or expired later.
-        A put reply alone is not durable. False when ``timeout`` seconds (default: no limit)
-        passed first, or when the daemon could not write something (nvme full of blocks it keeps,
-        a disk error: asking again at once would change nothing, and with no limit would never
-        end; its log says what); nothing is lost, a later flush goes on. Each request
-        asks the daemon to answer within half the client's timeout, so a long
-        flush never looks like a dead daemon.
-        """
-        deadline = None if timeout is None else time.monotonic() + _seconds("timeout", timeout, zero=True)
-        while True:
-            step = self._conn.timeout / 2
-            if deadline is not None:
-                step = max(0.0, min(step, deadline - time.monotonic()))
-            reply = self._call(Flush(timeout=step))
-            assert isinstance(reply, FlushOk)
-            if reply.durable:
-                return True
-            if reply.settled or (deadline is not None and time.monotonic() >= deadline):
-                return False
-
-    def pin(self, token_ids: TokenInput, lease: float | None = None) -> tuple[int, int]:
-        """Pin the held leading blocks of ``token_ids`` for ``lease`` seconds (default and cap: the
-        daemon's pin lease). Returns (handle, blocks pinned); end it early with ``release(handle)``.
-        A client that dies holding pins leaks nothing: they lapse with the lease."""
-        ns = self._ns()
-        with self._lock:
-            self._conn.ensure_hello()
-            reply = self._conn.call(
-                Pin(ns=ns.id, tokens=self._pin_tokens(token_ids), lease=lease), idempotent=False
-            )
-        assert isinstance(reply, PinOk)
-        return reply.handle, reply.blocks
-
-    def _pin_tokens(self, token_ids: TokenInput) -> Any:
-        names = self._names(token_ids)
-        if not isinstance(names, TokenChain):
-            raise LocalProtocolError("invalid_argument", "pin takes token ids, not engine keys")
-        return names.tokens
-
-    def release(self, handle: int) -> bool:
-        """End a pin from ``pin``; False when its lease had already ended (or the handle is unknown)."""
-        # not sent again after a time-out: a repeat would find the pin the first try ended (False)
-        reply = self._call(Release(handle=handle), idempotent=False)
-        assert isinstance(reply, ReleaseOk)
-        return reply.released
 
 
 def _covers(kv: torch.Tensor, names: Chain, T: int, what: str) -> None:
