@@ -36,22 +36,19 @@ Capacity is hard twice over:
   capacity the write is TierFull. So the data file never exceeds the
   configured bytes.
 
-Longer than most modules: one tier over one LMDB environment (frames, records, size estimates,
-sessions, namespaces) whose transactions must see each other's layout.
+One tier over one LMDB environment whose transactions must see each other's layout: frames,
+records and size estimates here; the reads of every record for a restart in nvme_records.py; the
+sessions, namespaces and meta's access-time slot in nvme_maps.py.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from functools import partial
-from itertools import islice
 from pathlib import Path
-from typing import Any, cast
 
 import lmdb
-import msgpack
 import torch
 
 from kvstore.codecs import Codec, check_frame, decode_frame
@@ -65,27 +62,24 @@ from kvstore.tiers.base import Tier, TierFull, TierName, TierUsage
 from kvstore.tiers.lmdb_env import DEFAULT_DURABILITY, Durability
 from kvstore.tiers.nvme_format import (
     EntryDecoder,
-    IndexColumns,
-    IndexEntry,
     check_binding,
     frame_crc,
     frame_len,
     pack_entry,
     with_frame,
 )
+from kvstore.tiers.nvme_maps import NvmeMaps
+from kvstore.tiers.nvme_records import RecordReads
 
 log = logging.getLogger(__name__)
 
 MIN_CAPACITY = 1 << 20
-_SLOT = b"access_slot"  # meta: the largest access-time slot a run used (see access_slot)
 DROP_BATCH = 256  # keys deleted (or records rewritten) in one transaction
 DEFAULT_MAP_SIZE = 64 << 20
 _RECORD_GUESS = 512  # bytes of a records entry when can_put has only the block to go on
-_CHUNK = 4096  # records read per transaction while iterating
-_INDEX_CHUNK = 16384  # records read per transaction by iter_index_columns (~5 MB of entries)
 
 
-class NvmeTier(Tier):
+class NvmeTier(RecordReads, NvmeMaps, Tier):
     """Frames and records in an LMDB environment under ``path`` (a directory), at most ``capacity_bytes``.
 
     Raises StoreLocked when another process has ``path`` open, StoreFormatError
@@ -438,183 +432,6 @@ class NvmeTier(Tier):
                 except FrameError:
                     fcrc = None
         return pack_entry(rec.key, frame_len(old), fcrc or 0, rec)
-
-    def iter_records(
-        self, on_damaged: Callable[[bytes, FrameError], None] | None = None
-    ) -> Iterator[BlockRecord]:
-        """Every stored record, in key order, read in chunks (no transaction stays open between them).
-
-        A record that does not decode (or fails its checksum) is skipped and
-        handed to ``on_damaged`` (default: logged); blocks stored without a
-        record are skipped.
-        """
-        decoder = EntryDecoder()
-        for key, value in self._entries():
-            try:
-                rec = decoder.record(key, value)
-            except FrameError as e:
-                self._damaged(key, e, on_damaged)
-                continue
-            if rec is not None:
-                yield rec
-
-    def iter_index(
-        self, on_damaged: Callable[[bytes, FrameError], None] | None = None
-    ) -> Iterator[IndexEntry]:
-        """What the store's index needs of every record (all but the token ids), faster than iter_records.
-
-        Same order and damage handling as ``iter_records``. ``nbytes`` is the
-        block's estimated bytes here (what ``nbytes(key)`` says).
-        """
-        decoder = EntryDecoder()
-        costs: dict[tuple[int, int], int] = {}  # blocks of a layout mostly share their sizes
-        for key, value in self._entries():
-            sizes = (frame_len(value), len(value))
-            nbytes = costs.get(sizes)
-            if nbytes is None:
-                nbytes = costs[sizes] = self._entry_cost(*sizes)
-            try:
-                entry = decoder.index_entry(key, value, nbytes)
-            except FrameError as e:
-                self._damaged(key, e, on_damaged)
-                continue
-            if entry is not None:
-                yield entry
-
-    def iter_index_columns(
-        self, on_damaged: Callable[[bytes, FrameError], None] | None = None
-    ) -> Iterator[IndexColumns]:
-        """What ``iter_index`` gives, as columns, a chunk of records at a time (same order, same
-        checks, damaged records handed to ``on_damaged``): rebuilding the index of a million blocks
-        makes no per-record tuple and decodes the fixed fields with numpy."""
-        decoder = EntryDecoder()
-        after: bytes | None = None
-        while True:
-            keys, values = self._read(partial(self._columns, after=after))
-            if not keys:
-                return
-            cols = decoder.index_columns(keys, values)
-            for key, err in cols.damaged:
-                self._damaged(key, err, on_damaged)
-            yield cols
-            if len(keys) < _INDEX_CHUNK:
-                return
-            after = keys[-1]
-
-    def _columns(self, txn: lmdb.Transaction, after: bytes | None) -> tuple[list[bytes], list[bytes]]:
-        """Up to _INDEX_CHUNK keys and values of the records db after ``after`` (from the start if None)."""
-        cur = txn.cursor(db=self._records)
-        if not (cur.first() if after is None else cur.set_range(after)):
-            return [], []
-        if after is not None and cur.key() == after and not cur.next():
-            return [], []
-        # without buffers=True, lmdb hands out bytes
-        pairs = cast(list[tuple[bytes, bytes]], list(islice(cur.iternext(), _INDEX_CHUNK)))
-        return [k for k, _ in pairs], [v for _, v in pairs]
-
-    def _damaged(
-        self, key: bytes, err: FrameError, on_damaged: Callable[[bytes, FrameError], None] | None
-    ) -> None:
-        if on_damaged is None:
-            log.warning("nvme store %s: record of %s is damaged: %s", self.path, key.hex(), err)
-        else:
-            on_damaged(key, err)
-
-    def _entries(self) -> Iterator[tuple[bytes, bytes]]:
-        """Every (key, records value), in chunks of _CHUNK per read transaction."""
-        after: bytes | None = None
-        while True:
-            chunk = self._read(partial(self._chunk, after=after))
-            yield from chunk
-            if len(chunk) < _CHUNK:
-                return
-            after = chunk[-1][0]
-
-    def _chunk(self, txn: lmdb.Transaction, after: bytes | None) -> list[tuple[bytes, bytes]]:
-        """Up to _CHUNK (key, value) pairs of the records db after ``after`` (from the start if None)."""
-        cur = txn.cursor(db=self._records)
-        if after is None:
-            if not cur.first():
-                return []
-        else:
-            if not cur.set_range(after):
-                return []
-            if cur.key() == after and not cur.next():
-                return []
-        # without buffers=True, lmdb hands out bytes
-        return cast(list[tuple[bytes, bytes]], list(islice(cur.iternext(), _CHUNK)))
-
-    # -- sessions and namespaces --------------------------------------------------------
-    def _put_map(self, db: Any, name: str, info: dict[str, Any], what: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise KVStoreError(f"{what} name must be a non-empty string, got {name!r}")
-        value = msgpack.packb(info, use_bin_type=True)
-        key = name.encode()
-
-        def txn_put(txn: lmdb.Transaction) -> None:
-            self._admit(txn, self._value_cost(len(value)), self._cost_in(txn, db, key))
-            txn.put(key, value, db=db)
-
-        self._write(txn_put)
-
-    def _cost_in(self, txn: lmdb.Transaction, db: Any, key: bytes) -> int:
-        old = txn.get(key, db=db)
-        return self._value_cost(len(old)) if old is not None else 0
-
-    def _iter_map(self, db: Any, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Every row of ``db`` that decodes as a map; a damaged one is logged, skipped and deleted
-        once the rows are read: one bad row must not keep the store from opening."""
-        items = self._read(lambda txn: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db).iternext()])
-        damaged = []
-        for key, value in items:
-            name = key.decode(errors="replace")
-            try:
-                info = msgpack.unpackb(value, raw=False)
-            except (ValueError, msgpack.UnpackException) as e:
-                info = e
-            if not isinstance(info, dict):
-                log.warning("nvme: the %s row %r is damaged (%s); it is dropped", what, name, info)
-                damaged.append(key)
-                continue
-            yield name, info
-        if damaged:
-            self._write(lambda txn: [txn.delete(k, db=db) for k in damaged], frees=True)
-
-    def put_session(self, name: str, info: dict[str, Any]) -> None:
-        """Store (or replace) a session's info (msgpack-able map). TierFull when out of room."""
-        self._put_map(self._sessions, name, info, "session")
-
-    def drop_session(self, name: str) -> bool:
-        """Forget a session; whether it was there."""
-        return self._write(lambda txn: bool(txn.delete(name.encode(), db=self._sessions)), frees=True)
-
-    def iter_sessions(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(name, info) of every stored session (a snapshot)."""
-        return self._iter_map(self._sessions, "session")
-
-    def put_namespace(self, ns_id: str, ns: dict[str, Any]) -> None:
-        """Store a namespace's description (``Namespace.to_dict()``) under its id."""
-        self._put_map(self._namespaces, ns_id, ns, "namespace")
-
-    def iter_namespaces(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(ns id, description) of every stored namespace (a snapshot)."""
-        return self._iter_map(self._namespaces, "namespace")
-
-    def access_slot(self, slot: float) -> float:
-        """The access-time slot to restore this store's records with, now that ``slot`` is the one in
-        force: the largest any run used (a record's access time lags its last read by up to the slot
-        it was written under, and a run with a shorter TTL has a shorter one), kept as that from now
-        on. Every slot is at most 10 minutes: that much is the most a block may outlive its TTL."""
-        meta = self._env.dbs["meta"]
-        stored = self._read(lambda txn: txn.get(_SLOT, db=meta))
-        try:
-            before = float(bytes(stored).decode()) if stored is not None else 0.0
-        except (UnicodeDecodeError, ValueError):  # not ours to trust: the longest a slot is
-            before = 600.0
-        most = max(slot, before if math.isfinite(before) and before > 0 else 0.0)
-        if most != before:
-            self._write(lambda txn: txn.put(_SLOT, repr(most).encode(), db=meta))
-        return most
 
     # -- lifecycle --------------------------------------------------------------------
     def sync(self) -> None:

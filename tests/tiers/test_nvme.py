@@ -577,7 +577,7 @@ def test_iter_index_matches_iter_records(tier: NvmeTier) -> None:
 
 
 def test_index_columns_match_iter_index(tier: NvmeTier, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvstore.tiers.nvme._INDEX_CHUNK", 3)  # 7 entries: three chunks
+    monkeypatch.setattr("kvstore.tiers.nvme_records._INDEX_CHUNK", 3)  # 7 entries: three chunks
     for i in range(6):
         tier.put(key(i), block(i), record(i, sessions=("a",) if i % 2 else ()))
     tier.put(key(50), block(50))  # no record: in neither
