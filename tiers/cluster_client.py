@@ -27,6 +27,7 @@ A connection in RESP3, or one whose socket redis-py does not expose, is read thr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -264,3 +265,8 @@ def out_of_memory(result: object) -> bool:
     return isinstance(result, Exception) and (
         type(result).__name__ == "OutOfMemoryError" or "OOM" in str(result) or "maxmemory" in str(result)
     )
+
+
+def ttl_ms(seconds: float) -> int | None:
+    """A TTL in milliseconds, as SET PX and PEXPIRE take it; None for no expiry (``ttl = "never"``)."""
+    return None if math.isinf(seconds) else max(1, int(seconds * 1000))
