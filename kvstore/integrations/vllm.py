@@ -5,10 +5,11 @@
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"endpoint": "ipc:///run/kvstore/kvstore.sock"}}'
 
-Scheduler side: ``get_num_new_matched_tokens`` asks the daemon how much of a request's prompt it
-holds (a lookup: no side effects, asked once per request; the last prompt token is always left to
-compute). The step's metadata then tells the workers which tokens to load into which of vLLM's
-blocks, and which newly computed full blocks to save.
+Scheduler side: ``get_num_new_matched_tokens`` asks the daemon how much of a request's tokens it
+holds (its prompt; resumed after a preemption, its output so far too. A lookup: no side effects,
+asked once each time the request waits to be scheduled; the last token is always left to compute).
+The step's metadata then tells the workers which tokens to load into which of vLLM's blocks, and
+which newly computed full blocks to save.
 
 Loads are asynchronous in vLLM's terms (``get_num_new_matched_tokens`` says so): vLLM gives the
 request its blocks and leaves it waiting (WAITING_FOR_REMOTE_KVS); each worker queues the load to

@@ -2,7 +2,7 @@
 finds in kvstore, the loads vLLM waits for, and the saves of what scheduled requests compute, handed
 to the workers as each step's metadata::
 
-    get_num_new_matched_tokens   a lookup, once per request (the last prompt token is always computed)
+    get_num_new_matched_tokens   a lookup, once per request (the last token is always computed)
     update_state_after_alloc     the blocks vLLM gave a load
     build_connector_meta         the step's loads, saves and preemptions, for the workers
     update_connector_output      a load's failed blocks cut its request's hit
@@ -47,10 +47,13 @@ class Tracked:
 
 
 def _token_ids(request: Any) -> list[int] | None:
-    """The request's prompt token ids, or None when they do not name its K/V."""
+    """The request's token ids so far (its prompt; a request resumed after a preemption, its output
+    too: saved with ``save_outputs``, and loaded rather than computed again), or None when they do
+    not name its K/V."""
     if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
         return None
-    return getattr(request, "prompt_token_ids", None)
+    tokens = getattr(request, "all_token_ids", None)
+    return tokens if tokens is not None else getattr(request, "prompt_token_ids", None)
 
 
 def _session(request: Any) -> str | None:
@@ -102,7 +105,7 @@ class SchedulerSide:
                     # named once per request (a walk of its adapter's files): the save uses this name
                     variant = self._variant_of[rid] = self._clients.variant(request)
                     client = self._clients.get(variant, "lookup")
-                    # the last prompt token is always computed: its logits start the answer; past the
+                    # the last token is always computed: its logits give the next one; past the
                     # daemon's max_tokens_per_request only the first ones are asked for (still a hit)
                     ask = tokens[: min(len(tokens) - 1, self._clients.token_limit(client))]
                     hit = client.lookup(ask).matched_tokens

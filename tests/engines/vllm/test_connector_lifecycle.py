@@ -54,6 +54,30 @@ def test_a_request_resumed_among_the_new_ones_loads_what_it_saved_and_gives_its_
     e.worker.c.shutdown()
 
 
+def test_a_request_resumed_after_a_preemption_loads_the_output_it_saved_not_its_prompt_alone(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ "a" (a 40-token prompt) decodes past two kvstore blocks, its output saved as it goes; it is
+    preempted and vLLM's prefix cache emptied. Resumed, it is looked up with its output: [0, 64) is
+    loaded (prompt and output), where a lookup of its prompt alone found one block."""
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    e.sched.use_v2_model_runner = True  # resumed requests come back in scheduled_new_reqs
+    e.add(request(U, prompt(40, 49), "a", max_tokens=60))
+    a = e.requests["a"]
+    while len(a.all_token_ids) < 72:  # 71 computed: [0, 64) saved
+        e.step()
+    check = check_client(e)
+    assert wait_until(lambda: check.lookup(list(a.all_token_ids)).matched_tokens == 64, 10)
+    assert e.sched.reset_prefix_cache(reset_running_requests=True)  # "a" preempted
+    e.run()
+    assert a.num_preemptions == 1 and e.worker.loads == [("a", 0, 64)]
+    assert not e.over_missing and a.is_finished()
+    assert_holds(check, list(a.all_token_ids), 96)
+    e.worker.c.shutdown()
+
+
 def test_a_request_resumed_after_its_queued_save_was_dropped_saves_from_what_kvstore_holds(
     setup: Any,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
