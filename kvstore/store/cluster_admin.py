@@ -3,7 +3,7 @@ tier built from ``[cluster]``.
 
 ::
 
-    session(S) on host B     S unknown here -> its record in the cluster -> the blocks the cluster holds
+    session(S) on host B     S unknown here -> its record in the cluster -> its blocks, here or in the cluster
     prefetch(S) on host B    S unknown here -> get(S's tokens): read from the cluster, put here; S known here
     evict --tier cluster     the cluster's copies of the blocks selected on this host
     evict --session S        S's own blocks in the cluster (not those another session builds on), its record
@@ -72,24 +72,41 @@ class ClusterAdmin:
         return None if d is None else _session(d)
 
     def session_detail(self, name: str) -> SessionDetail | None:
-        """Session ``name`` from the cluster, with the leading blocks the cluster still holds."""
+        """Session ``name`` as another host recorded it in the cluster: each of its blocks from the
+        first, with where it is (this host's tiers, for a prefix this host holds too, and the
+        cluster), up to the first block held nowhere (lookups are prefix-closed)."""
         d = self.find_session(name)
         if d is None:
             return None
         ns, keys = d["ns"], d["keys"]
-        held = self.cluster.leading(keys)
+        try:
+            there = self.cluster.exists(keys)
+        except ClusterUnavailable:  # gone since find_session answered: this host's copies alone
+            there = [False] * len(keys)
+        blocks = []
+        with self._lock:
+            for i, (k, held) in enumerate(zip(keys, there, strict=True)):
+                e = self._index.get(k)
+                tiers = [] if e is None else [self._tiers.names[t] for t in e.tier_list()]
+                tiers += ["cluster"] if held else []
+                if not tiers:
+                    break
+                blocks.append(BlockInfo(i, k.hex(), tiers, d["updated"] if e is None else e.last_access))
+        counts: dict[str, int] = {}
+        for b in blocks:
+            for t in b.tiers:
+                counts[t] = counts.get(t, 0) + 1
         info = SessionInfo(
             name=name,
             namespace=ns.id,
             model=ns.model,
             tenant=ns.tenant,
             tokens=len(keys) * ns.layout.block_tokens,
-            blocks=held,
-            tiers={"cluster": held},
+            blocks=len(blocks),
+            tiers=counts,
             created=d["updated"],
-            last_access=d["updated"],
+            last_access=max([d["updated"], *(b.last_access for b in blocks)]),
         )
-        blocks = [BlockInfo(i, k.hex(), ["cluster"], d["updated"]) for i, k in enumerate(keys[:held])]
         return SessionDetail(info=info, blocks=blocks)
 
     def evict(

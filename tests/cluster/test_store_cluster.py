@@ -198,13 +198,37 @@ def test_a_session_from_the_cluster_is_prefetched_from_its_root(host: HostFactor
     assert b.lookup(NS, toks).tiers == ["cluster"] * 6  # nothing was stored, nothing recorded
     first = b.prefetch("S", "ram", max_blocks=3)
     assert (first.moved, first.present, first.failed, first.remaining) == (3, 0, 0, 3)
-    assert b.session("S").info.tiers == {"cluster": 6}  # not this host's yet: its tail is not here
+    # not this host's session yet (its tail is not here): shown from the cluster's record, with the
+    # blocks this host holds now
+    assert b.session("S").info.tiers == {"hbm": 3, "cluster": 6}
     rest = b.prefetch("S", "ram", start_block=3)
     assert (rest.moved, rest.present, rest.failed, rest.remaining) == (3, 0, 0, 0)
     assert b.session("S").info.tiers["hbm"] == 6 and b.lookup(NS, toks).tiers == ["hbm"] * 6
     # past its end: nothing to do, nothing remaining (a cluster-only session answered -4 here)
     past = host("c").prefetch("S", "ram", start_block=10)
     assert (past.moved, past.failed, past.remaining) == (0, 0, 0)
+
+
+def test_a_session_another_host_stored_is_shown_with_the_blocks_this_host_holds_too(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # B computed the first two blocks itself: inspect showed the session's blocks in the cluster
+    # alone, and none at all once the cluster lost its first block, though B could serve them
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(16, seed=31)
+    a.put(NS, toks, x, session="conv-1")
+    written(a, 4)
+    b.put(NS, toks[: 2 * T], x[:, :, : 2 * T])
+    d = b.session("conv-1")
+    assert [blk.tiers for blk in d.blocks] == [["hbm", "cluster"]] * 2 + [["cluster"]] * 2
+    assert d.info.blocks == 4 and d.info.tiers == {"hbm": 2, "cluster": 4}
+    key = a._cluster.cluster.block_key(_keys(toks)[0])  # type: ignore[union-attr]
+    assert rc.node(rc.master_of(key)).delete(key) == 1
+    d = b.session("conv-1")
+    assert [blk.tiers for blk in d.blocks] == [["hbm"], ["hbm", "cluster"], ["cluster"], ["cluster"]]
+    key = a._cluster.cluster.block_key(_keys(toks)[2])  # type: ignore[union-attr]
+    assert rc.node(rc.master_of(key)).delete(key) == 1
+    assert b.session("conv-1").info.blocks == 2  # the blocks after one held nowhere are out of reach
 
 
 def test_evict_reaches_the_cluster_copies(host: HostFactory) -> None:
