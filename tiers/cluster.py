@@ -72,6 +72,7 @@ class ClusterCounters:
     corrupt: int = 0  # values that failed a check (deleted)
     errors: int = 0  # calls that failed (connection, time-out, cluster down)
     deleted: int = 0  # values deleted on request (evict)
+    kept_evicted: int = 0  # copies held here that an operator evicted from the cluster: not written back
 
 
 class ClusterTier(ClusterSessions):
@@ -238,54 +239,62 @@ class ClusterTier(ClusterSessions):
         found = self._call("refresh", lambda c: self._pipeline(c, "pexpire", keys, time=px))
         return [k for k, f in zip(keys, found, strict=True) if not (f is True or f == 1)]
 
-    def store(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        """SET each ``(key, value)`` with the TTL, and clear its evicted mark (a block written after
-        an evict is the fleet's again); returns how many were stored. A refusal for
-        memory (maxmemory) is counted in ``write_refused``; ClusterUnavailable on an outage, also
-        when a node failed its part alone (a time-out in the pipeline: the caller's blocks are then
-        not written, and must be taken for dropped)."""
+    def store(self, items: Sequence[tuple[bytes, bytes]], *, again: bool = False) -> int:
+        """SET each ``(key, value)`` with the TTL; returns how many were stored. A block written
+        afresh (a put brought it to a host that did not hold it) clears its evicted mark: it is the
+        fleet's again. One written ``again`` (a copy a host holds, sent back because the cluster lost
+        it; the caller checked its mark just before) leaves a mark alone: one an evict set since
+        keeps the fleet from writing it back for good. A refusal for memory (maxmemory) is counted in
+        ``write_refused``; ClusterUnavailable on an outage, also when a node failed its part alone
+        (a time-out in the pipeline: the caller's blocks are then not written, and must be taken for
+        dropped)."""
 
         def run(c: Any) -> int:
             pipe = c.pipeline(transaction=False)
             for k, v in items:
                 pipe.set(self.block_key(k), v, px=ttl_ms(self.ttl))
-                pipe.delete(self.evicted_key(k))
+                if not again:
+                    pipe.delete(self.evicted_key(k))
             answers = list(pipe.execute(raise_on_error=False))
-            results, cleared = answers[0::2], answers[1::2]
-            ok = sum(1 for r in results if r is True)
-            refused = sum(1 for r in results if out_of_memory(r))
-            with self._lock:
-                self.counters.written += ok
-                self.counters.write_refused += refused
+            results, cleared = (answers, []) if again else (answers[0::2], answers[1::2])
             failed = [r for r in results if r is not True and not out_of_memory(r)]
             failed += [r for r in cleared if isinstance(r, Exception)]
-            if failed:  # counted in errors, and the tier marked down, by _call
-                err = failed[0]
+            if failed:  # counted in errors, and the tier marked down, by _call; nothing counted as
+                err = failed[0]  # written: the caller takes the blocks for dropped
                 raise err if isinstance(err, Exception) else RuntimeError(f"SET answered {err!r}")
+            ok = sum(1 for r in results if r is True)
+            with self._lock:
+                self.counters.written += ok
+                self.counters.write_refused += len(results) - ok
             return ok
 
         return int(self._call("write", run))
 
-    def delete(self, keys: Sequence[bytes]) -> int:
-        """Delete the blocks under ``keys`` (an operator's evict), leaving each an evicted mark that
-        lives as long as a block would (``ttl``): a host that holds a copy and finds the cluster's
-        gone takes it for evicted, not lost, and does not write it back (``evicted``); a put that
-        brings the block to a host that did not hold it writes it, and clears the mark. A mark the
-        cluster refuses for memory is left out (the blocks go all the same). Returns how many
-        blocks existed. ClusterUnavailable on an outage."""
+    def delete(self, keys: Sequence[bytes], *, mark: bool = False) -> int:
+        """Delete the blocks under ``keys``; returns how many existed. ClusterUnavailable on an outage.
+
+        ``mark`` (an operator's evict): each first gets an evicted mark that lives as long as a block
+        would (``ttl``; MARK_TTL_NEVER when blocks never expire), so that a host that holds a copy and
+        finds the cluster's gone takes it for evicted, not lost, and does not write it back
+        (``evicted``); a put that brings the block to a host that did not hold it writes it, and
+        clears the mark. The marks go first: an evict that fails half-way has marked what it
+        deleted, and a host that finds a block gone finds its mark too. A mark the cluster refuses
+        for memory is left out (its block goes all the same). A damaged value is deleted unmarked:
+        a host that holds the block writes it back."""
         if not keys:
             return 0
 
         def run(c: Any) -> list[Any]:
-            found = self._pipeline(c, "delete", keys)
-            pipe = c.pipeline(transaction=False)
-            for k in keys:
-                pipe.set(self.evicted_key(k), b"", px=ttl_ms(self.ttl))
-            marked = list(pipe.execute(raise_on_error=False))
-            failed = [r for r in marked if isinstance(r, Exception) and not out_of_memory(r)]
-            if failed:  # a node down or moving: as any failed call (the evict is reported not done)
-                raise failed[0]
-            return found
+            if mark:
+                px = ttl_ms(self.ttl) or ttl_ms(MARK_TTL_NEVER)
+                pipe = c.pipeline(transaction=False)
+                for k in keys:
+                    pipe.set(self.evicted_key(k), b"", px=px)
+                marked = list(pipe.execute(raise_on_error=False))
+                failed = [r for r in marked if isinstance(r, Exception) and not out_of_memory(r)]
+                if failed:  # a node down or moving: as any failed call (nothing deleted yet)
+                    raise failed[0]
+            return self._pipeline(c, "delete", keys)
 
         found = self._call("delete", run)
         return sum(int(f) for f in found if isinstance(f, int))
@@ -370,6 +379,8 @@ class ClusterTier(ClusterSessions):
                 **asdict(self.counters),
             }
 
+
+MARK_TTL_NEVER = 7 * 86400.0  # an evicted mark's TTL where blocks never expire (ttl = "never")
 
 # The single-key commands ``_pipeline`` sends with ``by_node``: op -> the command for one key.
 _READS: dict[str, Callable[..., tuple[Any, ...]]] = {

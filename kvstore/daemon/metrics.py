@@ -357,6 +357,11 @@ _CLUSTER_COUNTERS = (
     ),
     ("write_refused", "kvstore_cluster_refused_blocks", "Blocks the cluster refused for memory (maxmemory)"),
     (
+        "kept_evicted",
+        "kvstore_cluster_kept_evicted_blocks",
+        "Blocks held here that an operator evicted from the cluster: not written back to it",
+    ),
+    (
         "errors",
         "kvstore_cluster_errors",
         "Calls to the cluster that failed (connection, time-out, cluster down)",

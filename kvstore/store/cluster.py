@@ -98,6 +98,12 @@ class ClusterLink:
         # was sent, and what an outage kept from it): asked about on the cluster thread (``_verify``)
         self._unknown: OrderedDict[bytes, None] = OrderedDict()
         self._records_due: dict[str, None] = {}  # sessions whose record's TTL is due (see _touch_records)
+        # blocks queued to be written back (held here, and not new to this host: lost by the cluster,
+        # or dropped before): their evicted marks are checked before each is written (``_write``)
+        self._again: set[bytes] = set()
+        # blocks an operator evicted from the cluster (newest REFRESH_MEMORY): this host writes them
+        # back no more, nor asks about them, until a put brings them here afresh
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()
         self._records_refreshed: OrderedDict[str, float] = OrderedDict()  # when each was last due
 
     # -- writes -----------------------------------------------------------------------
@@ -111,6 +117,10 @@ class ClusterLink:
         the blocks after it would be unreachable in the cluster."""
         keys = new
         again: set[bytes] = set()
+        if self._evicted and new:  # new here: written afresh, whatever an operator evicted before
+            with self._unsent_lock:
+                for k in new:
+                    self._evicted.pop(k, None)
         self._check_held(new, touched)
         if self._unsent and touched:  # (cheap while nothing was dropped: a put costs no more than before)
             chain = self._ancestors(touched[0]) + list(touched)
@@ -119,6 +129,7 @@ class ClusterLink:
                 for k in again:
                     del self._unsent[k]
                 self._resent |= again
+                self._again |= again - set(new)
             if again:
                 fresh = set(new)
                 keys = [k for k in chain if k in again or k in fresh]
@@ -140,7 +151,13 @@ class ClusterLink:
         with self._unsent_lock:
             idle = not self._unknown
             for k in touched:
-                if k in fresh or k in self._there or k in self._unsent or k in self._refused_codec:
+                if (
+                    k in fresh
+                    or k in self._there
+                    or k in self._unsent
+                    or k in self._refused_codec
+                    or k in self._evicted
+                ):
                     continue
                 self._unknown[k] = None
             while len(self._unknown) > UNSENT_LIMIT:  # the oldest are asked about at a later put
@@ -243,9 +260,12 @@ class ClusterLink:
     def forget(self, keys: Sequence[bytes]) -> None:
         """``keys``' cluster copies are deleted on purpose (an operator's evict, here or on another
         host): not lost, so this host writes none of them again (``_write_again``), nor sends those
-        it had not sent yet."""
+        it had not sent yet, or had queued, until a put brings them here afresh."""
         with self._unsent_lock:
             for k in keys:
+                self._evicted[k] = None
+                self._evicted.move_to_end(k)
+                self._again.discard(k)
                 self._there.pop(k, None)
                 self._refreshed.pop(k, None)
                 self._refresh_due.pop(k, None)
@@ -253,6 +273,8 @@ class ClusterLink:
                 self._refused_codec.pop(k, None)
                 self._unsent.pop(k, None)
                 self._resent.discard(k)
+            while len(self._evicted) > REFRESH_MEMORY:
+                self._evicted.popitem(last=False)
 
     def _set(self, keys: Sequence[bytes]) -> None:
         """``keys``' cluster copies have their TTL from now (written, or read with GETEX)."""
@@ -319,21 +341,14 @@ class ClusterLink:
         self._send_held(lost)
 
     def _send_held(self, keys: Sequence[bytes]) -> None:
-        """(The cluster thread.) Queue those of ``keys`` this host still holds and no operator evicted
-        from the cluster (a host's evict leaves marks: ``ClusterTier.delete``; such blocks are
-        forgotten here, as on the host that ran it); those the full queue refuses are dropped
-        (counted), to go with the next put of them."""
+        """(The cluster thread.) Queue those of ``keys`` this host still holds, to be written back
+        unless an operator evicted them from the cluster meanwhile (``_write`` checks); those the full
+        queue refuses are dropped (counted), to go with the next put of them."""
         with self._lock:
             held = [k for k in keys if self._index.get(k) is not None]
         if held:
-            try:
-                evicted = self.cluster.evicted(held)
-            except ClusterUnavailable:  # not written either: to go with the next put of them
-                self._dropped(held)
-                return
-            self.forget([k for k, gone in zip(held, evicted, strict=True) if gone])
-            held = [k for k, gone in zip(held, evicted, strict=True) if not gone]
-        if held:
+            with self._unsent_lock:
+                self._again.update(held)
             refused = self._writer.submit(held, 0.0)
             if refused:
                 self._dropped(refused)
@@ -365,6 +380,7 @@ class ClusterLink:
             for k in keys:
                 self._unsent[k] = None
                 self._resent.discard(k)
+                self._again.discard(k)  # (written back as such when sent again: see ``submit``)
             while len(self._unsent) > UNSENT_LIMIT:  # the oldest are forgotten first
                 del self._unsent[next(iter(self._unsent))]
 
@@ -421,6 +437,10 @@ class ClusterLink:
         with self._unsent_lock:  # sent again after a drop: that drop was counted
             counted = frozenset((key,)) if key in self._resent else frozenset()
             self._resent.discard(key)
+            again = key in self._again
+            self._again.discard(key)
+            if key in self._evicted:  # an operator evicted it from the cluster since it was queued
+                return
         for _ in range(3):  # a demotion may move the copy between finding and reading it
             with self._lock:
                 e = self._index.get(key)
@@ -445,7 +465,12 @@ class ClusterLink:
         else:
             return
         try:
-            stored = self.cluster.store([(key, pack_value(rec, frame))])
+            # a block written back: not if an operator evicted it (its mark, checked last thing)
+            if again and self.cluster.evicted([key])[0]:
+                self.forget([key])
+                self.cluster.count(kept_evicted=1)
+                return
+            stored = self.cluster.store([(key, pack_value(rec, frame))], again=again)
         except ClusterUnavailable:
             self._dropped([key], counted)
             return

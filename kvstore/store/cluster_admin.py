@@ -178,7 +178,7 @@ class ClusterAdmin:
                 )
             if not dry_run:
                 self._forget(present)
-                self.cluster.count(deleted=self.cluster.delete(present))
+                self.cluster.count(deleted=self.cluster.delete(present, mark=True))
                 if session is not None and not foreign and within is None and not keep_record:
                     self.cluster.drop_session(session)
         except ClusterUnavailable as e:

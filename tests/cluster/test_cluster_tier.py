@@ -15,7 +15,7 @@ from kvstore.config import load_config
 from kvstore.errors import ConfigError, FrameError
 from kvstore.record import BlockRecord
 from kvstore.store.cluster_admin import cluster_from_config
-from kvstore.tiers.cluster import ClusterUnavailable
+from kvstore.tiers.cluster import MARK_TTL_NEVER, ClusterUnavailable
 from kvstore.tiers.cluster_client import by_node, open_client
 from kvstore.tiers.cluster_format import ClusterNodes, TlsFiles, pack_value, record_of, unpack_value
 from tests.cluster.conftest import ClusterFactory
@@ -106,13 +106,16 @@ def test_blocks_round_trip_with_a_ttl_refreshed_on_read(
     node.pexpire(c.block_key(keys[0]), 5_000)
     assert c.fetch(keys[:1] + [b"\x09" * 32]) == [items[0][1], None]
     assert node.pttl(c.block_key(keys[0])) > 50_000  # the read refreshed it
-    assert c.delete(keys[:2]) == 2 and c.leading(keys) == 0
+    assert c.delete(keys[:2], mark=True) == 2 and c.leading(keys) == 0
+    assert c.delete(keys[2:3]) == 1  # (a damaged value: deleted unmarked)
     # the key names a block by its hash alone: no token id, no session name in the clear
     assert all(k[:10] in (b"kvstore:b:", b"kvstore:e:") and len(k) == 10 + 64 for k in rc.keys())
-    # each deleted block left a mark that lives as long as a block would; a write of it clears it
-    assert c.evicted(keys[:3]) == [True, True, False]
+    # each block an evict deleted left a mark that lives as long as a block would
+    assert c.evicted(keys[:4]) == [True, True, False, False]
     mark = c.evicted_key(keys[0])
     assert 50_000 < rc.node(rc.master_of(mark)).pttl(mark) <= 60_000
+    # a block written back leaves the mark alone; one written afresh clears it
+    assert c.store(items[1:2], again=True) == 1 and c.evicted(keys[:2]) == [True, True]
     assert c.store(items[:1]) == 1 and c.evicted(keys[:2]) == [False, True]
 
 
@@ -133,6 +136,10 @@ def test_a_ttl_of_never_writes_and_reads_values_that_do_not_expire(
     assert node.pttl(c.block_key(keys[0])) == -1
     c.put_session("s", {"ns": "x"})
     assert c.get_session("s") is not None
+    # an evict's marks expire all the same (else they would pile up for good)
+    assert c.delete(keys[:1], mark=True) == 1
+    mark = c.evicted_key(keys[0])
+    assert 0 < rc.node(rc.master_of(mark)).pttl(mark) <= MARK_TTL_NEVER * 1000
 
 
 def test_reads_go_straight_to_the_nodes_and_a_moved_slot_falls_back_to_the_cluster_pipeline(

@@ -184,8 +184,9 @@ def test_a_daemon_that_stops_answering_holds_the_scheduler_up_for_a_lookup_time_
     try:
         waited = []
         for i in range(2):
+            r = request(U, prompt(100, 72 + i), f"r{i}")
             t0 = time.monotonic()
-            assert c.get_num_new_matched_tokens(request(U, prompt(100, 72 + i), f"r{i}"), 0) == (0, False)
+            assert c.get_num_new_matched_tokens(r, 0) == (0, False)
             waited.append(time.monotonic() - t0)
     finally:
         started[0].proc.send_signal(signal.SIGCONT)
