@@ -189,6 +189,8 @@ def _cluster_line(cl: Mapping[str, Any]) -> str:
         f" (sessions {format_count(cl.get('session_dropped'))})  "
         f"refused (full) {format_count(cl.get('write_refused'))}  errors {format_count(cl.get('errors'))}"
     )
+    if cl.get("kept_evicted"):  # (a daemon of an earlier build reports none)
+        line += f"  kept (evicted there) {format_count(cl['kept_evicted'])}"
     if cl.get("last_error"):
         line += f"\n  last error: {printable(cl['last_error'])}"
     return line

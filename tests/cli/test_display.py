@@ -143,6 +143,20 @@ def test_render_stats() -> None:
     assert off == "shared memory: off (clients use the socket)"
 
 
+def test_render_stats_of_the_cluster_tier() -> None:
+    cluster = {"state": "up", "nodes": "3 seeds", "written": 9, "queue": 0, "write_dropped": 1}
+    store = {**STATS["store"], "cluster": cluster}
+    line = next(
+        ln for ln in display.render_stats({**STATS, "store": store}).splitlines() if ln.startswith("cluster")
+    )
+    assert line.startswith("cluster: up (3 seeds); written 9  queued 0  dropped 1") and "kept" not in line
+    store["cluster"] = {**cluster, "kept_evicted": 4}  # copies held here that an evict took from the cluster
+    line = next(
+        ln for ln in display.render_stats({**STATS, "store": store}).splitlines() if ln.startswith("cluster")
+    )
+    assert line.endswith("kept (evicted there) 4")
+
+
 def test_render_sessions_most_recent_first() -> None:
     sessions = [
         {
