@@ -359,7 +359,7 @@ _CLUSTER_COUNTERS = (
     (
         "kept_evicted",
         "kvstore_cluster_kept_evicted_blocks",
-        "Blocks held here that an operator evicted from the cluster: not written back to it",
+        "Write-backs of blocks held here not sent: an operator evicted them from the cluster",
     ),
     (
         "errors",

@@ -10,7 +10,9 @@ cluster_reads.py's, which this link holds.
              session --> [ newest record per session, bounded ] -------> SET session record
     served here, or read from the cluster --> TTLs of blocks and session records set anew (batched)
 
-Operator calls on the cluster (sessions of other hosts, evict, prefetch) are in cluster_admin.py.
+The TTL refreshes and the write-backs of what the cluster lost are cluster_upkeep.py's (a part of
+this link); operator calls on the cluster (sessions of other hosts, evict, prefetch) are in
+cluster_admin.py.
 
 A block the cluster sent is not written back to it (the store's put of it says
 so). The store calls in here without its lock held; ``write`` takes it only to
@@ -20,12 +22,10 @@ find a block.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from itertools import islice
 from typing import Any
 
 from kvstore.codecs import read_header
@@ -35,6 +35,7 @@ from kvstore.keys import Namespace
 from kvstore.record import BlockRecord
 from kvstore.results import PutResult
 from kvstore.store.cluster_reads import ClusterReads
+from kvstore.store.cluster_upkeep import REFRESH_MEMORY, UNSENT_LIMIT, ClusterUpkeep
 from kvstore.store.parts import StoreParts
 from kvstore.store.writer import WriteThrough
 from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable
@@ -42,15 +43,10 @@ from kvstore.tiers.cluster_format import pack_value
 
 log = logging.getLogger(__name__)
 
-REFRESH_SHARE = 0.25  # a block served here has its cluster TTL set anew once this share of it has passed
-REFRESH_MEMORY = 1 << 16  # blocks whose last refresh is remembered (~8 MB); the others are refreshed again
-REFRESH_BATCH = 256  # TTLs set in one round trip
-RECHECK = 4096  # blocks known to be in the cluster last, looked up again once it is back after being down
-UNSENT_LIMIT = 1 << 16  # dropped blocks remembered to send again (2 MiB of keys, ~7 MB as Python objects)
 RECORDS_BYTES = 64 << 20  # session records waiting hold at most this many bytes of keys and token ids
 
 
-class ClusterLink:
+class ClusterLink(ClusterUpkeep):
     """Write-through to ``cluster`` on a thread of its own, and reads from it for the store."""
 
     def __init__(
@@ -79,7 +75,9 @@ class ClusterLink:
         self._reconnects = cluster.reconnects
         self._refused_codec: OrderedDict[bytes, None] = OrderedDict()  # blocks its codec cannot encode
         self._unsent_lock = threading.Lock()  # guards the two below
-        self._unsent: dict[bytes, None] = {}  # blocks dropped and not sent since (oldest first)
+        # blocks dropped and not sent since (oldest first) -> whether each was a write-back (a copy
+        # held here, not new to this host when it was queued)
+        self._unsent: dict[bytes, bool] = {}
         self._resent: set[bytes] = set()  # blocks of _unsent queued again (their drop was counted)
         self._records: dict[str, dict[str, Any]] = {}  # session records waiting (oldest first)
         self._records_limit = queue
@@ -101,6 +99,9 @@ class ClusterLink:
         # blocks queued to be written back (held here, and not new to this host: lost by the cluster,
         # or dropped before): their evicted marks are checked before each is written (``_write``)
         self._again: set[bytes] = set()
+        # blocks queued new to this host (a put brought them): written, and their marks cleared,
+        # whatever an operator evicted before
+        self._fresh: set[bytes] = set()
         # blocks an operator evicted from the cluster (newest REFRESH_MEMORY): this host writes them
         # back no more, nor asks about them, until a put brings them here afresh
         self._evicted: OrderedDict[bytes, None] = OrderedDict()
@@ -117,19 +118,26 @@ class ClusterLink:
         the blocks after it would be unreachable in the cluster."""
         keys = new
         again: set[bytes] = set()
-        if self._evicted and new:  # new here: written afresh, whatever an operator evicted before
-            with self._unsent_lock:
-                for k in new:
-                    self._evicted.pop(k, None)
+        with self._unsent_lock:  # new here: written afresh, whatever an operator evicted before
+            for k in new:
+                self._evicted.pop(k, None)
+                self._again.discard(k)
+            self._fresh.update(new)
         self._check_held(new, touched)
         if self._unsent and touched:  # (cheap while nothing was dropped: a put costs no more than before)
             chain = self._ancestors(touched[0]) + list(touched)
+            fresh = set(new)
             with self._unsent_lock:
                 again = {k for k in chain if k in self._unsent}
                 for k in again:
-                    del self._unsent[k]
+                    back = self._unsent.pop(k)
+                    if k in fresh:
+                        pass
+                    elif back:
+                        self._again.add(k)
+                    else:  # new here when it was dropped: as fresh now
+                        self._fresh.add(k)
                 self._resent |= again
-                self._again |= again - set(new)
             if again:
                 fresh = set(new)
                 keys = [k for k in chain if k in again or k in fresh]
@@ -141,102 +149,6 @@ class ClusterLink:
         refused = self._writer.submit(keys, 0.0)
         if refused:
             self._dropped(refused, again)
-
-    def _check_held(self, new: list[bytes], touched: Sequence[bytes]) -> None:
-        """Blocks of a put found held here (``touched`` less ``new``) whose presence in the cluster
-        this process does not know: queued for ``_verify``. After a restart every block is such a
-        block once: the blocks an outage kept from the cluster before it would else never go (no put
-        sends a block it holds), and other hosts miss the conversation from the first of them."""
-        fresh = set(new)
-        with self._unsent_lock:
-            idle = not self._unknown
-            for k in touched:
-                if (
-                    k in fresh
-                    or k in self._there
-                    or k in self._unsent
-                    or k in self._refused_codec
-                    or k in self._evicted
-                ):
-                    continue
-                self._unknown[k] = None
-            while len(self._unknown) > UNSENT_LIMIT:  # the oldest are asked about at a later put
-                self._unknown.popitem(last=False)
-            waiting = bool(self._unknown)
-        if idle and waiting:
-            self._writer.run_soon(self._verify)
-
-    def _verify(self) -> None:
-        """(The cluster thread.) Ask the cluster which of the blocks ``_check_held`` queued it holds:
-        those it holds are known from now on, those it lacks are written (held here still, and not on
-        their way already: queued for writing, or dropped and to go with the next put of them)."""
-        queued = self._writer.queued()  # none is being written: this is the writer's thread
-        while True:
-            with self._unsent_lock:
-                batch = list(islice(self._unknown, REFRESH_BATCH))
-                for k in batch:
-                    del self._unknown[k]
-            if not batch:
-                return
-            try:
-                found = self.cluster.exists(batch)
-            except ClusterUnavailable:  # asked again at a later put of them
-                return
-            with self._unsent_lock:
-                self._known_there([k for k, there in zip(batch, found, strict=True) if there])
-                absent = [
-                    k
-                    for k, there in zip(batch, found, strict=True)
-                    if not there and k not in queued and k not in self._unsent
-                ]
-            self._send_held(absent)
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Blocks served from this host's tiers: their cluster copies' TTL is set anew on the cluster
-        thread, each at most once per REFRESH_SHARE of the TTL. Only reads from the cluster refreshed
-        it: a prefix this host serves all day (a system prompt) expired for every other host, and
-        with it, lookups being prefix-closed, every conversation built on it."""
-        ttl = self.cluster.ttl
-        if not keys or not math.isfinite(ttl):
-            return
-        now, every = time.monotonic(), ttl * REFRESH_SHARE
-        with self._unsent_lock:
-            idle = not self._refresh_due
-            due = [k for k in keys if now - self._refreshed.get(k, -math.inf) >= every]
-            self._remember(due, now)
-            self._refresh_due.update(dict.fromkeys(due))
-            while len(self._refresh_due) > REFRESH_MEMORY:  # the cluster thread is behind: the oldest
-                self._refreshed.pop(self._refresh_due.popitem(last=False)[0], None)  # go, asked again later
-            waiting = bool(self._refresh_due)
-        if due:
-            with self._lock:  # the conversations this host knows that end at these blocks
-                names = [n for k in due for n in self._sessions.ending_at(k)]
-            self._touch_records(names)
-        if waiting and idle:
-            self._writer.run_soon(self._refresh)
-
-    def _touch_records(self, names: Sequence[str]) -> None:
-        """Sessions whose last block was just served (from this host's tiers, or read from the
-        cluster): their records' TTL is set anew on the cluster thread, each at most once per
-        REFRESH_SHARE of the TTL. A session's record lives as long as its blocks: one that expired
-        while they lived on lost the conversation for inspect and prefetch on other hosts, and for
-        evict of another session, which no longer saw that it builds on it."""
-        ttl = self.cluster.ttl
-        if not names or not math.isfinite(ttl):
-            return
-        now, every = time.monotonic(), ttl * REFRESH_SHARE
-        with self._unsent_lock:
-            due = [
-                n for n in dict.fromkeys(names) if now - self._records_refreshed.get(n, -math.inf) >= every
-            ]
-            for n in due:
-                self._records_refreshed[n] = now
-                self._records_refreshed.move_to_end(n)
-            while len(self._records_refreshed) > REFRESH_MEMORY:
-                self._records_refreshed.popitem(last=False)
-            self._records_due.update(dict.fromkeys(due))
-        if due:
-            self._writer.run_soon(self._refresh)
 
     def _unencodable(self, key: bytes, err: CodecError) -> None:
         """(The cluster thread.) Block ``key`` cannot go to the cluster (its codec refuses what the
@@ -262,19 +174,41 @@ class ClusterLink:
         host): not lost, so this host writes none of them again (``_write_again``), nor sends those
         it had not sent yet, or had queued, until a put brings them here afresh."""
         with self._unsent_lock:
+            self._forget(keys)
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        """(``_unsent_lock`` held.) See ``forget``."""
+        for k in keys:
+            self._evicted[k] = None
+            self._evicted.move_to_end(k)
+            self._again.discard(k)
+            self._fresh.discard(k)  # (queued by a put before the evict)
+            self._there.pop(k, None)
+            self._refreshed.pop(k, None)
+            self._refresh_due.pop(k, None)
+            self._unknown.pop(k, None)
+            self._refused_codec.pop(k, None)
+            self._unsent.pop(k, None)
+            self._resent.discard(k)
+        while len(self._evicted) > REFRESH_MEMORY:
+            self._evicted.popitem(last=False)
+
+    def _kept_evicted(self, key: bytes) -> None:
+        """(The cluster thread.) A write-back of ``key`` found its evicted mark: not written, and
+        known evicted here from now on (counted in ``kept_evicted``), unless a put brought the block
+        here afresh meanwhile (then written as such)."""
+        with self._unsent_lock:
+            if key in self._fresh:
+                return
+            self._forget([key])
+        self.cluster.count(kept_evicted=1)
+
+    def unforget(self, keys: Sequence[bytes]) -> None:
+        """An evict that ``forget`` was told of failed (the cluster went away): ``keys`` are not known
+        evicted after all (their marks, where set, are found by a write-back)."""
+        with self._unsent_lock:
             for k in keys:
-                self._evicted[k] = None
-                self._evicted.move_to_end(k)
-                self._again.discard(k)
-                self._there.pop(k, None)
-                self._refreshed.pop(k, None)
-                self._refresh_due.pop(k, None)
-                self._unknown.pop(k, None)
-                self._refused_codec.pop(k, None)
-                self._unsent.pop(k, None)
-                self._resent.discard(k)
-            while len(self._evicted) > REFRESH_MEMORY:
-                self._evicted.popitem(last=False)
+                self._evicted.pop(k, None)
 
     def _set(self, keys: Sequence[bytes]) -> None:
         """``keys``' cluster copies have their TTL from now (written, or read with GETEX)."""
@@ -283,75 +217,14 @@ class ClusterLink:
             self._known_there(keys)
 
     def _known_there(self, keys: Sequence[bytes]) -> None:
-        """(``_unsent_lock`` held.) ``keys`` are in the cluster (the newest REFRESH_MEMORY remembered)."""
+        """(``_unsent_lock`` held.) ``keys`` are in the cluster (the newest REFRESH_MEMORY remembered):
+        written, read, or found there; evicted before, they are the fleet's again."""
         for k in keys:
+            self._evicted.pop(k, None)
             self._there[k] = None
             self._there.move_to_end(k)
         while len(self._there) > REFRESH_MEMORY:
             self._there.popitem(last=False)
-
-    def _remember(self, keys: Sequence[bytes], now: float) -> None:
-        """(``_unsent_lock`` held.) ``keys`` had their cluster TTL set at ``now``."""
-        for k in keys:
-            self._refreshed[k] = now
-            self._refreshed.move_to_end(k)
-        while len(self._refreshed) > REFRESH_MEMORY:
-            self._refreshed.popitem(last=False)
-
-    def _refresh(self) -> None:
-        """(The cluster thread.) Set anew the TTL of the blocks ``touch`` found due, a batch at a time,
-        then of the session records ending at them."""
-        while True:
-            with self._unsent_lock:
-                batch = list(islice(self._refresh_due, REFRESH_BATCH))
-                for k in batch:
-                    del self._refresh_due[k]
-                names = [] if batch else list(self._records_due)
-                if not batch:
-                    self._records_due.clear()
-            if not batch:
-                if names:
-                    try:
-                        self.cluster.refresh_sessions(names)
-                    except ClusterUnavailable:  # refreshed at a later touch of their tails
-                        pass
-                return
-            try:
-                absent = self.cluster.refresh(batch)
-            except ClusterUnavailable:  # refreshed at a later touch instead
-                with self._unsent_lock:
-                    for k in batch:
-                        self._refreshed.pop(k, None)
-                continue
-            if absent:  # the cluster lost them (its maxmemory, a failover, an operator) while this
-                self._write_again(absent)  # host serves them: the blocks after them are unreachable
-
-    def _write_again(self, keys: Sequence[bytes]) -> None:
-        """(The cluster thread.) Queue for the cluster those of ``keys`` this host still holds: lookups
-        are prefix-closed, so a block the cluster lost hides every block after it from other hosts,
-        and no put of this host sends a block it holds. Only blocks known to have been there (a block
-        not written yet is on its way; one dropped or refused for memory goes with the next put of
-        it, as before). Dropped (and counted) when the queue is full, to go with the next put of them."""
-        with self._unsent_lock:
-            lost = [
-                k for k in keys if k in self._there and k not in self._unsent and k not in self._refused_codec
-            ]
-            for k in lost:
-                del self._there[k]
-        self._send_held(lost)
-
-    def _send_held(self, keys: Sequence[bytes]) -> None:
-        """(The cluster thread.) Queue those of ``keys`` this host still holds, to be written back
-        unless an operator evicted them from the cluster meanwhile (``_write`` checks); those the full
-        queue refuses are dropped (counted), to go with the next put of them."""
-        with self._lock:
-            held = [k for k in keys if self._index.get(k) is not None]
-        if held:
-            with self._unsent_lock:
-                self._again.update(held)
-            refused = self._writer.submit(held, 0.0)
-            if refused:
-                self._dropped(refused)
 
     def _ancestors(self, key: bytes) -> list[bytes]:
         """The keys of the blocks before ``key`` in its chain, root first."""
@@ -370,17 +243,20 @@ class ClusterLink:
         counted: set[bytes] | frozenset[bytes] = frozenset(),
         *,
         count: bool = True,
+        back: bool | None = None,
     ) -> None:
         """``keys`` were not written: counted in ``write_dropped`` (but those of ``counted``, dropped
         before and counted then; none with ``count`` False: the cluster refused them, counted in
-        ``write_refused``), and remembered so that the next put of them sends them."""
+        ``write_refused``), and remembered so that the next put of them sends them, as write-backs
+        (``back``; None: as they were queued) or as fresh writes."""
         if count:
             self.cluster.count(write_dropped=sum(1 for k in keys if k not in counted))
         with self._unsent_lock:
             for k in keys:
-                self._unsent[k] = None
+                self._unsent[k] = (k in self._again and k not in self._fresh) if back is None else back
                 self._resent.discard(k)
-                self._again.discard(k)  # (written back as such when sent again: see ``submit``)
+                self._again.discard(k)
+                self._fresh.discard(k)
             while len(self._unsent) > UNSENT_LIMIT:  # the oldest are forgotten first
                 del self._unsent[next(iter(self._unsent))]
 
@@ -437,9 +313,11 @@ class ClusterLink:
         with self._unsent_lock:  # sent again after a drop: that drop was counted
             counted = frozenset((key,)) if key in self._resent else frozenset()
             self._resent.discard(key)
-            again = key in self._again
+            fresh = key in self._fresh
+            again = not fresh and key in self._again
+            self._fresh.discard(key)
             self._again.discard(key)
-            if key in self._evicted:  # an operator evicted it from the cluster since it was queued
+            if not fresh and key in self._evicted:  # an operator evicted it since it was queued
                 return
         for _ in range(3):  # a demotion may move the copy between finding and reading it
             with self._lock:
@@ -465,19 +343,21 @@ class ClusterLink:
         else:
             return
         try:
-            # a block written back: not if an operator evicted it (its mark, checked last thing)
+            # a block written back: not if an operator evicted it (its mark, checked last thing; an
+            # evict landing between the check and the write, one round trip, is not seen)
             if again and self.cluster.evicted([key])[0]:
-                self.forget([key])
-                self.cluster.count(kept_evicted=1)
+                self._kept_evicted(key)
                 return
             stored = self.cluster.store([(key, pack_value(rec, frame))], again=again)
         except ClusterUnavailable:
-            self._dropped([key], counted)
+            self._dropped([key], counted, back=again)
             return
         if stored:
             self._set([key])
         else:  # refused for memory (counted in write_refused): sent again with the next put
-            self._dropped([key], counted, count=False)  # that reaches it, or the blocks after it are lost
+            self._dropped(
+                [key], counted, count=False, back=again
+            )  # that reaches it, or the blocks after it are lost
 
     def _frame_as_is(self, t: int, key: bytes, rec: BlockRecord) -> Buffer | None:
         """nvme's frame of ``key`` when tier ``t`` (its best copy) is nvme and the frame goes to the
@@ -508,28 +388,6 @@ class ClusterLink:
         if nvme is None:
             raise KVStoreError("no record of the block")
         return nvme.record(key)
-
-    def _idle(self) -> None:
-        """(The cluster thread, every tick.) The cluster came back after it was down: the blocks
-        written (or read) last are looked up again (``_recheck``)."""
-        n = self.cluster.reconnects
-        if n != self._reconnects:
-            self._reconnects = n
-            self._recheck()
-
-    def _recheck(self) -> None:
-        """(The cluster thread.) A failover loses the writes its replica had not received yet: the
-        newest. The RECHECK blocks known to be there last are asked about again (``_verify``), and
-        those it lacks written, where they waited for a refresh a quarter of the TTL away (while this
-        host served them, every other host missed the conversation from the first of them)."""
-        with self._unsent_lock:
-            recent = list(islice(reversed(self._there), RECHECK))[::-1]  # oldest first: parents first
-            for k in recent:
-                del self._there[k]
-            self._unknown.update(dict.fromkeys(recent))
-            while len(self._unknown) > UNSENT_LIMIT:
-                self._unknown.popitem(last=False)
-        self._verify()
 
     def depth(self) -> int:
         return self._writer.depth()

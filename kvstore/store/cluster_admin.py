@@ -54,6 +54,7 @@ class ClusterAdmin:
         self.cluster = link.cluster
         self.status = link.status  # the tier's state and counters, and the write queue
         self._forget = link.forget  # copies an operator deleted: not this host's to write again
+        self._unforget = link.unforget
         self._journal = journal
         self._get = get
 
@@ -177,8 +178,12 @@ class ClusterAdmin:
                     "on the host that stored them"
                 )
             if not dry_run:
-                self._forget(present)
-                self.cluster.count(deleted=self.cluster.delete(present, mark=True))
+                self._forget(present)  # first: a write of them queued here meanwhile is not sent
+                try:
+                    self.cluster.count(deleted=self.cluster.delete(present, mark=True))
+                except ClusterUnavailable:
+                    self._unforget(present)  # (marks set before the failure are found by write-backs)
+                    raise
                 if session is not None and not foreign and within is None and not keep_record:
                     self.cluster.drop_session(session)
         except ClusterUnavailable as e:

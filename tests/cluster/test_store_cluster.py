@@ -304,6 +304,51 @@ def test_blocks_evicted_from_the_cluster_by_one_host_are_not_written_back_by_ano
     assert host("e").lookup(NS, toks).tiers == ["cluster"] * 4
 
 
+def test_a_put_the_cluster_missed_while_down_is_written_afresh_over_an_old_evict(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # C put the blocks for the first time while the cluster was down (dropped, to go with the next
+    # put); an operator's evict of the same blocks elsewhere had left marks. C's next put sent them
+    # as write-backs of copies it held, found the marks and kept them: the fleet never saw C's put
+    a = host("a")
+    toks, x = tokens(4), kv(16, seed=41)
+    a.put(NS, toks, x, session="S")
+    written(a, 4)
+    assert a.evict(EvictFilter(session="S", tier="cluster")).blocks == 4  # marks left
+    c = host("c")
+    c._cluster.cluster._failed(ConnectionError("a node went away"))  # type: ignore[union-attr]
+    c.put(NS, toks, x)  # new here, dropped: the cluster is down
+    assert c.stats().cluster["write_dropped"] == 4  # type: ignore[index]
+    assert wait_until(lambda: c._cluster.cluster.available(), 10)  # type: ignore[union-attr]
+    c.put(NS, toks, x)  # held now: the dropped blocks go with it, as the fresh writes they were
+    written(c, 4)
+    assert c.stats().cluster["kept_evicted"] == 0  # type: ignore[index]
+    assert host("d").lookup(NS, toks).matched_blocks == 4
+
+
+def test_a_host_that_knew_a_block_evicted_writes_it_back_once_it_is_the_fleet_s_again(
+    rc: LocalCluster, host: HostFactory
+) -> None:
+    # E evicted S's blocks from the cluster, then C put them afresh and E read them from it: E still
+    # took them for evicted, and when the cluster lost one, E, serving them, never wrote it back
+    a, e = host("a"), host("e", ttl=2.0)
+    toks, x = tokens(4), kv(16, seed=43)
+    a.put(NS, toks, x, session="S")
+    written(a, 4)
+    assert a._cluster is not None and a._cluster.drain(5)  # and the session's record
+    assert e.evict(EvictFilter(session="S")).blocks == 4  # E never held them
+    c = host("c")
+    c.put(NS, toks, x)
+    written(c, 4)
+    assert e.get(NS, toks).tiers == ["cluster"] * 4
+    key = e._cluster.cluster.block_key(_keys(toks)[0])  # type: ignore[union-attr]
+    assert rc.node(rc.master_of(key)).delete(key) == 1  # lost by the cluster
+    time.sleep(0.6)  # past a quarter of E's TTL: its next hit refreshes the copies, and finds one gone
+    assert e.get(NS, toks).tiers == ["hbm"] * 4
+    written(e, 1)
+    assert host("f").lookup(NS, toks).matched_blocks == 4
+
+
 def test_evict_of_a_session_from_another_host_keeps_the_record_of_blocks_stored_before_it_was_named(
     host: HostFactory,
 ) -> None:
