@@ -37,12 +37,11 @@ flush or detach, and fails past it).
 from __future__ import annotations
 
 import difflib
-import hashlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,17 +54,22 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvstore.chains import KeyChain
 from kvstore.client import KVStoreClient
 from kvstore.config import check_connect_endpoint
-from kvstore.errors import ClientClosed, ConfigError, LayoutError
+from kvstore.errors import ClientClosed, LayoutError
 from kvstore.integrations.backoff import LOOKUP_TIMEOUT, Backoff
+from kvstore.integrations.sglang_pages import HostPages
+from kvstore.integrations.sglang_settings import (
+    check_name,
+    check_revision,
+    option,
+    server_args,
+    short_sha,
+    weights_of,
+)
 from kvstore.integrations.vllm_settings import seconds
-from kvstore.integrations.weights import weights_id
-from kvstore.kvbuffers import PagedKV
-from kvstore.layout import KVLayout, dtype_name
 from kvstore.results import MISSING_PARENT
 
 log = logging.getLogger("kvstore.integrations.sglang")
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 _OPTIONS = {"endpoint", "tenant", "model", "revision", "timeout"}
 # seconds one hook takes at most, whatever the daemon does: SGLang joins its storage threads for 10 s
 # at a cache flush, reset or detach, and raises past it (a hook stops before a call that could run over)
@@ -102,9 +106,9 @@ class KVStoreHiCache(HiCacheStorage):
                 )
         # SGLang's model_name is --served-model-name: an alias an operator picks ("chat"), which names
         # no weights; two servers of other weights under one alias must not share pages
-        served = _server_args()
+        served = server_args()
         path = str(getattr(served, "model_path", None) or "")
-        model = _option(extra, "model", _name, None) or path or storage_config.model_name
+        model = option(extra, "model", check_name, None) or path or storage_config.model_name
         if not model:
             raise ValueError(
                 "kvstore: no model name; SGLang passes model_name, or set 'model' in extra_config"
@@ -117,30 +121,30 @@ class KVStoreHiCache(HiCacheStorage):
                 model,
             )
         self.config = storage_config
-        self.model = str(model) if len(str(model).encode()) <= 200 else "sha256:" + _sha(str(model), 64)
-        self.tenant: str = _option(extra, "tenant", _name, "default")
-        self.endpoint: str | None = _option(extra, "endpoint", check_connect_endpoint, None)
-        self.timeout: float = _option(extra, "timeout", seconds, 5.0)
+        self.model = str(model) if len(str(model).encode()) <= 200 else "sha256:" + short_sha(str(model), 64)
+        self.tenant: str = option(extra, "tenant", check_name, "default")
+        self.endpoint: str | None = option(extra, "endpoint", check_connect_endpoint, None)
+        self.timeout: float = option(extra, "timeout", seconds, 5.0)
         c = storage_config
         shard = f"tp{c.tp_rank}of{c.tp_size}/pp{c.pp_rank}of{c.pp_size}/cp{c.attn_cp_rank}of{c.attn_cp_size}"
         if c.dcp_size > 1:
             shard += f"/dcp{c.dcp_rank}of{c.dcp_size}"
-        rev: str = _option(extra, "revision", _revision, "")
-        weights = "" if served is None else _weights(served, path)
+        rev: str = option(extra, "revision", check_revision, "")
+        weights = "" if served is None else weights_of(served, path)
         self.revision = "/".join(part for part in (rev, weights, shard) if part)
         self.client: KVStoreClient | None = None  # loads: a busy daemon is a miss
         self._lookups: KVStoreClient | None = None  # lookups: the same, never behind a load
         self._saver: KVStoreClient | None = None  # stores: made on the first, waits out busy
         self._saver_lock = threading.Lock()
         self._closed = False  # no saver is made after close
-        self._pages: _HostPages | None = None
+        self._pages: HostPages | None = None
         self.backoff = Backoff(log)  # a daemon that does not answer is left alone a while
 
     # -- the host pool ------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Map the host pool's pages and connect (lazily: the first call says hello)."""
         super().register_mem_pool_host(mem_pool_host)
-        self._pages = _HostPages(mem_pool_host)
+        self._pages = HostPages(mem_pool_host)
         first, last = getattr(mem_pool_host, "start_layer", None), getattr(mem_pool_host, "end_layer", None)
         if self.config.pp_size > 1 and first is not None and last is not None:
             # a pipeline stage's layers are set by SGLANG_PP_LAYER_PARTITION too, not by its rank
@@ -345,7 +349,7 @@ class KVStoreHiCache(HiCacheStorage):
                 self._saver = self._new_client(wait_when_busy=True)
             return self._saver
 
-    def _host(self) -> _HostPages:
+    def _host(self) -> HostPages:
         if self._pages is None:
             raise LayoutError("kvstore: register_mem_pool_host was not called; SGLang calls it on attach")
         return self._pages
@@ -358,165 +362,10 @@ def _in_time(client: KVStoreClient, deadline: float) -> bool:
     return time.monotonic() + client.timeout * (client.retries + 1 + client.wait_when_busy) <= deadline
 
 
-def _server_args() -> Any | None:
-    """The ServerArgs of the SGLang process this backend runs in, or None where it publishes none
-    (a backend made outside a scheduler)."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        return get_server_args()
-    except Exception:  # noqa: BLE001 - not published, or an SGLang before runtime_context
-        pass
-    try:
-        from sglang.srt.server_args import get_global_server_args
-
-        return get_global_server_args()
-    except Exception:  # noqa: BLE001 - retired (it raises), or not published either
-        return None
-
-
-def _weights(served: Any, path: str) -> str:
-    """What besides the model's path changes its K/V, from SGLang's server args: its revision, its
-    weights (``weights.weights_id``), their quantization and the config overrides (hashed)."""
-    revision = getattr(served, "revision", None)
-    parts = [f"rev={revision}"] if revision else []
-    named = weights_id(path, revision) if path else ""
-    if named:
-        parts.append(named)
-    quantization = getattr(served, "quantization", None)
-    if quantization:
-        parts.append(f"q={quantization}")
-    overrides = getattr(served, "json_model_override_args", None)
-    if overrides and overrides != "{}":
-        parts.append(f"ov={_sha(str(overrides), 16)}")
-    # SGLang seeds a --lora-paths adapter's page hashes with an id made of its name and path only:
-    # an adapter rewritten in place would find the old one's pages. Its content is named here (a
-    # change of any adapter's files starts every page afresh; adapters loaded later get random ids)
-    adapters = sorted(_adapters(getattr(served, "lora_paths", None)))
-    if adapters:
-        parts.append("lora=" + _sha("\0".join(f"{n}\0{p}\0{weights_id(p)}" for n, p in adapters), 16))
-    # a speculative draft model's layers may share the host pool's pages
-    draft = getattr(served, "speculative_draft_model_path", None)
-    if draft:
-        named = weights_id(str(draft), getattr(served, "speculative_draft_model_revision", None))
-        parts.append("draft=" + _sha(f"{draft}\0{named}", 16))
-    return ";".join(parts)
-
-
-def _adapters(lora_paths: Any) -> list[tuple[str, str]]:
-    """(name, path) of each adapter of SGLang's ``lora_paths``: LoRARef records once SGLang has read
-    its arguments, or as given (``name=path`` or ``path`` strings, dicts)."""
-    out = []
-    if isinstance(lora_paths, dict):  # {name: path}
-        lora_paths = [{"lora_name": k, "lora_path": v} for k, v in lora_paths.items()]
-    for item in lora_paths or ():
-        if isinstance(item, str):
-            name, _, path = item.partition("=")
-            out.append((name, path or name))
-        elif isinstance(item, dict):
-            out.append((str(item.get("lora_name", "")), str(item.get("lora_path", ""))))
-        else:
-            out.append((str(getattr(item, "lora_name", "")), str(getattr(item, "lora_path", ""))))
-    return out
-
-
-def _sha(text: str, n: int) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:n]
-
-
-def _option(extra: dict[str, Any], key: str, check: Callable[[Any], Any], default: Any) -> Any:
-    """``extra[key]`` checked (``default`` when absent, or null for endpoint and model); ValueError
-    naming the key: a bad setting stops SGLang at start, not every call later."""
-    v = extra.get(key)
-    if key not in extra or (v is None and key in ("endpoint", "model")):
-        return default
-    try:
-        return check(v)
-    except (ConfigError, ValueError) as e:
-        raise ValueError(f"kvstore: extra_config {key!r}: {e}") from None
-
-
-def _name(v: Any) -> str:
-    # length and control characters: kvstore.keys.Namespace refuses them, naming the field
-    if not isinstance(v, str) or not v.strip():
-        raise ValueError(f"expected a non-empty string, got {v!r}")
-    return v
-
-
-def _revision(v: Any) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"expected a string, got {v!r}")
-    return v
-
-
 _V1 = (
     "kvstore's SGLang backend implements the zero-copy v1 calls only: "
     'set "interface_v1": 1 in --hicache-storage-backend-extra-config'
 )
-
-
-class _HostPages:
-    """SGLang's host pool (MHATokenToKVPoolHost) as per-layer K and V pages ``[pages, page_size, H, D]``:
-    views of its ``kv_buffer``, whatever its layout, for kvstore.kvbuffers.PagedKV."""
-
-    def __init__(self, pool: Any) -> None:
-        layout = getattr(pool, "layout", None)
-        if layout not in LAYOUTS:
-            raise ValueError(
-                f"kvstore: the host pool layout {layout!r} is not supported; use --hicache-mem-layout "
-                f"one of {', '.join(LAYOUTS)}"
-            )
-        kv = pool.kv_buffer
-        if not isinstance(kv, torch.Tensor) or not hasattr(pool, "head_num"):
-            raise ValueError(f"kvstore: {type(pool).__name__} is not an MHA host pool (MLA is not supported)")
-        ps, n_layers = int(pool.page_size), int(pool.layer_num)
-        pages = int(pool.size) // ps
-        H, D = int(pool.head_num), int(pool.head_dim)
-        if getattr(pool, "v_head_dim", D) != D:
-            raise ValueError("kvstore: K and V head dims differ; kvstore blocks need one head_dim")
-        per_layer: list[torch.Tensor] = []  # [2, pages, ps, H, D] per layer
-        for layer in range(n_layers):
-            if layout == "layer_first":  # [2, L, size, H, D]
-                x = kv[:, layer, : pages * ps].unflatten(1, (pages, ps))
-            elif layout == "page_first":  # [2, size, L, H, D]
-                x = kv[:, : pages * ps, layer].unflatten(1, (pages, ps))
-            else:  # page_first_direct: [2, pages, L, ps, H, D]
-                x = kv[:, :pages, layer]
-            per_layer.append(x)
-        self.kv = per_layer
-        self.k = [x[0] for x in per_layer]
-        self.v = [x[1] for x in per_layer]
-        self.page_size = ps
-        if kv.dtype in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
-            raise LayoutError(
-                f"SGLang keeps this KV cache in {kv.dtype} (--kv-cache-dtype fp8): kvstore keeps K/V in "
-                "the model's dtype, and an fp8 KV cache is not supported; run SGLang with "
-                "--kv-cache-dtype auto"
-            )
-        self.layout = KVLayout(
-            num_layers=n_layers,
-            num_kv_heads=H,
-            head_dim=D,
-            dtype=dtype_name(kv.dtype),
-            block_tokens=ps,
-        )
-
-    def paged(self, host_indices: torch.Tensor, n: int) -> PagedKV:
-        """The pages holding ``host_indices`` (``n`` pages of ``page_size`` consecutive slots, as
-        SGLang's host allocator hands them out). Raises LayoutError otherwise."""
-        ps = self.page_size
-        idx = torch.as_tensor(host_indices, dtype=torch.int64).view(-1)
-        if idx.numel() != n * ps:
-            raise LayoutError(f"{n} pages need {n * ps} host indices, got {idx.numel()}")
-        rows = idx.view(n, ps)
-        first = rows[:, 0]
-        if bool((first % ps).any()) or not torch.equal(rows - first[:, None], _offsets(ps).expand(n, ps)):
-            raise LayoutError("host indices are not whole pages (page_size consecutive, aligned slots)")
-        return PagedKV.blocks(self.k, self.v, first // ps, n * ps, kv=self.kv)
-
-
-def _offsets(ps: int) -> torch.Tensor:
-    return torch.arange(ps, dtype=torch.int64)[None, :]
 
 
 __all__: Sequence[str] = ["KVStoreHiCache"]
