@@ -12,11 +12,11 @@ SGLang names each page by its own chained page hash (64 hex digits); kvstore
 stores the page under that key (kvstore.chains.KeyChain), namespaced by the
 model SGLang serves (its model path, not the served name, an alias) and its
 weights (revision, content, quantization, config overrides: see
-kvstore.integrations.weights; its ``--lora-paths`` adapters' and draft model's
-too), this rank's shard (tp, pp, attention-cp and dcp rank and size), the
+sglang_settings.py and kvstore.integrations.weights; its ``--lora-paths``
+adapters' and draft model's too), this rank's shard (tp, pp, attention-cp and dcp rank and size), the
 host pool's layout (layers, kv heads, head_dim, dtype, page size) and the
 tenant. Pages move between the store and SGLang's host pool in place: the
-pool's ``kv_buffer`` is viewed per layer as K and V pages ``[pages,
+pool's ``kv_buffer`` is viewed (sglang_pages.py) per layer as K and V pages ``[pages,
 page_size, H, D]`` (``layer_first``, ``page_first``, ``page_first_direct``)
 and filled or read through kvstore's shared memory (or its socket), never
 through Python bytes.
