@@ -96,11 +96,9 @@ class ClusterLink(ClusterUpkeep):
         # was sent, and what an outage kept from it): asked about on the cluster thread (``_verify``)
         self._unknown: OrderedDict[bytes, None] = OrderedDict()
         self._records_due: dict[str, None] = {}  # sessions whose record's TTL is due (see _touch_records)
-        # blocks queued to be written back (held here, and not new to this host: lost by the cluster,
-        # or dropped before): their evicted marks are checked before each is written (``_write``)
-        self._again: set[bytes] = set()
         # blocks queued new to this host (a put brought them): written, and their marks cleared,
-        # whatever an operator evicted before
+        # whatever an operator evicted before. Any other block queued is a write-back (held here: lost
+        # by the cluster, or dropped before): written only if no evict marked it (``_write``)
         self._fresh: set[bytes] = set()
         # blocks an operator evicted from the cluster (newest REFRESH_MEMORY): this host writes them
         # back no more, nor asks about them, until a put brings them here afresh
@@ -121,21 +119,14 @@ class ClusterLink(ClusterUpkeep):
         with self._unsent_lock:  # new here: written afresh, whatever an operator evicted before
             for k in new:
                 self._evicted.pop(k, None)
-                self._again.discard(k)
             self._fresh.update(new)
         self._check_held(new, touched)
         if self._unsent and touched:  # (cheap while nothing was dropped: a put costs no more than before)
             chain = self._ancestors(touched[0]) + list(touched)
-            fresh = set(new)
             with self._unsent_lock:
                 again = {k for k in chain if k in self._unsent}
                 for k in again:
-                    back = self._unsent.pop(k)
-                    if k in fresh:
-                        pass
-                    elif back:
-                        self._again.add(k)
-                    else:  # new here when it was dropped: as fresh now
+                    if not self._unsent.pop(k):  # new here when it was dropped: as fresh now
                         self._fresh.add(k)
                 self._resent |= again
             if again:
@@ -181,7 +172,6 @@ class ClusterLink(ClusterUpkeep):
         for k in keys:
             self._evicted[k] = None
             self._evicted.move_to_end(k)
-            self._again.discard(k)
             self._fresh.discard(k)  # (queued by a put before the evict)
             self._there.pop(k, None)
             self._refreshed.pop(k, None)
@@ -198,7 +188,7 @@ class ClusterLink(ClusterUpkeep):
         known evicted here from now on (counted in ``kept_evicted``), unless a put brought the block
         here afresh meanwhile (then written as such)."""
         with self._unsent_lock:
-            if key in self._fresh:
+            if key in self._fresh or self._unsent.get(key) is False:  # (queued, or dropped, afresh)
                 return
             self._forget([key])
         self.cluster.count(kept_evicted=1)
@@ -253,9 +243,8 @@ class ClusterLink(ClusterUpkeep):
             self.cluster.count(write_dropped=sum(1 for k in keys if k not in counted))
         with self._unsent_lock:
             for k in keys:
-                self._unsent[k] = (k in self._again and k not in self._fresh) if back is None else back
+                self._unsent[k] = (k not in self._fresh) if back is None else back
                 self._resent.discard(k)
-                self._again.discard(k)
                 self._fresh.discard(k)
             while len(self._unsent) > UNSENT_LIMIT:  # the oldest are forgotten first
                 del self._unsent[next(iter(self._unsent))]
@@ -313,10 +302,11 @@ class ClusterLink(ClusterUpkeep):
         with self._unsent_lock:  # sent again after a drop: that drop was counted
             counted = frozenset((key,)) if key in self._resent else frozenset()
             self._resent.discard(key)
+            # not queued fresh (a write-back, or a stale second entry of the key): written only if
+            # no evict has marked it, and an evict's mark is left alone
             fresh = key in self._fresh
-            again = not fresh and key in self._again
+            again = not fresh
             self._fresh.discard(key)
-            self._again.discard(key)
             if not fresh and key in self._evicted:  # an operator evicted it since it was queued
                 return
         for _ in range(3):  # a demotion may move the copy between finding and reading it

@@ -19,11 +19,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvstore.tiers.cluster import ClusterTier, ClusterUnavailable
 
 if TYPE_CHECKING:
+    from kvstore.store.index import BlockIndex
+    from kvstore.store.sessions import SessionTable
     from kvstore.store.writer import WriteThrough
 
 REFRESH_SHARE = 0.25  # a block served here has its cluster TTL set anew once this share of it has passed
@@ -40,8 +42,8 @@ class ClusterUpkeep:
         cluster: ClusterTier
         _lock: threading.RLock
         _unsent_lock: threading.Lock
-        _index: Any
-        _sessions: Any
+        _index: BlockIndex
+        _sessions: SessionTable
         _writer: WriteThrough
         _reconnects: int
         _there: OrderedDict[bytes, None]
@@ -49,7 +51,6 @@ class ClusterUpkeep:
         _refused_codec: OrderedDict[bytes, None]
         _unknown: OrderedDict[bytes, None]
         _evicted: OrderedDict[bytes, None]
-        _again: set[bytes]
         _refreshed: OrderedDict[bytes, float]
         _refresh_due: OrderedDict[bytes, None]
         _records_due: dict[str, None]
@@ -219,8 +220,6 @@ class ClusterUpkeep:
         with self._lock:
             held = [k for k in keys if self._index.get(k) is not None]
         if held:
-            with self._unsent_lock:
-                self._again.update(held)
             refused = self._writer.submit(held, 0.0)
             if refused:
                 self._dropped(refused)
