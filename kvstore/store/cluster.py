@@ -344,10 +344,9 @@ class ClusterLink(ClusterUpkeep):
             return
         if stored:
             self._set([key])
-        else:  # refused for memory (counted in write_refused): sent again with the next put
-            self._dropped(
-                [key], counted, count=False, back=again
-            )  # that reaches it, or the blocks after it are lost
+        else:  # refused for memory (counted in write_refused): sent again with the next put that
+            # reaches it, or the blocks after it are lost
+            self._dropped([key], counted, count=False, back=again)
 
     def _frame_as_is(self, t: int, key: bytes, rec: BlockRecord) -> Buffer | None:
         """nvme's frame of ``key`` when tier ``t`` (its best copy) is nvme and the frame goes to the
