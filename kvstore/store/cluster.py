@@ -333,12 +333,17 @@ class ClusterLink(ClusterUpkeep):
         else:
             return
         try:
-            # a block written back: not if an operator evicted it (its mark, checked last thing; an
-            # evict landing between the check and the write, one round trip, is not seen)
+            # a block written back: not if an operator evicted it (its mark, checked last thing), and
+            # deleted again if an evict marked it while it was being written (the evict's delete may
+            # have come first: checked after the write too)
             if again and self.cluster.evicted([key])[0]:
                 self._kept_evicted(key)
                 return
             stored = self.cluster.store([(key, pack_value(rec, frame))], again=again)
+            if again and stored and self.cluster.evicted([key])[0]:
+                self.cluster.delete([key])
+                self._kept_evicted(key)
+                return
         except ClusterUnavailable:
             self._dropped([key], counted, back=again)
             return

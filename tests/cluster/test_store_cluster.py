@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -203,7 +204,8 @@ def test_a_session_from_the_cluster_is_prefetched_from_its_root(host: HostFactor
     assert (first.moved, first.present, first.failed, first.remaining) == (3, 0, 0, 3)
     # not this host's session yet (its tail is not here): shown from the cluster's record, with the
     # blocks this host holds now
-    assert b.session("S").info.tiers == {"hbm": 3, "cluster": 6}
+    assert b.drain(10)  # (on nvme too)
+    assert b.session("S").info.tiers == {"hbm": 3, "nvme": 3, "cluster": 6}
     rest = b.prefetch("S", "ram", start_block=3)
     assert (rest.moved, rest.present, rest.failed, rest.remaining) == (3, 0, 0, 0)
     assert b.session("S").info.tiers["hbm"] == 6 and b.lookup(NS, toks).tiers == ["hbm"] * 6
@@ -223,13 +225,19 @@ def test_a_session_another_host_stored_is_shown_with_the_blocks_this_host_holds_
     written(a, 4)
     assert a._cluster is not None and a._cluster.drain(5)  # and the session's record
     b.put(NS, toks[: 2 * T], x[:, :, : 2 * T])
+    assert b.drain(10)  # on nvme too
     d = b.session("conv-1")
-    assert [blk.tiers for blk in d.blocks] == [["hbm", "cluster"]] * 2 + [["cluster"]] * 2
-    assert d.info.blocks == 4 and d.info.tiers == {"hbm": 2, "cluster": 4}
+    assert [blk.tiers for blk in d.blocks] == [["hbm", "nvme", "cluster"]] * 2 + [["cluster"]] * 2
+    assert d.info.blocks == 4 and d.info.tiers == {"hbm": 2, "nvme": 2, "cluster": 4}
     key = a._cluster.cluster.block_key(_keys(toks)[0])
     assert rc.node(rc.master_of(key)).delete(key) == 1
     d = b.session("conv-1")
-    assert [blk.tiers for blk in d.blocks] == [["hbm"], ["hbm", "cluster"], ["cluster"], ["cluster"]]
+    assert [blk.tiers for blk in d.blocks] == [
+        ["hbm", "nvme"],
+        ["hbm", "nvme", "cluster"],
+        ["cluster"],
+        ["cluster"],
+    ]
     key = a._cluster.cluster.block_key(_keys(toks)[2])
     assert rc.node(rc.master_of(key)).delete(key) == 1
     assert b.session("conv-1").info.blocks == 2  # the blocks after one held nowhere are out of reach
@@ -302,6 +310,35 @@ def test_blocks_evicted_from_the_cluster_by_one_host_are_not_written_back_by_ano
     assert d.get(NS, toks).tiers == ["hbm"] * 4
     written(d, 5)
     assert host("e").lookup(NS, toks).tiers == ["cluster"] * 4
+
+
+def test_an_evict_that_lands_while_a_block_is_written_back_is_not_undone(
+    rc: LocalCluster, host: HostFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # B writes back a block the cluster lost; another host's evict of it lands between B's check of
+    # its mark and B's write: B's write brought it back, the evict undone
+    a, b = host("a"), host("b", ttl=2.0)
+    toks, x = tokens(4), kv(16, seed=47)
+    a.put(NS, toks, x)
+    written(a, 4)
+    assert b.get(NS, toks).tiers == ["cluster"] * 4
+    k0 = _keys(toks)[0]
+    key = a._cluster.cluster.block_key(k0)  # type: ignore[union-attr]
+    assert rc.node(rc.master_of(key)).delete(key) == 1  # lost by the cluster
+    tier = b._cluster.cluster  # type: ignore[union-attr]
+    store = tier.store
+
+    def evicted_meanwhile(items: Any, *, again: bool = False) -> int:
+        if again:  # the evict, from another host, between B's check and its write
+            assert a._cluster is not None
+            a._cluster.cluster.delete([k for k, _ in items], mark=True)
+        return store(items, again=again)
+
+    monkeypatch.setattr(tier, "store", evicted_meanwhile)
+    time.sleep(0.6)  # past a quarter of B's TTL: its next hit refreshes the copies, and finds one gone
+    assert b.get(NS, toks).tiers == ["hbm"] * 4
+    assert wait_until(lambda: b.stats().cluster["kept_evicted"] == 1, 10)  # type: ignore[index]
+    assert host("c").lookup(NS, toks).matched_blocks == 0 and tier.evicted([k0]) == [True]
 
 
 def test_a_put_the_cluster_missed_while_down_is_written_afresh_over_an_old_evict(
