@@ -72,7 +72,7 @@ class ClusterCounters:
     corrupt: int = 0  # values that failed a check (deleted)
     errors: int = 0  # calls that failed (connection, time-out, cluster down)
     deleted: int = 0  # values deleted on request (evict)
-    kept_evicted: int = 0  # write-backs not sent: an operator evicted the block from the cluster
+    kept_evicted: int = 0  # write-backs not sent, or deleted again: an operator evicted the block
 
 
 class ClusterTier(ClusterSessions):

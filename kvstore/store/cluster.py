@@ -100,6 +100,9 @@ class ClusterLink(ClusterUpkeep):
         # whatever an operator evicted before. Any other block queued is a write-back (held here: lost
         # by the cluster, or dropped before): written only if no evict marked it (``_write``)
         self._fresh: set[bytes] = set()
+        # (the cluster thread's own) write-backs written whose check for an evict after the write
+        # failed (the cluster went away): deleted again if their next write-back finds a mark
+        self._unchecked: set[bytes] = set()
         # blocks an operator evicted from the cluster (newest REFRESH_MEMORY): this host writes them
         # back no more, nor asks about them, until a put brings them here afresh
         self._evicted: OrderedDict[bytes, None] = OrderedDict()
@@ -332,11 +335,15 @@ class ClusterLink(ClusterUpkeep):
                 return
         else:
             return
+        stored = 0
         try:
             # a block written back: not if an operator evicted it (its mark, checked last thing), and
             # deleted again if an evict marked it while it was being written (the evict's delete may
             # have come first: checked after the write too)
             if again and self.cluster.evicted([key])[0]:
+                if key in self._unchecked:  # written back before, and not checked after
+                    self.cluster.delete([key])
+                self._unchecked.discard(key)
                 self._kept_evicted(key)
                 return
             stored = self.cluster.store([(key, pack_value(rec, frame))], again=again)
@@ -344,7 +351,10 @@ class ClusterLink(ClusterUpkeep):
                 self.cluster.delete([key])
                 self._kept_evicted(key)
                 return
+            self._unchecked.discard(key)
         except ClusterUnavailable:
+            if again and stored and len(self._unchecked) < UNSENT_LIMIT:
+                self._unchecked.add(key)
             self._dropped([key], counted, back=again)
             return
         if stored:

@@ -20,6 +20,7 @@ from kvstore.keys import Namespace
 from kvstore.results import EvictFilter, GetResult, InvalidRequest
 from kvstore.store.adoption import Adoption
 from kvstore.store.engine import Store
+from kvstore.tiers.cluster import ClusterUnavailable
 from kvstore.tiers.nvme import NvmeTier
 from tests.cluster.conftest import HostFactory
 from tests.cluster.rediscluster import LocalCluster
@@ -339,6 +340,47 @@ def test_an_evict_that_lands_while_a_block_is_written_back_is_not_undone(
     assert b.get(NS, toks).tiers == ["hbm"] * 4
     assert wait_until(lambda: b.stats().cluster["kept_evicted"] == 1, 10)  # type: ignore[index]
     assert host("c").lookup(NS, toks).matched_blocks == 0 and tier.evicted([k0]) == [True]
+
+
+def test_a_block_written_back_over_an_evict_it_could_not_check_after_is_deleted_at_its_next_write_back(
+    rc: LocalCluster, host: HostFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as above, but the check after the write fails (the cluster goes away): the write-back is
+    # dropped, to go again; its next try found the mark and left the block it had brought back
+    a, b = host("a"), host("b", ttl=2.0)
+    toks, x = tokens(4), kv(16, seed=53)
+    a.put(NS, toks, x)
+    written(a, 4)
+    assert b.get(NS, toks).tiers == ["cluster"] * 4
+    k0 = _keys(toks)[0]
+    key = a._cluster.cluster.block_key(k0)  # type: ignore[union-attr]
+    node = rc.node(rc.master_of(key))
+    assert node.delete(key) == 1  # lost by the cluster
+    tier = b._cluster.cluster  # type: ignore[union-attr]
+    store, evicted = tier.store, tier.evicted
+    checks: list[list[bytes]] = []
+
+    def evicted_meanwhile(items: Any, *, again: bool = False) -> int:
+        if again:  # the evict, from another host, between B's check and its write
+            assert a._cluster is not None
+            a._cluster.cluster.delete([k for k, _ in items], mark=True)
+        return store(items, again=again)
+
+    def check(keys: Any) -> list[bool]:
+        checks.append(list(keys))
+        if len(checks) == 2:  # the check after the write
+            raise ClusterUnavailable("the cluster went away")
+        return evicted(keys)
+
+    monkeypatch.setattr(tier, "store", evicted_meanwhile)
+    monkeypatch.setattr(tier, "evicted", check)
+    time.sleep(0.6)  # past a quarter of B's TTL: its next hit refreshes the copies, and finds one gone
+    assert b.get(NS, toks).tiers == ["hbm"] * 4
+    assert wait_until(lambda: b.stats().cluster["write_dropped"] == 1, 10)  # type: ignore[index]
+    assert node.exists(key) == 1  # brought back over the evict
+    b.put(NS, toks, x)  # the dropped write-back goes with it: it finds the mark, and deletes the block
+    assert wait_until(lambda: b.stats().cluster["kept_evicted"] == 1, 10)  # type: ignore[index]
+    assert node.exists(key) == 0 and len(checks) == 3
 
 
 def test_a_put_the_cluster_missed_while_down_is_written_afresh_over_an_old_evict(
