@@ -119,10 +119,12 @@ class ClusterLink(ClusterUpkeep):
         the blocks after it would be unreachable in the cluster."""
         keys = new
         again: set[bytes] = set()
-        with self._unsent_lock:  # new here: written afresh, whatever an operator evicted before
-            for k in new:
-                self._evicted.pop(k, None)
-            self._fresh.update(new)
+        if new:
+            with self._unsent_lock:  # new here: written afresh, whatever an operator evicted before
+                if self._evicted:
+                    for k in new:
+                        self._evicted.pop(k, None)
+                self._fresh.update(new)
         self._check_held(new, touched)
         if self._unsent and touched:  # (cheap while nothing was dropped: a put costs no more than before)
             chain = self._ancestors(touched[0]) + list(touched)

@@ -313,33 +313,45 @@ def test_blocks_evicted_from_the_cluster_by_one_host_are_not_written_back_by_ano
     assert host("e").lookup(NS, toks).tiers == ["cluster"] * 4
 
 
-def test_an_evict_that_lands_while_a_block_is_written_back_is_not_undone(
-    rc: LocalCluster, host: HostFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # B writes back a block the cluster lost; another host's evict of it lands between B's check of
-    # its mark and B's write: B's write brought it back, the evict undone
+def lost_while_b_serves(rc: LocalCluster, host: HostFactory, seed: int) -> tuple[Store, Store, Any, Any]:
+    """A stores four blocks; B (a TTL of 2 s) reads them from the cluster and serves them from its own
+    tiers; the cluster then loses block 0. Returns A, B, the tokens and the blocks' K/V."""
     a, b = host("a"), host("b", ttl=2.0)
-    toks, x = tokens(4), kv(16, seed=47)
+    toks, x = tokens(4), kv(16, seed=seed)
     a.put(NS, toks, x)
     written(a, 4)
     assert b.get(NS, toks).tiers == ["cluster"] * 4
-    k0 = _keys(toks)[0]
-    key = a._cluster.cluster.block_key(k0)  # type: ignore[union-attr]
-    assert rc.node(rc.master_of(key)).delete(key) == 1  # lost by the cluster
+    key = a._cluster.cluster.block_key(_keys(toks)[0])  # type: ignore[union-attr]
+    assert rc.node(rc.master_of(key)).delete(key) == 1
+    return a, b, toks, x
+
+
+def evict_between_check_and_write(monkeypatch: pytest.MonkeyPatch, a: Store, b: Store) -> None:
+    """A's evict of each block B writes back lands between B's check of its mark and B's write."""
     tier = b._cluster.cluster  # type: ignore[union-attr]
     store = tier.store
 
     def evicted_meanwhile(items: Any, *, again: bool = False) -> int:
-        if again:  # the evict, from another host, between B's check and its write
+        if again:
             assert a._cluster is not None
             a._cluster.cluster.delete([k for k, _ in items], mark=True)
         return store(items, again=again)
 
     monkeypatch.setattr(tier, "store", evicted_meanwhile)
+
+
+def test_an_evict_that_lands_while_a_block_is_written_back_is_not_undone(
+    rc: LocalCluster, host: HostFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # B writes back a block the cluster lost; another host's evict of it lands between B's check of
+    # its mark and B's write: B's write brought it back, the evict undone
+    a, b, toks, _ = lost_while_b_serves(rc, host, seed=47)
+    evict_between_check_and_write(monkeypatch, a, b)
     time.sleep(0.6)  # past a quarter of B's TTL: its next hit refreshes the copies, and finds one gone
     assert b.get(NS, toks).tiers == ["hbm"] * 4
     assert wait_until(lambda: b.stats().cluster["kept_evicted"] == 1, 10)  # type: ignore[index]
-    assert host("c").lookup(NS, toks).matched_blocks == 0 and tier.evicted([k0]) == [True]
+    assert host("c").lookup(NS, toks).matched_blocks == 0
+    assert b._cluster.cluster.evicted(_keys(toks)[:1]) == [True]  # type: ignore[union-attr]
 
 
 def test_a_block_written_back_over_an_evict_it_could_not_check_after_is_deleted_at_its_next_write_back(
@@ -347,24 +359,11 @@ def test_a_block_written_back_over_an_evict_it_could_not_check_after_is_deleted_
 ) -> None:
     # as above, but the check after the write fails (the cluster goes away): the write-back is
     # dropped, to go again; its next try found the mark and left the block it had brought back
-    a, b = host("a"), host("b", ttl=2.0)
-    toks, x = tokens(4), kv(16, seed=53)
-    a.put(NS, toks, x)
-    written(a, 4)
-    assert b.get(NS, toks).tiers == ["cluster"] * 4
-    k0 = _keys(toks)[0]
-    key = a._cluster.cluster.block_key(k0)  # type: ignore[union-attr]
-    node = rc.node(rc.master_of(key))
-    assert node.delete(key) == 1  # lost by the cluster
+    a, b, toks, x = lost_while_b_serves(rc, host, seed=53)
+    evict_between_check_and_write(monkeypatch, a, b)
     tier = b._cluster.cluster  # type: ignore[union-attr]
-    store, evicted = tier.store, tier.evicted
+    evicted = tier.evicted
     checks: list[list[bytes]] = []
-
-    def evicted_meanwhile(items: Any, *, again: bool = False) -> int:
-        if again:  # the evict, from another host, between B's check and its write
-            assert a._cluster is not None
-            a._cluster.cluster.delete([k for k, _ in items], mark=True)
-        return store(items, again=again)
 
     def check(keys: Any) -> list[bool]:
         checks.append(list(keys))
@@ -372,8 +371,9 @@ def test_a_block_written_back_over_an_evict_it_could_not_check_after_is_deleted_
             raise ClusterUnavailable("the cluster went away")
         return evicted(keys)
 
-    monkeypatch.setattr(tier, "store", evicted_meanwhile)
     monkeypatch.setattr(tier, "evicted", check)
+    key = tier.block_key(_keys(toks)[0])
+    node = rc.node(rc.master_of(key))
     time.sleep(0.6)  # past a quarter of B's TTL: its next hit refreshes the copies, and finds one gone
     assert b.get(NS, toks).tiers == ["hbm"] * 4
     assert wait_until(lambda: b.stats().cluster["write_dropped"] == 1, 10)  # type: ignore[index]

@@ -270,6 +270,21 @@ def engine_setup(daemons: Any, tmp_path: Path, vllm_utils: Any, model_dir: Path,
     return vllm_utils, vcfg, ep
 
 
+def engine_and_daemon(
+    daemons: Any, tmp_path: Path, vllm_utils: Any, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, Engine, Any]:
+    """engine_setup's daemon and an Engine (FLASH_ATTN) on it: (vllm_utils, the engine, the daemon's
+    process, for a test that stops it)."""
+    started: list[Any] = []
+
+    def start(config: Path, **kw: Any) -> Any:
+        started.append(daemons(config, **kw))
+        return started[-1]
+
+    U, vcfg, _ = engine_setup(start, tmp_path, vllm_utils, model_dir)
+    return U, Engine(U, vcfg, "FLASH_ATTN", monkeypatch), started[0].proc
+
+
 def operator(ep: str) -> KVStoreClient:
     return KVStoreClient(ep, timeout=10.0)
 

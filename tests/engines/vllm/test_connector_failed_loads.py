@@ -19,7 +19,7 @@ from tests.engines.vllm.test_connector import (
     Engine,
     assert_holds,
     check_client,
-    engine_setup,
+    engine_and_daemon,
     operator,
     prompt,
     request,
@@ -169,18 +169,11 @@ def test_a_daemon_that_stops_answering_holds_the_scheduler_up_for_a_lookup_time_
 ) -> None:
     """The calls' timeout is 5 s (the default); a lookup on a daemon that stopped (SIGSTOP) is a miss
     after LOOKUP_TIMEOUT, and the next request's lookup is not sent at all (the back-off)."""
-    started: list[Any] = []
-
-    def start(config: Path, **kw: Any) -> Any:
-        started.append(daemons(config, **kw))
-        return started[-1]
-
-    U, vcfg, _ = engine_setup(start, tmp_path, vllm_utils, model_dir)
-    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    U, e, daemon = engine_and_daemon(daemons, tmp_path, vllm_utils, model_dir, monkeypatch)
     c = e.sched.connector
     assert c.settings.timeout == 5.0 > LOOKUP_TIMEOUT
     assert c.get_num_new_matched_tokens(request(U, prompt(100, 71), "hello"), 0) == (0, False)
-    started[0].proc.send_signal(signal.SIGSTOP)
+    daemon.send_signal(signal.SIGSTOP)
     try:
         waited = []
         for i in range(2):
@@ -189,7 +182,7 @@ def test_a_daemon_that_stops_answering_holds_the_scheduler_up_for_a_lookup_time_
             assert c.get_num_new_matched_tokens(r, 0) == (0, False)
             waited.append(time.monotonic() - t0)
     finally:
-        started[0].proc.send_signal(signal.SIGCONT)
+        daemon.send_signal(signal.SIGCONT)
     assert LOOKUP_TIMEOUT - 0.1 < waited[0] < LOOKUP_TIMEOUT + 1.0 and waited[1] < 0.1
     assert c._lookup_failures == 1
     e.worker.c.shutdown()

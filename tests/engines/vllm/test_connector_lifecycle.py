@@ -21,7 +21,7 @@ from tests.engines.vllm.test_connector import (
     Engine,
     assert_holds,
     check_client,
-    engine_setup,
+    engine_and_daemon,
     prompt,
     request,
     setup,  # noqa: F401  (a fixture)
@@ -165,14 +165,7 @@ def test_a_preemption_waits_for_no_call_of_a_daemon_that_does_not_answer(
     """A save of the preempted request waiting on the daemon (stopped here: SIGSTOP) has read none of
     its blocks, or read them already: handle_preemptions returned only once the whole save was
     done, its retries of a daemon that does not answer included, with the engine's step held up."""
-    started: list[Any] = []
-
-    def start(config: Path, **kw: Any) -> Any:
-        started.append(daemons(config, **kw))
-        return started[-1]
-
-    U, vcfg, ep = engine_setup(start, tmp_path, vllm_utils, model_dir)
-    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    U, e, daemon = engine_and_daemon(daemons, tmp_path, vllm_utils, model_dir, monkeypatch)
     w, saver = e.worker, e.worker.c._saver
     assert saver is not None
     a, b = prompt(64, 51), prompt(64, 52)
@@ -184,7 +177,6 @@ def test_a_preemption_waits_for_no_call_of_a_daemon_that_does_not_answer(
     check = check_client(e)
     saver.submit(jobs["a"], w.c._paged(jobs["a"]))  # the save client says hello, and a is stored
     assert_holds(check, a, 64)
-    daemon = started[0].proc
     daemon.send_signal(signal.SIGSTOP)
     try:
         saver.submit(jobs["b"], w.c._paged(jobs["b"]))
