@@ -3,7 +3,10 @@ prefetch and evict on the others (``ClusterTier`` is made of this and cluster.py
 listed there).
 
 A record lives as long as its blocks (its TTL set anew with theirs), is listed in a sorted set by
-when it expires (what ``sessions`` walks), and is never overwritten by another tenant's host.
+when it expires (what ``sessions`` walks), and is never overwritten by another tenant's host, nor
+by an older put of the conversation (one host's record written late, after another host's of a later
+turn). The read and the write are two round trips, not one transaction: two hosts writing the same
+name within one round trip of each other leave the last write's record.
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ class ClusterSessions:
         it for memory (the caller counts it in ``session_dropped``), or holds a record of the name whose namespace is
         another tenant's (a conversation another host stored: a host refuses a put that continues
         another tenant's session, and the cluster keeps the first one's record alike; one read more
-        per write). ClusterUnavailable on an outage. Members of expired records leave the sorted set
+        per write). A record held that was put later (its ``updated``, the put's wall time) is left as
+        it is, and this one is not written (True: nothing was refused). ClusterUnavailable on an
+        outage. Members of expired records leave the sorted set
         as this runs: it holds the live sessions."""
         value = msgpack.packb({"v": SESSION_VERSION, "name": name, **info}, use_bin_type=True)
         px = ttl_ms(self.ttl)
@@ -65,8 +70,11 @@ class ClusterSessions:
 
         def write(c: Any) -> list[Any] | None:
             held = session_of(_string(c, key))  # (another type there is overwritten: not a record)
-            if held is not None and held.get("name") == name and _tenant_of(held) != tenant:
-                return None  # another tenant's conversation of this name, stored from another host
+            if held is not None and held.get("name") == name:
+                if _tenant_of(held) != tenant:
+                    return None  # another tenant's conversation of this name, stored from another host
+                if _newer(held, info):  # a later put of the conversation, from another host whose
+                    return []  # record was written first: this older one must not replace it
             now = time.time()  # wall time: the score is read by every host
             pipe = c.pipeline(transaction=False)  # one round trip
             pipe.set(key, value, px=px)
@@ -195,6 +203,17 @@ class ClusterSessions:
         if not self._foreign_index_logged:
             self._foreign_index_logged = True
             log.warning("the cluster held another type under %s: deleted", self.sessions_key())
+
+
+def _newer(held: dict[str, Any], info: dict[str, Any]) -> bool:
+    """Whether the record ``held`` was put after the one ``info`` describes (by the put's wall time at
+    its host; a record without a readable time is never newer)."""
+    t, mine = _time(held.get("updated")), _time(info.get("updated"))
+    return t is not None and mine is not None and t > mine
+
+
+def _time(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
 def _tenant_of(info: dict[str, Any]) -> Any:

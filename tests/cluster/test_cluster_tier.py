@@ -219,6 +219,26 @@ def test_sessions_are_recorded_under_the_hash_of_their_name(
     assert c.drop_session("tenant-a/conv-42") and c.get_session("tenant-a/conv-42") is None
 
 
+def test_a_record_written_late_does_not_replace_a_later_turn_s(
+    rc: LocalCluster, cluster_tier: ClusterFactory
+) -> None:
+    # host A's record of turn 1 waited behind its blocks; host B's of turn 2 was written first
+    a, b = cluster_tier(), cluster_tier()
+    a.connect()
+    b.connect()
+    turn: dict[int, dict[str, Any]] = {1: {"ns": {}, "keys": b"k" * 64, "tokens": None, "updated": 100.0}}
+    turn[2] = {**turn[1], "keys": b"k" * 96, "updated": 160.0}
+    assert b.put_session("conv", turn[2])
+    assert a.put_session("conv", turn[1])  # nothing refused: a newer record is there
+    assert a.get_session("conv")["keys"] == b"k" * 96  # type: ignore[index]
+    # a later put replaces it, shorter or not (a conversation taken back to an earlier turn)
+    assert a.put_session("conv", {**turn[1], "updated": 200.0})
+    assert b.get_session("conv")["keys"] == b"k" * 64  # type: ignore[index]
+    # a record without a readable time neither wins nor loses by it
+    assert b.put_session("conv", {**turn[2], "updated": None})
+    assert a.get_session("conv")["keys"] == b"k" * 96  # type: ignore[index]
+
+
 def test_values_of_another_type_under_session_keys_are_no_outage(
     rc: LocalCluster, cluster_tier: ClusterFactory
 ) -> None:
