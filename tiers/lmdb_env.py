@@ -485,9 +485,9 @@ def check_whole(path: Path, env: lmdb.Environment) -> None:
 
 def _check_clean(path: Path, map_size: int, durability: Durability) -> str | None:
     """Wipe a ``fast`` store that went down with the machine while it had unsynced commits. A
-    truncated data.mdb (``check_whole``): a ``fast`` store is wiped too (unsynced pages lost with
-    the machine: its marker cannot be read to say so, the read would be a SIGBUS); another is
-    refused with StoreFormatError."""
+    truncated data.mdb (``check_whole``) or one whose pages LMDB finds damaged: a ``fast`` store is
+    wiped too (unsynced pages lost with the machine: its marker cannot be read to say so; reading a
+    truncated file's would be a SIGBUS); another is refused with StoreFormatError."""
     if not (path / "data.mdb").exists():
         return None
     try:
@@ -505,6 +505,15 @@ def _check_clean(path: Path, map_size: int, durability: Durability) -> str | Non
             if txn.get(b"meta") is None:
                 return None
             marker = txn.get(_DIRTY, db=env.open_db(b"meta", txn=txn, create=False))
+    except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:
+        if durability is not Durability.FAST:
+            return None  # _open_dbs refuses it, saying what is wrong with it
+        # the newest meta page reached the disk, a page it names did not: the marker's own read fails
+        return _wipe(
+            path,
+            f"nvme store {path} is damaged ({e}); with durability 'fast' it is taken for unsynced "
+            "pages lost with the machine, and wiped",
+        )
     except lmdb.Error:
         return None  # _open_dbs reports what is wrong with it
     finally:

@@ -36,6 +36,7 @@ from kvstore.store.journal import Journal, RowDrop
 from kvstore.store.movement import NO_FRAMES, Frames, Mover
 from kvstore.store.parts import StoreParts
 from kvstore.store.writeback import WriteBack
+from kvstore.tiers.base import TierIOError
 
 # seconds an evict waits in all for what it dropped to be off the disk too: a block being written as
 # it was dropped (one block's commit), the session's row (behind at most one block's write); well
@@ -190,7 +191,7 @@ class AdminOps:
             keys=keys,
             dry_run=dry_run,
             displaced=displaced,
-            not_done="" if dry_run else self._off_disk(dropped, row),
+            not_done="" if dry_run else self._off_disk(dropped, row, synced=bool(keys) and t != 0),
         )
         if flt.session is not None and t is None and self._cluster is not None:
             try:  # the whole conversation, or its cluster copies among the blocks chosen here
@@ -217,11 +218,13 @@ class AdminOps:
             )
         return result
 
-    def _off_disk(self, keys: list[bytes], row: RowDrop | None) -> str:
+    def _off_disk(self, keys: list[bytes], row: RowDrop | None, *, synced: bool) -> str:
         """Wait (lock not held) until what an evict dropped is off the disk too, as a kill would find
         it: blocks the writer was writing as they were dropped (it deletes them again once written)
         and the session's row (deleted on the writer's thread). What is not, said: a kill before it
-        is would bring it back at the next start."""
+        is would bring it back at the next start. Then, with ``synced`` (blocks left a tier below hbm)
+        or a row deleted, the deletes are synced to the disk: a durability but ``safe`` does not sync
+        each commit, and with no commit after them a power loss would roll them back."""
         deadline = time.monotonic() + OFF_DISK_WAIT
         left = self._writeback.settle(keys, OFF_DISK_WAIT) if self._writeback is not None and keys else []
         parts = []
@@ -239,6 +242,13 @@ class AdminOps:
                 parts.append(
                     f"the session's row could not be deleted from disk ({row.error}; tried again at each "
                     "flush): a daemon killed before it is keeps it"
+                )
+        if self._tiers.nvme is not None and (synced or row is not None):
+            try:
+                self._tiers.nvme.sync()
+            except TierIOError as e:
+                parts.append(
+                    f"the deletes could not be synced to disk ({e}): a power loss may bring them back"
                 )
         return "; ".join(parts)
 
