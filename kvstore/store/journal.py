@@ -1,10 +1,13 @@
-"""Session and namespace rows, written to nvme on the writer thread (never on a caller's).
+"""Session and namespace rows, written to nvme.
 
-Sessions and namespaces change under the store's lock; their rows reach LMDB
-through the write-through thread's task list, so a put never waits on a disk
-commit for them. A row changed again before its write ran is written once, as
-it is last: a conversation put faster than the disk commits holds one task, not
-one per put. Without nvme there is nothing to write and every call is a no-op.
+Sessions change under the store's lock; their rows reach LMDB through the
+write-through thread's task list, so a put never waits on a disk commit for
+them. A row changed again before its write ran is written once, as it is last:
+a conversation put faster than the disk commits holds one task, not one per
+put. A namespace's row is written at once, on the caller's thread, when the
+store first meets the namespace (rare: once per model and tenant), so that it
+is on disk before any of its blocks. Without nvme there is nothing to write and
+every call is a no-op.
 """
 
 from __future__ import annotations
@@ -112,10 +115,25 @@ class Journal:
         return row
 
     def namespace(self, ns: Namespace) -> None:
+        """Persist a namespace's row now, on the caller's thread (once per namespace a store meets),
+        before any block of it can reach the disk: queued behind other rows, it could land after the
+        first blocks, and a kill between the two would leave blocks whose owner (model, tenant) no
+        filter matches. A write that fails is kept and written again, as any row's."""
         nvme = self._nvme
-        if nvme is not None:
-            d = ns.to_dict()
-            self._run(("namespace", ns.id), lambda: nvme.put_namespace(ns.id, d))
+        if nvme is None or self._writer is None:
+            return
+        d = ns.to_dict()
+        key: _Key = ("namespace", ns.id)
+
+        def write() -> None:
+            nvme.put_namespace(ns.id, d)
+
+        try:
+            write()
+        except Exception as err:  # a full or failing disk
+            self._failed_write(key, write, err)
+            return
+        self._written(key)
 
     @property
     def pending(self) -> int:
@@ -178,15 +196,18 @@ class Journal:
             except Exception as err:  # a full or failing disk: kept, written again by retry
                 self._failed_write(key, write, err)
                 return
-            with self._lock:
-                # this row, or a later one, is on disk: none is pending
-                self._failed.pop(key, None)
-                self._failed_sessions.pop(key, None)
-                failed, self._failing, self._warned_given_up = self._failing, 0, False
-            if failed:
-                log.info("nvme: session and namespace rows are written again (%d writes had failed)", failed)
+            self._written(key)
 
         writer.run_soon(task)
+
+    def _written(self, key: _Key) -> None:
+        with self._lock:
+            # this row, or a later one, is on disk: none is pending
+            self._failed.pop(key, None)
+            self._failed_sessions.pop(key, None)
+            failed, self._failing, self._warned_given_up = self._failing, 0, False
+        if failed:
+            log.info("nvme: session and namespace rows are written again (%d writes had failed)", failed)
 
     def _kept(self, key: _Key) -> Callable[[], None] | None:
         """(Journal lock held.) The write kept for ``key``, if its last write failed."""

@@ -581,3 +581,27 @@ def test_an_evict_is_synced_to_the_disk_before_it_answers(make_store, monkeypatc
     monkeypatch.setattr(nvme, "sync", refused)
     r = s.evict(EvictFilter(session="other"))
     assert r.blocks == 4 and "could not be synced to disk (fsync: input/output error)" in r.not_done
+
+
+def test_a_namespace_s_row_is_on_disk_before_any_block_of_it(make_store) -> None:
+    # queued behind other rows, the row could land after the namespace's first blocks, and a kill
+    # between the two left blocks whose model and tenant no filter (and no confined tenant's evict)
+    # matches: the row is written as the put registers the namespace, whatever the writer is doing
+    s = make_store()
+    nvme = s.tiers[-1]
+    stalled, go = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        stalled.set()
+        go.wait(10)
+
+    s._journal._writer.run_soon(stall)
+    assert stalled.wait(10)
+    try:
+        other = Namespace("another-model", NS.layout, tenant="t")
+        s.put(other, tokens(2), kv(2 * T))
+        assert other.id in dict(nvme.iter_namespaces())  # before its blocks, still queued
+        assert nvme_keys(s) == set()
+    finally:
+        go.set()
+    assert s.flush(10) and len(nvme_keys(s)) == 2
