@@ -44,7 +44,7 @@ class PinLedger:
         # (the store's handle, expiry, tenant)
         self._pins: dict[int, tuple[Any, float, str]] = {}
         # same-host reads' pins (a locate's blocks, until its finish or its lease's end), counted in the
-        # same quota: id of the Located -> (blocks, expiry, tenant)
+        # same quota: the id of the Located's pin handle (unique, never reused) -> (blocks, expiry, tenant)
         self._located: dict[int, tuple[int, float, str]] = {}
         self._lock = threading.Lock()
 
@@ -93,13 +93,21 @@ class PinLedger:
             pins, held = self._held(tenant, now)
             if pins >= quota.pins or held + n > quota.blocks or not self._daemon_room(n):
                 return False
-            self._located[id(located)] = (n, now + lease, tenant)
+            self._located[located.handle.id] = (n, now + lease, tenant)
         return True
+
+    def renew(self, located: Any, lease: float) -> None:
+        """A same-host read's pins were renewed: they stay in the quota until ``lease`` from now."""
+        with self._lock:
+            got = self._located.get(located.handle.id)
+            if got is not None:
+                n, expires, tenant = got
+                self._located[located.handle.id] = (n, max(expires, time.monotonic() + lease), tenant)
 
     def discharge(self, located: Any) -> None:
         """A same-host read is over: its blocks leave the quota."""
         with self._lock:
-            self._located.pop(id(located), None)
+            self._located.pop(located.handle.id, None)
 
     def _held(self, tenant: str, now: float) -> tuple[int, int]:
         """(Lock held.) The pins and pinned blocks ``tenant`` holds, its same-host reads' included;

@@ -169,6 +169,10 @@ class SharedOps:
                 rest = located.rest - k if r.matched_blocks == k else 0  # short: the chain broke there
                 if not rest:  # the last round of this read: what is not held after it is counted now
                     self.store.missed(located)
+                # the decode may have waited (blocks the cluster sent earlier gets being stored, a
+                # slow disk or cluster): the located blocks stay pinned for the lease the reply gives
+                if located.places and self.store.renew(located, plane.lease):
+                    self._ledger.renew(located, plane.lease)
         except BaseException:
             plane.take(lease.handle)
             self._finish(located, 0)

@@ -392,6 +392,11 @@ class Store:
         """Let go of a locate's pins without reading it: neither a lookup nor hits nor misses."""
         self._reads.unlocate(located)
 
+    def renew(self, located: Located, lease: float) -> bool:
+        """Keep ``located``'s pins until ``lease`` seconds from now at least; False when they had run
+        out (its blocks may have moved: the client's generation check makes them misses)."""
+        return self._reads.renew(located, lease)
+
     def missed(self, located: Located) -> None:
         """The held blocks after ``located``'s (its ``rest``) were all read by ``get``: count the blocks
         not held after them (asked, and a miss in every tier), which ``finish`` leaves to this call."""

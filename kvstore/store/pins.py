@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 _PURGE_EVERY = 256  # pins taken between two sweeps of expired leases
 
@@ -58,6 +58,21 @@ class PinTable:
                 holders.pop(handle.id, None)
                 if not holders:
                     del self._by_key[k]
+        return True
+
+    def renew(self, handle: PinHandle, lease: float) -> bool:
+        """Hold ``handle``'s keys until ``lease`` seconds from now at least (a lease is never made
+        shorter). False when it was released or has run out: its blocks may have moved since."""
+        held = self._handles.get(handle.id)
+        now = self._clock()
+        if held is None or held.expires <= now:
+            return False
+        expires = max(held.expires, now + lease)
+        self._handles[handle.id] = replace(held, expires=expires)
+        for k in held.keys:
+            holders = self._by_key.get(k)
+            if holders is not None and handle.id in holders:
+                holders[handle.id] = expires
         return True
 
     def is_pinned(self, key: bytes) -> bool:

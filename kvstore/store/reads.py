@@ -257,6 +257,12 @@ class Reader:
         with self._lock:
             self._pins.release(located.handle)
 
+    def renew(self, located: Located, lease: float) -> bool:
+        """Keep ``located``'s pins ``lease`` seconds from now (the client's lease starts only once
+        the daemon has read the blocks after them into staging). False when they had run out."""
+        with self._lock:
+            return self._pins.renew(located.handle, lease)
+
     def missed(self, located: Located) -> None:
         """The rest of ``located`` was read (into staging) to its end: the blocks not held after it
         are counted now, asked and missed, once."""

@@ -46,6 +46,27 @@ def test_a_pin_lapses_when_its_lease_ends(make_store) -> None:
     assert not s.release(handle)  # already gone
 
 
+def test_a_located_read_s_pins_are_renewed_while_they_hold_never_after(make_store) -> None:
+    # the daemon locates the pool blocks, then decodes the blocks after them into staging (which can
+    # wait: earlier gets' blocks being stored, a slow disk); the client's lease starts after that,
+    # and the located blocks must stay pinned that long, not lapse a lease after the locate
+    clock = Clock()
+    s = make_store(clock=clock)
+    a = tokens(2, seed=1)
+    s.put(NS, a, kv(2 * T, 1))
+    located = s.locate(NS, a, {0}, lease=5.0, count=False)
+    assert len(located.places) == 2 and s.stats().pinned == 2
+    clock.advance(4)
+    assert s.renew(located, 5.0)
+    clock.advance(4)  # 8 s after the locate, 4 s after the renewal
+    assert s.stats().pinned == 2
+    assert s.renew(located, 1.0) and s.stats().pinned == 2  # never shortened
+    clock.advance(1.5)
+    assert s.stats().pinned == 0 and not s.renew(located, 5.0)  # lapsed: it is not taken again
+    s.finish(located, 0)
+    assert s.stats().pinned == 0
+
+
 def test_a_pin_lasts_its_lease_whatever_the_wall_clock_does(make_store) -> None:
     # pins ran on the wall clock (the access times' clock): set back an hour (an NTP step), every
     # pin then held its blocks an hour past its lease. Leases run on their own monotonic clock
