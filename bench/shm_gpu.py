@@ -7,6 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,6 +30,7 @@ from bench.shm_rig import (  # noqa: E402
 )
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.codecs import decode_frames, get_codec  # noqa: E402
+from kvstore.wire.messages import Finish, Locate, LocateOk  # noqa: E402
 
 
 def gpu_section(repeat: int, shm_dir: Path | None = None) -> list[Figure]:
@@ -95,6 +97,24 @@ def gpu_section(repeat: int, shm_dir: Path | None = None) -> list[Figure]:
                 sync=sync,
             )
             hbm = {k: gb / v for k, v in t.items()}
+            # the copies alone: one Locate held, its blocks read again and again (a get_into adds a
+            # round trip to the daemon and the client's Python work per block, which a 94 MB copy at
+            # device speed, tens of microseconds, does not hide)
+            assert c.namespace is not None and mapping is not None
+            held = Locate(ns=c.namespace.id, tokens=np.asarray(tokens, dtype=np.uint32), tiers=mapping.tiers)
+            reply = c._conn.call(held, idempotent=True)
+            if not isinstance(reply, LocateOk) or len(reply.blocks) != PREFIX // T:
+                raise SystemExit(f"a Locate of the prefix came back short: {reply!r:.200}")
+
+            def copies() -> None:
+                if mapping.read_blocks(reply.blocks, LAYOUT, out, 0, reply.staging) != PREFIX // T:
+                    raise SystemExit("the located blocks moved while they were read")
+
+            try:
+                t = interleaved({"hbm copies of a held Locate (CUDA IPC)": copies}, repeat, sync=sync)
+            finally:
+                c._conn.call(Finish(handle=reply.handle, used=0), idempotent=True)
+            hbm.update({k: gb / v for k, v in t.items()})
             print_rates(hbm, "device-to-device copy")
             g = hbm["hbm get_into (CUDA IPC)"] / hbm["device-to-device copy"]
             figures.append(

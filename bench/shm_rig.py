@@ -96,7 +96,7 @@ def daemon(root: Path, *, device: str, shm_dir: Path | None = None) -> Iterator[
     try:
         ctx = zmq.Context()
         try:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 45  # inside gpu-check's step limit, so that the log is printed
             while probe(ctx, endpoint, 300) is None:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"the daemon did not start:\n{log.read_text(errors='replace')}")

@@ -152,6 +152,8 @@ def test_a_read_on_a_side_stream_waits_for_its_own_copies_not_the_engine_s_strea
         caches, ids = vllm_buffers(len(a) // 2)
         paged = PagedKV.vllm([x.cuda() for x in caches], ids, len(a))
         side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # a first read page-locks the pools here and allocates: CUDA
+            assert c.get_into(a, paged).matched_blocks == 6  # may sync the device for that, once
         torch.cuda.synchronize()
         torch.cuda._sleep(4_000_000_000)  # the engine's forward pass: seconds of GPU time on its stream
         engine = torch.cuda.current_stream()
