@@ -105,7 +105,7 @@ class KVStoreConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._worker = role == KVConnectorRole.WORKER
         # the scheduler looks up what rank 0 of the first stage holds; each worker loads and saves its own
         self._clients = Clients(
-            vllm_config, self.settings, self.layout, worker_ranks() if self._worker else (0, 0)
+            vllm_config, self.settings, self.layout, worker_ranks(vllm_config) if self._worker else (0, 0)
         )
         T = self.layout.block_tokens
         self._T = T

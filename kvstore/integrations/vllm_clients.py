@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 from kvstore.client import KVStoreClient
@@ -159,10 +160,19 @@ class Clients:
     def reset(self) -> None:
         """vLLM's weights changed in place (an RL weight sync resets its caches): the K/V of the
         weights named so far must never be found again. The weights' name gets a new generation:
-        every variant's namespace is a new one from now on, and the old blocks age out of kvstore."""
+        every variant's namespace is a new one from now on, and the old blocks age out of kvstore.
+        The generation is random, not a count: a count starts again with each process, and an
+        engine restarted from the same files and synced once (or another engine on the daemon)
+        would name other weights as this one named its first sync's."""
         with self._lock:
             self.resets += 1
-            self.base = f"{self._loaded}+reset{self.resets}"
+            self.base = f"{self._loaded}+reset-{uuid.uuid4().hex}"
+
+    def stale(self, variant: Variant) -> bool:
+        """Whether ``variant`` names weights from before a reset: what a request computed then (its
+        blocks were computed by the old weights, or on top of them) is not saved."""
+        with self._lock:
+            return variant.base != self.base
 
     def variant(self, request: Any) -> Variant:
         """``request``'s variant, on the base weights this process named (the scheduler's: see
@@ -247,11 +257,22 @@ def _close_aside(client: KVStoreClient) -> None:
     threading.Thread(target=client.close, name="kvstore-client-close", daemon=True).start()
 
 
-def worker_ranks() -> tuple[int, int]:
-    """This worker's tensor- and pipeline-parallel ranks."""
+def worker_ranks(vllm_config: Any = None) -> tuple[int, int]:
+    """This worker's tensor- and pipeline-parallel ranks. Where vLLM's groups cannot be read, (0, 0)
+    for a single process; with several ranks that would name every rank's heads as rank 0's, and
+    ranks would load each other's K/V: KVStoreError then (the connector is not made)."""
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank()), int(get_pp_group().rank_in_group)
-    except Exception:  # not initialised: a single process
+    except Exception as e:  # not initialised: a single process
+        pc = getattr(vllm_config, "parallel_config", None)
+        ranks = int(getattr(pc, "tensor_parallel_size", 1) or 1) * int(
+            getattr(pc, "pipeline_parallel_size", 1) or 1
+        )
+        if ranks > 1:
+            raise KVStoreError(
+                f"kvstore: this worker's tensor/pipeline-parallel rank cannot be read ({e}), and vLLM "
+                f"runs {ranks} ranks: its K/V cannot be named by its shard"
+            ) from e
         return 0, 0

@@ -216,9 +216,13 @@ class SchedulerSide:
     def reset_cache(self) -> bool:
         """vLLM resets its caches (``reset_prefix_cache(reset_connector=True)``: after its weights
         were updated in place, as RL weight syncs do): what kvstore holds was computed by other
-        weights. Lookups and saves go to a new namespace from now on (Clients.reset); the requests
-        scheduled already keep theirs. True: done."""
+        weights. Lookups and saves go to a new namespace from now on (Clients.reset). What was looked
+        up is forgotten (a request still waiting is looked up again, under the new one: its old hit
+        would load the old weights' K/V), and a request scheduled before saves nothing more (its K/V
+        was computed by the old weights, or on top of theirs). True: done."""
         self._clients.reset()
+        self._hits.clear()
+        self._variant_of.clear()
         log.info("kvstore: vLLM reset its caches; its K/V is looked up and saved under a new namespace now")
         return True
 
@@ -270,6 +274,8 @@ class SchedulerSide:
         """Save what ``t`` computed up to token ``computed`` that is not saved yet (whole blocks)."""
         end = self._save_end(t, computed)
         if end <= t.saved or self._clients.adapter_changed(t.variant):  # see Clients.adapter_changed
+            return
+        if self._clients.stale(t.variant):  # scheduled before a reset: see reset_cache
             return
         tokens = t.request.all_token_ids if self.settings.save_outputs else t.request.prompt_token_ids
         rid = t.request.request_id

@@ -152,8 +152,13 @@ class WorkerSide:
             ready = torch.cuda.Event()
             ready.record()
         for t in meta.saves:
-            self._saving.add(t.req_id)
-            self._saver.submit(t, self._paged(t), ready)
+            self._saving.add(t.req_id)  # (reported done when it finishes, a save not made or not)
+            try:
+                paged = self._paged(t)
+            except Exception:  # a save whose blocks cannot be viewed is not made, never vLLM's failure
+                log.exception("kvstore: the save of request %s could not be planned; skipped", t.req_id)
+                continue
+            self._saver.submit(t, paged, ready)
         self.hook_seconds["save"] += time.perf_counter() - t0
 
     def unregister_kv_caches(self) -> None:

@@ -418,6 +418,46 @@ def test_a_cache_reset_after_a_weight_update_finds_none_of_the_old_k_v(
     e.worker.c.shutdown()
 
 
+def test_a_request_looked_up_before_a_cache_reset_is_looked_up_again_after_it(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request whose lookup found the old weights' K/V, left waiting (no room for it yet) while the
+    weights were updated and the caches reset: its hit was kept, and it loaded the old K/V under
+    the new weights. It is looked up again, under the new weights' namespace."""
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    a = prompt(150, 26)
+    stored_then_forgotten(U, e, a)
+    waiting = request(U, a, "waiting")
+    assert e.sched.connector.get_num_new_matched_tokens(waiting, 0) == (128, True)  # then not scheduled
+    assert e.sched.reset_prefix_cache(reset_connector=True)
+    e.add(waiting)
+    e.run()
+    assert e.worker.loads == []  # computed: the old weights' K/V is not loaded
+    e.worker.c.shutdown()
+
+
+def test_each_cache_reset_names_weights_no_other_process_named() -> None:
+    """A generation counted from 0 in each process named an engine's first sync after a restart as
+    the K/V of another engine's (or the same engine's, before it) first sync."""
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm_clients import Clients
+    from kvstore.integrations.vllm_settings import Settings
+    from kvstore.layout import KVLayout
+
+    config = SimpleNamespace(model_config=SimpleNamespace(model="org/model", revision="v1"))
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=64)
+    a, b = (Clients(config, Settings(), layout, (0, 0)) for _ in range(2))  # two engines (or restarts)
+    loaded = a.base
+    assert b.base == loaded and not a.stale(Variant(base=loaded))
+    a.reset()
+    b.reset()
+    assert a.base != b.base and a.base.startswith(f"{loaded}+reset-")
+    assert a.stale(Variant(base=loaded)) and not a.stale(Variant(base=a.base))
+
+
 def test_vllm_is_told_kvstore_is_a_best_effort_cache(setup: Any, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """A save dropped at a preemption is a later miss, not a lost hand-off: vLLM need not drop and
     resample a preempted request's output in flight (it does for connectors that must deliver)."""
@@ -462,3 +502,21 @@ def test_a_step_that_computes_nothing_waits_a_moment_for_a_finished_requests_sav
     e.run()
     assert_holds(check_client(e), prompt(64, 53), 64)
     e.worker.c.shutdown()
+
+
+def test_a_worker_whose_rank_cannot_be_read_is_refused_where_vllm_runs_several() -> None:
+    """Read as rank 0 (a single process), every tensor-parallel rank named its heads as rank 0's."""
+    from types import SimpleNamespace
+
+    from kvstore.errors import KVStoreError
+    from kvstore.integrations.vllm_clients import worker_ranks
+
+    def config(tp: int, pp: int) -> Any:
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        )
+
+    assert worker_ranks(config(1, 1)) == (0, 0)  # (no parallel groups here)
+    for tp, pp in ((2, 1), (1, 2)):
+        with pytest.raises(KVStoreError, match="rank cannot be read"):
+            worker_ranks(config(tp, pp))
