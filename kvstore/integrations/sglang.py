@@ -21,9 +21,10 @@ page_size, H, D]`` (``layer_first``, ``page_first``, ``page_first_direct``)
 and filled or read through kvstore's shared memory (or its socket), never
 through Python bytes.
 
-``interface_v1`` must be set: the legacy calls (``get``, ``set``,
-``batch_get``, ``batch_set``) raise NotImplementedError saying so; ``exists``
-and ``batch_exists`` work either way. A page that is missing, evicted or
+``interface_v1`` must be set: without it the backend is refused at start
+(SGLang would call the legacy ``batch_get`` and ``batch_set``, which raise
+NotImplementedError saying so, for every hit). Weights updated at run time
+(``update_weights_from_*`` naming a ``weight_version``) name their pages afresh. A page that is missing, evicted or
 fails its checksum is reported False (never filled with wrong data). A daemon
 that fails, times out or is busy is a miss or a page not stored, logged, never
 an exception in SGLang. Lookups and loads (SGLang's prefetch) never wait on a
@@ -39,6 +40,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -63,6 +65,7 @@ from kvstore.integrations.sglang_settings import (
     option,
     server_args,
     short_sha,
+    weight_version,
     weights_of,
 )
 from kvstore.integrations.vllm_settings import seconds
@@ -95,6 +98,8 @@ class KVStoreHiCache(HiCacheStorage):
                 "over tp ranks); use it with MHA/GQA models"
             )
         extra = dict(storage_config.extra_config or {})
+        if not extra.get("interface_v1"):  # else SGLang calls the legacy batch_get and batch_set for
+            raise ValueError(_V1)  # each hit, and each raises: every hit recomputed, a trace logged
         # SGLang keeps keys of its own in extra_config too: a key close to one of ours is a typo (a
         # misspelt tenant would share the default tenant's blocks), any other is left alone
         for key in extra:
@@ -131,7 +136,12 @@ class KVStoreHiCache(HiCacheStorage):
             shard += f"/dcp{c.dcp_rank}of{c.dcp_size}"
         rev: str = option(extra, "revision", check_revision, "")
         weights = "" if served is None else weights_of(served, path)
-        self.revision = "/".join(part for part in (rev, weights, shard) if part)
+        self._named = "/".join(part for part in (rev, weights, shard) if part)  # all but the version
+        # SGLang's name of the weights it serves (weight_version), and a name of this process's for
+        # the weights an update at run time brought (random: versions are named by their trainer,
+        # "step-5" in two runs alike; "" while they are the ones loaded, named by their files)
+        self._version, self._updated = weight_version(), ""
+        self._switch_lock = threading.Lock()
         self.client: KVStoreClient | None = None  # loads: a busy daemon is a miss
         self._lookups: KVStoreClient | None = None  # lookups: the same, never behind a load
         self._saver: KVStoreClient | None = None  # stores: made on the first, waits out busy
@@ -149,9 +159,40 @@ class KVStoreHiCache(HiCacheStorage):
         if self.config.pp_size > 1 and first is not None and last is not None:
             # a pipeline stage's layers are set by SGLANG_PP_LAYER_PARTITION too, not by its rank
             # alone: another split gives the same rank other layers, whose K/V these pages are not
-            self.revision += f"/layers{int(first)}-{int(last)}"
+            self._named += f"/layers{int(first)}-{int(last)}"
         self.client = self._new_client(wait_when_busy=False)
         self._lookups = self._new_client(wait_when_busy=False, timeout=LOOKUP_TIMEOUT)
+
+    @property
+    def revision(self) -> str:
+        """The namespace's revision: what names the weights (model files, load, quantization,
+        overrides, adapters, draft), this rank's shard, and the version of weights updated at run
+        time."""
+        return f"{self._named}/updated-{self._updated}" if self._updated else self._named
+
+    def _weights_now(self) -> None:
+        """At each hook: when SGLang's weights were updated at run time since (its ``weight_version``
+        changed, as the update named it), what it computes now is named afresh, at random: the
+        clients are made again under the new name, and the old weights' pages are never found again
+        (a hook of another thread under way on an old client ends as a miss, or pages not stored).
+        An update that names no version is not seen here: see the README."""
+        now = weight_version()
+        if now == self._version or self._pages is None:
+            return
+        with self._switch_lock:
+            if now == self._version:
+                return
+            old = [c for c in (self.client, self._lookups) if c is not None]
+            self._version, self._updated = now, secrets.token_hex(8)
+            self.client = self._new_client(wait_when_busy=False)
+            self._lookups = self._new_client(wait_when_busy=False, timeout=LOOKUP_TIMEOUT)
+            with self._saver_lock:
+                if self._saver is not None:
+                    old.append(self._saver)
+                self._saver = None
+        for c in old:
+            c.close(abort=True)
+        log.info("kvstore: SGLang serves weights of version %r now; its pages are named afresh", now)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Pools beside the K/V (a hybrid model's SWA, Mamba or indexer state, speculative decoding's
@@ -209,6 +250,7 @@ class KVStoreHiCache(HiCacheStorage):
         """How many leading pages of ``keys`` the store holds."""
         if not keys or not self.backoff.available():
             return 0
+        self._weights_now()
         n = 0
         deadline = time.monotonic() + HOOK_BUDGET
         try:
@@ -233,6 +275,7 @@ class KVStoreHiCache(HiCacheStorage):
         held pages of ``keys``; True for each page filled. Pages after the first miss are False."""
         if not keys:
             return []
+        self._weights_now()
         got = 0
         deadline = time.monotonic() + HOOK_BUDGET
         if self.backoff.available():
@@ -262,6 +305,7 @@ class KVStoreHiCache(HiCacheStorage):
             return []
         if not self.backoff.available():
             return [False] * len(keys)
+        self._weights_now()
         prefix = list((extra_info.prefix_keys if extra_info is not None else None) or ())
         stored = [False] * len(keys)
         began = time.monotonic()
@@ -313,11 +357,14 @@ class KVStoreHiCache(HiCacheStorage):
         raise NotImplementedError(_V1)
 
     def clear(self) -> None:
-        """Drop every page of this namespace (this model, shard and tenant) from the store."""
-        client = self._client()
-        ns = client.namespace
-        if ns is not None:
-            client.evict(namespace=ns.id)
+        """Drop every page of this namespace (this model, shard and tenant) from the store. On a client
+        of its own (SGLang calls this on its scheduler's thread: it must not wait behind a load under
+        way); a daemon that fails raises, and SGLang says the clear failed."""
+        self._client()  # attached, or LayoutError
+        with self._new_client(wait_when_busy=False) as client:
+            ns = client.namespace
+            if ns is not None:
+                client.evict(namespace=ns.id)
 
     # -- internals -----------------------------------------------------------------------------
     def _parts(self, client: KVStoreClient, n: int) -> list[slice]:

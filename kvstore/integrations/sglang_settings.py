@@ -6,6 +6,7 @@ from SGLang's server arguments."""
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -30,17 +31,33 @@ def server_args() -> Any | None:
         return None
 
 
+# load formats that read the model's files as they are: the files name the weights (weights_id)
+SAME_WEIGHTS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors"})
+
+
 def weights_of(served: Any, path: str) -> str:
     """What besides the model's path changes its K/V, from SGLang's server args: its revision, its
-    weights (``weights.weights_id``), their quantization and the config overrides (hashed)."""
+    weights (``weights.weights_id``), how they are loaded, their quantization and the config
+    overrides (hashed). Weights made up at load (``--load-format dummy``: random, for benchmarks)
+    are named afresh in each process: their pages are never another server's, nor a later one's."""
     revision = getattr(served, "revision", None)
     parts = [f"rev={revision}"] if revision else []
     named = weights_id(path, revision) if path else ""
     if named:
         parts.append(named)
+    load_format = str(
+        getattr(getattr(served, "load_format", None), "value", getattr(served, "load_format", None)) or "auto"
+    )
+    if load_format == "dummy":
+        parts.append(f"lf=dummy-{secrets.token_hex(8)}")
+    elif load_format.lower() not in SAME_WEIGHTS:  # another reading of the files (gguf, bitsandbytes, ...)
+        parts.append(f"lf={short_sha(load_format, 12)}")
     quantization = getattr(served, "quantization", None)
     if quantization:
         parts.append(f"q={quantization}")
+    modelopt = getattr(served, "modelopt_quant", None)
+    if modelopt:  # quantized by NVIDIA ModelOpt as it loads
+        parts.append(f"mq={short_sha(str(modelopt), 12)}")
     overrides = getattr(served, "json_model_override_args", None)
     if overrides and overrides != "{}":
         parts.append(f"ov={short_sha(str(overrides), 16)}")
@@ -54,7 +71,8 @@ def weights_of(served: Any, path: str) -> str:
     draft = getattr(served, "speculative_draft_model_path", None)
     if draft:
         named = weights_id(str(draft), getattr(served, "speculative_draft_model_revision", None))
-        parts.append("draft=" + short_sha(f"{draft}\0{named}", 16))
+        quantized = getattr(served, "speculative_draft_model_quantization", None) or ""
+        parts.append("draft=" + short_sha(f"{draft}\0{named}\0{quantized}", 16))
     return ";".join(parts)
 
 
@@ -73,6 +91,19 @@ def lora_adapters(lora_paths: Any) -> list[tuple[str, str]]:
         else:
             out.append((str(getattr(item, "lora_name", "")), str(getattr(item, "lora_path", ""))))
     return out
+
+
+def weight_version() -> str | None:
+    """The version of the weights SGLang serves now, as named by the update that loaded them
+    (``weight_version`` of update_weights_from_*; None for the weights it started with, or where
+    SGLang publishes none)."""
+    try:
+        from sglang.srt.runtime_context import get_serving
+
+        v = get_serving().weight_version
+    except Exception:  # noqa: BLE001 - an SGLang without runtime_context, or none published
+        return None
+    return None if v in (None, "", "default") else str(v)
 
 
 def short_sha(text: str, n: int) -> str:

@@ -694,11 +694,25 @@ def test_servers_of_other_weights_under_one_served_name_share_no_pages(
     a = backend(daemon.endpoint, pool, model="chat")
     assert a.model == str(base) and all(a.batch_set_v1(keys, slots([0, 1, 2])))
     assert backend(daemon.endpoint, pool, model="chat").batch_exists(keys) == 3  # the same server again
-    for other in ({}, {"quantization": "fp8"}, {"json_model_override_args": '{"rope_scaling": 2}'}):
+    others: tuple[dict[str, Any], ...] = (
+        {},
+        {"quantization": "fp8"},
+        {"json_model_override_args": '{"rope_scaling": 2}'},
+        {"load_format": "bitsandbytes"},
+        {"modelopt_quant": "fp8"},
+    )
+    for other in others:
         serving(tuned if not other else base, **other)
         b = backend(daemon.endpoint, pool, model="chat")
         assert b.batch_exists(keys) == 0, other
         assert b.batch_get_v1(keys, slots([4, 5, 6])) == [False] * 3
+    # random weights (a benchmark's --load-format dummy): none of its pages is another server's
+    serving(base, load_format="dummy")
+    dummy = backend(daemon.endpoint, pool, model="chat")
+    assert dummy.batch_exists(keys) == 0 and all(dummy.batch_set_v1(keys, slots([0, 1, 2])))
+    assert backend(daemon.endpoint, pool, model="chat").batch_exists(keys) == 0  # another process's
+    serving(base, load_format="safetensors")  # the files as they are: the same weights
+    assert backend(daemon.endpoint, pool, model="chat").batch_exists(keys) == 3
     (base / "model.safetensors").write_bytes(b"base weights, rewritten in place")
     serving(base)
     assert backend(daemon.endpoint, pool, model="chat").batch_exists(keys) == 0
@@ -741,3 +755,41 @@ def test_batches_over_the_daemons_token_limit_go_in_runs_it_takes(daemons: Any, 
         assert torch.equal(pool.get_data_page(p * PAGE, flat=False).view(torch.int16), w.view(torch.int16))
     # a miss in a later run stops the count there, as in one call
     assert store.batch_exists([*keys[:3], page_hashes(1, salt=14)[0], *keys[4:]]) == 3
+
+
+def test_weights_updated_at_run_time_name_their_pages_afresh(daemon: Any, monkeypatch: Any) -> None:
+    # an RL trainer updates the server's weights in place (update_weights_from_*, weight_version
+    # "step-1"): SGLang flushes its own caches, not the L3, whose pages the old weights computed
+    import sglang.srt.runtime_context as runtime
+
+    serving = SimpleNamespace(weight_version="default")
+    monkeypatch.setattr(runtime, "get_serving", lambda: serving)
+    pool = host_pool("page_first")
+    keys = page_hashes(3, salt=21)
+    fill(pool, [0, 1, 2], seed=21)
+    store = backend(daemon.endpoint, pool)
+    assert all(store.batch_set_v1(keys, slots([0, 1, 2]))) and store.batch_exists(keys) == 3
+    serving.weight_version = "step-1"
+    assert store.batch_exists(keys) == 0
+    assert store.batch_get_v1(keys, slots([4, 5, 6])) == [False] * 3
+    assert all(store.batch_set_v1(keys, slots([0, 1, 2])))  # computed by the new weights
+    assert store.batch_exists(keys) == 3 and store.batch_get_v1(keys, slots([4, 5, 6])) == [True] * 3
+    # a server started from the files finds their pages; its own "step-1" (another job's, or after
+    # a restart) is other weights than the first one's: named apart
+    serving.weight_version = "default"
+    other = backend(daemon.endpoint, pool)
+    assert other.batch_exists(keys) == 3
+    serving.weight_version = "step-1"
+    assert other.batch_exists(keys) == 0 and store.batch_exists(keys) == 3
+    store.close()
+    other.close()
+
+
+def test_a_backend_without_interface_v1_is_refused_at_start(daemon: Any) -> None:
+    # SGLang calls the legacy batch_get and batch_set then, which raise for every hit
+    from tests.engines.sglang.conftest import storage_config
+
+    cfg = storage_config(daemon.endpoint)
+    cfg.extra_config = {k: v for k, v in cfg.extra_config.items() if k != "interface_v1"}
+    with pytest.raises(ValueError, match="interface_v1"):
+        KVStoreHiCache(cfg, {})
