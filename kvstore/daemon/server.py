@@ -206,6 +206,7 @@ class Server:
         self._offer = None if self.plane is None else self.plane.offer()
         self._store_ref.store = store
         self.store = store
+        self.proto.registry.holds = store.holds_namespace  # a registration whose blocks all went can go
 
     def run(self, open_store: Callable[[], Store] | None = None) -> int:
         """Bind, build the store if there is none yet (``open_store``, on a thread, answering every

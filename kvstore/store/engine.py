@@ -392,6 +392,11 @@ class Store:
         """Let go of a locate's pins without reading it: neither a lookup nor hits nor misses."""
         self._reads.unlocate(located)
 
+    def holds_namespace(self, ns_id: str) -> bool:
+        """Whether a block of namespace ``ns_id`` is held in any tier."""
+        with self._lock:
+            return self._index.namespace_blocks(ns_id) > 0
+
     def renew(self, located: Located, lease: float) -> bool:
         """Keep ``located``'s pins until ``lease`` seconds from now at least; False when they had run
         out (its blocks may have moved: the client's generation check makes them misses)."""

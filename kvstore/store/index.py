@@ -131,6 +131,11 @@ class BlockIndex:
         """Per namespace id: blocks held in each tier, then blocks in all (a copy; O(namespaces))."""
         return {ns: tuple(c) for ns, c in self._counts.items()}
 
+    def namespace_blocks(self, ns: str) -> int:
+        """Blocks of namespace id ``ns`` held (O(1))."""
+        c = self._counts.get(ns)
+        return c[-1] if c else 0
+
     def _count(self, ns: str) -> list[int]:
         c = self._counts.get(ns)
         if c is None:

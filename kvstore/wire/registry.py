@@ -7,8 +7,11 @@ daemon's table, and what an idle registration gives back.
 
 A registration no put went through, unused NAMESPACE_IDLE seconds, is given up when a hello finds the
 table (or its tenant's quota) full: without CURVE a tenant is whatever a hello says, so hellos alone
-could fill the table, and would lock real engines out for good. A client whose registration went
-says hello again on its next request (the reply "unknown_namespace" asks it to; KVStoreClient does).
+could fill the table, and would lock real engines out for good. So is one a put went through whose
+blocks are all gone (evicted, expired: ``holds`` says), unused as long: an engine that names its
+weights anew at each weight sync registers namespaces without end, and the old ones empty out. A
+client whose registration went says hello again on its next request (the reply "unknown_namespace"
+asks it to; KVStoreClient does).
 """
 
 from __future__ import annotations
@@ -28,8 +31,14 @@ class NamespaceRegistry:
     """Registered namespaces by id, counted per tenant. Not thread-safe (the protocol's loop owns it).
     ``clock``: seconds, for how long a registration has been idle."""
 
-    def __init__(self, per_tenant: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, per_tenant: int, clock: Callable[[], float], holds: Callable[[str], bool] | None = None
+    ) -> None:
+        """``holds(ns_id)``: whether the store holds a block of the namespace (None: taken as yes,
+        until the daemon's store is there and sets it)."""
         self.per_tenant = per_tenant
+        self.holds = holds
+        self._last: dict[str, float] = {}  # every registration -> when last used
         self.namespaces: dict[str, Namespace] = {}
         self._count: dict[str, int] = {}  # tenant -> namespaces registered
         # registrations no put or commit went through (they hold no block stored through them), by
@@ -63,7 +72,7 @@ class NamespaceRegistry:
                     "to restart the daemon or to lower max_namespaces_per_tenant",
                 )
             self._count[ns.tenant] = mine + 1
-            self._idle[ns.id] = self._clock()
+            self._idle[ns.id] = self._last[ns.id] = self._clock()
         else:
             self.used(ns.id, stores=False)
         self.namespaces[ns.id] = ns
@@ -76,26 +85,41 @@ class NamespaceRegistry:
 
     def used(self, ns_id: str, *, stores: bool) -> None:
         """A request used ``ns_id``; one that ``stores`` blocks (put, commit) keeps it for good."""
+        if ns_id in self.namespaces:
+            self._last[ns_id] = self._clock()
         if stores:
-            self._idle.pop(ns_id, None)  # it may hold blocks now: never given up
+            self._idle.pop(ns_id, None)  # it may hold blocks now: given up only once they are gone
         elif ns_id in self._idle:
             self._idle[ns_id] = self._clock()
             self._idle.move_to_end(ns_id)
 
     def _expire(self) -> None:
         """Give up the registrations no put went through that were unused for NAMESPACE_IDLE seconds
-        (oldest first: O(those given up)). Their clients' next requests are answered
-        ``unknown_namespace``, and they say hello again."""
+        (oldest first: O(those given up)), and those unused as long whose blocks are all gone
+        (``holds``). Their clients' next requests are answered ``unknown_namespace``, and they say
+        hello again."""
         now = self._clock()
         while self._idle:
             ns_id, used = next(iter(self._idle.items()))
             if now - used < NAMESPACE_IDLE:
                 break
             del self._idle[ns_id]
-            ns = self.namespaces.pop(ns_id)
-            left = self._count.get(ns.tenant, 0) - 1
-            if left > 0:
-                self._count[ns.tenant] = left
-            else:
-                self._count.pop(ns.tenant, None)
-            self.expired += 1
+            self._give_up(ns_id)
+        holds = self.holds
+        if holds is None:
+            return
+        # those a put went through: unused as long, and holding no block any more (O(registrations),
+        # only when a hello finds the table or a quota full)
+        for ns_id in [i for i in self.namespaces if i not in self._idle]:
+            if now - self._last.get(ns_id, now) >= NAMESPACE_IDLE and not holds(ns_id):
+                self._give_up(ns_id)
+
+    def _give_up(self, ns_id: str) -> None:
+        ns = self.namespaces.pop(ns_id)
+        self._last.pop(ns_id, None)
+        left = self._count.get(ns.tenant, 0) - 1
+        if left > 0:
+            self._count[ns.tenant] = left
+        else:
+            self._count.pop(ns.tenant, None)
+        self.expired += 1

@@ -52,8 +52,9 @@ def test_evict_from_nvme_keeps_the_copies_above(make_store) -> None:
     assert r.blocks == 4 and r.moved == 0 and set(r.keys) == set(block_keys(NS, toks))
     assert s.lookup(NS, toks).tiers == ["hbm"] * 4
     assert not set(s.tiers[-1].keys())
+    assert s.holds_namespace(NS.id)
     r = s.evict(EvictFilter(namespace=NS.id))
-    assert r.blocks == 4 and s.stats().blocks == 0
+    assert r.blocks == 4 and s.stats().blocks == 0 and not s.holds_namespace(NS.id)
     assert s.check_integrity() == []
 
 

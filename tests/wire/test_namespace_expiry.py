@@ -112,3 +112,29 @@ def test_a_tenant_at_its_quota_gets_room_from_its_own_idle_registrations() -> No
     clock.now += NAMESPACE_IDLE
     assert isinstance(hello(client, server, c), HelloOk)  # b was idle: its place is c's
     assert set(server.namespaces) == {a.id, c.id}
+
+
+def test_a_registration_whose_blocks_are_all_gone_makes_room_once_idle() -> None:
+    # an engine that names its weights anew at each weight sync (vLLM's reset, SGLang's update) put
+    # blocks through each namespace: the table kept them all for good, and at the quota nothing of
+    # the engine's was cached any more. One whose blocks went (evicted, expired) makes room
+    clock = Clock()
+    held: set[str] = set()
+    server = ServerProtocol(Limits(), server="test", namespaces_per_tenant=2, clock=clock)
+    client = ClientProtocol()
+    old, current, synced = (Namespace(f"m+sync{i}", LAYOUT, tenant="rl") for i in range(3))
+    for ns in (old, current):
+        assert isinstance(hello(client, server, ns), HelloOk)
+        put(client, server, ns)
+        held.add(ns.id)
+    clock.now += NAMESPACE_IDLE
+    refused = hello(client, server, synced)  # no store says what is held yet: all kept
+    assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
+    server.registry.holds = held.__contains__  # (the daemon's store, once it is open)
+    refused = hello(client, server, synced)  # both still hold blocks
+    assert isinstance(refused, ErrorReply) and refused.code == "quota_exceeded"
+    held.discard(old.id)  # the old weights' blocks were evicted
+    held.discard(current.id)
+    assert isinstance(lookup(client, server, current), LookupOk)  # in use: kept, blocks or not
+    assert isinstance(hello(client, server, synced), HelloOk)
+    assert set(server.namespaces) == {current.id, synced.id} and server.expired == 1
