@@ -185,6 +185,11 @@ class SchedulerSide:
         if request is None:
             return None
         hit = self._hits.get(rid, (0, 0))[0]
+        # tracked already (a streaming-input session scheduled again as new, without a preemption):
+        # saves of its earlier part may still be queued on the workers, which report it when it
+        # finishes; vLLM must keep its blocks until then (one reported for a request whose blocks
+        # vLLM freed fails its check, and the engine with it)
+        before = self._tracked.get(rid)
         t = Tracked(
             request,
             self._variant_of.pop(rid) if rid in self._variant_of else self._clients.variant(request),
@@ -193,6 +198,7 @@ class SchedulerSide:
             saved=min(hit, computed // self._T * self._T),
             session=_session(request),
             preemptions=int(getattr(request, "num_preemptions", 0) or 0),
+            saving=before is not None and before.saving,
         )
         self._tracked[rid] = t
         return t

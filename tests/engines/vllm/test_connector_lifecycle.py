@@ -520,3 +520,24 @@ def test_a_worker_whose_rank_cannot_be_read_is_refused_where_vllm_runs_several()
     for tp, pp in ((2, 1), (1, 2)):
         with pytest.raises(KVStoreError, match="rank cannot be read"):
             worker_ranks(config(tp, pp))
+
+
+def test_a_request_scheduled_as_new_again_keeps_its_earlier_saves_owed(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A streaming-input session comes back among the new requests without a preemption: the saves
+    of its earlier part may be queued still, and the workers report it when it finishes. Tracked
+    afresh as saving nothing, vLLM freed its blocks at its end, and the workers' report of it then
+    failed vLLM's check (an assertion: the engine dies)."""
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    r = request(U, prompt(150, 27), "stream")
+    connector = e.sched.connector
+    connector._requests["stream"] = r
+    first = connector._track("stream", [0, 1, 2], 0)
+    assert first is not None and not first.saving
+    first.saving = True  # its first part's saves went to the workers
+    again = connector._track("stream", [0, 1, 2, 3], 128)
+    assert again is not None and again.saving
+    e.worker.c.shutdown()
