@@ -22,9 +22,12 @@ commit of its snapshot in the Hugging Face cache.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 from pathlib import Path
+
+log = logging.getLogger("kvstore.integrations")
 
 _MAX_FILES = 10_000  # a model directory holds tens; a path that is not one stops being walked here
 SMALL = 1 << 20  # files up to this size are hashed whole (configs, tokenizers, most adapters' weights)
@@ -136,7 +139,17 @@ def weights_id(model: str, revision: str | None = None) -> str:
     if os.path.exists(os.path.expanduser(model)):
         return f"files={named(model)}"
     commit = _hub_commit(model, revision or "main")
-    return f"hub={commit[:16]}" if commit else ""
+    if commit:
+        return f"hub={commit[:16]}"
+    if not revision:  # a hub other than Hugging Face's (ModelScope), or a cache elsewhere
+        log.warning(
+            "kvstore: the weights served as %r cannot be named (no local path, and the Hugging Face "
+            "cache holds no snapshot of it): its K/V is named by that name alone, and another "
+            "version served under it would find it: serve the weights from a local path, or name "
+            "them with --revision",
+            model,
+        )
+    return ""
 
 
 def _hub_commit(repo: str, revision: str) -> str | None:

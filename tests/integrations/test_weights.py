@@ -59,7 +59,9 @@ def test_a_name_is_read_again_once_the_files_change(tmp_path: Path) -> None:
     assert weights.name("org/remote-adapter") == weights.name("org/remote-adapter") != first
 
 
-def test_a_hub_model_is_named_by_its_cached_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hub_model_is_named_by_its_cached_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     refs = tmp_path / "models--org--model" / "refs"
     refs.mkdir(parents=True)
@@ -69,6 +71,9 @@ def test_a_hub_model_is_named_by_its_cached_snapshot(tmp_path: Path, monkeypatch
     assert weights_id("org/model") == "hub=" + "b" * 16
     assert weights_id("org/model", "c" * 40) == "hub=" + "c" * 16  # a pinned commit names itself
     assert weights_id("org/other") == ""  # not in the cache: nothing more than its name is known
+    assert "'org/other' cannot be named" in caplog.text  # (a ModelScope download): said
+    caplog.clear()
+    assert weights_id("org/other", "v2") == "" and not caplog.text  # named by its revision
 
 
 def test_only_weights_and_configs_name_a_model_and_odd_file_names_do_not_break_it(tmp_path: Path) -> None:
