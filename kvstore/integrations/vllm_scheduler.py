@@ -78,6 +78,9 @@ class SchedulerSide:
         self._loads: dict[str, tuple[int, int, list[int]]] = {}
         # requests waiting for their load (WAITING_FOR_REMOTE_KVS) -> the blocks it loads into
         self._loading: dict[str, list[int]] = {}
+        # requests a load was planned for, not tracked yet (their load under way, or reported and not
+        # scheduled since): their blocks hold K/V read under their lookup's variant
+        self._loaded: set[str] = set()
         self._requests: dict[str, Any] = {}
         self._variant_of: dict[str, Variant] = {}  # request -> its variant, named at its lookup
         self._tracked: dict[str, Tracked] = {}
@@ -190,9 +193,16 @@ class SchedulerSide:
         # finishes; vLLM must keep its blocks until then (one reported for a request whose blocks
         # vLLM freed fails its check, and the engine with it)
         before = self._tracked.get(rid)
+        self._loaded.discard(rid)
         t = Tracked(
             request,
-            self._variant_of.pop(rid) if rid in self._variant_of else self._clients.variant(request),
+            # tracked already: its blocks hold what it computed under that variant (the old weights'
+            # after a reset: stale, saved no more), whatever a lookup since named
+            before.variant
+            if before is not None
+            else self._variant_of.pop(rid)
+            if rid in self._variant_of
+            else self._clients.variant(request),
             block_ids,
             # what kvstore holds of it: its hit, or less where its load failed (see _finished_loads)
             saved=min(hit, computed // self._T * self._T),
@@ -212,23 +222,28 @@ class SchedulerSide:
         if request is None or tokens is None:  # (it was looked up: cannot be) a load of nothing
             meta.loads.append(Transfer(rid, Variant(), [], block_ids, start, start))
             return
-        known = self._tracked.get(rid)  # resumed after a preemption
-        variant = known.variant if known is not None else self._variant_of.get(rid)
+        # the variant its lookup used (a reset since: the new weights'), else the one it is tracked by
+        known = self._tracked.get(rid)
+        variant = self._variant_of.get(rid) or (known.variant if known is not None else None)
         if variant is None:
             variant = self._variant_of[rid] = self._clients.variant(request)
         meta.loads.append(Transfer(rid, variant, list(tokens[:end]), block_ids, start, end))
         self._loading[rid] = block_ids
+        self._loaded.add(rid)
 
     def reset_cache(self) -> bool:
         """vLLM resets its caches (``reset_prefix_cache(reset_connector=True)``: after its weights
         were updated in place, as RL weight syncs do): what kvstore holds was computed by other
         weights. Lookups and saves go to a new namespace from now on (Clients.reset). What was looked
         up is forgotten (a request still waiting is looked up again, under the new one: its old hit
-        would load the old weights' K/V), and a request scheduled before saves nothing more (its K/V
-        was computed by the old weights, or on top of theirs). True: done."""
+        would load the old weights' K/V), and a request scheduled before, or whose load is under way,
+        saves nothing more (its K/V was computed by the old weights, or on top of theirs). True: done."""
         self._clients.reset()
-        self._hits.clear()
-        self._variant_of.clear()
+        # a load under way (or done, its request not scheduled since) read the old weights' K/V into
+        # its blocks: its request keeps their variant, stale, so that nothing it computes on top of
+        # them is saved under the new one
+        self._hits = {rid: hit for rid, hit in self._hits.items() if rid in self._loaded}
+        self._variant_of = {rid: v for rid, v in self._variant_of.items() if rid in self._loaded}
         log.info("kvstore: vLLM reset its caches; its K/V is looked up and saved under a new namespace now")
         return True
 
@@ -294,6 +309,7 @@ class SchedulerSide:
         self._requests.pop(rid, None)
         self._variant_of.pop(rid, None)
         self._hits.pop(rid, None)
+        self._loaded.discard(rid)
         # a load planned is vLLM's to wait for (finished_recving), and it frees the blocks then: the
         # load still runs (of nothing, once the request is gone: _plan_load), and nothing is saved
         loading = rid in self._loads or rid in self._loading

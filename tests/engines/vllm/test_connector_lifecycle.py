@@ -541,3 +541,25 @@ def test_a_request_scheduled_as_new_again_keeps_its_earlier_saves_owed(
     again = connector._track("stream", [0, 1, 2, 3], 128)
     assert again is not None and again.saving
     e.worker.c.shutdown()
+
+
+def test_a_request_that_loaded_before_a_cache_reset_saves_nothing_under_the_new_weights(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its blocks hold the old weights' K/V, read before the reset (its load under way, or done and
+    the request not scheduled since): what it computes on top of them was saved under the new
+    weights' namespace, where requests on the new weights then loaded it."""
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    a = prompt(200, 28)
+    stored_then_forgotten(U, e, a)
+    e.add(request(U, a, "loaded", max_tokens=2))
+    e.step()  # its load of [0, 128), under the old weights
+    assert e.worker.loads[-1][:3] == ("loaded", 0, 128)
+    assert "loaded" not in e.sched.connector._tracked
+    assert e.sched.reset_prefix_cache(reset_connector=True) in (True, False)  # (vLLM's own may fail)
+    e.run()
+    clients = e.worker.c._clients
+    new = clients.get(Variant(base=e.sched.connector._clients.base), "check")
+    assert new.lookup(a).matched_tokens == 0  # nothing of it under the new weights
