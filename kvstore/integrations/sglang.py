@@ -77,6 +77,10 @@ _OPTIONS = {"endpoint", "tenant", "model", "revision", "timeout"}
 # seconds one hook takes at most, whatever the daemon does: SGLang joins its storage threads for 10 s
 # at a cache flush, reset or detach, and raises past it (a hook stops before a call that could run over)
 HOOK_BUDGET = 8.0
+# seconds after SGLang's weights changed during which nothing is stored: it names the new version
+# before it flushes its caches (and joins its storage threads for up to 10 s), so a backup of pages
+# the old weights computed may still run
+SWITCH_GRACE = 15.0
 STORE_RETRIES = 1  # a store that timed out is sent once more (within HOOK_BUDGET)
 
 
@@ -141,6 +145,7 @@ class KVStoreHiCache(HiCacheStorage):
         # the weights an update at run time brought (random: versions are named by their trainer,
         # "step-5" in two runs alike; "" while they are the ones loaded, named by their files)
         self._version, self._updated = weight_version(), ""
+        self._switched = -math.inf  # when the weights were last named afresh (monotonic)
         self._switch_lock = threading.Lock()
         self.client: KVStoreClient | None = None  # loads: a busy daemon is a miss
         self._lookups: KVStoreClient | None = None  # lookups: the same, never behind a load
@@ -180,10 +185,12 @@ class KVStoreHiCache(HiCacheStorage):
         if now == self._version or self._pages is None:
             return
         with self._switch_lock:
-            if now == self._version:
+            if now == self._version or self._closed:
                 return
             old = [c for c in (self.client, self._lookups) if c is not None]
+            retired = self.revision if self._updated else None  # (the files' name is other servers' too)
             self._version, self._updated = now, secrets.token_hex(8)
+            self._switched = time.monotonic()
             self.client = self._new_client(wait_when_busy=False)
             self._lookups = self._new_client(wait_when_busy=False, timeout=LOOKUP_TIMEOUT)
             with self._saver_lock:
@@ -193,6 +200,28 @@ class KVStoreHiCache(HiCacheStorage):
         for c in old:
             c.close(abort=True)
         log.info("kvstore: SGLang serves weights of version %r now; its pages are named afresh", now)
+        if retired is not None:  # an earlier update's pages: no server finds them again
+            threading.Thread(target=self._evict_retired, args=(retired,), daemon=True).start()
+
+    def _evict_retired(self, revision: str) -> None:
+        """(Its own thread.) Evict the pages named ``revision`` (an earlier update's weights: named at
+        random, this process's alone), so that they take no room and their namespace's registration
+        makes room on the daemon once they are gone. Best effort: they age out otherwise."""
+        try:
+            assert self._pages is not None
+            with KVStoreClient(
+                self.endpoint,
+                model=self.model,
+                layout=self._pages.layout,
+                tenant=self.tenant,
+                revision=revision,
+                timeout=self.timeout,
+                retries=0,
+            ) as c:
+                assert c.namespace is not None
+                c.evict(namespace=c.namespace.id)
+        except Exception as e:  # noqa: BLE001 - they age out
+            log.warning("kvstore: the pages of weights no longer served were not evicted (%s)", e)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Pools beside the K/V (a hybrid model's SWA, Mamba or indexer state, speculative decoding's
@@ -236,14 +265,13 @@ class KVStoreHiCache(HiCacheStorage):
     def close(self) -> None:
         """Close the clients at once: a call another SGLang thread has under way on a daemon that does
         not answer ends now (a miss, or pages not stored), not after its time-outs."""
-        for client in (self.client, self._lookups):
-            if client is not None:
-                client.close(abort=True)
-        with self._saver_lock:
-            self._closed = True
-            saver, self._saver = self._saver, None
-        if saver is not None:
-            saver.close(abort=True)
+        with self._switch_lock:  # no switch to new weights makes clients after this
+            with self._saver_lock:
+                self._closed = True
+                saver, self._saver = self._saver, None
+            clients = [c for c in (self.client, self._lookups, saver) if c is not None]
+        for client in clients:
+            client.close(abort=True)
 
     # -- the v1 (zero-copy) interface ---------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -306,6 +334,10 @@ class KVStoreHiCache(HiCacheStorage):
         if not self.backoff.available():
             return [False] * len(keys)
         self._weights_now()
+        if time.monotonic() - self._switched < SWITCH_GRACE:
+            # SGLang names the new version before it flushes its caches: pages the old weights
+            # computed may still be backed up meanwhile, and would be stored under the new name
+            return [False] * len(keys)
         prefix = list((extra_info.prefix_keys if extra_info is not None else None) or ())
         stored = [False] * len(keys)
         began = time.monotonic()

@@ -33,13 +33,18 @@ def server_args() -> Any | None:
 
 # load formats that read the model's files as they are: the files name the weights (weights_id)
 SAME_WEIGHTS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors"})
+# those that read the local files otherwise (quantized, or another checkpoint format): named by the
+# files and the format. Any other format takes its weights from elsewhere (another server, a remote
+# store, random numbers): nothing here names them, so its pages are named afresh in each process
+OTHER_READINGS = frozenset({"gguf", "bitsandbytes", "sharded_state", "presharded", "mistral", "layered"})
 
 
 def weights_of(served: Any, path: str) -> str:
     """What besides the model's path changes its K/V, from SGLang's server args: its revision, its
     weights (``weights.weights_id``), how they are loaded, their quantization and the config
-    overrides (hashed). Weights made up at load (``--load-format dummy``: random, for benchmarks)
-    are named afresh in each process: their pages are never another server's, nor a later one's."""
+    overrides (hashed). Weights that do not come from the files (``--load-format dummy``: random, for
+    benchmarks; remote loads) are named afresh in each process: their pages are never another
+    server's, nor a later one's."""
     revision = getattr(served, "revision", None)
     parts = [f"rev={revision}"] if revision else []
     named = weights_id(path, revision) if path else ""
@@ -48,10 +53,11 @@ def weights_of(served: Any, path: str) -> str:
     load_format = str(
         getattr(getattr(served, "load_format", None), "value", getattr(served, "load_format", None)) or "auto"
     )
-    if load_format == "dummy":
-        parts.append(f"lf=dummy-{secrets.token_hex(8)}")
-    elif load_format.lower() not in SAME_WEIGHTS:  # another reading of the files (gguf, bitsandbytes, ...)
-        parts.append(f"lf={short_sha(load_format, 12)}")
+    load_format = load_format.lower()
+    if load_format in OTHER_READINGS:
+        parts.append(f"lf={load_format}")
+    elif load_format not in SAME_WEIGHTS:  # dummy (random), remote, rdma, ipc_cache, ...
+        parts.append(f"lf={short_sha(load_format, 8)}-{secrets.token_hex(8)}")
     quantization = getattr(served, "quantization", None)
     if quantization:
         parts.append(f"q={quantization}")

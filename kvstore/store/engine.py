@@ -393,9 +393,10 @@ class Store:
         self._reads.unlocate(located)
 
     def holds_namespace(self, ns_id: str) -> bool:
-        """Whether a block of namespace ``ns_id`` is held in any tier."""
-        with self._lock:
-            return self._index.namespace_blocks(ns_id) > 0
+        """Whether a block of namespace ``ns_id`` is held in any tier. Read without the store's lock
+        (one count; the daemon's event loop asks, and must not wait behind an evict or a disk
+        write): a put indexing its first blocks may be missed, which costs its client a hello."""
+        return self._index.namespace_blocks(ns_id) > 0
 
     def renew(self, located: Located, lease: float) -> bool:
         """Keep ``located``'s pins until ``lease`` seconds from now at least; False when they had run

@@ -13,9 +13,11 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.utils import get_hash_str
 
+from kvstore.client import KVStoreClient
 from kvstore.integrations.sglang import KVStoreHiCache
 from tests.engines.sglang.conftest import PAGE, backend, daemon_config, host_pool, storage_config
 from tests.engines.sglang.pools import attach
+from tests.hardening.conftest import wait_until
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
@@ -772,16 +774,31 @@ def test_weights_updated_at_run_time_name_their_pages_afresh(daemon: Any, monkey
     serving.weight_version = "step-1"
     assert store.batch_exists(keys) == 0
     assert store.batch_get_v1(keys, slots([4, 5, 6])) == [False] * 3
+    # SGLang names the version before it flushes: a backup of the old weights' pages may run still
+    assert store.batch_set_v1(keys, slots([0, 1, 2])) == [False] * 3
+    assert store.batch_exists(keys) == 0
+    from kvstore.integrations import sglang as backend_module
+
+    monkeypatch.setattr(backend_module, "SWITCH_GRACE", 0.0)  # (15 s later)
     assert all(store.batch_set_v1(keys, slots([0, 1, 2])))  # computed by the new weights
     assert store.batch_exists(keys) == 3 and store.batch_get_v1(keys, slots([4, 5, 6])) == [True] * 3
+    # the next update's pages are named afresh again, and step-1's are evicted (this process's alone)
+    step1 = store.revision
+    serving.weight_version = "step-2"
+    assert store.batch_exists(keys) == 0
+    with KVStoreClient(daemon.endpoint, model=store.model, layout=store._host().layout, revision=step1) as c:
+        assert wait_until(lambda: c.lookup_keys(keys).matched_blocks == 0, 10)
     # a server started from the files finds their pages; its own "step-1" (another job's, or after
     # a restart) is other weights than the first one's: named apart
     serving.weight_version = "default"
     other = backend(daemon.endpoint, pool)
     assert other.batch_exists(keys) == 3
     serving.weight_version = "step-1"
-    assert other.batch_exists(keys) == 0 and store.batch_exists(keys) == 3
+    assert other.batch_exists(keys) == 0
     store.close()
+    assert store.client is not None and store.client._conn.closed
+    serving.weight_version = "step-3"  # a hook after close makes no client
+    assert store.batch_exists(keys) == 0 and store.client._conn.closed
     other.close()
 
 
