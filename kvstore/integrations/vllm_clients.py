@@ -168,6 +168,24 @@ class Clients:
             self.resets += 1
             self.base = f"{self._loaded}+reset-{uuid.uuid4().hex}"
 
+    def named_by_reset(self, base: str) -> bool:
+        """Whether ``base`` is a name ``reset`` gave (this engine's alone), not the loaded files'."""
+        return base != self._loaded and base.startswith(f"{self._loaded}+reset-")
+
+    def retire(self, bases: list[str]) -> None:
+        """Weights named by earlier resets, replaced since: this process's clients of them are taken
+        out of use, the blocks of their namespaces evicted through them, and they are closed, on a
+        thread of their own (no other engine has these names: the blocks would take room until they
+        aged out, and keep their registrations on the daemon). A load of them still to come makes a
+        client anew and misses. Best effort: logged when the daemon refuses."""
+        gone = set(bases)
+        with self._lock:
+            old = {k: self._clients.pop(k) for k in [k for k in self._clients if k[0].base in gone]}
+        if old:
+            threading.Thread(
+                target=_evict_all, args=(list(old.values()),), name="kvstore-retire", daemon=True
+            ).start()
+
     def stale(self, variant: Variant) -> bool:
         """Whether ``variant`` names weights from before a reset: what a request computed then (its
         blocks were computed by the old weights, or on top of them) is not saved."""
@@ -250,6 +268,24 @@ class Clients:
             self._clients.clear()
         for c in clients:  # outside the lock
             c.close(abort=True)
+
+
+def _evict_all(clients: list[KVStoreClient]) -> None:
+    """Evict the blocks of each of ``clients``' namespaces (once each), then close them all."""
+    done: set[str] = set()
+    try:
+        for c in clients:
+            ns = c.namespace
+            if ns is None or ns.id in done:
+                continue
+            done.add(ns.id)
+            try:
+                c.evict(namespace=ns.id)
+            except Exception as e:  # noqa: BLE001 - they age out
+                log.warning("kvstore: the blocks of weights replaced by a reset were not evicted (%s)", e)
+    finally:
+        for c in clients:
+            c.close()
 
 
 def _close_aside(client: KVStoreClient) -> None:

@@ -31,6 +31,9 @@ class KVStoreMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     idle: bool = False  # the step computes nothing (the engine steps only to hear of transfers)
+    # weights an earlier reset named (this engine's alone) that a reset since replaced: each worker
+    # evicts its namespaces of them (Clients.retire)
+    retired: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class SchedulerSide:
         self._tracked: dict[str, Tracked] = {}
         self._final: list[Transfer] = []  # saves of finished requests, for the next step's workers
         self._lookup_failures = 0
+        self._retired: list[str] = []  # for the next step's workers
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         t0 = time.perf_counter()
@@ -176,6 +180,7 @@ class SchedulerSide:
             self._plan_save(meta.saves, t, n)
         meta.saves += self._final
         self._final = []
+        meta.retired, self._retired = self._retired, []
         for t, _ in computed:  # asked again only if it goes back to waiting
             self._hits.pop(t.request.request_id, None)
         return meta
@@ -238,7 +243,10 @@ class SchedulerSide:
         up is forgotten (a request still waiting is looked up again, under the new one: its old hit
         would load the old weights' K/V), and a request scheduled before, or whose load is under way,
         saves nothing more (its K/V was computed by the old weights, or on top of theirs). True: done."""
+        old = self._clients.base
         self._clients.reset()
+        if self._clients.named_by_reset(old):  # (the files' name is other engines' too: theirs)
+            self._retired.append(old)
         # a load under way (or done, its request not scheduled since) read the old weights' K/V into
         # its blocks: its request keeps their variant, stale, so that nothing it computes on top of
         # them is saved under the new one

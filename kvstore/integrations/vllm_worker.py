@@ -109,6 +109,8 @@ class WorkerSide:
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        if isinstance(meta, KVStoreMetadata) and meta.retired:  # weights a reset replaced
+            self._clients.retire(meta.retired)
         if not isinstance(meta, KVStoreMetadata) or not meta.loads:
             return
         t0 = time.perf_counter()

@@ -563,3 +563,37 @@ def test_a_request_that_loaded_before_a_cache_reset_saves_nothing_under_the_new_
     clients = e.worker.c._clients
     new = clients.get(Variant(base=e.sched.connector._clients.base), "check")
     assert new.lookup(a).matched_tokens == 0  # nothing of it under the new weights
+
+
+def test_the_blocks_of_weights_a_later_reset_replaced_are_evicted(
+    setup: Any,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An RL loop syncs weights again and again: each reset's namespace is this engine's alone, and
+    once the next reset replaces it its blocks only took room until they aged out, keeping their
+    registrations on the daemon (whose quota then ran out: nothing of the engine was cached). The
+    workers evict them; the weights loaded from the files (other engines' too) are left alone."""
+    U, vcfg, ep = setup
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    clients = e.worker.c._clients
+    files = e.sched.connector._clients.base
+    a, b = prompt(130, 29), prompt(130, 30)
+    e.add(request(U, a, "on-files", max_tokens=1))
+    e.run()
+    assert e.sched.reset_prefix_cache(reset_connector=True)
+    first = e.sched.connector._clients.base
+    e.add(request(U, b, "on-first-sync", max_tokens=1))
+    e.run()
+    # (clients of the test's own: those of the connector's set go with the weights they name)
+    on_files, on_first = (clients._connect(Variant(base=base), "check") for base in (files, first))
+    assert wait_until(lambda: on_first.lookup(b).matched_tokens > 0, 10)
+    kept = on_files.lookup(a).matched_tokens
+    assert kept > 0
+    assert e.sched.reset_prefix_cache(reset_connector=True)
+    e.add(request(U, prompt(70, 31), "on-second-sync", max_tokens=1))
+    e.run()
+    assert wait_until(lambda: on_first.lookup(b).matched_tokens == 0, 10)  # evicted
+    assert on_files.lookup(a).matched_tokens == kept  # not this engine's alone: kept
+    on_files.close()
+    on_first.close()
+    e.worker.c.shutdown()
