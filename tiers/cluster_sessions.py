@@ -4,9 +4,10 @@ listed there).
 
 A record lives as long as its blocks (its TTL set anew with theirs), is listed in a sorted set by
 when it expires (what ``sessions`` walks), and is never overwritten by another tenant's host, nor
-by an older put of the conversation (one host's record written late, after another host's of a later
-turn). The read and the write are two round trips, not one transaction: two hosts writing the same
-name within one round trip of each other leave the last write's record.
+by an earlier turn of the conversation (one host's record written late, after another host's of a
+later turn, whose block keys start with all of its own). The read and the write are two round
+trips, not one transaction: two hosts writing the same name within one round trip of each other
+leave the last write's record.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class ClusterSessions:
         it for memory (the caller counts it in ``session_dropped``), or holds a record of the name whose namespace is
         another tenant's (a conversation another host stored: a host refuses a put that continues
         another tenant's session, and the cluster keeps the first one's record alike; one read more
-        per write). A record held that was put later (its ``updated``, the put's wall time) is left as
-        it is, and this one is not written (True: nothing was refused). ClusterUnavailable on an
+        per write). A record held of a later turn (its block keys start with all of this one's) is
+        left as it is, and this one is not written (True: nothing was refused). ClusterUnavailable on an
         outage. Members of expired records leave the sorted set
         as this runs: it holds the live sessions."""
         value = msgpack.packb({"v": SESSION_VERSION, "name": name, **info}, use_bin_type=True)
@@ -73,8 +74,8 @@ class ClusterSessions:
             if held is not None and held.get("name") == name:
                 if _tenant_of(held) != tenant:
                     return None  # another tenant's conversation of this name, stored from another host
-                if _newer(held, info):  # a later put of the conversation, from another host whose
-                    return []  # record was written first: this older one must not replace it
+                if _extends(held, info):  # a later turn of the conversation, from another host whose
+                    return []  # record was written first: this earlier one must not replace it
             now = time.time()  # wall time: the score is read by every host
             pipe = c.pipeline(transaction=False)  # one round trip
             pipe.set(key, value, px=px)
@@ -205,15 +206,16 @@ class ClusterSessions:
             log.warning("the cluster held another type under %s: deleted", self.sessions_key())
 
 
-def _newer(held: dict[str, Any], info: dict[str, Any]) -> bool:
-    """Whether the record ``held`` was put after the one ``info`` describes (by the put's wall time at
-    its host; a record without a readable time is never newer)."""
-    t, mine = _time(held.get("updated")), _time(info.get("updated"))
-    return t is not None and mine is not None and t > mine
-
-
-def _time(x: Any) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+def _extends(held: dict[str, Any], info: dict[str, Any]) -> bool:
+    """Whether the record ``held`` names the conversation ``info`` names and more: its block keys
+    start with all of ``info``'s (a later turn). Hosts' clocks disagree, so no time decides it."""
+    mine, theirs = info.get("keys"), held.get("keys")
+    return (
+        isinstance(mine, bytes)
+        and isinstance(theirs, bytes)
+        and len(theirs) > len(mine)
+        and theirs.startswith(mine)
+    )
 
 
 def _tenant_of(info: dict[str, Any]) -> Any:
