@@ -208,16 +208,7 @@ class KVStoreHiCache(HiCacheStorage):
         random, this process's alone), so that they take no room and their namespace's registration
         makes room on the daemon once they are gone. Best effort: they age out otherwise."""
         try:
-            assert self._pages is not None
-            with KVStoreClient(
-                self.endpoint,
-                model=self.model,
-                layout=self._pages.layout,
-                tenant=self.tenant,
-                revision=revision,
-                timeout=self.timeout,
-                retries=0,
-            ) as c:
+            with self._new_client(wait_when_busy=False, revision=revision) as c:
                 assert c.namespace is not None
                 c.evict(namespace=c.namespace.id)
         except Exception as e:  # noqa: BLE001 - they age out
@@ -242,11 +233,14 @@ class KVStoreHiCache(HiCacheStorage):
             )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
-    def _new_client(self, *, wait_when_busy: bool, timeout: float = math.inf) -> KVStoreClient:
+    def _new_client(
+        self, *, wait_when_busy: bool, timeout: float = math.inf, revision: str | None = None
+    ) -> KVStoreClient:
         """Lookups and loads (not ``wait_when_busy``): one time-out at most (a dead daemon would cost
         three, retried); stores ask again once, off SGLang's way, as vLLM's connector's saves do.
         Either way a call's time-outs take half of HOOK_BUDGET at most: a hook's next call (pages past
-        the daemon's limit of one request, a store sent again without its missing prefix) fits too."""
+        the daemon's limit of one request, a store sent again without its missing prefix) fits too.
+        ``revision``: another namespace's than this backend's now (weights no longer served)."""
         assert self._pages is not None
         retries = STORE_RETRIES if wait_when_busy else 0
         # a call's worst: each try's time-out, and waiting out ``busy`` (up to one more) for a store
@@ -256,7 +250,7 @@ class KVStoreHiCache(HiCacheStorage):
             model=self.model,
             layout=self._pages.layout,
             tenant=self.tenant,
-            revision=self.revision,
+            revision=self.revision if revision is None else revision,
             timeout=min(self.timeout, timeout, HOOK_BUDGET / 2 / tries),
             wait_when_busy=wait_when_busy,
             retries=retries,

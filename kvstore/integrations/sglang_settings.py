@@ -50,10 +50,8 @@ def weights_of(served: Any, path: str) -> str:
     named = weights_id(path, revision) if path else ""
     if named:
         parts.append(named)
-    load_format = str(
-        getattr(getattr(served, "load_format", None), "value", getattr(served, "load_format", None)) or "auto"
-    )
-    load_format = load_format.lower()
+    load_format = getattr(served, "load_format", None)  # a LoadFormat, or its value
+    load_format = str(getattr(load_format, "value", load_format) or "auto").lower()
     if load_format in OTHER_READINGS:
         parts.append(f"lf={load_format}")
     elif load_format not in SAME_WEIGHTS:  # dummy (random), remote, rdma, ipc_cache, ...

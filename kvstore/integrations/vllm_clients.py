@@ -54,7 +54,6 @@ class Clients:
         # vLLM runs are not what it serves
         mc = vllm_config.model_config
         self.base = self._loaded = weights_id(str(mc.model), mc.revision)
-        self.resets = 0  # reset_cache calls: weights changed in place since they were loaded
         self.weights = Weights()  # LoRA adapters' names
         self._adapters: dict[str, str] = {}  # each LoRA adapter's name -> its variant as first seen here
         self._changed: set[str] = set()  # adapters whose files changed since: no namespace until restart
@@ -165,12 +164,11 @@ class Clients:
         engine restarted from the same files and synced once (or another engine on the daemon)
         would name other weights as this one named its first sync's."""
         with self._lock:
-            self.resets += 1
             self.base = f"{self._loaded}+reset-{uuid.uuid4().hex}"
 
     def named_by_reset(self, base: str) -> bool:
         """Whether ``base`` is a name ``reset`` gave (this engine's alone), not the loaded files'."""
-        return base != self._loaded and base.startswith(f"{self._loaded}+reset-")
+        return base.startswith(f"{self._loaded}+reset-")
 
     def retire(self, bases: list[str]) -> None:
         """Weights named by earlier resets, replaced since: this process's clients of them are taken

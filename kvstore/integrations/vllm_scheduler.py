@@ -193,21 +193,22 @@ class SchedulerSide:
         if request is None:
             return None
         hit = self._hits.get(rid, (0, 0))[0]
-        # tracked already (a streaming-input session scheduled again as new, without a preemption):
-        # saves of its earlier part may still be queued on the workers, which report it when it
-        # finishes; vLLM must keep its blocks until then (one reported for a request whose blocks
-        # vLLM freed fails its check, and the engine with it)
-        before = self._tracked.get(rid)
         self._loaded.discard(rid)
+        looked_up = self._variant_of.pop(rid, None)
+        # tracked already (a streaming-input session scheduled again as new, without a preemption):
+        # its blocks hold what it computed under its variant (the old weights' after a reset: stale,
+        # saved no more), whatever a lookup since named; and saves of its earlier part may still be
+        # queued on the workers, which report it when it finishes: vLLM must keep its blocks until
+        # then (one reported for a request whose blocks vLLM freed fails its check, and the engine
+        # with it)
+        before = self._tracked.get(rid)
+        if before is not None:
+            variant = before.variant
+        else:
+            variant = looked_up if looked_up is not None else self._clients.variant(request)
         t = Tracked(
             request,
-            # tracked already: its blocks hold what it computed under that variant (the old weights'
-            # after a reset: stale, saved no more), whatever a lookup since named
-            before.variant
-            if before is not None
-            else self._variant_of.pop(rid)
-            if rid in self._variant_of
-            else self._clients.variant(request),
+            variant,
             block_ids,
             # what kvstore holds of it: its hit, or less where its load failed (see _finished_loads)
             saved=min(hit, computed // self._T * self._T),
