@@ -14,7 +14,9 @@ measured in the same rounds as its limit (interleaved):
      ``get`` (a fresh tensor), beside memcpy; aims: >= 50% of memcpy and >= 6.5 GB/s (twice
      LMCache 0.5.6 through its shared-memory path for the same 94 MB request, 2.8-3.3 GB/s,
      measured elsewhere on this kind of machine and quoted here: LMCache cannot run here);
-  3. the same gets over the socket (a client with ``shared_memory=False``);
+  3. the same gets over the socket (a client with ``shared_memory=False``); then the round trips a
+     same-host get makes before it copies (a locate of the prefix, then its finish) beside a ping and
+     a lookup;
   4. get from ram (fp8 frames) through shared memory beside decoding the same number of fp8
      frames in this process (the codec's own speed, checksums verified as a get does);
      aim >= 80% of it; and over the socket;
@@ -90,6 +92,7 @@ from bench.shm_rig import (  # noqa: E402
 from kvstore.client import KVStoreClient  # noqa: E402
 from kvstore.codecs import decode_frame, get_codec  # noqa: E402
 from kvstore.kvbuffers import PagedKV  # noqa: E402
+from kvstore.wire.messages import Finish, Locate, LocateOk  # noqa: E402
 
 
 def vllm_destination(gen: torch.Generator) -> PagedKV:
@@ -288,6 +291,38 @@ def hbm_section(rig: Rig) -> list[Figure]:
     return figures
 
 
+def round_trips(rig: Rig, rounds: int = 200) -> None:
+    """What a same-host get pays before its copy: the locate round trip (the daemon pins the prefix's
+    64 hbm blocks and says where they are; the finish that gives them back, sent and not awaited as a
+    get sends it), beside a ping (answered by the daemon's event loop: the transport and protocol
+    alone) and a lookup of the same prefix. Medians of ``rounds``, in ms."""
+    c = rig.c
+    mapping = c._shm.mapping()
+    if mapping is None or c.namespace is None:
+        raise SystemExit("the shared-memory client has no mapping")
+    tokens = np.asarray(rig.tokens, dtype=np.uint32)
+    locate = Locate(ns=c.namespace.id, tokens=tokens, tiers=mapping.tiers)
+
+    def located() -> None:
+        reply = c._conn.call(locate, idempotent=True)
+        if not isinstance(reply, LocateOk) or len(reply.blocks) != PREFIX // LAYOUT.block_tokens:
+            raise SystemExit(f"a Locate of the prefix came back short: {reply!r:.200}")
+        c._conn.notify(Finish(handle=reply.handle, used=0))
+
+    seconds = interleaved(
+        {
+            "ping": c.ping,
+            "lookup of the prefix": lambda: c.lookup(rig.tokens),
+            "locate, then finish": located,
+        },
+        rounds,
+    )
+    print(f"\n-- round trips before a same-host get's copy (ms; median of {rounds}) --")
+    ping = seconds["ping"]
+    for name, t in seconds.items():
+        print(f"  {name:<52} {t * 1e3:7.3f} ms   {t / ping:5.2f} x ping")
+
+
 def ram_section(rig: Rig) -> list[Figure]:
     """Section 4: the blocks moved down to ram (fp8 frames), read through shared memory and the socket,
     beside decoding as many fp8 frames in this process."""
@@ -408,7 +443,9 @@ def cpu_sections(repeat: int, default_threads: int, shm_dir: Path | None) -> lis
             assert r.stored == PREFIX // LAYOUT.block_tokens, r
             print(f"\nprefix stored; blocks in {sorted(tiers_of(c, tokens))}")
             rig = Rig(c, sock, kv, tokens, repeat, default_threads, shm_dir)
-            return hbm_section(rig) + ram_section(rig) + put_section(rig)
+            hbm = hbm_section(rig)
+            round_trips(rig)
+            return hbm + ram_section(rig) + put_section(rig)
         finally:
             c.close()
             sock.close()

@@ -81,19 +81,24 @@ class PinLedger:
             got = self._pins.pop(hid, None)
         return None if got is None else got[0]
 
-    def charge(self, located: Any, tenant: str, lease: float) -> bool:
+    def charge(self, located: Any, tenant: str, lease: float, *, wait: bool = True) -> bool:
         """Count a same-host read's pinned blocks (``located.places``) in ``tenant``'s quota; False
-        (nothing counted) when they do not fit it, or the daemon's tables."""
+        (nothing counted) when they do not fit it, or the daemon's tables, or (``wait=False``) when
+        the ledger is busy this instant (a pin holds it while it waits for the store)."""
         n = len(located.places)
         if not n:
             return True
         now = time.monotonic()
         quota = self.quota
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
             pins, held = self._held(tenant, now)
             if pins >= quota.pins or held + n > quota.blocks or not self._daemon_room(n):
                 return False
             self._located[located.handle.id] = (n, now + lease, tenant)
+        finally:
+            self._lock.release()
         return True
 
     def renew(self, located: Any, lease: float) -> None:

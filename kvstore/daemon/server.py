@@ -8,9 +8,10 @@
 
 The loop thread owns both sockets and never waits on LMDB or codec work: it
 validates frames (ServerProtocol), answers hello and ping itself, answers a
-lookup itself when the store's lock is free that instant (``try_lookup``;
-a lookup reads only the in-memory index), hands every other request to a
-worker, and forwards replies as workers finish them, out of order, each
+lookup, and a same-host locate of blocks the shared pools hold, itself when
+the store's lock is free that instant (``try_lookup``, ``try_locate``: both
+read only the in-memory index), hands every other request to a worker, and
+forwards replies as workers finish them, out of order, each
 carrying its request id. zmq sockets are not thread-safe, so each worker
 thread sends its replies through its own inproc PUSH socket.
 

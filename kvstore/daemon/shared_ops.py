@@ -37,7 +37,7 @@ from kvstore.wire.messages import (
 from kvstore.wire.protocol import Request
 
 if TYPE_CHECKING:
-    from kvstore.shm.plane import SharedPlane
+    from kvstore.shm.plane import Lease, SharedPlane
     from kvstore.store.engine import Store
 
 STAGING = -1  # a located block's segment index when it is in the client's staging segment
@@ -96,8 +96,7 @@ class SharedOps:
 
     def _locate(self, plane: SharedPlane, peer: bytes, msg: Locate, ns: Namespace) -> Message:
         plane.admit(peer)  # before anything is pinned: a client at its lease bound pins nothing
-        names = self.store.tiers.names
-        shared = {t for t, name in enumerate(names) if name in msg.tiers and plane.pools.shares(name)}
+        shared = self._shared_tiers(plane, msg)
 
         def locate(tiers: set[int], count: bool) -> Located:
             return self.store.locate(
@@ -116,21 +115,7 @@ class SharedOps:
         else:  # past the tenant's pin quota: nothing stays pinned, the blocks are copied into staging
             self.store.unlocate(located)
             located = locate(set(), True)
-        blocks: list[list[Any]] = []
-        tiers: list[str] = []
-        segments = {t: plane.pools.index(names[t]) for t in {t for _, t, _ in located.places}}
-        for _, t, place in located.places:
-            blocks.append(
-                [
-                    segments[t],
-                    _EXTENT.pack(*place.extents[0])
-                    if len(place.extents) == 1
-                    else np.asarray(place.extents, dtype="<i8").tobytes(),
-                    place.pages.astype("<i8", copy=False).tobytes(),
-                    place.gens.astype("<u8", copy=False).tobytes(),
-                ]
-            )
-            tiers.append(names[t])
+        blocks, tiers = self._places(plane, located)
         layout = ns.layout
         nb = layout.block_nbytes
         k = min(located.rest, plane.per_client // nb)
@@ -178,6 +163,78 @@ class SharedOps:
             self._finish(located, 0)
             raise
         plane.arm(lease)
+        return self._located_ok(plane, lease, msg, blocks, tiers, rest)
+
+    def try_inline(self, request: Request, max_blocks: int) -> Message | None:
+        """The reply to a locate when it can be made this instant without waiting: the store's lock
+        and the pin ledger are free, and every block asked for that is held is in a pool the client
+        mapped (nothing to decode into staging, nothing to ask the cluster), at most ``max_blocks``
+        of them; else None, nothing pinned or counted, and a worker runs it (its errors included).
+        Run on the event loop, a locate skips two thread hand-offs: a same-host read's round trip is
+        most of what it costs on a GPU."""
+        plane, msg, ns = self.plane, request.msg, request.namespace
+        if not isinstance(msg, Locate) or ns is None or plane is None or not plane.offered:
+            return None
+        want = msg.chain.blocks(ns.layout.block_tokens) - msg.start_block
+        if msg.max_blocks is not None:
+            want = min(want, msg.max_blocks)
+        if request.tenant is not None or want > max_blocks:
+            return None
+        shared = self._shared_tiers(plane, msg)
+        if not shared:
+            return None
+        try:
+            plane.admit(request.peer)
+            located = self.store.try_locate(
+                ns,
+                msg.chain,
+                shared,
+                start_block=msg.start_block,
+                max_blocks=msg.max_blocks,
+                lease=plane.lease,
+                keep=lambda got: self._ledger.charge(got, ns.tenant, plane.lease, wait=False),
+            )
+        except Exception:  # a worker runs it again and answers with the error
+            return None
+        if located is None:
+            return None
+        try:
+            blocks, tiers = self._places(plane, located)
+            lease = plane.reserve(request.peer, 0, held=located)
+        except Exception:  # (the client's lease bound, reached meanwhile): the worker's answer
+            self._finish(located, 0)
+            return None
+        return self._located_ok(plane, lease, msg, blocks, tiers, 0)
+
+    def _shared_tiers(self, plane: SharedPlane, msg: Locate) -> set[int]:
+        """The store's tiers that ``msg`` may be located in: the shared pools the client mapped."""
+        names = self.store.tiers.names
+        return {t for t, name in enumerate(names) if name in msg.tiers and plane.pools.shares(name)}
+
+    def _places(self, plane: SharedPlane, located: Located) -> tuple[list[list[Any]], list[str]]:
+        """The reply's rows of ``located``'s blocks (segment, extents, pages, generations) and their tiers."""
+        names = self.store.tiers.names
+        blocks: list[list[Any]] = []
+        tiers: list[str] = []
+        segments = {t: plane.pools.index(names[t]) for t in {t for _, t, _ in located.places}}
+        for _, t, place in located.places:
+            blocks.append(
+                [
+                    segments[t],
+                    _EXTENT.pack(*place.extents[0])
+                    if len(place.extents) == 1
+                    else np.asarray(place.extents, dtype="<i8").tobytes(),
+                    place.pages.astype("<i8", copy=False).tobytes(),
+                    place.gens.astype("<u8", copy=False).tobytes(),
+                ]
+            )
+            tiers.append(names[t])
+        return blocks, tiers
+
+    @staticmethod
+    def _located_ok(
+        plane: SharedPlane, lease: Lease, msg: Locate, blocks: list[list[Any]], tiers: list[str], rest: int
+    ) -> LocateOk:
         seg = lease.staging
         return LocateOk(
             handle=lease.handle,

@@ -384,6 +384,48 @@ class Store:
             ns, tokens, tiers, start_block=start_block, max_blocks=max_blocks, lease=lease, count=count
         )
 
+    def try_locate(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        tiers: Collection[int],
+        *,
+        start_block: int = 0,
+        max_blocks: int | None = None,
+        lease: float | None = None,
+        keep: Callable[[Located], bool] = lambda _: True,
+    ) -> Located | None:
+        """``locate``, counted, when the store's lock is free this instant, every held block asked for
+        is in ``tiers`` (``rest`` is 0: nothing to read from elsewhere), no cluster need be asked about
+        a block not held here, and ``keep(located)`` agrees (called under the store's lock; it must not
+        wait); else None, nothing pinned and nothing counted.
+
+        For the daemon's event loop, which must never wait behind a put's tier or codec work."""
+        cluster = self._cluster
+        if cluster is not None and cluster.reads.adopting():
+            return None
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            located = self._reads.locate(
+                ns,
+                tokens,
+                tiers,
+                start_block=start_block,
+                max_blocks=max_blocks,
+                lease=lease,
+                count=False,
+                remote=False,
+            )
+            asks_cluster = located.missing > 0 and cluster is not None and cluster.cluster.available()
+            if located.rest or asks_cluster or not keep(located):
+                self._reads.unlocate(located)
+                return None
+            self._reads.count_located(located)
+            return located
+        finally:
+            self._lock.release()
+
     def count_located(self, located: Located) -> None:
         """Count a locate made with ``count=False`` as the lookup it is."""
         self._reads.count_located(located)

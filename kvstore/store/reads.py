@@ -74,7 +74,12 @@ class Reader:
                     missed = k
                     break
                 tiers.append(self._tiers.names[e.highest()])
-            if missed is not None and self._cluster is not None and self._cluster.cluster.available():
+            if (
+                remote
+                and missed is not None
+                and self._cluster is not None
+                and self._cluster.cluster.available()
+            ):
                 if not remote:
                     return None
             else:
@@ -205,6 +210,7 @@ class Reader:
         max_blocks: int | None = None,
         lease: float | None = None,
         count: bool = True,
+        remote: bool = True,
     ) -> Located:
         T = ns.layout.block_tokens
         start = check_index("start_block", start_block)
