@@ -166,8 +166,8 @@ class SharedOps:
         return self._located_ok(plane, lease, msg, blocks, tiers, rest)
 
     def try_inline(self, request: Request, max_blocks: int) -> Message | None:
-        """The reply to a locate when it can be made this instant without waiting: the store's lock
-        and the pin ledger are free, and every block asked for that is held is in a pool the client
+        """The reply to a locate when it can be made this instant without waiting: the store's lock,
+        the plane's and the pin ledger's are free, and every block asked for that is held is in a pool the client
         mapped (nothing to decode into staging, nothing to ask the cluster), at most ``max_blocks``
         of them; else None, nothing pinned or counted, and a worker runs it (its errors included).
         Run on the event loop, a locate skips two thread hand-offs: a same-host read's round trip is
@@ -183,8 +183,18 @@ class SharedOps:
         shared = self._shared_tiers(plane, msg)
         if not shared:
             return None
+        leased: list[Lease] = []
+
+        def keep(got: Located) -> bool:  # under the store's lock, as the blocks are pinned: the
+            # client's lease and the tenant's quota, both taken here or neither (nothing waits)
+            lease = plane.try_lease(
+                request.peer, got, lambda: self._ledger.charge(got, ns.tenant, plane.lease, wait=False)
+            )
+            if lease is not None:
+                leased.append(lease)
+            return lease is not None
+
         try:
-            plane.admit(request.peer)
             located = self.store.try_locate(
                 ns,
                 msg.chain,
@@ -192,19 +202,17 @@ class SharedOps:
                 start_block=msg.start_block,
                 max_blocks=msg.max_blocks,
                 lease=plane.lease,
-                keep=lambda got: self._ledger.charge(got, ns.tenant, plane.lease, wait=False),
+                keep=keep,
             )
-        except Exception:  # a worker runs it again and answers with the error
+            if located is None:
+                return None
+            return self._located_ok(plane, leased[0], msg, *self._places(plane, located), 0)
+        except Exception:  # (none expected) a worker runs it again and answers with the error
+            for lease in leased:
+                self._ledger.discharge(lease.held)
+                self.store.unlocate(lease.held)
+                plane.take(lease.handle)
             return None
-        if located is None:
-            return None
-        try:
-            blocks, tiers = self._places(plane, located)
-            lease = plane.reserve(request.peer, 0, held=located)
-        except Exception:  # (the client's lease bound, reached meanwhile): the worker's answer
-            self._finish(located, 0)
-            return None
-        return self._located_ok(plane, lease, msg, blocks, tiers, 0)
 
     def _shared_tiers(self, plane: SharedPlane, msg: Locate) -> set[int]:
         """The store's tiers that ``msg`` may be located in: the shared pools the client mapped."""

@@ -214,18 +214,41 @@ class SharedPlane:
                     )
                 offset = got
                 staging.leases += 1
-            handle = secrets.randbits(63)
             lease_s = self.lease if lease is None else min(lease, self.lease)
             if held is None:
                 lease_s = max(lease_s, MIN_RESERVE_LEASE)
-            got_lease = Lease(handle, peer, offset, nbytes, now + lease_s if armed else math.inf, held, None)
+            got_lease = Lease(
+                secrets.randbits(63), peer, offset, nbytes, now + lease_s if armed else math.inf, held, None
+            )
             if staging is not None:
                 got_lease.staging = staging.segment
-            self._leases[handle] = got_lease
-            self._per_peer[peer] = mine + 1
-            if armed:
-                heapq.heappush(self._clock_heap, (got_lease.expires, handle))
+            self._keep(got_lease, mine)
             return got_lease
+
+    def try_lease(self, peer: bytes, held: Any, admit: Callable[[], bool] = lambda: True) -> Lease | None:
+        """``reserve(peer, 0, held=held)`` if the plane's lock is free this instant, ``peer`` is within
+        its lease bounds and ``admit()`` (the caller's own check, made under the lock once the bounds
+        are met; it must not wait) says yes; else None, nothing taken. No sweep: for the daemon's
+        event loop, which must not wait on another thread's work under the lock, nor do a sweep's (a
+        staging segment removed is unmapped and its memory freed)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            mine = self._per_peer.get(peer, 0)
+            if mine >= MAX_LEASES_PER_CLIENT or len(self._leases) >= MAX_LEASES or not admit():
+                return None
+            got = Lease(secrets.randbits(63), peer, 0, 0, self.clock() + self.lease, held, None)
+            self._keep(got, mine)
+            return got
+        finally:
+            self._lock.release()
+
+    def _keep(self, lease: Lease, mine: int) -> None:
+        """(Lock held.) Hold ``lease``, ``peer``'s ``mine + 1``-th; its clock runs if it is armed."""
+        self._leases[lease.handle] = lease
+        self._per_peer[lease.peer] = mine + 1
+        if lease.expires != math.inf:
+            heapq.heappush(self._clock_heap, (lease.expires, lease.handle))
 
     def admit(self, peer: bytes) -> None:
         """ProtocolError (too_many_leases) when ``peer`` may take no lease now: checked before a

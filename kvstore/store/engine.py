@@ -417,11 +417,15 @@ class Store:
                 count=False,
                 remote=False,
             )
-            asks_cluster = located.missing > 0 and cluster is not None and cluster.cluster.available()
-            if located.rest or asks_cluster or not keep(located):
+            try:
+                asks_cluster = located.missing > 0 and cluster is not None and cluster.cluster.available()
+                if located.rest or asks_cluster or not keep(located):
+                    self._reads.unlocate(located)
+                    return None
+                self._reads.count_located(located)
+            except BaseException:
                 self._reads.unlocate(located)
-                return None
-            self._reads.count_located(located)
+                raise
             return located
         finally:
             self._lock.release()

@@ -74,12 +74,7 @@ class Reader:
                     missed = k
                     break
                 tiers.append(self._tiers.names[e.highest()])
-            if (
-                remote
-                and missed is not None
-                and self._cluster is not None
-                and self._cluster.cluster.available()
-            ):
+            if missed is not None and self._cluster is not None and self._cluster.cluster.available():
                 if not remote:
                     return None
             else:
@@ -237,7 +232,7 @@ class Reader:
                 found.append((e, t))
             places = self._places(found)
             handle = self._pins.pin([e.key for e, _ in found], lease, located=True)
-        if missed is not None and self._cluster is not None and self._cluster.cluster.available():
+        if remote and missed is not None and self._cluster is not None and self._cluster.cluster.available():
             held = len(places) + rest
             rest += self._cluster.reads.leading([missed, *islice(keys, want - held - 1)])
         # blocks asked for and not held: misses in every tier, counted with the hits by finish

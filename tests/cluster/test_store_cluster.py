@@ -940,3 +940,35 @@ def test_close_stores_what_gets_read_from_the_cluster_before_it_closes(
         assert sum(k in again for k in _keys(toks)) == 3
     finally:
         again.close()
+
+
+def test_the_event_loops_lookup_and_locate_leave_a_block_the_cluster_may_hold_to_a_worker(
+    host: HostFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """try_lookup and try_locate (the daemon's event loop) never ask the cluster: a local miss the
+    cluster may hold is None, nothing pinned or counted, and the worker's call asks it."""
+    a, b = host("a"), host("b")
+    toks, x = tokens(4), kv(16, seed=5)
+    a.put(NS, toks, x)
+    written(a, 4)
+    b.put(NS, toks[: 2 * T], x[:, :, : 2 * T])  # blocks 0-1 here, 2-3 in the cluster only
+    asked: list[bool] = []
+    reads = b._cluster.reads  # type: ignore[union-attr]
+    leading = reads.leading
+
+    def asking(keys: list[bytes]) -> int:
+        asked.append(True)
+        return leading(keys)
+
+    monkeypatch.setattr(reads, "leading", asking)
+    hbm = {b.tiers.names.index("hbm")}
+    lookups = b.stats().lookups
+    assert b.try_lookup(NS, toks) is None
+    assert b.try_locate(NS, toks, hbm) is None
+    assert asked == [] and b.stats().pinned == 0 and b.stats().lookups == lookups
+    located = b.locate(NS, toks, hbm)  # a worker's: the cluster says what follows
+    assert asked == [True] and len(located.places) == 2 and located.rest == 2
+    b.unlocate(located)
+    held = b.try_locate(NS, toks[: 2 * T], hbm)  # all held here: answered at once
+    assert held is not None and len(held.places) == 2 and asked == [True]
+    b.finish(held, 2)

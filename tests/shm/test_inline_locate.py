@@ -75,22 +75,48 @@ def rows(reply: LocateOk) -> list[list[object]]:
     return [list(b) for b in reply.blocks]
 
 
+def counts(store: Store, plane: SharedPlane, h: Handlers) -> dict[str, int]:
+    """What a read counts and holds: lookups, tokens, each tier's hits and misses, pins, leases and
+    the quota's same-host reads."""
+    st = store.stats()
+    got = {
+        "lookups": st.lookups,
+        "tokens_asked": st.tokens_asked,
+        "tokens_matched": st.tokens_matched,
+        "tokens_served": st.tokens_served,
+        "pinned": st.pinned,
+        "leases": plane.stats()["leases"],
+        "quota_reads": len(h.pins._located),
+    }
+    for name, t in st.tiers.items():
+        got |= {f"{name}.hits": t.hits, f"{name}.misses": t.misses, f"{name}.promotions": t.promotions}
+    return got
+
+
+def delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: b[k] - a[k] for k in a}
+
+
 def test_a_locate_of_pool_blocks_is_answered_inline_as_a_worker_answers_it(rig) -> None:
     store, plane, h = rig
     tokens = np.arange(5 * T, dtype="<u4")
     put(h, tokens[: 3 * T])  # blocks 0-2 held, 3-4 not: the prefix ends after block 2
-    before = store.stats().lookups
+    c0 = counts(store, plane, h)
     inline = h.try_inline(req(locate(tokens)))
     assert isinstance(inline, LocateOk)
     assert (len(inline.blocks), inline.tiers, inline.rest, inline.staging) == (3, ["hbm"] * 3, 0, None)
-    assert store.stats().pinned == 3 and store.stats().lookups == before + 1  # pinned, counted once
+    assert store.stats().pinned == 3 and store.stats().lookups == c0["lookups"] + 1  # pinned, counted once
+    assert len(h.pins._located) == 1 and plane.stats()["leases"] == 1  # in the quota, leased
+    finish(h, inline)
+    c1 = counts(store, plane, h)
     worker = h.handle(req(locate(tokens)))
     assert isinstance(worker, LocateOk)
     assert rows(worker) == rows(inline) and worker.tiers == inline.tiers and worker.rest == inline.rest
-    assert worker.handle != inline.handle
-    finish(h, inline)
+    assert (worker.lease, worker.staging) == (inline.lease, inline.staging)
     finish(h, worker)
-    assert store.stats().pinned == 0
+    # the loop's locate and finish moved every count as a worker's do
+    assert delta(c0, c1) == delta(c1, counts(store, plane, h))
+    assert store.stats().pinned == 0 and plane.stats()["leases"] == 0 and not h.pins._located
     # from a later block, and capped
     part = h.try_inline(req(locate(tokens, start_block=1, max_blocks=1)))
     assert isinstance(part, LocateOk) and rows(part) == rows(inline)[1:2] and part.start_block == 1
@@ -104,16 +130,15 @@ def test_a_locate_that_cannot_be_made_at_once_is_left_to_a_worker_untouched(rig,
     put(h, tokens)
 
     def untouched(msg: Locate, tenant: str | None = None, held_lock: Any = None) -> None:
-        lookups, leases = store.stats().lookups, plane.stats()["leases"]
+        before = counts(store, plane, h)
         if held_lock is None:
             assert h.try_inline(req(msg, tenant)) is None
         else:
             held, release, got = threading.Event(), threading.Event(), []
 
             def hold() -> None:
-                with (
-                    held_lock
-                ):  # what a put moving blocks (the store), or a pin waiting for it (the ledger), does
+                # what a put moving blocks does (the store's), or a pin waiting for it (the ledger's)
+                with held_lock:
                     held.set()
                     release.wait(10)
 
@@ -126,11 +151,11 @@ def test_a_locate_that_cannot_be_made_at_once_is_left_to_a_worker_untouched(rig,
                 release.set()
                 t.join()
             assert got == [None]
-        assert store.stats().pinned == 0
-        assert (store.stats().lookups, plane.stats()["leases"]) == (lookups, leases)
+        assert counts(store, plane, h) == before and store.stats().pinned == 0
 
     untouched(locate(tokens), held_lock=store._lock)
     untouched(locate(tokens), held_lock=h.pins._lock)
+    untouched(locate(tokens), held_lock=plane._lock)  # (a worker making a staging segment, a sweep)
     # blocks held in a tier the client did not map: the daemon copies them into staging, on a worker
     untouched(locate(tokens, tiers=["ram"]))
     untouched(locate(tokens, tiers=[]))
