@@ -25,6 +25,9 @@ from kvstore.wire.errors import ProtocolError
 # tenant holds at most its quota of them (PinQuota), so one tenant cannot fill the table for all.
 MAX_PINS = 4096
 MAX_PINNED_KEYS = 1 << 18
+# pins and same-host reads held past which a charge that must not wait (the event loop's) is not made:
+# its check walks them all (about 0.1 us each)
+QUICK_HELD = 512
 
 
 @dataclass(frozen=True)
@@ -84,12 +87,15 @@ class PinLedger:
     def charge(self, located: Any, tenant: str, lease: float, *, wait: bool = True) -> bool:
         """Count a same-host read's pinned blocks (``located.places``) in ``tenant``'s quota; False
         (nothing counted) when they do not fit it, or the daemon's tables, or (``wait=False``) when
-        the ledger is busy this instant (a pin holds it while it waits for the store)."""
+        the ledger is busy this instant (a pin holds it while it waits for the store) or holds more
+        than QUICK_HELD pins and reads."""
         n = len(located.places)
         if not n:
             return True
         now = time.monotonic()
         quota = self.quota
+        if not wait and len(self._pins) + len(self._located) > QUICK_HELD:
+            return False  # its check walks every pin and read held: not at once
         if not self._lock.acquire(blocking=wait):
             return False
         try:

@@ -167,9 +167,10 @@ class SharedOps:
 
     def try_inline(self, request: Request, max_blocks: int) -> Message | None:
         """The reply to a locate when it can be made this instant without waiting: the store's lock,
-        the plane's and the pin ledger's are free, and every block asked for that is held is in a pool the client
-        mapped (nothing to decode into staging, nothing to ask the cluster), at most ``max_blocks``
-        of them; else None, nothing pinned or counted, and a worker runs it (its errors included).
+        the plane's and the pin ledger's are free, and every block asked for that is held is in a
+        pool the client mapped (nothing to decode into staging, nothing to ask the cluster), at most
+        ``max_blocks`` of them; else None, nothing pinned, counted, leased or charged, and a worker
+        runs it (its errors included).
         Run on the event loop, a locate skips two thread hand-offs: a same-host read's round trip is
         most of what it costs on a GPU."""
         plane, msg, ns = self.plane, request.msg, request.namespace
@@ -183,15 +184,16 @@ class SharedOps:
         shared = self._shared_tiers(plane, msg)
         if not shared:
             return None
-        leased: list[Lease] = []
+        made: list[tuple[Lease, list[list[Any]], list[str]]] = []
 
         def keep(got: Located) -> bool:  # under the store's lock, as the blocks are pinned: the
-            # client's lease and the tenant's quota, both taken here or neither (nothing waits)
+            # reply's rows, then the client's lease and the tenant's quota (both taken, or neither)
+            blocks, tiers = self._places(plane, got)
             lease = plane.try_lease(
                 request.peer, got, lambda: self._ledger.charge(got, ns.tenant, plane.lease, wait=False)
             )
             if lease is not None:
-                leased.append(lease)
+                made.append((lease, blocks, tiers))
             return lease is not None
 
         try:
@@ -204,15 +206,12 @@ class SharedOps:
                 lease=plane.lease,
                 keep=keep,
             )
-            if located is None:
-                return None
-            return self._located_ok(plane, leased[0], msg, *self._places(plane, located), 0)
-        except Exception:  # (none expected) a worker runs it again and answers with the error
-            for lease in leased:
-                self._ledger.discharge(lease.held)
-                self.store.unlocate(lease.held)
-                plane.take(lease.handle)
+        except Exception:  # (none expected) nothing was taken: a worker runs it and answers the error
             return None
+        if located is None:
+            return None
+        lease, blocks, tiers = made[0]
+        return self._located_ok(plane, lease, msg, blocks, tiers, 0)
 
     def _shared_tiers(self, plane: SharedPlane, msg: Locate) -> set[int]:
         """The store's tiers that ``msg`` may be located in: the shared pools the client mapped."""
