@@ -22,8 +22,22 @@ class Backoff:
     wait is turned away at once, and costs nothing: logged once a minute); each is logged once per
     outage, other failures every time."""
 
-    def __init__(self, log: logging.Logger, seconds: float = BACKOFF) -> None:
+    def __init__(
+        self,
+        log: logging.Logger,
+        seconds: float = BACKOFF,
+        *,
+        under: Backoff | None = None,
+        held: str = "not asked again",
+    ) -> None:
+        """``under``: the back-off of the engine's own calls (lookups, loads), kept by this one too (a
+        daemon they found away is away for stores as well), while this one's failures are its own:
+        stores wait out a busy daemon and may outlast their time-out on a loaded one (a big put
+        behind demotions), where lookups, answered at once, still get through. A time-out during
+        ``under``'s back-off is that outage's, said already. ``held``: what the log says is held back."""
         self._log = log
+        self._under = under
+        self._held = held
         self.seconds = seconds
         self._until = 0.0  # the time-out's back-off ends
         self._busy_until = 0.0  # a busy answer's ends
@@ -37,7 +51,8 @@ class Backoff:
         return self._span
 
     def available(self) -> bool:
-        return time.monotonic() >= max(self._until, self._busy_until)
+        mine = time.monotonic() >= max(self._until, self._busy_until)
+        return mine and (self._under is None or self._under.available())
 
     def failed(self, what: str, err: Exception, *, waited: bool = False) -> None:
         if isinstance(err, TimeoutError):
@@ -48,18 +63,19 @@ class Backoff:
             # the first call after the last back-off timed out again: the daemon is still away
             again = self._span > 0 and now - self._until < self._span + MAX_BACKOFF
             self._span = min(MAX_BACKOFF, 2 * self._span) if again else self.seconds
-            if not again:
+            said = self._under is not None and not self._under.available()  # (its outage, logged)
+            if not again and not said:
                 self._log.warning(
-                    "kvstore did not answer a %s (%s); not asked again for %.0f s (longer while it "
-                    "stays away)",
+                    "kvstore did not answer a %s (%s); %s for %.0f s (longer while it stays away)",
                     what,
                     err,
+                    self._held,
                     self._span,
                 )
             self._until = now + self._span
         elif waited and getattr(err, "code", None) == "busy":  # each after it would wait as long
             if self.available():
-                self._log.warning("kvstore is busy (%s); not asked again for %.0f s", err, BUSY_BACKOFF)
+                self._log.warning("kvstore is busy (%s); %s for %.0f s", err, self._held, BUSY_BACKOFF)
             self._busy_until = max(self._busy_until, time.monotonic() + BUSY_BACKOFF)
         elif getattr(err, "code", None) == "busy":  # turned away at once (a miss): under load that is
             now = time.monotonic()  # every call, so it is said once a minute, not each time

@@ -29,8 +29,10 @@ fails its checksum is reported False (never filled with wrong data). A daemon
 that fails, times out or is busy is a miss or a page not stored, logged, never
 an exception in SGLang. Lookups and loads (SGLang's prefetch) never wait on a
 busy daemon: a miss at once, recomputed; stores (its backup thread) wait out
-``busy`` within the timeout. Lookups, loads and stores each have a client of
-their own, so that a long transfer never holds a lookup up, and no hook runs
+``busy`` within the timeout, and back off on their own (a store that waited it out, or timed
+out, holds back stores only; a lookup or load that timed out holds back every hook). Lookups,
+loads and stores each have a client of their own, so that a long transfer never holds a lookup
+up, and no hook runs
 past HOOK_BUDGET seconds (SGLang waits 10 s for its storage threads at a cache
 flush or detach, and fails past it).
 """
@@ -154,6 +156,7 @@ class KVStoreHiCache(HiCacheStorage):
         self._closed = False  # no saver is made after close
         self._pages: HostPages | None = None
         self.backoff = Backoff(log)  # a daemon that does not answer is left alone a while
+        self.store_backoff = Backoff(log, under=self.backoff, held="no store sent")  # and the above
 
     # -- the host pool ------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -325,7 +328,7 @@ class KVStoreHiCache(HiCacheStorage):
         holds it; else it starts a chain of its own). True for each page stored or already held."""
         if not keys:
             return []
-        if not self.backoff.available():
+        if not self.store_backoff.available():
             return [False] * len(keys)
         self._weights_now()
         if time.monotonic() - self._switched < SWITCH_GRACE:
@@ -361,7 +364,7 @@ class KVStoreHiCache(HiCacheStorage):
             # a store waits on a busy daemon up to its time-out: one that waited it out backs off, or
             # every backup batch would wait as long
             waited = saver is not None and time.monotonic() - began >= saver.timeout
-            self.backoff.failed(f"batch_set_v1 of {len(keys)} pages", e, waited=waited)
+            self.store_backoff.failed(f"batch_set_v1 of {len(keys)} pages", e, waited=waited)
         return stored
 
     # -- the legacy interface ------------------------------------------------------------

@@ -65,6 +65,9 @@ class Clients:
         # lookups are on the scheduler's path: a daemon that did not answer is left alone a while
         self.backoff = Backoff(log)
         self.available, self.failed = self.backoff.available, self.backoff.failed
+        # saves back off on their own (a save that waited out a busy daemon leaves loads alone), and
+        # whenever lookups and loads do
+        self.saves = Backoff(log, under=self.backoff, held="no save sent")
         self.refused = 0  # calls of variants that got no namespace
         self.timeout = settings.timeout  # each client's, a call's wait for a reply
         self._short_limit_logged = False

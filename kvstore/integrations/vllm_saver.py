@@ -190,7 +190,7 @@ class Saver:
                     torch.cuda.set_device(paged.device)
                 if ready is not None:
                     ready.synchronize()
-                if not self._clients.available():
+                if not self._clients.saves.available():
                     self._count("failed_saves")
                     continue
                 client = self._clients.get(t.variant, "save")
@@ -225,7 +225,7 @@ class Saver:
                 self._count("failed_saves")
                 # a save waits on a busy daemon up to its time-out: one that waited it out backs off
                 waited = began is not None and time.monotonic() - began >= self._clients.timeout
-                self._clients.failed(f"save of {t.req_id}", e, waited=waited)
+                self._clients.saves.failed(f"save of {t.req_id}", e, waited=waited)
             finally:
                 with self._cv:
                     self._running = None

@@ -95,3 +95,41 @@ def test_busy_answers_neither_lengthen_nor_hide_a_time_out(monkeypatch: pytest.M
     time.sleep(0.25)
     b.failed("lookup", RequestTimeout("no reply"))  # a new outage: the first back-off again
     assert b.span == 0.1 and not b.available()
+
+
+def test_stores_back_off_on_their_own_and_whenever_lookups_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one store that waited out a busy daemon (or outlasted its time-out behind a loaded daemon's
+    # demotions) held every lookup and load back too, though the daemon answered those at once
+    monkeypatch.setattr(backoff, "BUSY_BACKOFF", 0.2)
+    engine = Backoff(logging.getLogger("t"), seconds=0.2)
+    stores = Backoff(logging.getLogger("t"), seconds=0.2, under=engine)
+    stores.failed("store", ServerError("busy", "over its budget"), waited=True)
+    assert not stores.available() and engine.available()
+    time.sleep(0.25)
+    assert stores.available()
+    stores.failed("store", RequestTimeout("no reply"))
+    assert not stores.available() and engine.available() and engine.timeouts == 0
+    time.sleep(0.25)
+    assert stores.available()
+    # a lookup that timed out: the daemon is away for everyone, stores included
+    engine.failed("lookup", RequestTimeout("no reply"))
+    assert not engine.available() and not stores.available() and stores.timeouts == 1
+    time.sleep(0.25)
+    assert engine.available() and stores.available()
+
+
+def test_an_outage_the_engine_s_calls_met_first_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    engine = Backoff(logging.getLogger("t"), seconds=5.0)
+    stores = Backoff(logging.getLogger("t"), seconds=5.0, under=engine, held="no store sent")
+    with caplog.at_level(logging.WARNING, logger="t"):
+        engine.failed("lookup", RequestTimeout("no reply"))
+        stores.failed("store", RequestTimeout("no reply"))  # one in flight as the lookup timed out
+    assert [r.getMessage()[:25] for r in caplog.records] == ["kvstore did not answer a "]
+    assert "not asked again" in caplog.records[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="t"):
+        fresh = Backoff(
+            logging.getLogger("t"), seconds=5.0, under=Backoff(logging.getLogger("t")), held="no store sent"
+        )
+        fresh.failed("store", RequestTimeout("no reply"))  # a store met it first: said, as its own
+    assert len(caplog.records) == 1 and "no store sent for 5 s" in caplog.records[0].getMessage()

@@ -172,6 +172,7 @@ def test_a_daemon_that_is_not_there_costs_one_timeout_and_then_nothing(tmp_path:
     assert store.batch_set_v1(keys, slots([0, 1, 2])) == [False] * 3
     assert store.batch_get_v1(keys, slots([3, 4, 5])) == [False] * 3
     assert store.backoff.timeouts == 1 and time.monotonic() - t0 < 2.0
+    assert store.store_backoff.timeouts == 0  # held back by the lookup's: the same outage
 
 
 def test_a_page_damaged_on_disk_is_false_and_the_pages_before_it_are_served(
@@ -266,12 +267,15 @@ def test_a_daemon_stopped_mid_use_is_a_miss_in_every_hook_after_one_timeout(daem
             t0 = time.monotonic()
             got, miss = call_hook(store, hook, keys, [4, 5, 6])
             assert got == miss, hook
-            assert store.backoff.timeouts == 1, hook
+            path = store.store_backoff if hook == "batch_set_v1" else store.backoff  # (stores' own)
+            assert path.timeouts == 1, hook
+            # a store's time-out holds back stores only: lookups and loads are still asked
+            assert store.backoff.available() == (hook == "batch_set_v1"), hook
             # left alone now: the next call does not wait on the daemon again
             t1 = time.monotonic()
             assert call_hook(store, hook, keys, [4, 5, 6])[0] == miss, hook
             assert time.monotonic() - t1 < 0.1 and t1 - t0 < 3.0, hook
-            assert store.backoff.timeouts == 1, hook
+            assert path.timeouts == 1, hook
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
 
@@ -360,7 +364,7 @@ def test_a_killed_daemon_is_a_miss_and_a_restarted_one_is_used_again(daemons: An
     assert store.batch_exists(keys) == 0
     assert store.batch_get_v1(keys, slots([4, 5, 6])) == [False] * 3
     assert store.batch_set_v1(keys, slots([0, 1, 2])) == [False] * 3
-    assert store.backoff.timeouts == 1
+    assert store.backoff.timeouts == 1 and store.store_backoff.timeouts == 0
     daemons(cfg)
     time.sleep(0.2)
     assert store.batch_exists(keys) == 3
@@ -578,7 +582,10 @@ def test_a_busy_daemon_is_a_miss_at_once_for_lookups_and_loads_and_waited_out_by
         # where each waited as long (every backup batch of SGLang's stalled for its time-out)
         t0 = time.monotonic()
         assert store.batch_set_v1(keys, slots([0, 1])) == [False, False]
-        assert time.monotonic() - t0 < 0.5 and not store.backoff.available()
+        assert time.monotonic() - t0 < 0.5 and not store.store_backoff.available()
+        # stores only: lookups, which a busy daemon answers at once, are still asked
+        asked = busy.requests
+        assert store.backoff.available() and store.batch_exists(keys) == 0 and busy.requests > asked
         store.close()
     finally:
         busy.close()

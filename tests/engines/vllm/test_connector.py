@@ -779,3 +779,36 @@ def test_caches_in_kernel_blocks_smaller_than_the_scheduler_s_are_addressed_by_k
     assert torch.equal(k[8], src[0, 0, :BS, 0, 0]) and torch.equal(k[9], src[0, 0, BS : 2 * BS, 0, 0])
     assert torch.equal(k[2], src[0, 0, 2 * BS :, 0, 0])  # the third kernel block: block 1's first
     assert not k[[0, 1, 3, 4, 5, 6, 7]].any()
+
+
+def test_saves_backing_off_from_a_busy_daemon_leave_loads_alone(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that waited out a busy daemon holds saves back a while (each would wait as long); loads,
+    which a daemon over its budget turns away at once rather than keeps waiting, still go: they were
+    held back too, and every hit in that while was recomputed."""
+    from kvstore.integrations import backoff
+
+    U, vcfg, ep = setup
+    a = prompt(300, 17)
+    e = Engine(U, vcfg, "FLASH_ATTN", monkeypatch)
+    stored_then_forgotten(U, e, a)
+    clients = e.worker.c._clients
+    monkeypatch.setattr(backoff, "BUSY_BACKOFF", 60.0)
+    monkeypatch.setattr(clients, "timeout", 0.2)
+    save = clients.get(Variant(base=clients.base), "save")
+
+    def busy(*args: Any, **kw: Any) -> Any:  # asked again and again within the time-out: busy each time
+        time.sleep(0.25)
+        raise ServerError("busy", "injected: the daemon is over its budget")
+
+    monkeypatch.setattr(save, "put_from", busy)
+    e.add(request(U, prompt(100, 18), "other"))
+    e.run()
+    assert wait_until(lambda: not clients.saves.available(), 10)
+    assert clients.available()
+    loaded = e.worker.c.loaded_tokens
+    e.add(request(U, a, "again"))
+    e.run()
+    assert e.worker.loads[-1] == ("again", 0, 128) and e.worker.c.loaded_tokens == loaded + 128
+    e.worker.c.shutdown()
