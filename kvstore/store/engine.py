@@ -401,34 +401,9 @@ class Store:
         wait); else None, nothing pinned and nothing counted.
 
         For the daemon's event loop, which must never wait behind a put's tier or codec work."""
-        cluster = self._cluster
-        if cluster is not None and cluster.reads.adopting():
-            return None
-        if not self._lock.acquire(blocking=False):
-            return None
-        try:
-            located = self._reads.locate(
-                ns,
-                tokens,
-                tiers,
-                start_block=start_block,
-                max_blocks=max_blocks,
-                lease=lease,
-                count=False,
-                remote=False,
-            )
-            try:
-                asks_cluster = located.missing > 0 and cluster is not None and cluster.cluster.available()
-                if located.rest or asks_cluster or not keep(located):
-                    self._reads.unlocate(located)
-                    return None
-                self._reads.count_located(located)
-            except BaseException:
-                self._reads.unlocate(located)
-                raise
-            return located
-        finally:
-            self._lock.release()
+        return self._reads.try_locate(
+            ns, tokens, tiers, start_block=start_block, max_blocks=max_blocks, lease=lease, keep=keep
+        )
 
     def count_located(self, located: Located) -> None:
         """Count a locate made with ``count=False`` as the lookup it is."""

@@ -242,6 +242,47 @@ class Reader:
             self.count_located(located)
         return located
 
+    def try_locate(
+        self,
+        ns: Namespace,
+        tokens: Any,
+        tiers: Collection[int],
+        *,
+        start_block: int,
+        max_blocks: int | None,
+        lease: float | None,
+        keep: Callable[[Located], bool],
+    ) -> Located | None:
+        """See Store.try_locate."""
+        cluster = self._cluster
+        if cluster is not None and cluster.reads.adopting():
+            return None
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            located = self.locate(
+                ns,
+                tokens,
+                tiers,
+                start_block=start_block,
+                max_blocks=max_blocks,
+                lease=lease,
+                count=False,
+                remote=False,
+            )
+            try:
+                asks_cluster = located.missing > 0 and cluster is not None and cluster.cluster.available()
+                if located.rest or asks_cluster or not keep(located):
+                    self.unlocate(located)
+                    return None
+                self.count_located(located)
+            except BaseException:
+                self.unlocate(located)
+                raise
+            return located
+        finally:
+            self._lock.release()
+
     def count_located(self, located: Located) -> None:
         """Count ``located`` as a lookup (``locate`` does, unless told not to)."""
         T = located.ns.layout.block_tokens
