@@ -39,6 +39,7 @@ socket_path.py, K/V through shared memory in shm/client_path.py.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -222,6 +223,13 @@ class KVStoreClient(OperatorCalls):
     def _call(self, msg: Message, *, idempotent: bool = True) -> Message:
         with self._lock:
             return self._conn.call(msg, idempotent=idempotent)
+
+    def within(self, seconds: float) -> contextlib.AbstractContextManager[None]:
+        """``with client.within(s):`` every call this thread makes meanwhile ends within ``s``
+        seconds from now, whatever its timeout, retries and waits on a busy daemon would take
+        (RequestTimeout, not retried); a put or get of many chunks included. For a caller with a
+        budget of its own (an engine hook)."""
+        return self._conn.until(time.monotonic() + seconds)
 
     # ------------------------------------------------------------------ data path
 

@@ -24,6 +24,10 @@ sent after it, and the caller does not spend its round trip.
 A connection made with ``wait_when_busy=False`` (an engine's lookups and loads: a
 busy store is a miss, recomputed, never a stalled step) raises it at once instead.
 
+Within ``until(deadline)`` every call the thread makes ends by that deadline whatever the
+above would wait (an engine hook with a budget of its own for all its calls, a put of many
+chunks included): RequestTimeout, not retried.
+
 On an ``ipc://`` endpoint a wait for a reply looks, once a second has passed, whether anything
 listens on the socket file; nothing there for ABSENT_GRACE seconds (no daemon, or a killed one's
 file) ends the call with RequestTimeout at once, its retries unspent, saying no daemon runs there,
@@ -38,10 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -118,6 +123,7 @@ class Connection:
         self._absent = False  # the last wait ended because nothing listened on the socket file
         self._file_at_send = False  # the socket file was there when the last request was sent
         self._aborting = False  # set by another thread (``abort``): the wait under way ends
+        self._until = threading.local()  # ``at``: the deadline of the calls the thread makes (``until``)
 
     def _open(self) -> zmq.Socket:
         if self._closed:
@@ -137,6 +143,29 @@ class Connection:
             self.sock = sock
             self._live[0] = sock
         return self.sock
+
+    @contextlib.contextmanager
+    def until(self, deadline: float) -> Iterator[None]:
+        """Calls this thread makes meanwhile end by ``deadline`` (``time.monotonic()``), however long
+        their time-outs, retries and waits on a busy or starting daemon would run: a reply not in by
+        then ends the call with RequestTimeout (not retried). Within another, the earlier holds."""
+        before = getattr(self._until, "at", None)
+        self._until.at = deadline if before is None else min(before, deadline)
+        try:
+            yield
+        finally:
+            self._until.at = before
+
+    def _due(self, seconds: float) -> float:
+        """When a wait of ``seconds`` from now ends: at the caller's deadline, if that comes first."""
+        end = time.monotonic() + seconds
+        at = getattr(self._until, "at", None)
+        return end if at is None else min(end, at)
+
+    def _overdue(self) -> float | None:
+        """The caller's deadline if it has passed, else None."""
+        at = getattr(self._until, "at", None)
+        return at if at is not None and time.monotonic() >= at else None
 
     def reconnect(self) -> None:
         """Drop the socket and everything awaited on it; the next exchange opens a fresh one."""
@@ -213,7 +242,7 @@ class Connection:
         the connection's) in all. One answered ``busy`` (nothing was done) is sent again after a
         pause, as ``call`` would. None within the time: the daemon is gone or stuck, and what is sent
         next goes on a fresh socket (what was deferred lapses); returns False then."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        deadline = self._due(self.timeout if timeout is None else timeout)
         pause = BACKOFF
         try:
             while self._deferred:
@@ -409,12 +438,26 @@ class Connection:
                 self._greeted = False
             inflight = {}
             if backoff:
-                time.sleep(BACKOFF * 2 ** (attempts - 1))
+                pause = BACKOFF * 2 ** (attempts - 1)
+                time.sleep(max(0.0, self._due(pause) - time.monotonic()))
 
         if lapsed:  # (on the fresh socket the wait left)
             again("timeout of a reply due before it", fresh_socket=False, unsent=True)
+
+        def out_of_time() -> None:
+            """The caller's deadline passed: the call ends now (replies still due are dropped)."""
+            if self._overdue() is None:
+                return
+            for rid in inflight:
+                self.proto.forget(rid)
+            raise RequestTimeout(
+                f"the caller's time ran out before {self.endpoint} answered "
+                f"({attempts + 1} attempt(s), {len(todo) + len(inflight)} request(s) unanswered)"
+            )
+
         try:
             while todo or inflight:
+                out_of_time()
                 if greet:  # the hello a reconnect needs spends this call's retries, not retries of its own
                     attempts += self.ensure_hello(retries=budget - attempts)
                 blocked = False
@@ -429,11 +472,12 @@ class Connection:
                 if blocked:
                     continue  # on a fresh socket, from the first unanswered request
                 try:
-                    got = self._recv(time.monotonic() + self.timeout)
+                    got = self._recv(self._due(self.timeout))
                 except RemoteProtocolError as e:
                     again("garbled reply", fresh_socket=True, cause=e)
                     continue
                 if got is None:
+                    out_of_time()
                     again("timeout", fresh_socket=True)
                     continue
                 rid, reply = got
@@ -447,7 +491,7 @@ class Connection:
                         starting_since = now if starting_since is None else starting_since
                         for other in inflight:
                             self.proto.forget(other)
-                        if now - starting_since >= self.timeout:
+                        if now - starting_since >= self.timeout or self._overdue() is not None:
                             raise DaemonStarting(
                                 f"the daemon at {self.endpoint} is still starting after {self.timeout:g}s "
                                 f"({reply.message}); wait for it (its log shows progress) or give "
@@ -460,12 +504,15 @@ class Connection:
                     if reply.code == "busy":  # over a budget, nothing was done: back-pressure, not failure
                         now = time.monotonic()
                         busy_since = now if busy_since is None else busy_since
-                        if not self.wait_when_busy or now - busy_since >= self.timeout:
+                        pause = min(BUSY_WAIT_MAX, BACKOFF * 2**busy_count)
+                        # waited out: its time-out, or the caller's deadline before the next try
+                        waited = now - busy_since >= self.timeout or self._due(pause) < now + pause
+                        if not self.wait_when_busy or waited:
                             for other in inflight:
                                 self.proto.forget(other)
                             raise error_for_reply(reply.code, reply.message)
                         todo.appendleft(i)  # sent again after a pause; the others in flight go on
-                        time.sleep(min(BUSY_WAIT_MAX, BACKOFF * 2**busy_count))
+                        time.sleep(pause)
                         busy_count += 1
                         continue
                     if reply.code == "unknown_namespace" and greet:

@@ -282,13 +282,14 @@ class KVStoreHiCache(HiCacheStorage):
             self._client()  # attached, or LayoutError
             client = self._lookups
             assert client is not None
-            for part in self._parts(client, len(keys)):  # a page held names all before it
-                if not _in_time(client, deadline):
-                    break
-                got = client.lookup_keys(keys[part]).matched_blocks
-                n += got
-                if got < len(keys[part]):
-                    break
+            with client.within(deadline - time.monotonic()):
+                for part in self._parts(client, len(keys)):  # a page held names all before it
+                    if not _in_time(client, deadline):
+                        break
+                    got = client.lookup_keys(keys[part]).matched_blocks
+                    n += got
+                    if got < len(keys[part]):
+                        break
         except Exception as e:  # a store that fails is a miss, never SGLang's failure
             self.backoff.failed(f"batch_exists of {len(keys)} pages", e)
         return n
@@ -308,14 +309,15 @@ class KVStoreHiCache(HiCacheStorage):
                 host, client = self._host(), self._client()
                 host.paged(host_indices, len(keys))  # whole pages, or nothing is read
                 ps = host.page_size
-                for part in self._parts(client, len(keys)):
-                    if not _in_time(client, deadline):
-                        break
-                    dst = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
-                    n = client.get_into(KeyChain.of(keys[part]), dst).matched_blocks
-                    got += n
-                    if n < len(keys[part]):
-                        break
+                with client.within(deadline - time.monotonic()):
+                    for part in self._parts(client, len(keys)):
+                        if not _in_time(client, deadline):
+                            break
+                        dst = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
+                        n = client.get_into(KeyChain.of(keys[part]), dst).matched_blocks
+                        got += n
+                        if n < len(keys[part]):
+                            break
             except Exception as e:  # the pages are recomputed, never read as garbage
                 self.backoff.failed(f"batch_get_v1 of {len(keys)} pages", e)
         return [i < got for i in range(len(keys))]
@@ -344,22 +346,23 @@ class KVStoreHiCache(HiCacheStorage):
             host = self._host()
             host.paged(host_indices, len(keys))  # whole pages, or nothing is stored
             ps, saver = host.page_size, self._saving_client()
-            for part in self._parts(saver, len(keys)):
-                if not _in_time(saver, deadline):
-                    break
-                src = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
-                before = [*prefix, *keys[: part.start]]
-                r = saver.put_from(KeyChain.of(keys[part], before), src)
-                missing = (
-                    before and r.failed and r.failed[0].block == 0 and r.failed[0].code == MISSING_PARENT
-                )
-                if missing and _in_time(saver, deadline):
-                    # the prefix pages are not in the store (evicted, or never written): the pages are
-                    # still findable by their keys, which name their whole prefix; store them as a chain
-                    r = saver.put_from(KeyChain.of(keys[part]), src)
-                failed = {f.block for f in r.failed}
-                for i in range(len(keys[part])):
-                    stored[part.start + i] = i not in failed
+            with saver.within(deadline - time.monotonic()):  # a put of many chunks included
+                for part in self._parts(saver, len(keys)):
+                    if not _in_time(saver, deadline):
+                        break
+                    src = host.paged(host_indices[part.start * ps : part.stop * ps], len(keys[part]))
+                    before = [*prefix, *keys[: part.start]]
+                    r = saver.put_from(KeyChain.of(keys[part], before), src)
+                    missing = (
+                        before and r.failed and r.failed[0].block == 0 and r.failed[0].code == MISSING_PARENT
+                    )
+                    if missing and _in_time(saver, deadline):
+                        # the prefix pages are not in the store (evicted, or never written): the pages
+                        # are still findable by their keys, which name their whole prefix; a chain
+                        r = saver.put_from(KeyChain.of(keys[part]), src)
+                    failed = {f.block for f in r.failed}
+                    for i in range(len(keys[part])):
+                        stored[part.start + i] = i not in failed
         except Exception as e:  # the pages not stored yet are simply not stored
             # a store waits on a busy daemon up to its time-out: one that waited it out backs off, or
             # every backup batch would wait as long

@@ -817,3 +817,38 @@ def test_a_backend_without_interface_v1_is_refused_at_start(daemon: Any) -> None
     cfg.extra_config = {k: v for k, v in cfg.extra_config.items() if k != "interface_v1"}
     with pytest.raises(ValueError, match="interface_v1"):
         KVStoreHiCache(cfg, {})
+
+
+def test_a_store_of_many_chunks_on_a_daemon_slow_in_each_call_ends_within_the_hook_budget(
+    daemons: Any, tmp_path: Any, monkeypatch: Any
+) -> None:
+    """Every reply comes 0.1 s late, within each call's time-out: a store of 1024 pages in chunks of
+    its small staging is dozens of round trips, seconds, past the budget (1 s here, 8 s as shipped;
+    SGLang joins its storage threads for 10 s). It ends by the budget, its pages not stored."""
+    import time
+
+    from kvstore.integrations import sglang as kvstore_sglang
+    from tests.engines.sglang import pools
+    from tests.engines.sglang.conftest import HDIM, HEADS, LAYERS
+    from tests.wire.test_connection_deadline import DelayingProxy
+
+    monkeypatch.setattr(kvstore_sglang, "HOOK_BUDGET", 1.0)
+    d = daemons(daemon_config(tmp_path, shm_staging_per_client="64KiB"))
+    slow = f"ipc://{tmp_path}/slow.sock"
+    proxy = DelayingProxy(slow, d.endpoint, 0.1)
+    try:
+        n = 1024
+        pool = pools.host_pool(
+            "page_first", tokens=n * PAGE // 2, page=PAGE, layers=LAYERS, heads=HEADS, head_dim=HDIM
+        )
+        store = timed_backend(slow, pool, 5.0)
+        keys = page_hashes(n, salt=21)
+        fill(pool, list(range(n)), seed=21)
+        t0 = time.monotonic()
+        stored = store.batch_set_v1(keys, slots(list(range(n))))
+        took = time.monotonic() - t0
+        assert took < 1.25, took  # the budget, and the call under way when it ran out
+        assert not all(stored)
+        store.close()
+    finally:
+        proxy.close()

@@ -1,0 +1,177 @@
+"""Connection.until / KVStoreClient.within: every call a thread makes inside ends by the caller's
+deadline, whatever the time-outs, retries and waits on a busy daemon would take.
+
+An engine hook has a budget for all of its calls (SGLang joins its storage threads for 10 s): a put
+of many chunks is two round trips a chunk, each within the time-out, and a daemon slow in each
+(answering, but late) ran a hook far past its budget.
+
+    client ──► DelayingProxy (ROUTER; each reply held ``delay`` s) ──► a real daemon
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from kvstore.client import KVStoreClient
+from kvstore.connection import Connection
+from kvstore.wire.errors import RequestTimeout, ServerError
+from kvstore.wire.messages import Ping, Pong
+from tests.hardening.conftest import (
+    LAYOUT,
+    RefusingDaemon,
+    daemons,  # noqa: F401 - a fixture
+    prefix_kv,
+    random_tokens,
+    write_config,
+)
+from tests.wire.test_connection_defer import ScriptedDaemon
+
+
+class DelayingProxy:
+    """A ROUTER on ``endpoint`` passing each client's requests to ``upstream`` on a DEALER of that
+    client's own (the daemon tells clients apart by their sockets), and each reply back ``delay``
+    seconds after it came: a daemon that answers every request, late."""
+
+    def __init__(self, endpoint: str, upstream: str, delay: float) -> None:
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.linger = 0
+        self.front.bind(endpoint)
+        self.upstream, self.delay = upstream, delay
+        self.backs: dict[bytes, zmq.Socket] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        held: list[tuple[float, int, bytes, list[bytes]]] = []
+        n = 0
+        while not self._stop:
+            wait = 50 if not held else max(0, min(50, int((held[0][0] - time.monotonic()) * 1000)))
+            for sock, _ in poller.poll(wait):
+                if sock is self.front:
+                    peer, *frames = self.front.recv_multipart()
+                    back = self.backs.get(peer)
+                    if back is None:
+                        back = self.backs[peer] = self.ctx.socket(zmq.DEALER)
+                        back.linger = 0
+                        back.connect(self.upstream)
+                        poller.register(back, zmq.POLLIN)
+                    back.send_multipart(frames)
+                else:
+                    peer = next(p for p, b in self.backs.items() if b is sock)
+                    n += 1
+                    heapq.heappush(held, (time.monotonic() + self.delay, n, peer, sock.recv_multipart()))
+            while held and held[0][0] <= time.monotonic():
+                _, _, peer, frames = heapq.heappop(held)
+                self.front.send_multipart([peer, *frames])
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        for sock in [self.front, *self.backs.values()]:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def silent(tmp_path: Path) -> Iterator[ScriptedDaemon]:
+    daemon = ScriptedDaemon(f"ipc://{tmp_path}/d.sock")
+    yield daemon
+    daemon.close()
+
+
+def test_a_call_that_gets_no_reply_ends_at_the_deadline_not_after_its_retries(
+    tmp_path: Path, silent: ScriptedDaemon
+) -> None:
+    conn = Connection(f"ipc://{tmp_path}/d.sock", timeout=2.0, retries=2, namespace=None)
+    try:
+        t0 = time.monotonic()
+        with conn.until(t0 + 0.4), pytest.raises(RequestTimeout, match="time ran out"):
+            conn.call(Ping(), idempotent=True)
+        assert 0.35 < time.monotonic() - t0 < 1.0  # not three 2 s time-outs
+        assert silent.next_request(0.1) is not None  # sent once, not again
+        # the deadline is the block's: the next call waits its own time-out, and gets its reply
+        got: list[object] = []
+        t = threading.Thread(target=lambda: got.append(conn.call(Ping(), idempotent=True)), daemon=True)
+        t.start()
+        asked = silent.next_request(2.0)
+        assert asked is not None
+        time.sleep(0.6)  # past where the deadline was
+        pong = Pong(server="scripted", pid=1, time=0.0)
+        silent.answer(asked[0], asked[1], pong)
+        t.join(5)
+        assert got == [pong]
+    finally:
+        conn.close()
+
+
+def test_nested_deadlines_keep_the_earlier(tmp_path: Path, silent: ScriptedDaemon) -> None:
+    conn = Connection(f"ipc://{tmp_path}/d.sock", timeout=2.0, retries=0, namespace=None)
+    try:
+        t0 = time.monotonic()
+        with conn.until(t0 + 0.3), conn.until(t0 + 5.0), pytest.raises(RequestTimeout):
+            conn.call(Ping(), idempotent=True)
+        assert time.monotonic() - t0 < 0.8
+    finally:
+        conn.close()
+
+
+def test_a_busy_daemon_is_waited_for_until_the_deadline_only(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/busy.sock"
+    busy = RefusingDaemon(endpoint)
+    conn = Connection(endpoint, timeout=3.0, retries=0, namespace=None, wait_when_busy=True)
+    try:
+        t0 = time.monotonic()
+        with conn.until(t0 + 0.4), pytest.raises(ServerError, match="over the in-flight budget"):
+            conn.call(Ping(), idempotent=True)
+        assert 0.2 < time.monotonic() - t0 < 1.0 and busy.requests >= 3  # asked again meanwhile
+    finally:
+        conn.close()
+        busy.close()
+
+
+def test_a_put_of_many_chunks_to_a_slow_daemon_ends_within_the_callers_budget(
+    tmp_path: Path,
+    daemons: object,  # noqa: F811
+) -> None:
+    """Each reply comes 0.15 s late, well within the 1 s time-out; a put of 512 blocks in chunks of 32
+    (a 64 KiB staging segment) is a reserve and a commit a chunk, 16 chunks: seconds, where the
+    caller had 1 s."""
+    cfg = write_config(
+        tmp_path,
+        server={"shm_staging": "1MiB", "shm_staging_per_client": "64KiB"},
+        hbm={"device": "cpu", "capacity": "8MiB"},
+        nvme={"enabled": False},
+    )
+    d = daemons(cfg)  # type: ignore[operator]
+    proxy = DelayingProxy(f"ipc://{tmp_path}/slow.sock", d.endpoint, 0.15)
+    c = KVStoreClient(f"ipc://{tmp_path}/slow.sock", model="m", layout=LAYOUT, timeout=1.0)
+    try:
+        c.ping()
+        assert c.shared_memory  # through the proxy: the same host's daemon
+        tokens = random_tokens(np.random.default_rng(3), 512)
+        kv = prefix_kv(tokens)
+        t0 = time.monotonic()
+        with c.within(1.0), pytest.raises(RequestTimeout, match="time ran out"):
+            c.put(tokens, kv)
+        took = time.monotonic() - t0
+        assert took < 1.5, took
+        held = c.lookup(tokens).matched_blocks  # what was committed in time is stored, the rest not
+        assert 0 < held < 512
+        # without a deadline the same put runs to its end
+        r = c.put(tokens, kv)
+        assert r.stored + r.present == 512
+    finally:
+        c.close()
+        proxy.close()
