@@ -55,7 +55,13 @@ from kvstore.config_values import ipc_socket_path
 from kvstore.daemon.auth import ClientKeys
 from kvstore.errors import ClientClosed, DaemonStarting
 from kvstore.keys import Namespace
-from kvstore.wire.errors import RemoteProtocolError, RequestTimeout, ServerError, error_for_reply
+from kvstore.wire.errors import (
+    DeadlinePassed,
+    RemoteProtocolError,
+    RequestTimeout,
+    ServerError,
+    error_for_reply,
+)
 from kvstore.wire.messages import ErrorReply, Hello, HelloOk, Message
 from kvstore.wire.protocol import ClientProtocol, Limits
 
@@ -242,12 +248,15 @@ class Connection:
         the connection's) in all. One answered ``busy`` (nothing was done) is sent again after a
         pause, as ``call`` would. None within the time: the daemon is gone or stuck, and what is sent
         next goes on a fresh socket (what was deferred lapses); returns False then."""
-        deadline = self._due(self.timeout if timeout is None else timeout)
+        own = time.monotonic() + (self.timeout if timeout is None else timeout)
+        deadline = self._due(own - time.monotonic())
         pause = BACKOFF
         try:
             while self._deferred:
                 got = self._recv(deadline)
                 if got is None:
+                    if time.monotonic() < own:  # the caller's deadline, not the daemon's silence:
+                        return True  # kept, for the next call to wait for
                     self.reconnect()
                     return False
                 rid, reply = got
@@ -375,6 +384,8 @@ class Connection:
         when retries run out, RemoteProtocolError for a garbled reply that a
         retry did not cure.
         """
+        if self._overdue() is not None:
+            raise DeadlinePassed(f"the caller's time ran out before a request to {self.endpoint} was sent")
         # a daemon that did not answer what was deferred within the time-out has had this call's
         # first wait: the call's retries, and so its time, count it (the call is not sent yet)
         lapsed = bool(self._deferred) and not self._await_deferred()
@@ -444,13 +455,23 @@ class Connection:
         if lapsed:  # (on the fresh socket the wait left)
             again("timeout of a reply due before it", fresh_socket=False, unsent=True)
 
+        refused: ErrorReply | None = None  # the last busy or starting answer, while it is sent again
+
         def out_of_time() -> None:
-            """The caller's deadline passed: the call ends now (replies still due are dropped)."""
+            """The caller's deadline passed: the call ends now (replies still due are dropped), with
+            the daemon's own answer when it was turning the request away (busy, starting)."""
             if self._overdue() is None:
                 return
             for rid in inflight:
                 self.proto.forget(rid)
-            raise RequestTimeout(
+            if refused is not None and refused.code == "starting":
+                raise DaemonStarting(
+                    f"the daemon at {self.endpoint} was still starting when the caller's time ran out "
+                    f"({refused.message})"
+                )
+            if refused is not None:
+                raise error_for_reply(refused.code, refused.message)
+            raise DeadlinePassed(
                 f"the caller's time ran out before {self.endpoint} answered "
                 f"({attempts + 1} attempt(s), {len(todo) + len(inflight)} request(s) unanswered)"
             )
@@ -485,13 +506,15 @@ class Connection:
                     continue
                 i = inflight.pop(rid)
                 if isinstance(reply, ErrorReply):
+                    if reply.code in ("starting", "busy"):
+                        refused = reply
                     if reply.code == "starting":  # nothing was done: send it again once the daemon is up
                         inflight[rid] = i
                         now = time.monotonic()
                         starting_since = now if starting_since is None else starting_since
                         for other in inflight:
                             self.proto.forget(other)
-                        if now - starting_since >= self.timeout or self._overdue() is not None:
+                        if now - starting_since >= self.timeout:
                             raise DaemonStarting(
                                 f"the daemon at {self.endpoint} is still starting after {self.timeout:g}s "
                                 f"({reply.message}); wait for it (its log shows progress) or give "
@@ -499,7 +522,7 @@ class Connection:
                             )
                         todo.extendleft(sorted(inflight.values(), reverse=True))
                         inflight = {}
-                        time.sleep(STARTING_POLL)
+                        time.sleep(max(0.0, self._due(STARTING_POLL) - time.monotonic()))
                         continue
                     if reply.code == "busy":  # over a budget, nothing was done: back-pressure, not failure
                         now = time.monotonic()
@@ -542,7 +565,7 @@ class Connection:
                     for other in inflight:
                         self.proto.forget(other)
                     raise error_for_reply(reply.code, reply.message)
-                busy_since, busy_count = None, 0
+                busy_since, busy_count, refused = None, 0, None
                 on_reply(i, reply)
         except BaseException:  # make or on_reply raised: replies still due are dropped when they come,
             for rid in inflight:  # not read as the answer to this connection's next request

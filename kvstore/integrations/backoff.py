@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
+from kvstore.wire.errors import DeadlinePassed
+
 BACKOFF = 10.0  # seconds, after a call timed out
 MAX_BACKOFF = 60.0  # seconds: the back-off doubles with each time-out in a row, up to this
 BUSY_BACKOFF = 1.0  # seconds, after a call waited out its time-out on a daemon answering busy
@@ -55,7 +57,17 @@ class Backoff:
         return mine and (self._under is None or self._under.available())
 
     def failed(self, what: str, err: Exception, *, waited: bool = False) -> None:
-        if isinstance(err, TimeoutError):
+        if isinstance(err, DeadlinePassed):  # it answers, too slowly for the caller's budget: a rest
+            if self.available():  # as after a busy daemon waited out, not a time-out's (it is there)
+                self._log.warning(
+                    "kvstore was too slow for a %s within its budget (%s); %s for %.0f s",
+                    what,
+                    err,
+                    self._held,
+                    BUSY_BACKOFF,
+                )
+            self._busy_until = max(self._busy_until, time.monotonic() + BUSY_BACKOFF)
+        elif isinstance(err, TimeoutError):
             self.timeouts += 1
             now = time.monotonic()
             if now < self._until:  # another call's time-out of the same outage

@@ -104,6 +104,11 @@ class RequestTimeout(ServerError, TimeoutError):
         super().__init__("timeout", message)
 
 
+class DeadlinePassed(RequestTimeout):
+    """The caller's deadline (``KVStoreClient.within``) passed before the reply came: the daemon
+    answers, maybe, but not within what the caller could wait."""
+
+
 def _library_classes() -> dict[str, type[KVStoreError]]:
     found: dict[str, type[KVStoreError]] = {}
     for obj in vars(errors).values():

@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.integrations import backoff
 from kvstore.integrations.backoff import Backoff
-from kvstore.wire.errors import RequestTimeout, ServerError
+from kvstore.wire.errors import DeadlinePassed, RequestTimeout, ServerError
 
 
 def test_a_busy_daemon_is_left_alone_a_moment_and_said_once(
@@ -133,3 +133,16 @@ def test_an_outage_the_engine_s_calls_met_first_is_said_once(caplog: pytest.LogC
         )
         fresh.failed("store", RequestTimeout("no reply"))  # a store met it first: said, as its own
     assert len(caplog.records) == 1 and "no store sent for 5 s" in caplog.records[0].getMessage()
+
+
+def test_a_call_cut_by_its_callers_budget_rests_a_moment_not_a_time_out_s_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a daemon slow in each reply (answering within each time-out) ran the hook out of its budget:
+    # it is there, and was left alone 10 s, then a minute, as a daemon that does not answer
+    monkeypatch.setattr(backoff, "BUSY_BACKOFF", 0.2)
+    b = Backoff(logging.getLogger("t"), seconds=5.0)
+    b.failed("store", DeadlinePassed("the caller's time ran out"))
+    assert not b.available() and b.timeouts == 0 and b.span == 0
+    time.sleep(0.25)
+    assert b.available()

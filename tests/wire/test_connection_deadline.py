@@ -22,7 +22,7 @@ import zmq
 
 from kvstore.client import KVStoreClient
 from kvstore.connection import Connection
-from kvstore.wire.errors import RequestTimeout, ServerError
+from kvstore.wire.errors import DeadlinePassed, RequestTimeout, ServerError
 from kvstore.wire.messages import Ping, Pong
 from tests.hardening.conftest import (
     LAYOUT,
@@ -97,21 +97,43 @@ def test_a_call_that_gets_no_reply_ends_at_the_deadline_not_after_its_retries(
     conn = Connection(f"ipc://{tmp_path}/d.sock", timeout=2.0, retries=2, namespace=None)
     try:
         t0 = time.monotonic()
-        with conn.until(t0 + 0.4), pytest.raises(RequestTimeout, match="time ran out"):
+        with conn.until(t0 + 0.4), pytest.raises(DeadlinePassed, match="time ran out"):
             conn.call(Ping(), idempotent=True)
         assert 0.35 < time.monotonic() - t0 < 1.0  # not three 2 s time-outs
-        assert silent.next_request(0.1) is not None  # sent once, not again
-        # the deadline is the block's: the next call waits its own time-out, and gets its reply
-        got: list[object] = []
-        t = threading.Thread(target=lambda: got.append(conn.call(Ping(), idempotent=True)), daemon=True)
+        cut = silent.next_request(0.1)
+        assert cut is not None and silent.next_request(0.2) is None  # sent once, not again
+
+        # the deadline was the block's, on this thread: the next call waits its own time-out, and
+        # gets its own reply, not the late one of the call that was cut
+        def answer_late() -> None:
+            silent.answer(cut[0], cut[1], Pong(server="late", pid=1, time=0.0))
+            asked = silent.next_request(2.0)
+            assert asked is not None
+            time.sleep(0.6)  # past where the deadline was
+            silent.answer(asked[0], asked[1], Pong(server="own", pid=2, time=0.0))
+
+        t = threading.Thread(target=answer_late, daemon=True)
         t.start()
-        asked = silent.next_request(2.0)
-        assert asked is not None
-        time.sleep(0.6)  # past where the deadline was
-        pong = Pong(server="scripted", pid=1, time=0.0)
-        silent.answer(asked[0], asked[1], pong)
+        got = conn.call(Ping(), idempotent=True)
         t.join(5)
-        assert got == [pong]
+        assert isinstance(got, Pong) and got.server == "own"
+    finally:
+        conn.close()
+
+
+def test_a_deadline_is_the_calling_thread_s_own(tmp_path: Path, silent: ScriptedDaemon) -> None:
+    conn = Connection(f"ipc://{tmp_path}/d.sock", timeout=2.0, retries=0, namespace=None)
+    try:
+        with conn.until(time.monotonic() + 0.2):
+            got: list[object] = []
+            t = threading.Thread(target=lambda: got.append(conn.call(Ping(), idempotent=True)), daemon=True)
+            t.start()  # another thread's call, made while this thread's deadline stands
+            asked = silent.next_request(2.0)
+            assert asked is not None
+            time.sleep(0.5)  # past this thread's deadline
+            silent.answer(asked[0], asked[1], Pong(server="own", pid=2, time=0.0))
+            t.join(5)
+        assert len(got) == 1 and isinstance(got[0], Pong)
     finally:
         conn.close()
 

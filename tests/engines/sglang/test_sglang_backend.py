@@ -822,9 +822,10 @@ def test_a_backend_without_interface_v1_is_refused_at_start(daemon: Any) -> None
 def test_a_store_of_many_chunks_on_a_daemon_slow_in_each_call_ends_within_the_hook_budget(
     daemons: Any, tmp_path: Any, monkeypatch: Any
 ) -> None:
-    """Every reply comes 0.1 s late, within each call's time-out: a store of 1024 pages in chunks of
-    its small staging is dozens of round trips, seconds, past the budget (1 s here, 8 s as shipped;
-    SGLang joins its storage threads for 10 s). It ends by the budget, its pages not stored."""
+    """Every reply comes 0.1 s late, well within each call's time-out (a third of a second here): a
+    store of 2048 pages in chunks of its small staging is dozens of round trips, seconds, past the
+    budget (2 s here, 8 s as shipped; SGLang joins its storage threads for 10 s). It ends by the
+    budget, what it had not stored reported so, and stores rest a moment (the daemon is there)."""
     import time
 
     from kvstore.integrations import sglang as kvstore_sglang
@@ -832,12 +833,13 @@ def test_a_store_of_many_chunks_on_a_daemon_slow_in_each_call_ends_within_the_ho
     from tests.engines.sglang.conftest import HDIM, HEADS, LAYERS
     from tests.wire.test_connection_deadline import DelayingProxy
 
-    monkeypatch.setattr(kvstore_sglang, "HOOK_BUDGET", 1.0)
+    monkeypatch.setattr(kvstore_sglang, "HOOK_BUDGET", 2.0)
     d = daemons(daemon_config(tmp_path, shm_staging_per_client="64KiB"))
     slow = f"ipc://{tmp_path}/slow.sock"
     proxy = DelayingProxy(slow, d.endpoint, 0.1)
+    store = None
     try:
-        n = 1024
+        n = 2048
         pool = pools.host_pool(
             "page_first", tokens=n * PAGE // 2, page=PAGE, layers=LAYERS, heads=HEADS, head_dim=HDIM
         )
@@ -847,8 +849,10 @@ def test_a_store_of_many_chunks_on_a_daemon_slow_in_each_call_ends_within_the_ho
         t0 = time.monotonic()
         stored = store.batch_set_v1(keys, slots(list(range(n))))
         took = time.monotonic() - t0
-        assert took < 1.25, took  # the budget, and the call under way when it ran out
-        assert not all(stored)
-        store.close()
+        assert took < 2.25, took  # the budget, and the call under way when it ran out
+        assert not all(stored) and store.store_backoff.timeouts == 0
+        assert not store.store_backoff.available() and store.backoff.available()
     finally:
+        if store is not None:
+            store.close()
         proxy.close()
