@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ from kvstore.layout import KVLayout
 from kvstore.results import GetResult, LookupResult, PutResult
 from kvstore.shm.client_path import SharedPath
 from kvstore.socket_path import WINDOW, SocketPath
-from kvstore.wire.errors import LocalProtocolError
+from kvstore.wire.errors import DeadlinePassed, LocalProtocolError
 from kvstore.wire.messages import (
     Message,
     Ping,
@@ -177,7 +177,7 @@ class KVStoreClient(OperatorCalls):
     def shared_memory(self) -> bool:
         """Whether K/V moves through shared memory (as of the last hello; False before the first call
         and once closed)."""
-        with self._lock:
+        with self._held():
             return self._shm.mapping() is not None
 
     @property
@@ -220,15 +220,29 @@ class KVStoreClient(OperatorCalls):
             )
         return names
 
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """The client's lock (one call at a time), waited for no longer than the calling thread's
+        deadline (``within``): a call another thread runs meanwhile does not take this one's budget."""
+        left = self._conn.left()
+        if not self._lock.acquire(timeout=-1 if left is None else min(max(0.0, left), threading.TIMEOUT_MAX)):
+            raise DeadlinePassed(
+                f"the caller's time ran out while another thread's call to {self.endpoint} held this client"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _call(self, msg: Message, *, idempotent: bool = True) -> Message:
-        with self._lock:
+        with self._held():
             return self._conn.call(msg, idempotent=idempotent)
 
     def within(self, seconds: float) -> contextlib.AbstractContextManager[None]:
         """``with client.within(s):`` every call this thread makes meanwhile ends within ``s``
-        seconds from now, whatever its timeout, retries and waits on a busy daemon would take
-        (RequestTimeout, not retried); a put or get of many chunks included. For a caller with a
-        budget of its own (an engine hook)."""
+        seconds from now, whatever its timeout, retries, waits on a busy daemon and on another
+        thread's call on this client would take (DeadlinePassed, not retried); a put or get of many
+        chunks included. For a caller with a budget of its own (an engine hook)."""
         return self._conn.until(time.monotonic() + seconds)
 
     # ------------------------------------------------------------------ data path
@@ -246,7 +260,7 @@ class KVStoreClient(OperatorCalls):
         Every data call takes, in place of token ids, a KeyChain: blocks named by an engine's own
         chained page keys (``lookup_keys``, ``get_into_keys``, ``put_from_keys``)."""
         ns = self._ns()
-        with self._lock:
+        with self._held():
             self._conn.ensure_hello()
             return self._socket.lookup(ns, self._names(token_ids))
 
@@ -261,7 +275,7 @@ class KVStoreClient(OperatorCalls):
         ns = self._ns()
         layout, T = ns.layout, ns.layout.block_tokens
         device = device_arg(device)
-        with self._lock:
+        with self._held():
             self._conn.ensure_hello()
             tokens = self._names(token_ids)
             if self._shm.mapping() is not None:
@@ -305,7 +319,7 @@ class KVStoreClient(OperatorCalls):
         first = start // T
         if isinstance(out, PagedKV) and start > out.floor:
             out = out.above(start)
-        with self._lock:
+        with self._held():
             self._conn.ensure_hello()
             tokens = self._names(token_ids)
             total = min(tokens.blocks(T), target_tokens(out) // T)
@@ -337,7 +351,7 @@ class KVStoreClient(OperatorCalls):
         first = start_arg(start) // T
         if total <= first:
             return PutResult(0, 0, [])
-        with self._lock:
+        with self._held():
             self._conn.ensure_hello()
             tokens = self._names(names.head(total, T))
             done = self._shm.put(ns, tokens, src, total, session, first)
@@ -363,7 +377,7 @@ class KVStoreClient(OperatorCalls):
         total = names.blocks(T)
         if total == 0:
             return PutResult(0, 0, [])
-        with self._lock:
+        with self._held():
             self._conn.ensure_hello()
             if self._shm.mapping() is not None:
                 return self.put_from(names, kv, session)

@@ -4,7 +4,7 @@ and its reply, checked (a malformed reply raises, never comes back half-read).""
 
 from __future__ import annotations
 
-import threading
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,8 @@ class OperatorCalls:
 
     if TYPE_CHECKING:
         _conn: Connection
-        _lock: threading.RLock
+
+        def _held(self) -> contextlib.AbstractContextManager[None]: ...
 
         def _call(self, msg: Message, *, idempotent: bool = True) -> Message: ...
 
@@ -104,7 +105,7 @@ class OperatorCalls:
         """Every session (a list of SessionInfo), one session (SessionDetail), or, given ``token_ids``,
         where each stored block of that prefix lives (a dict)."""
         if token_ids is not None:
-            with self._lock:
+            with self._held():
                 self._conn.ensure_hello()
                 names = self._names(token_ids)
                 if not isinstance(names, TokenChain):
@@ -165,7 +166,7 @@ class OperatorCalls:
         daemon's pin lease). Returns (handle, blocks pinned); end it early with ``release(handle)``.
         A client that dies holding pins leaks nothing: they lapse with the lease."""
         ns = self._ns()
-        with self._lock:
+        with self._held():
             self._conn.ensure_hello()
             reply = self._conn.call(
                 Pin(ns=ns.id, tokens=self._pin_tokens(token_ids), lease=lease), idempotent=False

@@ -25,8 +25,8 @@ A connection made with ``wait_when_busy=False`` (an engine's lookups and loads: 
 busy store is a miss, recomputed, never a stalled step) raises it at once instead.
 
 Within ``until(deadline)`` every call the thread makes ends by that deadline whatever the
-above would wait (an engine hook with a budget of its own for all its calls, a put of many
-chunks included): RequestTimeout, not retried.
+above would wait, a send that cannot leave included (an engine hook with a budget of its own for
+all its calls, a put of many chunks included): DeadlinePassed (a RequestTimeout), not retried.
 
 On an ``ipc://`` endpoint a wait for a reply looks, once a second has passed, whether anything
 listens on the socket file; nothing there for ABSENT_GRACE seconds (no daemon, or a killed one's
@@ -41,6 +41,7 @@ shows up as a RequestTimeout (its message says to check the allow-list).
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
 import time
@@ -75,6 +76,10 @@ ABSENT_AFTER = 1.0  # seconds a reply is waited for before looking whether a dae
 ABSENT_POLL = 0.25  # seconds between those looks
 ABSENT_GRACE = 5.0  # seconds nothing listens before a call ends (a restart binds again sooner)
 ABORT_POLL = 0.1  # seconds a wait for a reply goes without looking whether another thread aborted it
+
+
+class SendCut(zmq.Again):
+    """A send that could not leave before the caller's deadline (``until``): nothing was sent."""
 
 
 def _release(live: list[zmq.Socket | None], ctx: zmq.Context | None) -> None:
@@ -168,10 +173,15 @@ class Connection:
         at = getattr(self._until, "at", None)
         return end if at is None else min(end, at)
 
-    def _overdue(self) -> float | None:
-        """The caller's deadline if it has passed, else None."""
+    def _overdue(self) -> bool:
+        """Whether the caller's deadline has passed."""
+        left = self.left()
+        return left is not None and left <= 0
+
+    def left(self) -> float | None:
+        """Seconds to the calling thread's deadline (``until``; negative once passed), None without one."""
         at = getattr(self._until, "at", None)
-        return at if at is not None and time.monotonic() >= at else None
+        return None if at is None else at - time.monotonic()
 
     def reconnect(self) -> None:
         """Drop the socket and everything awaited on it; the next exchange opens a fresh one."""
@@ -210,12 +220,23 @@ class Connection:
 
     def _send(self, msg: Message) -> int:
         rid, frames = self.proto.send(msg)
+        sock = self._open()
+        left = self.left()
+        cut = left is not None and left < self.timeout  # a send with no peer waits by the deadline too
         try:
+            if cut:
+                sock.sndtimeo = _ms(max(0.0, left or 0.0))
             # payload frames go without copying; a lone header is cheaper copied than wrapped in a zmq.Frame
-            self._open().send_multipart(frames, copy=len(frames) == 1)
-        except zmq.Again:  # not even queued within the timeout: nothing was sent
-            self.proto.forget(rid)
+            sock.send_multipart(frames, copy=len(frames) == 1)
+        except zmq.Again:  # not even queued within the time: nothing was sent
+            self.proto.forget(rid, sent=False)
+            if cut:
+                raise SendCut from None
             raise
+        finally:
+            if cut:
+                with contextlib.suppress(zmq.ZMQError):  # (a socket failing otherwise: its error stands)
+                    sock.sndtimeo = _ms(self.timeout)
         if self._socket_file is not None:  # (see _recv)
             self._file_at_send = self._socket_file.exists()
         return rid
@@ -310,8 +331,20 @@ class Connection:
             while sock.rcvmore:
                 frames.append(sock.recv(copy=False))  # payloads: kept as zmq frames, never copied
             got = self.proto.receive(frames)
+            if self.proto.unclaimed:
+                self._give_back_late()
             if got is not None:
                 return got
+
+    def _give_back_late(self) -> None:
+        """Give back what replies read after their callers stopped waiting held (a locate's lease, a
+        reserved range, a pin: ClientProtocol.unclaimed), now rather than when their leases lapse.
+        Deferred, as a read's own finish of staging is: done before this connection's next request,
+        which may need the staging. (A reply never read here, on a socket since replaced or by a
+        client that makes no further call, lapses with its lease.)"""
+        late, self.proto.unclaimed = self.proto.unclaimed, []
+        for msg in late:
+            self.defer(msg)
 
     def _listened(self, missing_before: bool) -> bool:
         """Whether something accepts connections on the ipc socket file (a unix-socket connect: a file
@@ -384,7 +417,7 @@ class Connection:
         when retries run out, RemoteProtocolError for a garbled reply that a
         retry did not cure.
         """
-        if self._overdue() is not None:
+        if self._overdue():
             raise DeadlinePassed(f"the caller's time ran out before a request to {self.endpoint} was sent")
         # a daemon that did not answer what was deferred within the time-out has had this call's
         # first wait: the call's retries, and so its time, count it (the call is not sent yet)
@@ -457,10 +490,11 @@ class Connection:
 
         refused: ErrorReply | None = None  # the last busy or starting answer, while it is sent again
 
-        def out_of_time() -> None:
-            """The caller's deadline passed: the call ends now (replies still due are dropped), with
-            the daemon's own answer when it was turning the request away (busy, starting)."""
-            if self._overdue() is None:
+        def out_of_time(*, now: bool = False) -> None:
+            """The caller's deadline passed (``now``: it is spent, whatever the clock reads): the call
+            ends now (replies still due are dropped), with the daemon's own answer when it was
+            turning the request away (busy, starting)."""
+            if not now and not self._overdue():
                 return
             for rid in inflight:
                 self.proto.forget(rid)
@@ -486,8 +520,11 @@ class Connection:
                     i = todo.popleft()
                     try:
                         inflight[self._send(make(i))] = i
-                    except zmq.Again:
+                    except zmq.Again as e:  # not queued: nothing takes what is queued on this socket
                         todo.appendleft(i)
+                        if isinstance(e, SendCut):  # the send waited out the caller's time
+                            self.reconnect()  # (what is queued goes with the socket)
+                            out_of_time(now=True)
                         again("no connection to send on", fresh_socket=True)
                         blocked = True
                 if blocked:
@@ -578,6 +615,6 @@ __all__ = ["Connection", "ServerError"]
 
 
 def _ms(seconds: float) -> int:
-    """A socket time-out in milliseconds: at least 1, at most what the option holds (int32, ~24 days;
-    longer is as good as for ever)."""
-    return max(1, min(int(seconds * 1000), 2**31 - 1))
+    """A socket time-out in milliseconds, rounded up (a wait ends at or after its time): at least 1, at
+    most what the option holds (int32, ~24 days; longer is as good as for ever)."""
+    return max(1, min(math.ceil(seconds * 1000), 2**31 - 1))

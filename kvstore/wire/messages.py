@@ -58,6 +58,11 @@ class Message:
             setattr(cls, "_none_fields", got)  # noqa: B010 - a class's own cache, not a field
         return got
 
+    def give_back(self) -> Message | None:
+        """(A reply.) The request letting go of what this reply holds (a lease, a pin), sent for a
+        reply read after its caller stopped waiting; None: it holds nothing."""
+        return None
+
     def payload_frames(self) -> list[Buffer]:
         if self.payload is None:
             return []
@@ -492,6 +497,9 @@ class PinOk(Message):
     blocks: int
     lease: float | None = None
 
+    def give_back(self) -> Message | None:
+        return Release(handle=self.handle) if self.blocks else None  # (nothing pinned: no handle)
+
 
 @dataclass(frozen=True)
 class ReleaseOk(Message):
@@ -531,6 +539,9 @@ class LocateOk(Message):
     staging: list[Any] | None = None
     rest: int = 0
 
+    def give_back(self) -> Message:
+        return Finish(handle=self.handle, used=0)
+
 
 @dataclass(frozen=True)
 class FinishOk(Message):
@@ -561,6 +572,9 @@ class ReserveOk(Message):
     path: str
     size: int
     lease: float | None = None
+
+    def give_back(self) -> Message:
+        return Finish(handle=self.handle, used=0)
 
 
 REPLIES: dict[str, type[Message]] = {

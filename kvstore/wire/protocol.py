@@ -46,6 +46,10 @@ from kvstore.wire.messages import (
 from kvstore.wire.registry import NAMESPACES_PER_TENANT, NamespaceRegistry
 
 PROTOCOL_VERSION = 1
+# requests whose replies hold something until given back (a lease, a pin): a reply read after its
+# caller stopped waiting (on the same socket) is given back then, not left until its lease lapses
+HOLDING = frozenset(op for op, cls in REPLIES.items() if cls.give_back is not Message.give_back)
+CUT_KEPT = 256  # forgotten requests of those kinds whose late replies are still looked for
 
 
 def tensor_payload(kv: torch.Tensor) -> Buffer:
@@ -430,6 +434,10 @@ class ClientProtocol:
     def __init__(self) -> None:
         self._next_id = 1
         self.pending: dict[int, str] = {}  # request id -> op
+        # forgotten requests whose late reply may hold a lease or pin (HOLDING), and the requests
+        # that give back what such replies held, for the connection to send
+        self._cut: dict[int, str] = {}
+        self.unclaimed: list[Message] = []
 
     def send(self, msg: Message) -> tuple[int, list[Buffer]]:
         """Frames for ``msg`` under a fresh request id. Raises LocalProtocolError for an invalid message."""
@@ -461,6 +469,8 @@ class ClientProtocol:
         header, rid = read_header(frames[0], 2**31)
         op = header.pop("op", None)
         if rid is None or rid not in self.pending:
+            if rid is not None:
+                self._late(rid, op, header, frames)
             return None
         expected = self.pending.pop(rid)
         cls = ErrorReply if op == "error" else REPLIES.get(expected)
@@ -468,6 +478,24 @@ class ClientProtocol:
             raise RemoteProtocolError("bad_header", f"reply op {op!r} to a {expected!r} request", rid)
         return rid, cls.from_fields(header, list(frames[1:]))
 
-    def forget(self, rid: int) -> None:
-        """Stop awaiting ``rid`` (after a timeout); a late reply to it is dropped by ``receive``."""
-        self.pending.pop(rid, None)
+    def forget(self, rid: int, *, sent: bool = True) -> None:
+        """Stop awaiting ``rid`` (its caller's time ran out, or it failed); a late reply to it read on
+        this socket is dropped by ``receive``, and what it holds is queued to be given back
+        (``unclaimed``). ``sent=False``: it never left; no reply is looked for."""
+        op = self.pending.pop(rid, None)
+        if sent and op in HOLDING:
+            self._cut[rid] = op
+            if len(self._cut) > CUT_KEPT:  # the oldest's reply is not coming: its lease lapses
+                del self._cut[next(iter(self._cut))]
+
+    def _late(self, rid: int, op: Any, header: dict[str, Any], frames: list[Buffer]) -> None:
+        """A reply to the forgotten ``rid``: what it holds (a lease, a pin) is given back."""
+        expected = self._cut.pop(rid, None)
+        if expected is None or op != expected:
+            return
+        try:
+            back = REPLIES[expected].from_fields(header, list(frames[1:])).give_back()
+        except RemoteProtocolError:  # garbled: nothing to give back that could be named
+            return
+        if back is not None:
+            self.unclaimed.append(back)

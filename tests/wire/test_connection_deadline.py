@@ -10,7 +10,9 @@ of many chunks is two round trips a chunk, each within the time-out, and a daemo
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +32,7 @@ from tests.hardening.conftest import (
     daemons,  # noqa: F401 - a fixture
     prefix_kv,
     random_tokens,
+    wait_until,
     write_config,
 )
 from tests.wire.test_connection_defer import ScriptedDaemon
@@ -195,5 +198,104 @@ def test_a_put_of_many_chunks_to_a_slow_daemon_ends_within_the_callers_budget(
         r = c.put(tokens, kv)
         assert r.stored + r.present == 512
     finally:
+        c.close()
+        proxy.close()
+
+
+def test_a_call_waiting_behind_another_threads_call_on_the_same_client_ends_at_its_deadline(
+    tmp_path: Path,
+    daemons: object,  # noqa: F811
+) -> None:
+    """One client, two threads: a call made under a deadline waits for the client (one call at a time)
+    no longer than its deadline, while the other thread's slow call runs on to its reply."""
+    cfg = write_config(tmp_path, hbm={"device": "cpu", "capacity": "8MiB"}, nvme={"enabled": False})
+    d = daemons(cfg)  # type: ignore[operator]
+    proxy = DelayingProxy(f"ipc://{tmp_path}/slow.sock", d.endpoint, 1.2)
+    c = KVStoreClient(f"ipc://{tmp_path}/slow.sock", model="m", layout=LAYOUT, timeout=5.0)
+    try:
+        c.ping()  # said hello (slowly)
+        slow: list[object] = []
+        t = threading.Thread(target=lambda: slow.append(c.ping()), daemon=True)
+        t.start()
+        time.sleep(0.2)  # the other thread holds the client, waiting for its reply
+        t0 = time.monotonic()
+        with c.within(0.3), pytest.raises(DeadlinePassed, match="another thread's call"):
+            c.lookup([1, 2, 3])
+        assert time.monotonic() - t0 < 0.8
+        t.join(5)
+        assert len(slow) == 1 and slow[0]["pid"] == d.proc.pid  # type: ignore[index]
+        assert c.lookup([1, 2, 3]).matched_blocks == 0  # the client goes on
+        with c.within(math.inf):  # a budget past what a lock's wait takes is no budget
+            assert c.lookup([1, 2, 3]).matched_blocks == 0
+    finally:
+        c.close()
+        proxy.close()
+
+
+def test_a_send_that_cannot_leave_waits_by_the_deadline_not_the_time_out(tmp_path: Path) -> None:
+    """A DEALER blocks on send once its queue to a peer that never takes it is full (a daemon never
+    reached): that wait ends with the caller's deadline, not the connection's time-out."""
+    conn = Connection(f"ipc://{tmp_path}/nobody.sock", timeout=10.0, retries=0, namespace=None)
+    try:
+        sock = conn._open()
+        sent = 0
+        with contextlib.suppress(zmq.Again):
+            while sent < 100_000:
+                sock.send(b"", flags=zmq.NOBLOCK)  # fill the queue to its high-water mark
+                sent += 1
+        assert 0 < sent < 100_000
+        t0 = time.monotonic()
+        with conn.until(t0 + 0.3):
+            conn.notify(Ping())  # not sent, by the deadline
+        assert 0.25 < time.monotonic() - t0 < 1.0
+        assert conn.sock is sock and sock.sndtimeo == 10_000  # the option is the time-out's again
+        t0 = time.monotonic()
+        with conn.until(t0 + 0.3), pytest.raises(DeadlinePassed):
+            conn.call(Ping(), idempotent=True, greet=False)
+        assert time.monotonic() - t0 < 1.0  # not the 10 s time-out
+        assert conn.sock is None  # the full queue went with its socket
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("what", ["locate", "pin"])
+def test_what_a_reply_that_came_after_its_caller_stopped_waiting_holds_is_given_back_when_it_comes(
+    tmp_path: Path,
+    what: str,
+    daemons: object,  # noqa: F811
+) -> None:
+    """A same-host read's locate (blocks pinned, a lease) or a pin, cut by the caller's deadline
+    after the daemon did it: the late reply's lease or pin is given back as it comes (here, during
+    the client's next call), not held for the minute its lease runs."""
+    cfg = write_config(
+        tmp_path,
+        hbm={"device": "cpu", "capacity": "8MiB"},
+        nvme={"enabled": False},
+        policy={"pin_lease": 60},
+    )
+    d = daemons(cfg)  # type: ignore[operator]
+    proxy = DelayingProxy(f"ipc://{tmp_path}/slow.sock", d.endpoint, 0.5)
+    c = KVStoreClient(f"ipc://{tmp_path}/slow.sock", model="m", layout=LAYOUT, timeout=5.0)
+    direct = KVStoreClient(d.endpoint, model="m", layout=LAYOUT, timeout=5.0)
+
+    def held() -> tuple[int, int]:
+        st = direct.stats()
+        return st["store"]["pinned"], st["server"]["shm"]["leases"]
+
+    try:
+        tokens = random_tokens(np.random.default_rng(5), 128)
+        blocks = c.put(tokens, prefix_kv(tokens)).stored
+        assert c.shared_memory and blocks > 0 and held() == (0, 0)
+        with c.within(0.2), pytest.raises(DeadlinePassed):
+            if what == "locate":
+                c.get(tokens)
+            else:
+                c.pin(tokens)
+        assert wait_until(lambda: held()[0] == blocks, 2)  # the daemon did it: all pinned
+        c.ping()  # the late reply comes while this call waits: what it held is given back
+        assert wait_until(lambda: held() == (0, 0), 2), held()  # not after the 60 s lease
+        assert c.get(tokens).matched_blocks == blocks
+    finally:
+        direct.close()
         c.close()
         proxy.close()

@@ -29,19 +29,34 @@ from kvstore.wire.messages import (
     DataOk,
     ErrorReply,
     Evict,
+    Finish,
     Get,
     GetOk,
     Hello,
     HelloOk,
+    Locate,
+    LocateOk,
     Lookup,
     LookupOk,
     Message,
+    Pin,
     Ping,
+    PinOk,
     Pong,
     Put,
     PutOk,
+    Release,
+    Reserve,
+    ReserveOk,
 )
-from kvstore.wire.protocol import PROTOCOL_VERSION, ClientProtocol, Limits, Request, ServerProtocol
+from kvstore.wire.protocol import (
+    CUT_KEPT,
+    PROTOCOL_VERSION,
+    ClientProtocol,
+    Limits,
+    Request,
+    ServerProtocol,
+)
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, dtype="float16", block_tokens=4)
 NS = Namespace(model="m", layout=LAYOUT, tenant="t")
@@ -337,6 +352,44 @@ def test_late_reply_after_forget_is_dropped_and_wrong_op_is_remote_error() -> No
     # the server half refuses to answer a request with a reply of another op
     with pytest.raises(LocalProtocolError):
         server.reply(req, DataOk(data=1))
+
+
+def test_a_late_reply_holding_a_lease_or_pin_is_given_back_and_others_are_dropped() -> None:
+    client, server, ns = joined()
+    tokens = np.arange(8, dtype="<u4")
+    pin = roundtrip(client, server, Pin(ns=ns, tokens=tokens))
+    locate = roundtrip(client, server, Locate(ns=ns, tiers=["hbm"], tokens=tokens))
+    reserve = roundtrip(client, server, Reserve(nbytes=64))
+    lookup = roundtrip(client, server, Lookup(ns=ns, tokens=tokens))
+    for req in (pin, locate, reserve, lookup):
+        client.forget(req.id)
+    located = LocateOk(handle=7, instance="i", start_block=0, blocks=[], tiers=[])
+    reserved = ReserveOk(handle=9, instance="i", offset=0, nbytes=64, path="/p", size=64)
+    assert client.receive(server.reply(lookup, LookupOk(1, 4, ["hbm"]))) is None  # holds nothing
+    assert client.receive(server.reply(reserve, reserved)) is None
+    assert client.receive(server.reply(pin, PinOk(handle=5, blocks=2))) is None
+    assert client.receive(server.reply(locate, located)) is None
+    assert client.unclaimed == [Finish(handle=9, used=0), Release(handle=5), Finish(handle=7, used=0)]
+    # an error reply, a second reply to the same id, an id never sent: nothing to give back
+    client.unclaimed.clear()
+    again = roundtrip(client, server, Pin(ns=ns, tokens=tokens))
+    client.forget(again.id)
+    assert client.receive(server.error(PEER, again.id, "busy", "full", done=True)) is None
+    assert client.receive(server.reply(again, PinOk(handle=6, blocks=2))) is None
+    assert client.receive(server.reply(Request(PEER, 999, pin.msg), PinOk(handle=8, blocks=2))) is None
+    assert client.unclaimed == []
+    assert PinOk(handle=3, blocks=0).give_back() is None  # nothing pinned: nothing to let go
+
+
+def test_forgotten_requests_looked_for_are_bounded() -> None:
+    client, server, _ = joined()
+    rids = [client.send(Reserve(nbytes=64))[0] for _ in range(CUT_KEPT + 1)]
+    for rid in rids:
+        client.forget(rid)
+    for rid in (rids[0], rids[-1]):
+        reply = ReserveOk(handle=rid, instance="i", offset=0, nbytes=64, path="/p", size=64)
+        assert client.receive(server.reply(Request(PEER, rid, Reserve(nbytes=64)), reply)) is None
+    assert client.unclaimed == [Finish(handle=rids[-1], used=0)]  # the oldest's lease lapses
 
 
 def test_evict_fields_round_trip_with_defaults() -> None:
