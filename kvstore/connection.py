@@ -2,7 +2,9 @@
 
 Requests are pipelined (up to ``window`` in flight) and replies are handed to
 a callback as they arrive, in whatever order the daemon finishes them, so a
-long prefix streams through without either side holding all of it twice.
+long prefix streams through without either side holding all of it twice. One call's sends,
+waits and retries are an Exchange (kvstore/exchange.py); the socket, the protocol's bookkeeping
+and the deferred requests are the connection's.
 
 When a reply does not come within ``timeout`` (daemon restarted, killed, or
 stopping), an idempotent exchange closes the socket, opens a fresh one,
@@ -46,7 +48,6 @@ import socket
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,32 +55,23 @@ import zmq
 
 from kvstore.config_values import ipc_socket_path
 from kvstore.daemon.auth import ClientKeys
-from kvstore.errors import ClientClosed, DaemonStarting
+from kvstore.errors import ClientClosed
+from kvstore.exchange import BACKOFF, BUSY_WAIT_MAX, Exchange, SendCut
 from kvstore.keys import Namespace
 from kvstore.wire.errors import (
     DeadlinePassed,
     RemoteProtocolError,
     RequestTimeout,
     ServerError,
-    error_for_reply,
 )
 from kvstore.wire.messages import ErrorReply, Hello, HelloOk, Message
 from kvstore.wire.protocol import ClientProtocol, Limits
 
-# Error codes after which the same request may succeed on a (re)started daemon.
-TRANSIENT = frozenset({"shutting_down"})
-BACKOFF = 0.05  # seconds before the first re-send after a transient error; doubles each time
-STARTING_POLL = 0.2  # seconds between re-sends to a daemon that answers "starting"
-BUSY_WAIT_MAX = 1.0  # longest pause between re-sends of a request the daemon answered "busy"
 CLOSE_WAIT = 1.0  # seconds close() waits at most for the replies of deferred requests
 ABSENT_AFTER = 1.0  # seconds a reply is waited for before looking whether a daemon listens (ipc)
 ABSENT_POLL = 0.25  # seconds between those looks
 ABSENT_GRACE = 5.0  # seconds nothing listens before a call ends (a restart binds again sooner)
 ABORT_POLL = 0.1  # seconds a wait for a reply goes without looking whether another thread aborted it
-
-
-class SendCut(zmq.Again):
-    """A send that could not leave before the caller's deadline (``until``): nothing was sent."""
 
 
 def _release(live: list[zmq.Socket | None], ctx: zmq.Context | None) -> None:
@@ -423,192 +415,36 @@ class Connection:
         # first wait: the call's retries, and so its time, count it (the call is not sent yet)
         lapsed = bool(self._deferred) and not self._await_deferred()
         budget = self.retries if retries is None else retries
-        todo: deque[int] = deque(range(n))
-        inflight: dict[int, int] = {}  # request id -> index
-        attempts = 0
-        starting_since: float | None = None  # first "starting" answer
-        busy_since: float | None = None  # first "busy" answer since the last reply that did the work
-        busy_count = 0
-        forgotten = False  # the daemon said it does not know the namespace: said hello again once
+        exchange = Exchange(
+            self, n, make, on_reply, idempotent=idempotent, window=window, greet=greet, budget=budget
+        )
+        return exchange.run(lapsed)
 
-        def again(
-            reason: str,
-            *,
-            fresh_socket: bool,
-            backoff: bool = False,
-            cause: Exception | None = None,
-            unsent: bool = False,
-        ) -> None:
-            """Another attempt, or the call's error when none is left (or the request is not idempotent
-            and was sent: ``unsent``, it was not)."""
-            nonlocal attempts, inflight
-            if self._absent:  # nothing listens on the socket file: no retry can be answered
-                self._absent = False
-                for rid in inflight:
-                    self.proto.forget(rid)
-                self.reconnect()  # what is queued on the socket is dropped: never run by a daemon started later
-                raise RequestTimeout(
-                    f"no kvstore daemon is running at {self.endpoint}: nothing has listened on "
-                    f"{self._socket_file} for {ABSENT_GRACE:g}s; start one (kvstore serve --config FILE)"
-                )
-            if (not idempotent and not unsent) or attempts >= budget:
-                for rid in inflight:
-                    self.proto.forget(rid)
-                if cause is not None:
-                    raise cause
-                if self.curve:
-                    hint = (  # a CURVE handshake that fails is dropped unanswered, either way
-                        " (and does its curve_allowed_keys list this client's public key, and is "
-                        "KVSTORE_CURVE_SERVER_KEY the daemon's public key?)"
-                    )
-                elif self.endpoint.startswith("tcp://"):  # a CURVE daemon drops a plain client unanswered
-                    hint = (
-                        " (a daemon on tcp:// with CURVE answers only clients with keys: set "
-                        "KVSTORE_CURVE_SERVER_KEY and KVSTORE_CURVE_SECRET_KEY)"
-                    )
-                else:
-                    hint = ""
-                raise RequestTimeout(
-                    f"no reply from {self.endpoint} within {self.timeout}s ({reason}) after "
-                    f"{attempts + 1} attempt(s); is the daemon running{hint}?"
-                )
-            attempts += 1
-            todo.extendleft(sorted(inflight.values(), reverse=True))
-            if fresh_socket:
-                self.reconnect()
-            else:
-                for rid in inflight:
-                    self.proto.forget(rid)
-                self._greeted = False
-            inflight = {}
-            if backoff:
-                pause = BACKOFF * 2 ** (attempts - 1)
-                time.sleep(max(0.0, self._due(pause) - time.monotonic()))
+    def nobody_listens(self) -> RequestTimeout:
+        """The error of a call that found nothing listening on the ipc socket file (``_absent``)."""
+        return RequestTimeout(
+            f"no kvstore daemon is running at {self.endpoint}: nothing has listened on "
+            f"{self._socket_file} for {ABSENT_GRACE:g}s; start one (kvstore serve --config FILE)"
+        )
 
-        if lapsed:  # (on the fresh socket the wait left)
-            again("timeout of a reply due before it", fresh_socket=False, unsent=True)
-
-        refused: ErrorReply | None = None  # the last busy or starting answer, while it is sent again
-
-        def out_of_time(*, now: bool = False) -> None:
-            """The caller's deadline passed (``now``: it is spent, whatever the clock reads): the call
-            ends now (replies still due are dropped), with the daemon's own answer when it was
-            turning the request away (busy, starting)."""
-            if not now and not self._overdue():
-                return
-            for rid in inflight:
-                self.proto.forget(rid)
-            if refused is not None and refused.code == "starting":
-                raise DaemonStarting(
-                    f"the daemon at {self.endpoint} was still starting when the caller's time ran out "
-                    f"({refused.message})"
-                )
-            if refused is not None:
-                raise error_for_reply(refused.code, refused.message)
-            raise DeadlinePassed(
-                f"the caller's time ran out before {self.endpoint} answered "
-                f"({attempts + 1} attempt(s), {len(todo) + len(inflight)} request(s) unanswered)"
+    def unanswered(self, reason: str, attempts: int) -> RequestTimeout:
+        """The error of a call whose ``attempts`` went unanswered (the last for ``reason``)."""
+        if self.curve:
+            hint = (  # a CURVE handshake that fails is dropped unanswered, either way
+                " (and does its curve_allowed_keys list this client's public key, and is "
+                "KVSTORE_CURVE_SERVER_KEY the daemon's public key?)"
             )
-
-        try:
-            while todo or inflight:
-                out_of_time()
-                if greet:  # the hello a reconnect needs spends this call's retries, not retries of its own
-                    attempts += self.ensure_hello(retries=budget - attempts)
-                blocked = False
-                while todo and len(inflight) < window and not blocked:
-                    i = todo.popleft()
-                    try:
-                        inflight[self._send(make(i))] = i
-                    except zmq.Again as e:  # not queued: nothing takes what is queued on this socket
-                        todo.appendleft(i)
-                        if isinstance(e, SendCut):  # the send waited out the caller's time
-                            self.reconnect()  # (what is queued goes with the socket)
-                            out_of_time(now=True)
-                        again("no connection to send on", fresh_socket=True)
-                        blocked = True
-                if blocked:
-                    continue  # on a fresh socket, from the first unanswered request
-                try:
-                    got = self._recv(self._due(self.timeout))
-                except RemoteProtocolError as e:
-                    again("garbled reply", fresh_socket=True, cause=e)
-                    continue
-                if got is None:
-                    out_of_time()
-                    again("timeout", fresh_socket=True)
-                    continue
-                rid, reply = got
-                if self._deferred.pop(rid, None) is not None:  # deferred by make or on_reply: dropped
-                    continue
-                i = inflight.pop(rid)
-                if isinstance(reply, ErrorReply):
-                    if reply.code in ("starting", "busy"):
-                        refused = reply
-                    if reply.code == "starting":  # nothing was done: send it again once the daemon is up
-                        inflight[rid] = i
-                        now = time.monotonic()
-                        starting_since = now if starting_since is None else starting_since
-                        for other in inflight:
-                            self.proto.forget(other)
-                        if now - starting_since >= self.timeout:
-                            raise DaemonStarting(
-                                f"the daemon at {self.endpoint} is still starting after {self.timeout:g}s "
-                                f"({reply.message}); wait for it (its log shows progress) or give "
-                                "the client a longer timeout"
-                            )
-                        todo.extendleft(sorted(inflight.values(), reverse=True))
-                        inflight = {}
-                        time.sleep(max(0.0, self._due(STARTING_POLL) - time.monotonic()))
-                        continue
-                    if reply.code == "busy":  # over a budget, nothing was done: back-pressure, not failure
-                        now = time.monotonic()
-                        busy_since = now if busy_since is None else busy_since
-                        pause = min(BUSY_WAIT_MAX, BACKOFF * 2**busy_count)
-                        # waited out: its time-out, or the caller's deadline before the next try
-                        waited = now - busy_since >= self.timeout or self._due(pause) < now + pause
-                        if not self.wait_when_busy or waited:
-                            for other in inflight:
-                                self.proto.forget(other)
-                            raise error_for_reply(reply.code, reply.message)
-                        todo.appendleft(i)  # sent again after a pause; the others in flight go on
-                        time.sleep(pause)
-                        busy_count += 1
-                        continue
-                    if reply.code == "unknown_namespace" and greet:
-                        # nothing was done (a restarted daemon, or a registration it gave up): hello
-                        # again and re-send, once per call whatever the retries, and the next call
-                        # says hello in any case
-                        self._greeted = False
-                        inflight[rid] = i
-                        if not forgotten:
-                            forgotten = True
-                            for other in inflight:
-                                self.proto.forget(other)
-                            todo.extendleft(sorted(inflight.values(), reverse=True))
-                            inflight = {}
-                            continue
-                        again("daemon forgot the namespace", fresh_socket=False)
-                        continue
-                    if reply.code in TRANSIENT:
-                        inflight[rid] = i
-                        again(
-                            reply.code,
-                            fresh_socket=reply.code == "shutting_down",
-                            backoff=True,
-                            cause=error_for_reply(reply.code, reply.message),
-                        )
-                        continue
-                    for other in inflight:
-                        self.proto.forget(other)
-                    raise error_for_reply(reply.code, reply.message)
-                busy_since, busy_count, refused = None, 0, None
-                on_reply(i, reply)
-        except BaseException:  # make or on_reply raised: replies still due are dropped when they come,
-            for rid in inflight:  # not read as the answer to this connection's next request
-                self.proto.forget(rid)
-            raise
-        return attempts
+        elif self.endpoint.startswith("tcp://"):  # a CURVE daemon drops a plain client unanswered
+            hint = (
+                " (a daemon on tcp:// with CURVE answers only clients with keys: set "
+                "KVSTORE_CURVE_SERVER_KEY and KVSTORE_CURVE_SECRET_KEY)"
+            )
+        else:
+            hint = ""
+        return RequestTimeout(
+            f"no reply from {self.endpoint} within {self.timeout}s ({reason}) after "
+            f"{attempts} attempt(s); is the daemon running{hint}?"
+        )
 
 
 __all__ = ["Connection", "ServerError"]
