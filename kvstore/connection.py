@@ -261,8 +261,9 @@ class Connection:
         the connection's) in all. One answered ``busy`` (nothing was done) is sent again after a
         pause, as ``call`` would. None within the time: the daemon is gone or stuck, and what is sent
         next goes on a fresh socket (what was deferred lapses); returns False then."""
-        own = time.monotonic() + (self.timeout if timeout is None else timeout)
-        deadline = self._due(own - time.monotonic())
+        wait = self.timeout if timeout is None else timeout
+        own = time.monotonic() + wait  # the daemon's time to answer; ``deadline``: the caller's too
+        deadline = self._due(wait)
         pause = BACKOFF
         try:
             while self._deferred:
