@@ -44,3 +44,22 @@ def take(path: Path, *, follow_symlinks: bool = True) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def live_holder(path: Path) -> int | None:
+    """The pid written in the lock file ``path`` when that process is alive (it holds the lock, or
+    took it last: a pid reused since reads as alive), else None. Takes no lock: a probe must never
+    turn away the daemon taking it at that moment."""
+    try:
+        pid = int(path.read_text(errors="replace").strip() or "0")
+    except (OSError, ValueError):
+        return None
+    if pid <= 0 or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # another user's process: alive
+        return pid
+    return pid

@@ -209,6 +209,12 @@ class Environment:
         if self._closed:
             raise TierIOError(f"nvme store {self.path} is closed")
 
+    def _damaged(self, e: lmdb.Error) -> TierIOError:
+        return TierIOError(
+            f"nvme store {self.path} is damaged ({e}); move the directory aside (or delete it) to "
+            "start empty, or point [nvme] path elsewhere"
+        )
+
     def read(self, fn: Callable[[lmdb.Transaction], T], *, buffers: bool = False) -> T:
         """Run ``fn`` in a read transaction (with ``buffers``, values are views valid inside ``fn`` only)."""
         self._check_open()
@@ -217,10 +223,7 @@ class Environment:
             with self.env.begin(buffers=buffers) as txn:  # type: ignore[call-overload]
                 return fn(txn)
         except (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError) as e:  # a damaged page
-            raise TierIOError(
-                f"nvme store {self.path} is damaged ({e}); move the directory aside (or delete it) to "
-                "start empty, or point [nvme] path elsewhere"
-            ) from e
+            raise self._damaged(e) from e
         except lmdb.Error as e:
             raise TierIOError(f"nvme store {self.path}: read failed: {e}; check the disk") from e
         finally:
@@ -253,6 +256,8 @@ class Environment:
                         f"nvme store {self.path} has filled its {self.ceiling} bytes "
                         "(LMDB map full); evict or raise [nvme] capacity"
                     ) from None
+            except (lmdb.CorruptedError, lmdb.PageNotFoundError) as e:  # a damaged page, not the disk's room
+                raise self._damaged(e) from e
             except lmdb.Error as e:
                 if "No space left" in str(e):  # the transaction was aborted: nothing changed
                     raise TierFull(

@@ -22,7 +22,8 @@ blocks and bytes moved, and the rate. ``keygen`` makes a CURVE key
 pair (``NAME.key``, ``NAME.key_secret`` mode 0600) and prints the public key.
 
 Exit codes: 0 done; 1 the daemon refused (unknown session, ...) or the
-operator declined; 2 usage errors, bad config, or no daemon to talk to. Errors
+operator declined; 2 usage errors (an argument past the daemon's limits too), bad config, or no
+daemon to talk to. Errors
 are one line on stderr, never a traceback.
 """
 
@@ -40,6 +41,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import zmq
 
+from kvstore import pidlock
 from kvstore.cli import display
 from kvstore.cli.parser import (
     START_HINT,
@@ -49,8 +51,9 @@ from kvstore.cli.parser import (
     read_tokens,
 )
 from kvstore.config import check_connect_endpoint, ipc_socket_path, load_config, with_overrides
+from kvstore.daemon.endpoint import lock_path
 from kvstore.errors import ConfigError, DaemonStarting, KVStoreError
-from kvstore.wire.errors import RemoteProtocolError
+from kvstore.wire.errors import LocalProtocolError, RemoteProtocolError
 
 if TYPE_CHECKING:
     from kvstore.client import KVStoreClient
@@ -83,7 +86,10 @@ def check_reachable(endpoint: str) -> None:
         there = path.exists()
     except OSError as e:  # a name too long for the filesystem, say
         raise Unreachable(f"cannot reach the daemon at {endpoint}: {e.strerror}") from None
-    if not there:
+    # a daemon that took the endpoint's lock and has not bound its socket yet is starting: the
+    # client waits for it (a socket bound within seconds is waited for), then hears "starting"
+    lock = lock_path(endpoint, path.parent)
+    if not there and (lock is None or pidlock.live_holder(lock) is None):
         raise Unreachable(f"no kvstore daemon is running at {endpoint}; {START_HINT}")
 
 
@@ -344,6 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         said = str(getattr(e, "message", e))
         hint = "" if "kvstore serve" in said else f" If it is not, {START_HINT}"  # said once
         err.write(f"kvstore: {said}{hint}\n")
+        return EXIT_USAGE
+    except LocalProtocolError as e:  # an argument the client will not send (past the daemon's limits)
+        err.write(f"kvstore: {e}\n")
         return EXIT_USAGE
     except KVStoreError as e:
         err.write(f"kvstore: {e}\n")

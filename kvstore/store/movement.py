@@ -428,8 +428,32 @@ class Mover:
 
     def corrupt(self, e: Entry, t: int, *, damaged: bool = True) -> None:
         """Tier ``t``'s copy of ``e`` failed its checks (``damaged``, counted) or was not there: delete
-        it; no copy left -> drop the block and its descendants."""
+        it; no copy left -> drop the block and its descendants. A disk that refuses the delete (a
+        damaged LMDB page: its own checks fail) still never serves it: the index lets go of the copy
+        (and of the blocks below it when none is left), which stays on disk until a restart finds
+        it bad again."""
         self.counters[t].corrupt += damaged
+        try:
+            self._delete_bad(e, t)
+        except (TierIOError, TierFull) as err:
+            log.warning(
+                "%s: a bad copy of a block could not be deleted (%s); it is no longer served",
+                self.tiers.names[t],
+                err,
+            )
+            self._unindex(e, t)
+
+    def _unindex(self, e: Entry, t: int) -> None:
+        """(A bad copy the tier could not delete.) ``e`` no longer names tier ``t``'s copy; with no
+        copy left, it and its descendants leave the index (their copies above nvme go)."""
+        if self.index.get(e.key) is not e or not e.tiers & (1 << t):
+            return
+        self.index.clear_tier(e, t)
+        if not e.tiers & TIER_MASK:
+            for d in self.index.subtree(e):  # their disk copies stay, unread (see corrupt)
+                self._forget(d, self.tiers.nvme_t)
+
+    def _delete_bad(self, e: Entry, t: int) -> None:
         now = self.index.get(e.key)
         if now is not None and now is not e:
             return  # dropped and put again meanwhile: the copy there now is the new block's, checked when read

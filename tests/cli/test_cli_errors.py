@@ -500,3 +500,19 @@ def test_version_is_printed() -> None:
 
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"kvstore {__version__}"
+
+
+@pytest.mark.slow
+def test_tokens_past_the_daemons_limit_are_a_usage_error(tmp_path: Path) -> None:
+    cfg = write_daemon_config(tmp_path, max_tokens_per_request=16)
+    proc = serve(cfg)
+    try:
+        tokens = tmp_path / "t.json"
+        tokens.write_text(json.dumps(list(range(40))))
+        r = run_cli(
+            "inspect", "--tokens", str(tokens), "--model", "m", "--layout", LAYOUT_SPEC, "--config", str(cfg)
+        )
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "16" in r.stderr, r.stderr
+    finally:
+        stop(proc)

@@ -11,12 +11,13 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvstore.cli.commands import plain, resolve_endpoint
+from kvstore.cli.commands import Unreachable, check_reachable, plain, resolve_endpoint
 from kvstore.cli.parser import parse_args, parse_layout
 from kvstore.errors import ConfigError
 from kvstore.results import EvictResult
@@ -435,3 +436,23 @@ def test_metrics_endpoint_agrees_with_kvstore_stats(tmp_path: Path) -> None:
     # a same-host client puts through commit and gets through locate (shared memory)
     assert requests.get("put/ok", 0) + requests.get("commit/ok", 0) >= 2
     assert requests.get("get/ok", 0) + requests.get("locate/ok", 0) >= 3 and requests["stats/ok"] == 1
+
+
+def test_an_endpoint_whose_lock_a_live_daemon_holds_is_not_said_to_have_no_daemon(tmp_path: Path) -> None:
+    """Between taking its endpoint's lock and binding the socket a daemon is starting: the CLI does not
+    fail fast saying none runs (the client waits for the socket, then hears "starting"); a lock file
+    naming a dead process is a daemon gone, as before."""
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    lock = tmp_path / "kv.sock.lock"
+    starting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        lock.write_text(f"{starting.pid}\n")
+        check_reachable(endpoint)  # no Unreachable
+    finally:
+        starting.kill()
+        starting.wait()
+    with pytest.raises(Unreachable, match="no kvstore daemon is running"):
+        check_reachable(endpoint)  # the pid is gone
+    lock.write_text("not a pid\n")
+    with pytest.raises(Unreachable, match="no kvstore daemon is running"):
+        check_reachable(endpoint)

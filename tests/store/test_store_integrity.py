@@ -163,3 +163,33 @@ def test_a_damaged_copy_reported_for_a_block_put_again_since_deletes_nothing(mak
     assert s.check_integrity() == []
     got = s.get(NS, toks)
     assert got.matched_blocks == 2 and same(got.kv, data)
+
+
+def test_a_damaged_copy_the_disk_cannot_delete_is_a_miss_every_time_not_an_error(
+    make_store, tmp_path: Path, monkeypatch
+) -> None:
+    """A damaged LMDB page fails the delete of the bad frame (MDB_CORRUPTED: a TierIOError): the get
+    still answers the blocks before it, now and on every later get, and never serves it."""
+    from kvstore.tiers.base import TierIOError
+
+    path = tmp_path / "lmdb"
+    s = make_store(path=path)
+    toks, data = tokens(5), kv(5 * T)
+    s.put(NS, toks, data)
+    s.close()
+    keys = block_keys(NS, toks)
+    flip_lmdb_value(path, keys[2], 100)
+    s2 = make_store(path=path)
+    nvme = s2.tiers[-1]
+
+    def refused(*_: object) -> None:
+        raise TierIOError("nvme store: write failed: mdb_del: MDB_CORRUPTED: Located page was wrong type")
+
+    monkeypatch.setattr(nvme, "drop", refused)
+    monkeypatch.setattr(nvme, "drop_many", refused)
+    for _ in range(3):
+        got = s2.get(NS, toks)
+        assert got.matched_blocks == 2 and close_to(got.kv, data[:, :, : 2 * T])
+    assert s2.stats().tiers["nvme"].corrupt == 1  # found bad once, then no longer indexed
+    assert s2.lookup(NS, toks).matched_blocks == 2
+    assert set(keys[2:]) <= set(nvme.keys())  # still on disk, unread
