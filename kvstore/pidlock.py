@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 
 
@@ -46,11 +47,14 @@ def take(path: Path, *, follow_symlinks: bool = True) -> int:
     return fd
 
 
-def live_holder(path: Path) -> int | None:
-    """The pid written in the lock file ``path`` when that process is alive (it holds the lock, or
-    took it last: a pid reused since reads as alive), else None. Takes no lock: a probe must never
-    turn away the daemon taking it at that moment."""
+def live_holder(path: Path, within: float) -> int | None:
+    """The pid written in the lock file ``path`` when it was written less than ``within`` seconds ago
+    and that process is alive (it took the lock just now: a lock file keeps its last holder's pid
+    for ever, and an old one's pid may have been reused since), else None. Takes no lock: a probe
+    must never turn away the daemon taking it at that moment."""
     try:
+        if time.time() - path.stat().st_mtime > within:
+            return None
         pid = int(path.read_text(errors="replace").strip() or "0")
     except (OSError, ValueError):
         return None

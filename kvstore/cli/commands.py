@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from kvstore.client import KVStoreClient
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+STARTING_BIND = 60.0  # seconds a daemon that took its endpoint's lock may take to bind its socket
 
 
 def resolve_endpoint(args: argparse.Namespace) -> str:
@@ -89,7 +90,7 @@ def check_reachable(endpoint: str) -> None:
     # a daemon that took the endpoint's lock and has not bound its socket yet is starting: the
     # client waits for it (a socket bound within seconds is waited for), then hears "starting"
     lock = lock_path(endpoint, path.parent)
-    if not there and (lock is None or pidlock.live_holder(lock) is None):
+    if not there and (lock is None or pidlock.live_holder(lock, STARTING_BIND) is None):
         raise Unreachable(f"no kvstore daemon is running at {endpoint}; {START_HINT}")
 
 
@@ -353,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except LocalProtocolError as e:  # an argument the client will not send (past the daemon's limits)
         err.write(f"kvstore: {e}\n")
-        return EXIT_USAGE
+        return EXIT_USAGE if e.code in ("too_many_tokens", "invalid_argument") else EXIT_FAILED
     except KVStoreError as e:
         err.write(f"kvstore: {e}\n")
         return EXIT_FAILED

@@ -445,12 +445,18 @@ class Mover:
 
     def _unindex(self, e: Entry, t: int) -> None:
         """(A bad copy the tier could not delete.) ``e`` no longer names tier ``t``'s copy; with no
-        copy left, it and its descendants leave the index (their copies above nvme go)."""
-        if self.index.get(e.key) is not e or not e.tiers & (1 << t):
+        copy left, it and its descendants go as a dropped block's do, those whose disk copies cannot
+        be deleted either leaving the index all the same (their disk copies stay, unread)."""
+        if self.index.get(e.key) is not e:
             return
-        self.index.clear_tier(e, t)
-        if not e.tiers & TIER_MASK:
-            for d in self.index.subtree(e):  # their disk copies stay, unread (see corrupt)
+        if e.tiers & (1 << t):
+            self.index.clear_tier(e, t)
+        if e.tiers & TIER_MASK:
+            return
+        try:
+            self.drop_block(e)  # ``e`` is on no disk now: its descendants' disk copies are deleted
+        except (TierIOError, TierFull):
+            for d in self.index.subtree(e):  # those drop_block left (leaves first)
                 self._forget(d, self.tiers.nvme_t)
 
     def _delete_bad(self, e: Entry, t: int) -> None:

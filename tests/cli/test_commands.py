@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -448,6 +449,11 @@ def test_an_endpoint_whose_lock_a_live_daemon_holds_is_not_said_to_have_no_daemo
     try:
         lock.write_text(f"{starting.pid}\n")
         check_reachable(endpoint)  # no Unreachable
+        old = time.time() - 600  # written long ago: a stopped daemon's pid, reused since
+        os.utime(lock, (old, old))
+        with pytest.raises(Unreachable, match="no kvstore daemon is running"):
+            check_reachable(endpoint)
+        lock.write_text(f"{starting.pid}\n")
     finally:
         starting.kill()
         starting.wait()

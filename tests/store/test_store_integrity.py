@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 import lmdb
+import pytest
 
 from kvstore.keys import block_keys
 from kvstore.results import EvictFilter
@@ -165,11 +166,13 @@ def test_a_damaged_copy_reported_for_a_block_put_again_since_deletes_nothing(mak
     assert got.matched_blocks == 2 and same(got.kv, data)
 
 
+@pytest.mark.parametrize("refused", ["every delete", "the descendants' deletes"])
 def test_a_damaged_copy_the_disk_cannot_delete_is_a_miss_every_time_not_an_error(
-    make_store, tmp_path: Path, monkeypatch
+    make_store, tmp_path: Path, monkeypatch, refused: str
 ) -> None:
-    """A damaged LMDB page fails the delete of the bad frame (MDB_CORRUPTED: a TierIOError): the get
-    still answers the blocks before it, now and on every later get, and never serves it."""
+    """A damaged LMDB page fails the deletes that a bad frame brings (MDB_CORRUPTED: a TierIOError):
+    the get still answers the blocks before it, now and on every later get, never serves it, and
+    the prompt can be stored again (no block is left indexed with no copy, taken as present)."""
     from kvstore.tiers.base import TierIOError
 
     path = tmp_path / "lmdb"
@@ -182,14 +185,19 @@ def test_a_damaged_copy_the_disk_cannot_delete_is_a_miss_every_time_not_an_error
     s2 = make_store(path=path)
     nvme = s2.tiers[-1]
 
-    def refused(*_: object) -> None:
-        raise TierIOError("nvme store: write failed: mdb_del: MDB_CORRUPTED: Located page was wrong type")
+    def damaged(*_: object) -> None:
+        raise TierIOError("nvme store: damaged (mdb_del: MDB_CORRUPTED: Located page was wrong type)")
 
-    monkeypatch.setattr(nvme, "drop", refused)
-    monkeypatch.setattr(nvme, "drop_many", refused)
+    if refused == "every delete":
+        monkeypatch.setattr(nvme, "drop", damaged)
+    monkeypatch.setattr(nvme, "drop_many", damaged)
     for _ in range(3):
         got = s2.get(NS, toks)
         assert got.matched_blocks == 2 and close_to(got.kv, data[:, :, : 2 * T])
     assert s2.stats().tiers["nvme"].corrupt == 1  # found bad once, then no longer indexed
     assert s2.lookup(NS, toks).matched_blocks == 2
-    assert set(keys[2:]) <= set(nvme.keys())  # still on disk, unread
+    assert set(keys[3:]) <= set(nvme.keys())  # still on disk, unread
+    r = s2.put(NS, toks, data)
+    assert (r.stored, r.present) == (3, 2)
+    got = s2.get(NS, toks)
+    assert got.matched_blocks == 5 and close_to(got.kv, data)
