@@ -55,7 +55,9 @@ def flip_lmdb_value(path: Path, key: bytes, offset: int) -> None:
         env.close()
 
 
-def test_a_damaged_lmdb_value_is_never_served(make_store, tmp_path: Path) -> None:
+def with_block_2_damaged_on_disk(make_store, tmp_path: Path):
+    """A store holding 5 blocks on disk, reopened after a byte of block 2's frame was flipped.
+    Returns the store, the tokens, the K/V put and the blocks' keys."""
     path = tmp_path / "lmdb"
     s = make_store(path=path)
     toks, data = tokens(5), kv(5 * T)
@@ -63,7 +65,11 @@ def test_a_damaged_lmdb_value_is_never_served(make_store, tmp_path: Path) -> Non
     s.close()
     keys = block_keys(NS, toks)
     flip_lmdb_value(path, keys[2], 100)  # inside block 2's frame on disk
-    s2 = make_store(path=path)
+    return make_store(path=path), toks, data, keys
+
+
+def test_a_damaged_lmdb_value_is_never_served(make_store, tmp_path: Path) -> None:
+    s2, toks, data, keys = with_block_2_damaged_on_disk(make_store, tmp_path)
     assert s2.lookup(NS, toks).matched_blocks == 5  # lookup reads no frames
     got = s2.get(NS, toks)
     assert got.matched_blocks == 2 and close_to(got.kv, data[:, :, : 2 * T])
@@ -175,14 +181,7 @@ def test_a_damaged_copy_the_disk_cannot_delete_is_a_miss_every_time_not_an_error
     the prompt can be stored again (no block is left indexed with no copy, taken as present)."""
     from kvstore.tiers.base import TierIOError
 
-    path = tmp_path / "lmdb"
-    s = make_store(path=path)
-    toks, data = tokens(5), kv(5 * T)
-    s.put(NS, toks, data)
-    s.close()
-    keys = block_keys(NS, toks)
-    flip_lmdb_value(path, keys[2], 100)
-    s2 = make_store(path=path)
+    s2, toks, data, keys = with_block_2_damaged_on_disk(make_store, tmp_path)
     nvme = s2.tiers[-1]
 
     def damaged(*_: object) -> None:
